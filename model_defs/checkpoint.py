@@ -1,0 +1,153 @@
+"""Load a Hugging Face checkpoint directory into a ModelConfig and kiln-named, checked weights.
+
+Every tensor is checked against the family's layout before anything is built: an
+unsupported architecture, a missing, unexpected or mis-shaped tensor, or an unreadable
+file raises :class:`CheckpointError` naming the file, the tensor and what was expected.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from types import ModuleType
+
+import torch
+from safetensors import safe_open
+
+from kiln.model_defs import gpt2, llama, mistral, qwen2
+from kiln.model_defs.config import ModelConfig
+from kiln.model_defs.hf_config import UnsupportedConfigError
+
+FAMILIES: dict[str, ModuleType] = {arch: fam for fam in (llama, mistral, qwen2, gpt2) for arch in fam.ARCHITECTURES}
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class CheckpointError(ValueError):
+    """The checkpoint directory cannot be loaded as it is; the message says what to fix."""
+
+
+def family_of(architecture: str) -> ModuleType:
+    try:
+        return FAMILIES[architecture]
+    except KeyError:
+        raise CheckpointError(
+            f"unsupported architecture {architecture!r}; kiln supports {sorted(FAMILIES)}"
+        ) from None
+
+
+def read_hf_config(ckpt_dir: Path) -> dict:
+    path = ckpt_dir / "config.json"
+    if not path.is_file():
+        raise CheckpointError(f"{path}: no config.json; is {ckpt_dir} a Hugging Face checkpoint directory?")
+    try:
+        hf = json.loads(path.read_text())
+    except json.JSONDecodeError as exc:
+        raise CheckpointError(f"{path}: not valid JSON ({exc})") from None
+    if not hf.get("architectures"):
+        raise CheckpointError(f"{path}: 'architectures' is missing; cannot tell which model family this is")
+    return hf
+
+
+def load_config(ckpt_dir: str | Path) -> ModelConfig:
+    """Only the ModelConfig (reads config.json, no weights)."""
+    hf = read_hf_config(Path(ckpt_dir))
+    family = family_of(hf["architectures"][0])
+    try:
+        return family.config_from_hf(hf)
+    except UnsupportedConfigError as exc:
+        raise CheckpointError(f"{Path(ckpt_dir) / 'config.json'}: {exc}") from None
+
+
+def weight_files(ckpt_dir: Path) -> list[Path]:
+    """The safetensors files of a checkpoint: the shards of the index, or model.safetensors."""
+    index = ckpt_dir / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (json.JSONDecodeError, KeyError) as exc:
+            raise CheckpointError(f"{index}: not a valid safetensors index ({exc!r})") from None
+        files = [ckpt_dir / name for name in dict.fromkeys(weight_map.values())]
+        missing = [f.name for f in files if not f.is_file()]
+        if missing:
+            raise CheckpointError(f"{index} names shard(s) {missing} that are not in {ckpt_dir}")
+        return files
+    single = ckpt_dir / "model.safetensors"
+    if single.is_file():
+        return [single]
+    if list(ckpt_dir.glob("*.bin")):
+        raise CheckpointError(
+            f"{ckpt_dir}: only PyTorch .bin weights found; kiln reads safetensors "
+            "(convert with transformers: model.save_pretrained(dir, safe_serialization=True))"
+        )
+    raise CheckpointError(f"{ckpt_dir}: no model.safetensors or model.safetensors.index.json")
+
+
+def load_checkpoint(ckpt_dir: str | Path, dtype: torch.dtype | str = torch.float32) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+    """Read config and weights, check each tensor against the family's layout, convert to ``dtype``."""
+    ckpt_dir = Path(ckpt_dir)
+    dtype = DTYPES[dtype] if isinstance(dtype, str) else dtype
+    config = load_config(ckpt_dir)
+    family = family_of(config.architecture)
+    layout = family.checkpoint_layout(config)
+    normalize = getattr(family, "normalize_hf_name", lambda name: name)
+    weights: dict[str, torch.Tensor] = {}
+    seen: dict[str, Path] = {}
+    for path in weight_files(ckpt_dir):
+        try:
+            handle = safe_open(str(path), framework="pt")
+            names = list(handle.keys())
+        except Exception as exc:  # safetensors raises its own error types for corrupt headers
+            raise CheckpointError(f"{path}: cannot read safetensors file ({exc}); the file is corrupt or truncated") from None
+        for raw_name in names:
+            name = normalize(raw_name)
+            if name.endswith(family.IGNORED_HF_SUFFIXES):
+                continue
+            if name == "lm_head.weight" and config.tie_word_embeddings:
+                continue  # tied: the head is the embedding; a stored copy is redundant
+            spec = layout.get(name)
+            if spec is None:
+                raise CheckpointError(
+                    f"{path}: unexpected tensor {raw_name!r}: {config.architecture} with this config.json "
+                    "has no such weight (does config.json match the weights?)"
+                )
+            if name in seen:
+                raise CheckpointError(f"{path}: tensor {raw_name!r} also appears in {seen[name]}")
+            try:
+                tensor = handle.get_tensor(raw_name)
+            except Exception as exc:
+                raise CheckpointError(f"{path}: cannot read tensor {raw_name!r} ({exc}); the file is corrupt or truncated") from None
+            if tuple(tensor.shape) != tuple(spec.shape):
+                raise CheckpointError(
+                    f"{path}: tensor {raw_name!r} has shape {list(tensor.shape)}, expected {list(spec.shape)} "
+                    "from config.json"
+                )
+            if not tensor.is_floating_point():
+                raise CheckpointError(f"{path}: tensor {raw_name!r} has dtype {tensor.dtype}, expected a floating-point weight")
+            seen[name] = path
+            for kiln_name, value in spec.convert(tensor).items():
+                weights[kiln_name] = value.to(dtype)
+    missing = [name for name in layout if name not in seen]
+    if missing:
+        shown = ", ".join(f"{n!r} {list(layout[n].shape)}" for n in missing[:5])
+        more = f" and {len(missing) - 5} more" if len(missing) > 5 else ""
+        raise CheckpointError(f"{ckpt_dir}: missing tensor(s) {shown}{more} (expected for {config.architecture})")
+    return config, weights
+
+
+def build_model(config: ModelConfig, weights: dict[str, torch.Tensor]) -> torch.nn.Module:
+    """The family's packed-token module holding ``weights`` (no copy), in eval mode."""
+    family = family_of(config.architecture)
+    with torch.device("meta"):
+        module = family.create(config)
+    state = dict(weights)
+    if config.tie_word_embeddings:
+        state["lm_head.weight"] = state["embed_tokens.weight"]
+    module.load_state_dict(state, strict=True, assign=True)
+    if config.tie_word_embeddings:
+        module.lm_head.weight = module.embed_tokens.weight
+    return module.eval().requires_grad_(False)
+
+
+def load_model(ckpt_dir: str | Path, dtype: torch.dtype | str = torch.float32) -> torch.nn.Module:
+    """load_checkpoint + build_model."""
+    return build_model(*load_checkpoint(ckpt_dir, dtype))

@@ -1,0 +1,171 @@
+"""Layers shared by every family, written in the packed-token form of the engine contract.
+
+Activations are [num_tokens, hidden] with no padding; attention goes through the
+``kiln::paged_attention`` plugin, which writes this step's K/V into the pool in place.
+The layers are written plainly (``residual + x`` then a norm; separate q/k/v and
+gate/up projections): fusing them is the builder's job, not the model's.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import kiln.plugins  # noqa: F401  (registers torch.ops.kiln.*)
+from kiln.model_defs.config import ModelConfig
+
+ops = torch.ops.kiln
+
+
+class StepInputs(NamedTuple):
+    """The contract tensors every layer may read (see DESIGN.md)."""
+
+    position_ids: torch.Tensor
+    seq_lens: torch.Tensor
+    context_lens: torch.Tensor
+    block_tables: torch.Tensor
+    slot_mapping: torch.Tensor
+    kv_cache: torch.Tensor
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, size: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return ops.rms_norm(x, self.weight, self.eps)
+
+
+class LayerNorm(nn.LayerNorm):
+    """torch LayerNorm; named here so families pick a norm by config."""
+
+
+class Attention(nn.Module):
+    """Multi-head attention with GQA/MQA, optional rotary embedding and sliding window."""
+
+    def __init__(self, cfg: ModelConfig, layer_idx: int, use_rope: bool):
+        super().__init__()
+        h, d = cfg.hidden_size, cfg.head_dim
+        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, d
+        self.q_proj = nn.Linear(h, cfg.num_heads * d, bias=cfg.attention_bias)
+        self.k_proj = nn.Linear(h, cfg.num_kv_heads * d, bias=cfg.attention_bias)
+        self.v_proj = nn.Linear(h, cfg.num_kv_heads * d, bias=cfg.attention_bias)
+        self.o_proj = nn.Linear(cfg.num_heads * d, h, bias=cfg.attention_out_bias)
+        self.layer_idx = layer_idx
+        self.use_rope = use_rope
+        self.scale = d**-0.5
+        self.sliding_window = cfg.sliding_window
+
+    def forward(self, x: torch.Tensor, step: StepInputs, rope_table: torch.Tensor | None) -> torch.Tensor:
+        q = self.q_proj(x).view(-1, self.num_heads, self.head_dim)
+        k = self.k_proj(x).view(-1, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(x).view(-1, self.num_kv_heads, self.head_dim)
+        if self.use_rope:
+            q, k = ops.rotary_embedding(q, k, step.position_ids, rope_table)
+        out = ops.paged_attention(
+            q, k, v, step.kv_cache, self.layer_idx, step.seq_lens, step.context_lens,
+            step.block_tables, step.slot_mapping, self.scale, self.sliding_window,
+        )
+        return self.o_proj(out.view(-1, self.num_heads * self.head_dim))
+
+
+class GatedMLP(nn.Module):
+    """down(silu(gate(x)) * up(x)): Llama, Mistral, Qwen2."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias)
+        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(ops.silu_mul(self.gate_proj(x), self.up_proj(x)))
+
+
+class GeluMLP(nn.Module):
+    """fc_out(gelu(fc_in(x))): GPT-2."""
+
+    def __init__(self, cfg: ModelConfig, approximate: str):
+        super().__init__()
+        self.fc_in = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=True)
+        self.fc_out = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=True)
+        self.approximate = approximate
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc_out(ops.gelu(self.fc_in(x), self.approximate))
+
+
+class DecoderLayer(nn.Module):
+    """Pre-norm block: x + attn(norm(x)), then x + mlp(norm(x))."""
+
+    def __init__(self, input_layernorm: nn.Module, self_attn: Attention, post_attention_layernorm: nn.Module, mlp: nn.Module):
+        super().__init__()
+        self.input_layernorm = input_layernorm
+        self.self_attn = self_attn
+        self.post_attention_layernorm = post_attention_layernorm
+        self.mlp = mlp
+
+    def forward(self, x: torch.Tensor, step: StepInputs, rope_table: torch.Tensor | None) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), step, rope_table)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class DecoderOnlyLM(nn.Module):
+    """Embeddings -> decoder layers -> final norm -> lm_head, over packed tokens.
+
+    forward() takes the engine contract's inputs and returns float32 logits for the rows
+    named by ``logits_indices``.
+    """
+
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        layers: list[DecoderLayer],
+        norm: nn.Module,
+        rope_table: torch.Tensor | None,
+        learned_positions: bool = False,
+    ):
+        super().__init__()
+        self.config = cfg
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.embed_positions = nn.Embedding(cfg.max_position_embeddings, cfg.hidden_size) if learned_positions else None
+        self.layers = nn.ModuleList(layers)
+        self.norm = norm
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+        if rope_table is not None:
+            self.register_buffer("rope_table", rope_table, persistent=False)
+        else:
+            self.rope_table = None
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        position_ids: torch.Tensor,
+        seq_lens: torch.Tensor,
+        context_lens: torch.Tensor,
+        block_tables: torch.Tensor,
+        slot_mapping: torch.Tensor,
+        logits_indices: torch.Tensor,
+        kv_cache: torch.Tensor,
+    ) -> torch.Tensor:
+        step = StepInputs(position_ids, seq_lens, context_lens, block_tables, slot_mapping, kv_cache)
+        x = self.embed_tokens(input_ids)
+        if self.embed_positions is not None:
+            x = x + self.embed_positions(position_ids)
+        for layer in self.layers:
+            x = layer(x, step, self.rope_table)
+        x = self.norm(x[logits_indices])
+        return self.lm_head(x).float()
+
+
+INPUT_NAMES = (
+    "input_ids", "position_ids", "seq_lens", "context_lens",
+    "block_tables", "slot_mapping", "logits_indices", "kv_cache",
+)

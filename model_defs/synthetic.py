@@ -1,0 +1,111 @@
+"""Small random-weight Hugging Face checkpoints for demos, tests and benchmarks.
+
+There is no model hub on the machines kiln is developed on, so checkpoints are made
+locally with ``transformers`` (``*Config`` + ``save_pretrained``) and a byte-level BPE
+tokenizer trained with ``tokenizers`` on a short built-in text. The loading code that
+reads them is the real one. ``transformers`` is only needed here, not by kiln itself.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+
+# Sizes: "tiny" for tests, "small" for the demo, "300m" for benchmarks (~300-500M parameters).
+PRESETS: dict[str, dict[str, int]] = {
+    "tiny": dict(hidden=64, inter=128, layers=2, heads=4, kv_heads=2, vocab=512),
+    "small": dict(hidden=256, inter=688, layers=4, heads=8, kv_heads=4, vocab=2048),
+    "300m": dict(hidden=1024, inter=2816, layers=22, heads=16, kv_heads=4, vocab=32000),
+}
+
+CORPUS = """\
+The kiln fires the clay slowly, and the potter waits by the door. A request arrives, then another;
+the scheduler packs them into one step so that nobody waits for the longest answer.
+Tokens flow through the engine: prefill reads the prompt, decode writes one token at a time.
+Memory is the wall: every token keeps its keys and values in the cache, block by block.
+Héllo wörld — naïve café, São Paulo, Zürich, 東京, 北京, Ελληνικά, русский, 🙂🚀✨.
+def add(a, b):\n    return a + b\nfor i in range(10):\n    print(i * i)
+Numbers: 0 1 2 3 4 5 6 7 8 9 10 100 1000 3.14159 2.71828.
+"""
+
+
+def hf_config(family: str, size: str = "tiny", **overrides: Any):
+    """A transformers config object for ``family`` (llama, mistral, qwen2, gpt2) at a preset size."""
+    from transformers import GPT2Config, LlamaConfig, MistralConfig, Qwen2Config
+
+    p = PRESETS[size]
+    if family == "gpt2":
+        args = dict(n_embd=p["hidden"], n_inner=p["inter"], n_layer=p["layers"], n_head=p["heads"],
+                    vocab_size=p["vocab"], n_positions=1024, bos_token_id=1, eos_token_id=2)
+        args.update(overrides)
+        return GPT2Config(**args)
+    args = dict(hidden_size=p["hidden"], intermediate_size=p["inter"], num_hidden_layers=p["layers"],
+                num_attention_heads=p["heads"], num_key_value_heads=p["kv_heads"], vocab_size=p["vocab"],
+                max_position_embeddings=2048, bos_token_id=1, eos_token_id=2)
+    args.update(overrides)
+    cls = {"llama": LlamaConfig, "mistral": MistralConfig, "qwen2": Qwen2Config}[family]
+    return cls(**args)
+
+
+def _pseudo_words(count: int, seed: int = 0) -> list[str]:
+    """Deterministic made-up words, so BPE has enough material to learn a vocabulary of any size."""
+    import random
+
+    rng = random.Random(seed)
+    onsets = ["", "b", "c", "d", "f", "g", "h", "k", "l", "m", "n", "p", "r", "s", "t", "v", "z", "st", "tr", "ch", "sh"]
+    vowels = ["a", "e", "i", "o", "u", "ai", "ou", "é", "ö"]
+    codas = ["", "", "n", "r", "s", "t", "l", "m", "ck", "ng"]
+    return ["".join(rng.choice(onsets) + rng.choice(vowels) + rng.choice(codas) for _ in range(rng.randint(1, 4)))
+            for _ in range(count)]
+
+
+def train_tokenizer(vocab_size: int):
+    """A byte-level BPE tokenizer (handles any UTF-8 text) with <unk>, <s>, </s> as ids 0, 1, 2."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size, special_tokens=["<unk>", "<s>", "</s>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False,
+    )
+    words = _pseudo_words(max(2000, vocab_size))
+    lines = [" ".join(words[i : i + 12]) for i in range(0, len(words), 12)]
+    tok.train_from_iterator([CORPUS] * 4 + lines * 2, trainer=trainer)
+    return tok
+
+
+def make_checkpoint(
+    out_dir: str | Path,
+    family: str = "llama",
+    size: str = "tiny",
+    *,
+    seed: int = 0,
+    shard_size: str | None = None,
+    dtype: torch.dtype = torch.float32,
+    **overrides: Any,
+) -> Path:
+    """Write config.json, safetensors weights (sharded if ``shard_size``) and tokenizer files."""
+    from transformers import AutoModelForCausalLM
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    config = hf_config(family, size, **overrides)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    with torch.no_grad():  # larger-than-default init so random models make confident, varied predictions
+        for name, param in model.named_parameters():
+            if param.dim() >= 2 and "norm" not in name and "ln" not in name:
+                param.normal_(0.0, 1.0 / max(param.shape[-1], 1) ** 0.5)
+    kwargs = {"max_shard_size": shard_size} if shard_size else {}
+    model.save_pretrained(out, **kwargs)
+    tok = train_tokenizer(config.vocab_size)
+    tok.save(str(out / "tokenizer.json"))
+    (out / "tokenizer_config.json").write_text(json.dumps({
+        "tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>",
+    }, indent=1))
+    return out

@@ -1,0 +1,184 @@
+"""Paged attention over a mixed batch of context (prefill) and generation sequences.
+
+The op writes the step's new keys/values into the paged KV pool (in place, through
+``slot_mapping``) and attends each sequence over its cached context through its block
+table. Decode sequences (one new token each) are computed as one batch; context
+sequences (several new tokens, causal with an offset) one at a time. Nothing loops
+in Python over tokens or blocks.
+
+Shapes (packed tokens, see DESIGN.md):
+    q [T, Hq, D], k/v [T, Hkv, D], kv_cache [L, 2, num_blocks, block_size, Hkv, D],
+    seq_lens/context_lens [S] int32, block_tables [S, max_blocks] int32, slot_mapping [T] int64.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+__all__ = ["paged_attention", "paged_attention_reference", "write_kv"]
+
+
+def write_kv(kv_cache: torch.Tensor, layer: int, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """Scatter the new keys/values of this step into the pool slots they own."""
+    _, _, num_blocks, block_size, num_kv_heads, head_dim = kv_cache.shape
+    flat = kv_cache[layer].view(2, num_blocks * block_size, num_kv_heads, head_dim)
+    flat[0].index_copy_(0, slot_mapping, k.to(kv_cache.dtype))
+    flat[1].index_copy_(0, slot_mapping, v.to(kv_cache.dtype))
+
+
+def _gather_context(
+    pool: torch.Tensor, block_tables: torch.Tensor, num_blocks: int
+) -> torch.Tensor:
+    """[S, num_blocks*block_size, Hkv, D] view of the first ``num_blocks`` blocks of each sequence."""
+    gathered = pool[block_tables[:, :num_blocks].long()]  # [S, nb, bs, H, D]
+    s, nb, bs, h, d = gathered.shape
+    return gathered.view(s, nb * bs, h, d)
+
+
+def _attend(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float
+) -> torch.Tensor:
+    """Masked attention with GQA. q [B, Hq, M, D], k/v [B, Hkv, N, D], mask [B, 1, M, N] bool (True = attend)."""
+    hq, hkv = q.shape[1], k.shape[1]
+    if hq != hkv:
+        k = k.repeat_interleave(hq // hkv, dim=1)
+        v = v.repeat_interleave(hq // hkv, dim=1)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+
+
+def _decode_batch(
+    q: torch.Tensor,
+    k_pool: torch.Tensor,
+    v_pool: torch.Tensor,
+    context_lens: torch.Tensor,
+    block_tables: torch.Tensor,
+    scale: float,
+    sliding_window: int,
+) -> torch.Tensor:
+    """All one-token sequences at once: q [N, Hq, D] -> [N, Hq, D]."""
+    block_size = k_pool.shape[1]
+    max_ctx = int(context_lens.max())
+    nb = (max_ctx + block_size - 1) // block_size
+    keys = _gather_context(k_pool, block_tables, nb).transpose(1, 2)  # [N, H, ctx, D]
+    values = _gather_context(v_pool, block_tables, nb).transpose(1, 2)
+    pos = torch.arange(nb * block_size)
+    ctx = context_lens.long().unsqueeze(1)
+    mask = pos.unsqueeze(0) < ctx  # query sits at position ctx-1
+    if sliding_window > 0:
+        mask &= pos.unsqueeze(0) > ctx - 1 - sliding_window
+    out = _attend(q.unsqueeze(2), keys.to(q.dtype), values.to(q.dtype), mask[:, None, None, :], scale)
+    return out.squeeze(2)
+
+
+def _context_one(
+    q: torch.Tensor,
+    k_pool: torch.Tensor,
+    v_pool: torch.Tensor,
+    context_len: int,
+    block_table: torch.Tensor,
+    scale: float,
+    sliding_window: int,
+) -> torch.Tensor:
+    """One sequence with n new tokens at the end of context_len: q [n, Hq, D] -> [n, Hq, D]."""
+    n = q.shape[0]
+    block_size = k_pool.shape[1]
+    nb = (context_len + block_size - 1) // block_size
+    keys = _gather_context(k_pool, block_table[None], nb)[0, :context_len].transpose(0, 1)  # [H, ctx, D]
+    values = _gather_context(v_pool, block_table[None], nb)[0, :context_len].transpose(0, 1)
+    q_pos = torch.arange(context_len - n, context_len).unsqueeze(1)
+    k_pos = torch.arange(context_len).unsqueeze(0)
+    mask = k_pos <= q_pos
+    if sliding_window > 0:
+        mask &= k_pos > q_pos - sliding_window
+    out = _attend(q.transpose(0, 1)[None], keys[None].to(q.dtype), values[None].to(q.dtype), mask[None, None], scale)
+    return out[0].transpose(0, 1)
+
+
+@torch.library.custom_op("kiln::paged_attention", mutates_args=("kv_cache",))
+def paged_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    kv_cache: torch.Tensor,
+    layer: int,
+    seq_lens: torch.Tensor,
+    context_lens: torch.Tensor,
+    block_tables: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    scale: float,
+    sliding_window: int,
+) -> torch.Tensor:
+    """Write k/v into the pool, then attend every sequence over its paged context."""
+    write_kv(kv_cache, layer, k, v, slot_mapping)
+    k_pool, v_pool = kv_cache[layer, 0], kv_cache[layer, 1]
+    out = torch.empty_like(q)
+    lens = seq_lens.tolist()
+    starts = [0] * len(lens)
+    for i in range(1, len(lens)):
+        starts[i] = starts[i - 1] + lens[i - 1]
+    decode = [i for i, n in enumerate(lens) if n == 1]
+    if decode:
+        idx = torch.tensor(decode)
+        rows = torch.tensor([starts[i] for i in decode])
+        out[rows] = _decode_batch(
+            q[rows], k_pool, v_pool, context_lens[idx], block_tables[idx], scale, sliding_window
+        )
+    ctx_lens = context_lens.tolist()
+    for i, n in enumerate(lens):
+        if n > 1:
+            s = starts[i]
+            out[s : s + n] = _context_one(
+                q[s : s + n], k_pool, v_pool, ctx_lens[i], block_tables[i], scale, sliding_window
+            )
+    return out
+
+
+@paged_attention.register_fake
+def _(q, k, v, kv_cache, layer, seq_lens, context_lens, block_tables, slot_mapping, scale, sliding_window):
+    return torch.empty_like(q)
+
+
+def paged_attention_reference(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    kv_cache: torch.Tensor,
+    layer: int,
+    seq_lens: torch.Tensor,
+    context_lens: torch.Tensor,
+    block_tables: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    scale: float,
+    sliding_window: int,
+) -> torch.Tensor:
+    """Token-by-token attention in plain torch: the definition the kernel is tested against."""
+    block_size = kv_cache.shape[3]
+    num_kv_heads = kv_cache.shape[4]
+    group = q.shape[1] // num_kv_heads
+    for t in range(q.shape[0]):
+        slot = int(slot_mapping[t])
+        kv_cache[layer, 0, slot // block_size, slot % block_size] = k[t]
+        kv_cache[layer, 1, slot // block_size, slot % block_size] = v[t]
+    out = torch.zeros_like(q)
+    t = 0
+    for s in range(seq_lens.shape[0]):
+        n, ctx = int(seq_lens[s]), int(context_lens[s])
+        keys = torch.stack([kv_cache[layer, 0, int(block_tables[s, j // block_size]), j % block_size] for j in range(ctx)])
+        values = torch.stack([kv_cache[layer, 1, int(block_tables[s, j // block_size]), j % block_size] for j in range(ctx)])
+        for i in range(n):
+            pos = ctx - n + i
+            lo = max(0, pos - sliding_window + 1) if sliding_window > 0 else 0
+            for h in range(q.shape[1]):
+                kh = keys[lo : pos + 1, h // group].float()
+                vh = values[lo : pos + 1, h // group].float()
+                weights = torch.softmax(kh @ q[t + i, h].float() * scale, dim=0)
+                out[t + i, h] = (weights @ vh).to(q.dtype)
+        t += n
+    return out
+
+
+def default_scale(head_dim: int) -> float:
+    return 1.0 / math.sqrt(head_dim)

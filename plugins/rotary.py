@@ -1,0 +1,76 @@
+"""Rotary position embedding (rotate-half / NeoX layout, as in Llama, Mistral, Qwen2).
+
+The cos/sin table is computed once at model build time from the model's rope settings
+(plain, ``linear`` scaling or ``llama3`` frequency scaling) and looked up by absolute
+position, so chunked prefill and decode use the same positions as a full forward.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+__all__ = ["rotary_embedding", "rotary_embedding_reference", "rope_inv_freq", "cos_sin_table"]
+
+
+def rope_inv_freq(rot_dim: int, theta: float, scaling: dict | None) -> torch.Tensor:
+    """Inverse frequencies for ``rot_dim`` rotated dims, with optional rope scaling applied."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, rot_dim, 2, dtype=torch.int64, device="cpu").float() / rot_dim))
+    if not scaling:
+        return inv_freq
+    kind = scaling.get("rope_type", scaling.get("type", "default"))
+    if kind == "default":
+        return inv_freq
+    if kind == "linear":
+        return inv_freq / float(scaling["factor"])
+    if kind == "llama3":
+        factor = float(scaling["factor"])
+        low = float(scaling["low_freq_factor"])
+        high = float(scaling["high_freq_factor"])
+        old_ctx = float(scaling["original_max_position_embeddings"])
+        low_wavelen, high_wavelen = old_ctx / low, old_ctx / high
+        wavelen = 2 * math.pi / inv_freq
+        scaled = torch.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
+        smooth = (old_ctx / wavelen - low) / (high - low)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+        return torch.where(medium, smoothed, scaled)
+    raise ValueError(
+        f"unsupported rope_scaling type {kind!r}: kiln supports 'default', 'linear' and 'llama3'"
+    )
+
+
+def cos_sin_table(max_positions: int, inv_freq: torch.Tensor) -> torch.Tensor:
+    """[max_positions, rot_dim] table: cos in the first half, sin in the second (fp32)."""
+    freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32, device="cpu"), inv_freq)
+    return torch.cat([freqs.cos(), freqs.sin()], dim=-1)
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [T, H, D]; cos/sin [T, 1, D/2]."""
+    xf = x.float()
+    x1, x2 = xf.chunk(2, dim=-1)
+    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
+
+
+def rotary_embedding_reference(
+    q: torch.Tensor, k: torch.Tensor, position_ids: torch.Tensor, table: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    half = table.shape[-1] // 2
+    rows = table[position_ids]
+    cos, sin = rows[:, None, :half], rows[:, None, half:]
+    return _rotate(q, cos, sin), _rotate(k, cos, sin)
+
+
+@torch.library.custom_op("kiln::rotary_embedding", mutates_args=())
+def rotary_embedding(
+    q: torch.Tensor, k: torch.Tensor, position_ids: torch.Tensor, table: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rotate q [T, Hq, D] and k [T, Hkv, D] by the angles of their absolute positions."""
+    return rotary_embedding_reference(q, k, position_ids, table)
+
+
+@rotary_embedding.register_fake
+def _(q, k, position_ids, table):
+    return torch.empty_like(q), torch.empty_like(k)
