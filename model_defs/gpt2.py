@@ -17,8 +17,9 @@ from kiln.model_defs.weights import WeightSpec
 
 ARCHITECTURES = ("GPT2LMHeadModel",)
 _ACTIVATIONS = {"gelu_new": "tanh", "gelu_pytorch_tanh": "tanh", "gelu": "none"}
-# Buffers old GPT-2 checkpoints carry (causal mask tables); they hold no weights.
-IGNORED_HF_SUFFIXES = ("attn.bias", "attn.masked_bias")
+# Buffers old GPT-2 checkpoints carry (causal mask tables ``h.N.attn.bias``); they hold no weights.
+# The leading dot matters: ``h.N.attn.c_attn.bias`` is a real weight and must not match.
+IGNORED_HF_SUFFIXES = (".attn.bias", ".attn.masked_bias")
 
 
 def config_from_hf(hf: dict[str, Any]) -> ModelConfig:

@@ -67,4 +67,4 @@ def checkpoint_layout(cfg: ModelConfig) -> dict[str, WeightSpec]:
 
 
 # Old Llama checkpoints store the rotary frequencies; kiln computes them from the config.
-IGNORED_HF_SUFFIXES = ("rotary_emb.inv_freq",)
+IGNORED_HF_SUFFIXES = (".rotary_emb.inv_freq",)
