@@ -51,21 +51,35 @@ def read_hf_config(ckpt_dir: Path) -> dict:
 def load_config(ckpt_dir: str | Path) -> ModelConfig:
     """Only the ModelConfig (reads config.json, no weights)."""
     hf = read_hf_config(Path(ckpt_dir))
-    family = family_of(hf["architectures"][0])
+    try:
+        family = family_of(hf["architectures"][0])
+    except CheckpointError as exc:
+        raise CheckpointError(f"{Path(ckpt_dir) / 'config.json'}: {exc}") from None
     try:
         return family.config_from_hf(hf)
     except UnsupportedConfigError as exc:
         raise CheckpointError(f"{Path(ckpt_dir) / 'config.json'}: {exc}") from None
 
 
+def index_weight_map(ckpt_dir: Path) -> dict[str, str] | None:
+    """tensor name -> shard file name from model.safetensors.index.json, or None when unsharded."""
+    index = ckpt_dir / "model.safetensors.index.json"
+    if not index.is_file():
+        return None
+    try:
+        weight_map = json.loads(index.read_text())["weight_map"]
+    except (json.JSONDecodeError, KeyError, TypeError) as exc:
+        raise CheckpointError(f"{index}: not a valid safetensors index ({exc!r})") from None
+    if not isinstance(weight_map, dict):
+        raise CheckpointError(f"{index}: 'weight_map' is not a mapping of tensor name to shard file")
+    return weight_map
+
+
 def weight_files(ckpt_dir: Path) -> list[Path]:
     """The safetensors files of a checkpoint: the shards of the index, or model.safetensors."""
     index = ckpt_dir / "model.safetensors.index.json"
-    if index.is_file():
-        try:
-            weight_map = json.loads(index.read_text())["weight_map"]
-        except (json.JSONDecodeError, KeyError) as exc:
-            raise CheckpointError(f"{index}: not a valid safetensors index ({exc!r})") from None
+    weight_map = index_weight_map(ckpt_dir)
+    if weight_map is not None:
         files = [ckpt_dir / name for name in dict.fromkeys(weight_map.values())]
         missing = [f.name for f in files if not f.is_file()]
         if missing:
@@ -128,7 +142,13 @@ def load_checkpoint(ckpt_dir: str | Path, dtype: torch.dtype | str = torch.float
                 weights[kiln_name] = value.to(dtype)
     missing = [name for name in layout if name not in seen]
     if missing:
-        shown = ", ".join(f"{n!r} {list(layout[n].shape)}" for n in missing[:5])
+        weight_map = index_weight_map(ckpt_dir) or {}
+        raw = {normalize(n): n for n in weight_map}
+
+        def where(name: str) -> str:  # a sharded checkpoint says which file should have held it
+            return f" (the index puts it in {weight_map[raw[name]]})" if name in raw else ""
+
+        shown = ", ".join(f"{n!r} {list(layout[n].shape)}{where(n)}" for n in missing[:5])
         more = f" and {len(missing) - 5} more" if len(missing) > 5 else ""
         raise CheckpointError(f"{ckpt_dir}: missing tensor(s) {shown}{more} (expected for {config.architecture})")
     return config, weights

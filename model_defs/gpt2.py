@@ -28,6 +28,8 @@ def config_from_hf(hf: dict[str, Any]) -> ModelConfig:
         raise UnsupportedConfigError(f"activation_function {act!r} is not supported; expected one of {sorted(_ACTIVATIONS)}")
     if hf.get("scale_attn_by_inverse_layer_idx"):
         raise UnsupportedConfigError("scale_attn_by_inverse_layer_idx=true is not supported")
+    if not hf.get("scale_attn_weights", True):
+        raise UnsupportedConfigError("scale_attn_weights=false (unscaled attention scores) is not supported")
     hidden, heads = require(hf, "n_embd"), require(hf, "n_head")
     return ModelConfig(
         architecture="GPT2LMHeadModel",
@@ -40,7 +42,7 @@ def config_from_hf(hf: dict[str, Any]) -> ModelConfig:
         head_dim=hidden // heads,
         max_position_embeddings=require(hf, "n_positions"),
         norm_eps=float(hf.get("layer_norm_epsilon", 1e-5)),
-        tie_word_embeddings=True,
+        tie_word_embeddings=bool(hf.get("tie_word_embeddings", True)),  # GPT-2 ties unless told otherwise
         attention_bias=True,
         attention_out_bias=True,
         mlp_bias=True,
@@ -92,6 +94,8 @@ def checkpoint_layout(cfg: ModelConfig) -> dict[str, WeightSpec]:
         "ln_f.weight": WeightSpec((h,), same("norm.weight")),
         "ln_f.bias": WeightSpec((h,), same("norm.bias")),
     }
+    if not cfg.tie_word_embeddings:
+        layout["lm_head.weight"] = WeightSpec((cfg.vocab_size, h), same("lm_head.weight"))
     for i in range(cfg.num_layers):
         src, dst = f"h.{i}", f"layers.{i}"
         for ln, kiln_ln in (("ln_1", "input_layernorm"), ("ln_2", "post_attention_layernorm")):
