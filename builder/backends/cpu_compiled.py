@@ -1,0 +1,18 @@
+"""``cpu-compiled``: rank0.engine is an AOTInductor package (.pt2 with a compiled shared library).
+
+Custom ops registered from Python (the kiln plugins) stay calls into Python kernels; the
+surrounding aten graph is compiled. The package is tied to the exact torch version.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+
+def compile(ep: torch.export.ExportedProgram, path: Path, inputs: dict[str, torch.Tensor]) -> dict:
+    import torch._inductor
+
+    out = torch._inductor.aoti_compile_and_package(ep, package_path=str(path))
+    return {"format": "aoti", "package": Path(out).name}

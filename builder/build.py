@@ -1,0 +1,176 @@
+"""build_engine: checkpoint directory -> engine directory (the only thing that passes to the runtime).
+
+Stages: load -> trace -> passes -> re-export -> memory plan -> compile -> write. Each stage is
+timed; ``progress(stage, message)`` is called as stages start and end (the CLI prints it).
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import time
+from contextlib import contextmanager
+from importlib import metadata
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+from kiln.builder import memory_plan, trace
+from kiln.builder.backends import BACKENDS
+from kiln.builder.config import BuildConfig
+from kiln.builder.passes import PassContext, check_names, run_passes
+from kiln.builder.passes.common import count_gemms
+
+ENGINE_FORMAT_VERSION = 1
+ENGINE_FILE = "rank0.engine"
+TOKENIZER_FILES = (
+    "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
+    "vocab.json", "merges.txt", "generation_config.json", "added_tokens.json",
+)
+STAGES = ("load", "trace", "passes", "export", "memory_plan", "compile", "write")
+
+Progress = Callable[[str, str], None]
+
+
+def kiln_version() -> str:
+    try:
+        return metadata.version("kiln-llm")
+    except metadata.PackageNotFoundError:  # pragma: no cover - running from a source tree
+        return "0+unknown"
+
+
+def special_tokens(ckpt: Path) -> tuple[list[int], int | None]:
+    """eos ids (a list: Llama 3 has several) and the bos id, from generation_config.json, else config.json."""
+    eos: Any = None
+    bos: Any = None
+    for name in ("generation_config.json", "config.json"):
+        path = ckpt / name
+        if not path.is_file():
+            continue
+        data = json.loads(path.read_text())
+        if eos is None:
+            eos = data.get("eos_token_id")
+        if bos is None:
+            bos = data.get("bos_token_id")
+    if eos is None:
+        eos_ids: list[int] = []
+    elif isinstance(eos, list):
+        eos_ids = [int(e) for e in eos]
+    else:
+        eos_ids = [int(eos)]
+    return eos_ids, (int(bos) if bos is not None else None)
+
+
+@contextmanager
+def _stage(name: str, timings: dict[str, float], progress: Progress | None):
+    if progress:
+        progress(name, "start")
+    t0 = time.perf_counter()
+    yield
+    timings[name] = round(time.perf_counter() - t0, 3)
+    if progress:
+        progress(name, f"done in {timings[name]:.2f} s")
+
+
+def build_engine(
+    checkpoint_dir: str | Path,
+    output_dir: str | Path,
+    build: BuildConfig | None = None,
+    progress: Progress | None = None,
+) -> Path:
+    """Build the engine of ``checkpoint_dir`` into ``output_dir`` (created or overwritten); returns it."""
+    from kiln.model_defs import build_model, load_checkpoint, load_config
+
+    build = (build or BuildConfig()).validate()
+    check_names(build.disabled_passes)
+    ckpt, out = Path(checkpoint_dir), Path(output_dir)
+    timings: dict[str, float] = {}
+    t_total = time.perf_counter()
+
+    model_config = load_config(ckpt)
+    build.check_model(model_config)
+    model = model_config.to_dict()
+
+    with _stage("load", timings, progress):
+        _, weights = load_checkpoint(ckpt, build.dtype)
+        module = build_model(model_config, weights)
+        del weights
+    with _stage("trace", timings, progress):
+        ep = trace.export(module, model, build)
+    with _stage("passes", timings, progress):
+        gm = ep.module()
+        gemms_before = count_gemms(gm)
+        ctx = PassContext(build=build, model=model)
+        pass_stats = run_passes(gm, ctx, build.disabled_passes)
+        gemms_after = count_gemms(gm)
+        del module, ep
+    with _stage("export", timings, progress):
+        ep = trace.export(gm, model, build)
+        del gm
+    with _stage("memory_plan", timings, progress):
+        arena = memory_plan.plan(ep)
+        kv_elem = torch.empty(0, dtype=trace.TORCH_DTYPES[build.resolved_kv_cache_dtype]).element_size()
+        kv_bytes_per_token = 2 * model["num_layers"] * model["num_kv_heads"] * model["head_dim"] * kv_elem
+        summary = {
+            "weights_bytes": memory_plan.weights_bytes(ep),
+            "activation_peak_bytes": arena["activation_peak_bytes"],
+            "activation_live_peak_bytes": arena["live_peak_bytes"],
+            "activation_naive_bytes": arena["naive_bytes"],
+            "num_buffers": arena["num_buffers"],
+            "kv_bytes_per_token": kv_bytes_per_token,
+            "kv_tokens_per_gib": (1 << 30) // kv_bytes_per_token,
+        }
+    tmp = out.with_name(out.name + ".tmp-build")
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    tmp.mkdir(parents=True)
+    try:
+        with _stage("compile", timings, progress):
+            backend_stats = BACKENDS[build.backend].compile(ep, tmp / ENGINE_FILE, trace.example_inputs(model, build))
+        with _stage("write", timings, progress):
+            eos_ids, bos_id = special_tokens(ckpt)
+            copied = []
+            for name in TOKENIZER_FILES:
+                if (ckpt / name).is_file():
+                    shutil.copy2(ckpt / name, tmp / name)
+                    copied.append(name)
+            timings["total"] = round(time.perf_counter() - t_total, 3)
+            config = {
+                "format_version": ENGINE_FORMAT_VERSION,
+                "kiln_version": kiln_version(),
+                "torch_version": torch.__version__,
+                "backend": build.backend,
+                "model": model,
+                "build": {
+                    **build.to_dict(),
+                    "kv_cache_dtype": build.resolved_kv_cache_dtype,
+                    "opt_num_tokens": build.resolved_opt_num_tokens,
+                    "max_blocks_per_seq": build.max_blocks_per_seq,
+                    "max_num_logits": build.max_num_logits,
+                },
+                "eos_token_ids": eos_ids,
+                "bos_token_id": bos_id,
+                "io": trace.io_spec(model, build),
+                "memory": summary,
+                "tokenizer_files": copied,
+                "engine_files": [ENGINE_FILE],
+            }
+            (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+            report = {
+                "checkpoint": str(ckpt.resolve()),
+                "timings_s": timings,
+                "gemms": {"before_passes": gemms_before, "after_passes": gemms_after},
+                "passes": pass_stats,
+                "backend": backend_stats,
+                "memory": summary,
+                "memory_plan": arena,
+            }
+            (tmp / "build_report.json").write_text(json.dumps(report, indent=2, default=str) + "\n")
+        if out.exists():
+            shutil.rmtree(out)
+        tmp.rename(out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out

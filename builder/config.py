@@ -1,0 +1,195 @@
+"""BuildConfig: every knob of an engine build, validated, with dict and YAML round trips.
+
+Values are never adjusted silently: a value that conflicts with another (or with the
+model) raises :class:`BuildConfigError` naming the values and how to fix them. The
+only "derived" values are documented sentinels (``kv_cache_dtype: auto`` = the engine
+dtype, ``opt_num_tokens: null`` = ``min(max_num_tokens, 128)``), and they are resolved
+in plain sight in the engine's config.json.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+DTYPES = ("float32", "bfloat16", "float16")
+KV_DTYPES = ("auto",) + DTYPES
+BACKENDS = ("cpu", "cpu-compiled")
+QUANTIZATIONS = ("none", "int8_weight_only", "int4_weight_only")
+LOGITS_DTYPES = ("float32",)
+
+
+class BuildConfigError(ValueError):
+    """A BuildConfig that cannot be built as it is; the message lists every problem and its fix."""
+
+
+@dataclass
+class BuildConfig:
+    dtype: str = "float32"
+    backend: str = "cpu"
+    max_batch_size: int = 8
+    max_input_len: int = 512
+    max_seq_len: int = 1024
+    max_num_tokens: int = 1024
+    opt_num_tokens: int | None = None
+    tokens_per_block: int = 16
+    kv_cache_dtype: str = "auto"
+    quantization: str = "none"
+    group_size: int = 128
+    logits_dtype: str = "float32"
+    gather_all_logits: bool = False
+    disabled_passes: list[str] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    # ------------------------------------------------------------------ validation
+    def problems(self) -> list[str]:
+        """Every inconsistency of this config on its own (see :meth:`check_model` for the model)."""
+        out: list[str] = []
+
+        def choice(name: str, allowed: tuple[str, ...]) -> None:
+            value = getattr(self, name)
+            if value not in allowed:
+                out.append(f"{name}={value!r} is not one of {list(allowed)}")
+
+        choice("dtype", DTYPES)
+        choice("backend", BACKENDS)
+        choice("kv_cache_dtype", KV_DTYPES)
+        choice("quantization", QUANTIZATIONS)
+        if self.logits_dtype not in LOGITS_DTYPES:
+            out.append(f"logits_dtype={self.logits_dtype!r}: the engine contract returns float32 logits; use 'float32'")
+        ints = ("max_batch_size", "max_input_len", "max_seq_len", "max_num_tokens", "tokens_per_block", "group_size")
+        bad_int = False
+        for name in ints:
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                out.append(f"{name}={value!r} must be a positive integer")
+                bad_int = True
+        if self.opt_num_tokens is not None and (
+            isinstance(self.opt_num_tokens, bool) or not isinstance(self.opt_num_tokens, int) or self.opt_num_tokens < 1
+        ):
+            out.append(f"opt_num_tokens={self.opt_num_tokens!r} must be a positive integer or null")
+            bad_int = True
+        if not isinstance(self.gather_all_logits, bool):
+            out.append(f"gather_all_logits={self.gather_all_logits!r} must be true or false")
+        if not isinstance(self.disabled_passes, list) or not all(isinstance(p, str) for p in self.disabled_passes):
+            out.append(f"disabled_passes={self.disabled_passes!r} must be a list of pass names")
+        if bad_int:
+            return out
+        if self.max_input_len > self.max_seq_len:
+            out.append(
+                f"max_input_len={self.max_input_len} > max_seq_len={self.max_seq_len}: a prompt cannot be longer "
+                f"than the whole sequence; raise max_seq_len to >= {self.max_input_len} or lower max_input_len"
+            )
+        if self.max_num_tokens < self.tokens_per_block:
+            out.append(
+                f"max_num_tokens={self.max_num_tokens} < tokens_per_block={self.tokens_per_block}: one step could not "
+                f"fill a single KV block; raise max_num_tokens to >= {self.tokens_per_block} or lower tokens_per_block"
+            )
+        if self.max_num_tokens < self.max_batch_size:
+            out.append(
+                f"max_num_tokens={self.max_num_tokens} < max_batch_size={self.max_batch_size}: a step decoding "
+                f"max_batch_size sequences needs one token each; raise max_num_tokens to >= {self.max_batch_size} "
+                "or lower max_batch_size"
+            )
+        if self.opt_num_tokens is not None and self.opt_num_tokens > self.max_num_tokens:
+            out.append(
+                f"opt_num_tokens={self.opt_num_tokens} > max_num_tokens={self.max_num_tokens}; "
+                "lower opt_num_tokens or set it to null"
+            )
+        if self.quantization == "int4_weight_only" and self.group_size % 2:
+            out.append(f"group_size={self.group_size} must be even for int4 (two weights per byte)")
+        if self.quantization != "none" and self.dtype == "float16":
+            out.append(
+                f"quantization={self.quantization!r} with dtype='float16': the weight-only kernels take float32 or "
+                "bfloat16 activations; use dtype 'bfloat16' or 'float32'"
+            )
+        return out
+
+    def validate(self) -> "BuildConfig":
+        issues = self.problems()
+        if issues:
+            raise BuildConfigError("invalid build config:\n  - " + "\n  - ".join(issues))
+        return self
+
+    def check_model(self, model: Any) -> None:
+        """Problems that need the model: positions, int4 group size vs. the GEMM widths.
+
+        ``model`` is a ModelConfig or its dict (the builder passes the ModelConfig).
+        """
+        m = model if isinstance(model, dict) else model.to_dict()
+        issues = []
+        max_pos = int(m["max_position_embeddings"])
+        if self.max_seq_len > max_pos:
+            issues.append(
+                f"max_seq_len={self.max_seq_len} > the model's max_position_embeddings={max_pos}: positions beyond "
+                f"it were never trained; lower max_seq_len to <= {max_pos}"
+            )
+        if self.quantization == "int4_weight_only":
+            widths = {int(m["hidden_size"]), int(m["intermediate_size"]), int(m["num_heads"]) * int(m["head_dim"])}
+            bad = sorted(w for w in widths if w % self.group_size)
+            if bad:
+                fits = [g for g in (32, 64, 128, 256) if all(w % g == 0 for w in widths)]
+                issues.append(
+                    f"group_size={self.group_size} does not divide the model's GEMM input widths {bad}; "
+                    f"use a group_size that divides {sorted(widths)} (e.g. {fits[-1] if fits else 'a divisor'})"
+                )
+        if issues:
+            raise BuildConfigError("build config does not fit the model:\n  - " + "\n  - ".join(issues))
+
+    # ------------------------------------------------------------------ derived values
+    @property
+    def resolved_kv_cache_dtype(self) -> str:
+        return self.dtype if self.kv_cache_dtype == "auto" else self.kv_cache_dtype
+
+    @property
+    def resolved_opt_num_tokens(self) -> int:
+        return self.opt_num_tokens if self.opt_num_tokens is not None else min(self.max_num_tokens, 128)
+
+    @property
+    def max_blocks_per_seq(self) -> int:
+        return math.ceil(self.max_seq_len / self.tokens_per_block)
+
+    @property
+    def max_num_logits(self) -> int:
+        return self.max_num_tokens if self.gather_all_logits else self.max_batch_size
+
+    # ------------------------------------------------------------------ (de)serialization
+    def to_dict(self) -> dict[str, Any]:
+        d = dataclasses.asdict(self)
+        d["disabled_passes"] = list(self.disabled_passes)
+        return d
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "BuildConfig":
+        if not isinstance(data, dict):
+            raise BuildConfigError(f"a build config must be a mapping, got {type(data).__name__}")
+        names = [f.name for f in dataclasses.fields(cls)]
+        unknown = sorted(set(data) - set(names))
+        if unknown:
+            raise BuildConfigError(f"unknown build config key(s) {unknown}; known keys: {names}")
+        return cls(**data)
+
+    @classmethod
+    def from_yaml(cls, path: str | Path) -> "BuildConfig":
+        import yaml
+
+        path = Path(path)
+        try:
+            data = yaml.safe_load(path.read_text())
+        except FileNotFoundError:
+            raise BuildConfigError(f"{path}: no such build config file") from None
+        except yaml.YAMLError as exc:
+            raise BuildConfigError(f"{path}: not valid YAML ({exc})") from None
+        try:
+            return cls.from_dict(data or {})
+        except BuildConfigError as exc:
+            raise BuildConfigError(f"{path}: {exc}") from None
+
+    def replace(self, **changes: Any) -> "BuildConfig":
+        """A copy with ``changes`` applied (validated again)."""
+        return BuildConfig.from_dict({**self.to_dict(), **changes})

@@ -1,0 +1,57 @@
+"""Graph passes over the exported model (``ep.module()``: an fx.GraphModule, weights as get_attr).
+
+Each pass is one module with ``NAME``, ``DESCRIPTION`` and ``run(gm, ctx) -> dict`` (statistics
+for the build report); it rewrites ``gm`` in place. They run in the order of ``PASSES``; any can
+be disabled (``build-engine --disable-pass NAME``) for debugging.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from types import ModuleType
+from typing import Any
+
+import torch
+
+from kiln.builder.config import BuildConfig
+from kiln.builder.passes import (
+    bf16_linear,
+    dead_code,
+    fuse_add_norm,
+    merge_gate_up,
+    merge_qkv,
+    weight_only_quant,
+)
+
+PASSES: list[ModuleType] = [merge_qkv, merge_gate_up, fuse_add_norm, weight_only_quant, bf16_linear, dead_code]
+PASS_NAMES = [p.NAME for p in PASSES]
+
+
+@dataclass
+class PassContext:
+    build: BuildConfig
+    model: dict[str, Any]
+    stats: dict[str, Any] = field(default_factory=dict)
+
+
+def check_names(names: list[str]) -> None:
+    unknown = [n for n in names if n not in PASS_NAMES]
+    if unknown:
+        raise ValueError(f"unknown pass name(s) {unknown}; passes are {PASS_NAMES}")
+
+
+def run_passes(gm: torch.fx.GraphModule, ctx: PassContext, disabled: list[str] | tuple[str, ...] = ()) -> dict[str, Any]:
+    """Run every enabled pass in order; returns {pass name: stats} ('disabled' for skipped ones)."""
+    from kiln.builder.passes.common import prune_unused_attrs
+
+    check_names(list(disabled))
+    stats: dict[str, Any] = {}
+    for p in PASSES:
+        if p.NAME in disabled:
+            stats[p.NAME] = "disabled"
+            continue
+        stats[p.NAME] = p.run(gm, ctx) or {}
+        gm.graph.lint()
+    prune_unused_attrs(gm)
+    gm.recompile()
+    return stats

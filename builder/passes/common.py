@@ -1,0 +1,153 @@
+"""Helpers shared by the passes: finding GEMMs, reading and adding weights, pruning."""
+
+from __future__ import annotations
+
+import re
+from typing import Callable, Iterable
+
+import torch
+from torch import fx
+
+aten = torch.ops.aten
+LINEAR = aten.linear.default
+
+
+def attr(gm: fx.GraphModule, target: str) -> torch.Tensor:
+    obj = gm
+    for part in target.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def is_weight(node) -> bool:
+    return isinstance(node, fx.Node) and node.op == "get_attr"
+
+
+def is_linear(node: fx.Node) -> bool:
+    """aten.linear(x, W[, b]) with W (and b) graph constants: a GEMM a pass may rewrite."""
+    if node.op != "call_function" or node.target is not LINEAR:
+        return False
+    weight = node.args[1]
+    bias = node.args[2] if len(node.args) > 2 else node.kwargs.get("bias")
+    return is_weight(weight) and (bias is None or is_weight(bias))
+
+
+def linear_bias(node: fx.Node):
+    return node.args[2] if len(node.args) > 2 else node.kwargs.get("bias")
+
+
+GEMM_TARGETS: set = {LINEAR}
+
+
+def register_gemm_target(target) -> None:
+    """Passes that introduce new GEMM ops register them so :func:`count_gemms` sees them."""
+    GEMM_TARGETS.add(target)
+
+
+def count_gemms(gm: fx.GraphModule) -> int:
+    return sum(1 for n in gm.graph.nodes if n.op == "call_function" and n.target in GEMM_TARGETS)
+
+
+def add_weight(gm: fx.GraphModule, name: str, tensor: torch.Tensor, before: fx.Node) -> fx.Node:
+    """Register ``tensor`` as a buffer of ``gm`` (unique name from ``name``) and return a get_attr node."""
+    base = re.sub(r"[^0-9a-zA-Z_]", "_", name)
+    unique, i = base, 1
+    while hasattr(gm, unique):
+        unique, i = f"{base}_{i}", i + 1
+    gm.register_buffer(unique, tensor.contiguous(), persistent=True)
+    with gm.graph.inserting_before(before):
+        return gm.graph.get_attr(unique)
+
+
+def first_node(gm: fx.GraphModule) -> fx.Node:
+    return next(iter(gm.graph.nodes))
+
+
+def prune_unused_attrs(gm: fx.GraphModule) -> int:
+    """Drop get_attr nodes nobody uses, then parameters/buffers no get_attr reads. Returns bytes freed."""
+    for node in list(gm.graph.nodes):
+        if node.op == "get_attr" and not node.users:
+            gm.graph.erase_node(node)
+    used = {n.target for n in gm.graph.nodes if n.op == "get_attr"}
+    freed = 0
+    seen: set[int] = set()
+    for name, tensor in list(gm.named_parameters(remove_duplicate=False)) + list(gm.named_buffers(remove_duplicate=False)):
+        if name in used:
+            continue
+        owner_path, _, leaf = name.rpartition(".")
+        owner = gm.get_submodule(owner_path) if owner_path else gm
+        if id(tensor) not in seen:
+            seen.add(id(tensor))
+            freed += tensor.numel() * tensor.element_size()
+        if leaf in owner._parameters:
+            del owner._parameters[leaf]
+        elif leaf in owner._buffers:
+            del owner._buffers[leaf]
+    still = {id(t) for t in list(gm.parameters()) + list(gm.buffers())}
+    return freed - sum(0 for _ in still)  # shared tensors still referenced elsewhere are not freed in reality
+
+
+def weights_bytes(gm: torch.nn.Module) -> int:
+    seen: dict[int, int] = {}
+    for t in list(gm.parameters()) + list(gm.buffers()):
+        seen[id(t)] = t.numel() * t.element_size()
+    return sum(seen.values())
+
+
+def merge_sibling_linears(
+    gm: fx.GraphModule, groups: Iterable[list[fx.Node]], fused_name: Callable[[list[fx.Node]], str]
+) -> int:
+    """Replace each group of linears on the same input by one linear on concatenated weights + slices.
+
+    Returns the number of groups merged.
+    """
+    merged = 0
+    for group in groups:
+        if len(group) < 2:
+            continue
+        x = group[0].args[0]
+        biases = [linear_bias(n) for n in group]
+        if any(b is None for b in biases) and not all(b is None for b in biases):
+            continue  # mixed bias: leave alone
+        weights = [attr(gm, n.args[1].target) for n in group]
+        if len({w.shape[1] for w in weights}) != 1 or len({w.dtype for w in weights}) != 1:
+            continue
+        # insert right after the latest of the group's inputs: before the first linear of the group
+        anchor = min(group, key=lambda n: _index(gm, n))
+        w_node = add_weight(gm, fused_name(group) + "_weight", torch.cat(weights, 0), anchor)
+        b_node = None
+        if biases[0] is not None:
+            b = torch.cat([attr(gm, bn.target) for bn in biases], 0)
+            b_node = add_weight(gm, fused_name(group) + "_bias", b, anchor)
+        with gm.graph.inserting_before(anchor):
+            fused = gm.graph.call_function(LINEAR, (x, w_node, b_node) if b_node is not None else (x, w_node))
+            start = 0
+            for node, w in zip(group, weights):
+                end = start + w.shape[0]
+                part = gm.graph.call_function(aten.slice.Tensor, (fused, -1, start, end))
+                node.replace_all_uses_with(part)
+                start = end
+        for node in group:
+            gm.graph.erase_node(node)
+        merged += 1
+    return merged
+
+
+def _index(gm: fx.GraphModule, node: fx.Node) -> int:
+    for i, n in enumerate(gm.graph.nodes):
+        if n is node:
+            return i
+    raise KeyError(node)
+
+
+def sibling_groups(gm: fx.GraphModule, suffixes: tuple[str, ...]) -> list[list[fx.Node]]:
+    """Linears reading the same input whose weight names end in each of ``suffixes`` (ordered as given)."""
+    by_input: dict[fx.Node, dict[str, fx.Node]] = {}
+    for node in gm.graph.nodes:
+        if not is_linear(node):
+            continue
+        target = node.args[1].target
+        for s in suffixes:
+            if target.endswith(s):
+                by_input.setdefault(node.args[0], {})[s] = node
+    return [[found[s] for s in suffixes] for found in by_input.values() if len(found) == len(suffixes)]

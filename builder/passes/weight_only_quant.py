@@ -1,0 +1,69 @@
+"""Weight-only quantization: every constant-weight GEMM -> ``kiln.weight_only_linear`` on int8/int4 weights.
+
+Weights are quantized at build time (int8: per output channel; int4: group-wise along the input,
+``group_size`` weights per scale) by the plugin's ``quantize_int8`` / ``quantize_int4``; activations
+stay in the engine dtype. The lm_head is quantized too (it is the largest single GEMM at decode).
+"""
+
+from __future__ import annotations
+
+from torch import fx
+
+from kiln.builder.passes.common import (
+    add_weight, attr, count_gemms, is_linear, linear_bias, register_gemm_target, weights_bytes,
+)
+
+NAME = "weight_only_quant"
+DESCRIPTION = "GEMMs -> kiln.weight_only_linear with int8 (per channel) or int4 (group-wise) weights (--quantization)"
+
+
+def _plugin():
+    try:
+        from kiln.plugins import weight_only_linear as wol
+    except ImportError as exc:  # pragma: no cover - the plugin ships with kiln
+        raise RuntimeError(f"quantization needs kiln.plugins.weight_only_linear ({exc})") from None
+    import torch
+
+    register_gemm_target(torch.ops.kiln.weight_only_linear.default)
+    return wol
+
+
+def run(gm: fx.GraphModule, ctx) -> dict:
+    mode = ctx.build.quantization if ctx is not None else "none"
+    if mode == "none":
+        return {"skipped": "quantization=none"}
+    import torch
+
+    wol = _plugin()
+    bits = 8 if mode == "int8_weight_only" else 4
+    group = ctx.build.group_size if bits == 4 else 0
+    before_bytes = weights_bytes(gm)
+    count = 0
+    for node in list(gm.graph.nodes):
+        if not is_linear(node):
+            continue
+        w = attr(gm, node.args[1].target)
+        if w.dim() != 2:
+            continue
+        if bits == 4 and w.shape[1] % group:
+            continue  # left in the engine dtype (reported)
+        if bits == 8:
+            qweight, scales = wol.quantize_int8(w)
+        else:
+            qweight, scales = wol.quantize_int4(w, group)
+        base = node.args[1].target.removesuffix(".weight").removesuffix("_weight")
+        q_node = add_weight(gm, f"{base}_q{bits}", qweight, node)
+        s_node = add_weight(gm, f"{base}_scales", scales.to(w.dtype) if scales.is_floating_point() else scales, node)
+        with gm.graph.inserting_before(node):
+            new = gm.graph.call_function(
+                torch.ops.kiln.weight_only_linear.default,
+                (node.args[0], q_node, s_node, linear_bias(node), bits, group),
+            )
+        node.replace_all_uses_with(new)
+        gm.graph.erase_node(node)
+        count += 1
+    from kiln.builder.passes.common import prune_unused_attrs
+
+    prune_unused_attrs(gm)
+    return {"quantized_gemms": count, "bits": bits, "group_size": group,
+            "weights_bytes_before": before_bytes, "weights_bytes_after": weights_bytes(gm)}
