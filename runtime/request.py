@@ -1,0 +1,86 @@
+"""Request: the scheduler's record of one sequence (tokens, progress, KV blocks, status)."""
+
+from __future__ import annotations
+
+import enum
+import time
+
+from kiln.runtime.outputs import RequestMetrics
+from kiln.runtime.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    PREEMPTED = "preempted"      # waiting again, to be recomputed
+    FINISHED_STOPPED = "stop"
+    FINISHED_LENGTH = "length"
+    FINISHED_ABORTED = "abort"
+
+    @property
+    def finished(self) -> bool:
+        return self in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH, RequestStatus.FINISHED_ABORTED)
+
+
+class Request:
+    """One request. Progress is only ``num_computed_tokens`` vs ``num_tokens``: a request whose
+    computed tokens trail its tokens by more than one is (re)filling its context, by exactly one it decodes.
+    """
+
+    __slots__ = (
+        "request_id", "prompt", "prompt_token_ids", "output_token_ids", "all_token_ids", "params", "priority",
+        "arrival_time", "seq", "status", "num_computed_tokens", "block_ids", "block_hashes", "max_tokens",
+        "metrics", "stop_reason", "logprobs", "generator", "detokenizer", "num_prompt_tokens",
+        "num_registered_blocks", "eos_token_ids",
+    )
+
+    def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, max_tokens: int,
+                 priority: int = 0, arrival_time: float | None = None, seq: int = 0, prompt: str | None = None,
+                 eos_token_ids: tuple[int, ...] = ()):
+        self.request_id = request_id
+        self.prompt = prompt
+        self.prompt_token_ids = list(prompt_token_ids)
+        self.num_prompt_tokens = len(self.prompt_token_ids)
+        self.output_token_ids: list[int] = []
+        self.all_token_ids: list[int] = list(self.prompt_token_ids)
+        self.params = params
+        self.max_tokens = max_tokens
+        self.priority = priority
+        self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
+        self.seq = seq                      # submission order, breaks ties between equal arrivals
+        self.status = RequestStatus.WAITING
+        self.num_computed_tokens = 0
+        self.block_ids: list[int] = []
+        self.block_hashes: list[bytes] = []  # hash chain of this request's full blocks (grows as it generates)
+        self.metrics = RequestMetrics(arrival_time=self.arrival_time)
+        self.stop_reason: str | int | None = None
+        self.logprobs: list[dict[int, float]] | None = [] if params.logprobs is not None else None
+        self.generator = None
+        self.detokenizer = None
+        self.num_registered_blocks = 0      # leading blocks already offered to the prefix cache
+        self.eos_token_ids = eos_token_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status.finished
+
+    @property
+    def order_key(self) -> tuple:
+        """Scheduling order: higher priority first, then earlier arrival (FCFS)."""
+        return (-self.priority, self.arrival_time, self.seq)
+
+    def append_token(self, token: int) -> None:
+        self.output_token_ids.append(token)
+        self.all_token_ids.append(token)
+
+    def __repr__(self) -> str:
+        return (f"Request({self.request_id!r}, {self.status.value}, tokens={self.num_tokens}, "
+                f"computed={self.num_computed_tokens}, blocks={len(self.block_ids)})")
