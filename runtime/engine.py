@@ -115,7 +115,8 @@ class Engine:
             else:
                 from torch._inductor import aoti_load_package
 
-                fn = aoti_load_package(str(engine_path))
+                with open(engine_path, "rb") as f:
+                    fn = aoti_load_package(f)
         except Exception as exc:
             raise EngineLoadError(
                 f"{engine_path}: cannot load the {config['backend']} engine ({type(exc).__name__}: "

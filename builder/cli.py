@@ -1,0 +1,135 @@
+"""``build-engine``: checkpoint directory -> engine directory, with per-stage progress and a summary."""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+
+import click
+
+from kiln.builder.build import STAGES, build_engine
+from kiln.builder.config import BACKENDS, DTYPES, KV_DTYPES, QUANTIZATIONS, BuildConfig, BuildConfigError
+
+# CLI flag -> BuildConfig field (flags override the YAML)
+_OVERRIDES = (
+    "dtype", "backend", "quantization", "group_size", "max_batch_size", "max_input_len", "max_seq_len",
+    "max_num_tokens", "opt_num_tokens", "tokens_per_block", "kv_cache_dtype", "gather_all_logits",
+)
+
+
+def human_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} GiB"
+
+
+def summary_rows(config: dict, report: dict | None) -> list[tuple[str, str]]:
+    mem = config.get("memory", {})
+    b, m = config["build"], config["model"]
+    rows = [
+        ("model", f"{m['architecture']} ({m['num_layers']} layers, hidden {m['hidden_size']}, vocab {m['vocab_size']})"),
+        ("backend / dtype", f"{config['backend']} / {b['dtype']} (kv {b['kv_cache_dtype']}, quantization {b['quantization']})"),
+        ("limits", f"batch {b['max_batch_size']}, tokens/step {b['max_num_tokens']}, seq {b['max_seq_len']}, "
+                   f"block {b['tokens_per_block']}"),
+        ("weights", human_bytes(mem.get("weights_bytes", 0))),
+        ("activation peak", f"{human_bytes(mem.get('activation_peak_bytes', 0))} "
+                            f"(no reuse: {human_bytes(mem.get('activation_naive_bytes', 0))})"),
+        ("KV bytes/token", f"{mem.get('kv_bytes_per_token', 0)} B"),
+        ("KV tokens in 1 GiB", f"{mem.get('kv_tokens_per_gib', 0):,}"),
+    ]
+    if report:
+        rows.append(("GEMMs before/after passes",
+                     f"{report['gemms']['before_passes']} -> {report['gemms']['after_passes']}"))
+        rows.append(("build time", f"{report['timings_s'].get('total', 0):.1f} s"))
+    return rows
+
+
+def print_table(rows: list[tuple[str, str]]) -> None:
+    width = max(len(k) for k, _ in rows)
+    line = "-" * (width + 3 + max(len(v) for _, v in rows))
+    click.echo(line)
+    for k, v in rows:
+        click.echo(f"{k:<{width}} | {v}")
+    click.echo(line)
+
+
+def _list_passes(ctx: click.Context, _param, value: bool) -> None:
+    if not value or ctx.resilient_parsing:
+        return
+    from kiln.builder.passes import PASSES
+
+    for p in PASSES:
+        click.echo(f"{p.NAME:<18} {p.DESCRIPTION}")
+    ctx.exit(0)
+
+
+@click.command(context_settings={"help_option_names": ["-h", "--help"]})
+@click.option("--checkpoint", type=click.Path(path_type=Path), help="Hugging Face checkpoint directory.")
+@click.option("--output", type=click.Path(path_type=Path), help="Engine directory to write (replaced if it exists).")
+@click.option("--config", "config_path", type=click.Path(path_type=Path), help="BuildConfig YAML (flags override it).")
+@click.option("--dtype", type=click.Choice(DTYPES))
+@click.option("--backend", type=click.Choice(BACKENDS))
+@click.option("--quantization", type=click.Choice(QUANTIZATIONS))
+@click.option("--group-size", type=int, help="int4 group size.")
+@click.option("--max-batch-size", type=int)
+@click.option("--max-input-len", type=int)
+@click.option("--max-seq-len", type=int)
+@click.option("--max-num-tokens", type=int)
+@click.option("--opt-num-tokens", type=int)
+@click.option("--tokens-per-block", type=int)
+@click.option("--kv-cache-dtype", type=click.Choice(KV_DTYPES))
+@click.option("--gather-all-logits/--no-gather-all-logits", default=None)
+@click.option("--disable-pass", "disabled", multiple=True, metavar="NAME", help="Skip a pass (repeatable).")
+@click.option("--passes", is_flag=True, expose_value=False, is_eager=True, callback=_list_passes,
+              help="List the passes and exit.")
+def build_engine_cmd(checkpoint, output, config_path, disabled, **flags) -> None:
+    """Build a kiln engine from a Hugging Face checkpoint."""
+    if checkpoint is None or output is None:
+        raise click.UsageError("--checkpoint and --output are required")
+    from kiln.builder.passes import PASS_NAMES
+
+    unknown = [d for d in disabled if d not in PASS_NAMES]
+    if unknown:
+        raise click.BadParameter(f"unknown pass(es) {unknown}; see --passes: {PASS_NAMES}", param_hint="--disable-pass")
+    try:
+        base = BuildConfig.from_yaml(config_path) if config_path else BuildConfig()
+        changes = {k: v for k, v in flags.items() if k in _OVERRIDES and v is not None}
+        if disabled:
+            changes["disabled_passes"] = sorted(set(base.disabled_passes) | set(disabled))
+        build = base.replace(**changes) if changes else base
+    except BuildConfigError as exc:
+        raise click.ClickException(str(exc)) from None
+
+    started: dict[str, float] = {}
+
+    def progress(stage: str, message: str) -> None:
+        n = STAGES.index(stage) + 1 if stage in STAGES else 0
+        if message == "start":
+            started[stage] = time.perf_counter()
+            click.echo(f"[{n}/{len(STAGES)}] {stage:<12} ...", nl=False)
+        else:
+            click.echo(f" {message}")
+
+    click.echo(f"building {checkpoint} -> {output} ({build.backend}, {build.dtype}, quantization {build.quantization})")
+    try:
+        out = build_engine(checkpoint, output, build, progress=progress)
+    except (BuildConfigError, ValueError, FileNotFoundError) as exc:
+        if started:
+            click.echo("")
+        raise click.ClickException(str(exc)) from None
+    config = json.loads((out / "config.json").read_text())
+    report = json.loads((out / "build_report.json").read_text())
+    print_table(summary_rows(config, report))
+    click.echo(f"engine written to {out}")
+
+
+def build_engine_main(argv: list[str] | None = None) -> None:
+    build_engine_cmd.main(args=argv, prog_name="build-engine")
+
+
+if __name__ == "__main__":
+    sys.exit(build_engine_main())
