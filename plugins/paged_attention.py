@@ -69,7 +69,14 @@ def _decode_batch(
     mask = pos.unsqueeze(0) < ctx  # query sits at position ctx-1
     if sliding_window > 0:
         mask &= pos.unsqueeze(0) > ctx - 1 - sliding_window
-    out = _attend(q.unsqueeze(2), keys.to(q.dtype), values.to(q.dtype), mask[:, None, None, :], scale)
+    # Shorter sequences gather slots they never wrote (the tail of their last block, padded table
+    # entries). Whatever those hold (stale or uninitialised memory, possibly NaN) must not leak in:
+    # a masked score still multiplies its value, and NaN * 0 is NaN.
+    keep = mask[:, None, :, None]
+    zero = torch.zeros((), dtype=q.dtype)
+    keys = torch.where(keep, keys.to(q.dtype), zero)
+    values = torch.where(keep, values.to(q.dtype), zero)
+    out = _attend(q.unsqueeze(2), keys, values, mask[:, None, None, :], scale)
     return out.squeeze(2)
 
 
