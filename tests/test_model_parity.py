@@ -30,11 +30,13 @@ BF16_REL = 0.05  # × max |logit| of the fp32 HF reference (README)
 
 # id -> (family, checkpoint overrides, checkpoint kwargs). Between them: llama3 and linear rope
 # scaling, a sharded checkpoint, a sliding window shorter than the sequences, tied and untied
-# embeddings, GQA (tiny preset: 4 heads / 2 kv heads), MQA and MHA, GPT-2's Conv1D/LayerNorm/GELU.
+# embeddings, GQA (tiny preset: 4 heads / 2 kv heads), MQA and MHA, a head_dim that is not
+# hidden/heads, Llama's optional biases, GPT-2's Conv1D/LayerNorm/GELU.
 CASES = {
     "llama-llama3-sharded": ("llama", {}, {"shard_size": "100KB"}),
-    "llama-linear-mqa": ("llama", {"rope_scaling": {"rope_type": "linear", "factor": 4.0},
-                                   "num_key_value_heads": 1}, {}),
+    "llama-linear-mqa-bias": ("llama", {"rope_scaling": {"rope_type": "linear", "factor": 4.0},
+                                        "num_key_value_heads": 1, "head_dim": 32,  # 4 heads × 32 != hidden 64
+                                        "attention_bias": True, "mlp_bias": True}, {}),
     "mistral-window8": ("mistral", {"sliding_window": 8}, {}),
     "qwen2-tied": ("qwen2", {"tie_word_embeddings": True}, {}),
     "qwen2-untied-mha": ("qwen2", {"tie_word_embeddings": False, "num_key_value_heads": 4}, {}),
@@ -181,6 +183,22 @@ def test_logits_match_transformers_bf16(case):
     assert max(errors.values()) <= 1.5 * max(hf_errors.values()), (
         f"{name}: kiln bf16 errors {errors} vs transformers bf16 errors {hf_errors}"
     )
+
+
+def test_cases_exercise_their_features(checkpoint_dir):
+    """Each case's checkpoint really has the feature it is meant to test (transformers renames keys)."""
+    def cfg(name):
+        family, overrides, kwargs = CASES[name]
+        return load_checkpoint(checkpoint_dir(family, **kwargs, **overrides))[0]
+
+    assert cfg("llama-llama3-sharded").rope_scaling["rope_type"] == "llama3"
+    c = cfg("llama-linear-mqa-bias")
+    assert c.rope_scaling == {"rope_type": "linear", "factor": 4.0}
+    assert (c.num_kv_heads, c.head_dim, c.attention_bias, c.attention_out_bias, c.mlp_bias) == (1, 32, True, True, True)
+    assert cfg("mistral-window8").sliding_window == 8
+    assert cfg("qwen2-tied").tie_word_embeddings and cfg("qwen2-tied").attention_bias
+    assert not cfg("qwen2-untied-mha").tie_word_embeddings and cfg("qwen2-untied-mha").num_kv_heads == 4
+    assert cfg("gpt2").hidden_act == "gelu_new" and cfg("gpt2").attention_bias
 
 
 def test_sharded_checkpoint_is_sharded(checkpoint_dir):
