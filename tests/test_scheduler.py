@@ -1,0 +1,178 @@
+"""Scheduler without an engine: budgets, decode-first, chunk alignment, priorities, capacity policies."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+
+from kiln.runtime.errors import InvalidRequestError
+from kiln.runtime.kv_cache import KVCacheManager
+from kiln.runtime.request import Request, RequestStatus
+from kiln.runtime.sampling_params import SamplingParams
+from kiln.runtime.scheduler import Scheduler, SchedulerConfig
+
+_seq = itertools.count()
+
+
+def make(num_blocks=64, bs=4, batch=4, tokens=16, policy="guaranteed_no_evict", prefix=True, max_seq=64, max_in=48):
+    kv = KVCacheManager(num_blocks, bs, prefix)
+    return Scheduler(SchedulerConfig(batch, tokens, max_seq, max_in, policy), kv)
+
+
+def add(s: Scheduler, n_prompt: int, max_tokens: int, rid: str, priority: int = 0, arrival: float | None = None,
+        first: int = 10):
+    mt = s.resolve_max_tokens(n_prompt, max_tokens)
+    r = Request(rid, [first + i for i in range(n_prompt)], SamplingParams(max_tokens=mt), mt, priority=priority,
+                arrival_time=arrival if arrival is not None else float(next(_seq)), seq=next(_seq))
+    s.add_request(r)
+    return r
+
+
+def step(s: Scheduler, token: int = 7):
+    out = s.schedule()
+    assert out.num_tokens <= s.config.max_num_tokens
+    assert len(out.scheduled) <= s.config.max_batch_size
+    sampled = {i: token for i, x in enumerate(out.scheduled) if x.samples}
+    return out, s.update(out, sampled)
+
+
+def drain(s: Scheduler, limit: int = 1000):
+    finished = []
+    for _ in range(limit):
+        if not s.has_unfinished():
+            return finished
+        finished += step(s)[1]
+    raise AssertionError("scheduler did not drain")
+
+
+def test_budgets_and_block_aligned_chunks():
+    s = make(bs=4, tokens=10)
+    r = add(s, 23, 2, "long")
+    chunks = []
+    while r.num_output_tokens == 0:
+        out, _ = step(s)
+        (x,) = out.scheduled
+        chunks.append((x.start, x.num_new_tokens))
+    assert chunks == [(0, 8), (8, 8), (16, 7)]   # budget 10 -> 8 (two blocks); the last chunk unaligned
+    drain(s)
+    assert s.kv.num_used_blocks == 0
+
+
+def test_decodes_first_then_waiting_fcfs():
+    s = make(bs=4, tokens=12, batch=8)
+    a = add(s, 4, 5, "a")
+    step(s)                                   # a prefilled, has 1 token
+    b = add(s, 20, 5, "b")
+    c = add(s, 3, 5, "c")
+    out, _ = step(s)
+    # a's decode took its token first; b gets a block-aligned chunk of the other 11, c its whole prompt;
+    # in the forward, context chunks come before decodes
+    assert [(x.request.request_id, x.num_new_tokens) for x in out.scheduled] == [("b", 8), ("c", 3), ("a", 1)]
+    d = add(s, 9, 5, "d", first=200)
+    e = add(s, 1, 5, "e", first=300)
+    out, _ = step(s)   # decodes a, c (2) + b's last 12 would exceed 10 -> b gets 8; d cannot get a block: e waits
+    assert [(x.request.request_id, x.num_new_tokens) for x in out.scheduled] == [("b", 8), ("a", 1), ("c", 1)]
+    assert d.status is RequestStatus.WAITING and e.status is RequestStatus.WAITING   # no overtaking
+    drain(s)
+
+
+def test_priorities_higher_first_fcfs_within():
+    s = make(batch=1)
+    low = add(s, 4, 1, "low", priority=0, arrival=1.0)
+    hi2 = add(s, 4, 1, "hi2", priority=5, arrival=3.0)
+    hi1 = add(s, 4, 1, "hi1", priority=5, arrival=2.0)
+    order = [r.request_id for r in drain(s)]
+    assert order == ["hi1", "hi2", "low"]
+
+
+def test_rejections_are_clear():
+    s = make(num_blocks=4, bs=4, max_seq=64, max_in=48)
+    assert s.resolve_max_tokens(10, None) == 7          # None: as many as the engine and the pool allow
+    with pytest.raises(InvalidRequestError, match="max_input_len"):
+        s.resolve_max_tokens(49, 1)
+    with pytest.raises(InvalidRequestError, match="max_seq_len"):
+        s.resolve_max_tokens(40, 30)
+    with pytest.raises(InvalidRequestError, match="whole pool"):
+        s.resolve_max_tokens(10, 8)         # 17 tokens of KV = 5 blocks > 4
+    with pytest.raises(InvalidRequestError, match="empty"):
+        s.resolve_max_tokens(0, 1)
+    add(s, 3, 2, "x")
+    with pytest.raises(InvalidRequestError, match="already in use"):
+        add(s, 3, 2, "x")
+
+
+def test_guaranteed_no_evict_reserves_and_never_preempts():
+    s = make(num_blocks=10, bs=4, batch=8, tokens=64)
+    rs = [add(s, 6, 10, f"r{i}") for i in range(4)]    # each needs ceil(15/4) = 4 blocks at most
+    out, _ = step(s)
+    assert len(out.scheduled) == 2                      # 2 x 4 reserved of 10; a third would break the promise
+    finished = drain(s)
+    assert s.num_preemptions == 0 and len(finished) == 4
+    assert all(r.num_output_tokens == 10 for r in rs)
+    s.kv.check_consistency()
+    assert s.kv.num_used_blocks == 0
+
+
+def test_max_utilization_preempts_lowest_priority_latest_and_recomputes():
+    s = make(num_blocks=6, bs=4, batch=8, tokens=64, policy="max_utilization")
+    a = add(s, 6, 12, "a", priority=1, arrival=1.0)
+    b = add(s, 6, 12, "b", priority=0, arrival=2.0)
+    c = add(s, 6, 12, "c", priority=0, arrival=3.0)
+    step(s)
+    assert {r.request_id for r in s.running} == {"a", "b", "c"}   # admitted greedily (2 blocks each)
+    preempted = []
+    while s.has_unfinished():
+        out, _ = step(s)
+        preempted += [r.request_id for r in out.preempted]
+    assert preempted and preempted[0] == "c"            # lowest priority, latest arrival goes first
+    assert "a" not in preempted
+    assert all(r.num_output_tokens == 12 and r.status is RequestStatus.FINISHED_LENGTH for r in (a, b, c))
+    assert c.metrics.num_preemptions >= 1
+    s.kv.check_consistency()
+    assert s.kv.num_used_blocks == 0
+
+
+def test_prefix_hit_skips_computed_tokens():
+    s = make(bs=4, tokens=64)
+    a = add(s, 13, 1, "a", first=100)
+    drain(s)
+    b = add(s, 15, 1, "b", first=100)                    # same first 13 tokens
+    out, _ = step(s)
+    (x,) = out.scheduled
+    assert x.start == 12 and x.num_new_tokens == 3       # 3 full cached blocks reused
+    assert b.metrics.num_cached_tokens == 12
+    drain(s)
+
+
+def test_abort_frees_blocks_any_state():
+    s = make(bs=4, tokens=8, batch=2)
+    a = add(s, 20, 5, "a")
+    b = add(s, 4, 5, "b")
+    step(s)
+    assert a.status is RequestStatus.RUNNING and a.num_computed_tokens == 8
+    s.abort("a")
+    s.abort("b")
+    assert a.status is RequestStatus.FINISHED_ABORTED and b.status is RequestStatus.FINISHED_ABORTED
+    assert not s.has_unfinished() and s.kv.num_used_blocks == 0
+
+
+def test_stop_conditions():
+    s = make()
+    mt = 5
+    r = Request("e", [5, 6], SamplingParams(max_tokens=mt, min_tokens=2), mt, eos_token_ids=(2,))
+    s.add_request(r)
+    step(s, token=2)            # EOS before min_tokens: not a stop (the sampler masks it anyway)
+    assert not r.is_finished
+    step(s, token=2)
+    assert not r.is_finished and r.num_output_tokens == 2
+    step(s, token=2)
+    assert r.status is RequestStatus.FINISHED_STOPPED
+    r2 = Request("s", [5, 6], SamplingParams(max_tokens=mt, stop_token_ids=[9]), mt, eos_token_ids=(2,))
+    s.add_request(r2)
+    step(s, token=9)
+    assert r2.status is RequestStatus.FINISHED_STOPPED and r2.stop_reason == 9
+    r3 = Request("i", [5, 6], SamplingParams(max_tokens=3, ignore_eos=True), 3, eos_token_ids=(2,))
+    s.add_request(r3)
+    drain_tokens = [step(s, token=2) for _ in range(3)]
+    assert r3.status is RequestStatus.FINISHED_LENGTH and r3.output_token_ids == [2, 2, 2]
