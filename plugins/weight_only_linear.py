@@ -1,0 +1,419 @@
+"""Fast CPU linear layers: weight-only int8 / int4 GEMMs and a bf16-weight linear.
+
+Ops (all registered in the ``kiln`` namespace, with a fake kernel for ``torch.export``):
+
+``kiln::weight_only_linear(x, qweight, scales, bias, bits, group_size) -> y``
+    ``x`` [..., in] fp32 or bf16 (fp16 also accepted); ``y`` [..., out] in ``x``'s dtype.
+    bits=8: ``qweight`` int8 [out, in], ``scales`` fp32 [out] (per output channel; group_size ignored).
+    bits=4: ``qweight`` uint8 [out, in//2] in kiln's packed layout, ``scales`` fp32
+    [out, in//group_size].
+``kiln::bf16_linear(x, weight, bias) -> y``
+    ``weight`` bf16 [out, in]; ``y`` in ``x``'s dtype; accumulation in fp32.
+
+Quantisation helpers: :func:`quantize_int8`, :func:`quantize_int4`, :func:`dequantize`,
+:func:`pack_int4`, :func:`unpack_int4`.
+
+int4 format: symmetric, values -8..7 (two's-complement nibbles), one fp32 scale per group of
+``group_size`` consecutive input elements. As in llama.cpp's Q4_0, the scale is chosen so that the
+element of largest magnitude maps exactly to -8 (the scale may therefore be negative); the full
+16-level range is used. Packed layout of a row: the input dim is cut in blocks of 64 elements
+stored in 32 bytes; the little-endian 32-bit word ``l`` (0..7) of a block holds element
+``64*b + 8*j + l`` in its nibble ``j`` (bits 4j..4j+3). A trailing partial block (in % 64 != 0)
+is stored plainly: element 2i in the low nibble of byte i, 2i+1 in the high nibble. The layout
+lets the AVX2 kernel expand 8 consecutive weights with one load and two shifts.
+
+Kernels: C++ (AVX2 + FMA + OpenMP, ``plugins/csrc/weight_only_linear.cpp``) compiled with
+``torch.utils.cpp_extension.load`` on first use and cached in TORCH_EXTENSIONS_DIR. Dispatch on M
+(number of rows of ``x``): M <= ``GEMV_MAX_M`` runs the streaming GEMV kernel (each weight byte is
+read once per call, nothing is dequantised in memory); larger M (prefill) dequantises row chunks
+to fp32 and uses torch's sgemm. Set ``KILN_DISABLE_NATIVE_KERNELS=1`` (or call
+:func:`set_native_kernels_enabled(False)`) to force the plain-torch path; if the compile fails or
+the CPU lacks AVX2/FMA, the torch path is used after a one-time warning.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import os
+import threading
+import warnings
+from pathlib import Path
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+__all__ = [
+    "quantize_int8",
+    "quantize_int4",
+    "dequantize",
+    "pack_int4",
+    "unpack_int4",
+    "weight_only_linear",
+    "bf16_linear",
+    "weight_only_linear_reference",
+    "bf16_linear_reference",
+    "native_kernels_available",
+    "set_native_kernels_enabled",
+    "native_kernels_disabled",
+    "GEMV_MAX_M",
+]
+
+# M above which the prefill path (dequantise chunk + torch sgemm) is used; tuned on AVX2 (Zen).
+GEMV_MAX_M = 16
+# Rows of the weight dequantised at once in the prefill path (bounded fp32 scratch).
+_PREFILL_CHUNK_BYTES = 16 << 20
+
+_WTYPE_BF16, _WTYPE_INT8, _WTYPE_INT4 = 0, 1, 2
+_ABI_VERSION = 1
+
+# --------------------------------------------------------------------------------------------
+# quantisation and the int4 layout (plain torch)
+# --------------------------------------------------------------------------------------------
+
+
+def quantize_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric per-output-channel int8: ``w[out, in] ~= q[out, in] * scales[out, None]``.
+
+    q in [-127, 127]; |w - q*s| <= s/2 with s = max|w_row| / 127. All-zero rows get scale 1.
+    """
+    if w.dim() != 2:
+        raise ValueError(f"quantize_int8 expects a 2-D weight [out, in], got shape {tuple(w.shape)}")
+    wf = w.detach().float()
+    amax = wf.abs().amax(dim=1)
+    scales = torch.where(amax > 0, amax / 127.0, torch.ones_like(amax))
+    q = torch.round(wf / scales[:, None]).clamp_(-127, 127).to(torch.int8)
+    return q.contiguous(), scales.contiguous()
+
+
+def _int4_group_check(in_features: int, group_size: int) -> None:
+    if group_size <= 0:
+        raise ValueError(f"int4 group_size must be positive, got {group_size}")
+    if in_features % group_size != 0:
+        raise ValueError(
+            f"int4 quantization needs the input dim ({in_features}) to be a multiple of "
+            f"group_size ({group_size}); choose a group_size that divides {in_features} "
+            f"(e.g. 32, 64 or 128 for usual hidden sizes)"
+        )
+    if in_features % 2 != 0:
+        raise ValueError(f"int4 quantization needs an even input dim, got {in_features}")
+
+
+def quantize_int4(w: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric group-wise int4 (values -8..7), packed in kiln's layout (see module doc).
+
+    Returns ``(packed uint8 [out, in//2], scales fp32 [out, in//group_size])``. Per group the
+    element of largest magnitude maps exactly to -8; the error of any element is <= |scale|
+    (<= |scale|/2 except for elements of the opposite sign near the max, which clamp to 7).
+    """
+    if w.dim() != 2:
+        raise ValueError(f"quantize_int4 expects a 2-D weight [out, in], got shape {tuple(w.shape)}")
+    n, k = w.shape
+    _int4_group_check(k, group_size)
+    wg = w.detach().float().reshape(n, k // group_size, group_size)
+    idx = wg.abs().argmax(dim=2, keepdim=True)
+    mx = torch.gather(wg, 2, idx).squeeze(2)  # signed value of largest magnitude
+    scales = torch.where(mx != 0, mx / -8.0, torch.ones_like(mx))
+    q = torch.round(wg / scales[..., None]).clamp_(-8, 7).to(torch.int8).reshape(n, k)
+    return pack_int4(q), scales.contiguous()
+
+
+def pack_int4(q: torch.Tensor) -> torch.Tensor:
+    """int8 values in [-8, 7], shape [out, in] (in even) -> packed uint8 [out, in//2] (kiln layout)."""
+    n, k = q.shape
+    if k % 2:
+        raise ValueError(f"pack_int4 needs an even input dim, got {k}")
+    nib = (q.to(torch.int16) & 0xF).to(torch.uint8)
+    kb = (k // 64) * 64
+    parts = []
+    if kb:
+        # [n, blocks, j, l] -> [n, blocks, l, j]; byte 4l + j//2, low nibble = even j
+        blk = nib[:, :kb].reshape(n, kb // 64, 8, 8).transpose(2, 3).reshape(n, kb // 64, 8, 4, 2)
+        parts.append((blk[..., 0] | (blk[..., 1] << 4)).reshape(n, kb // 2))
+    if k > kb:
+        tail = nib[:, kb:].reshape(n, (k - kb) // 2, 2)
+        parts.append(tail[..., 0] | (tail[..., 1] << 4))
+    return torch.cat(parts, dim=1).contiguous() if len(parts) > 1 else parts[0].contiguous()
+
+
+def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
+    """Inverse of :func:`pack_int4`: uint8 [out, in//2] -> int8 [out, in] in [-8, 7]."""
+    n, kh = packed.shape
+    k = 2 * kh
+    p = packed.to(torch.int16)
+    lo = p & 0xF
+    hi = (p >> 4) & 0xF
+    vals = torch.stack([lo, hi], dim=-1)  # [n, kh, 2]
+    vals = torch.where(vals >= 8, vals - 16, vals).to(torch.int8)
+    kb = (k // 64) * 64
+    parts = []
+    if kb:
+        blk = vals[:, : kb // 2].reshape(n, kb // 64, 8, 8)  # [n, blocks, l, j]
+        parts.append(blk.transpose(2, 3).reshape(n, kb))
+    if k > kb:
+        parts.append(vals[:, kb // 2 :].reshape(n, k - kb))
+    return torch.cat(parts, dim=1) if len(parts) > 1 else parts[0].contiguous()
+
+
+def _in_features(qweight: torch.Tensor, bits: int) -> int:
+    return qweight.shape[1] * (2 if bits == 4 else 1)
+
+
+def dequantize(qweight: torch.Tensor, scales: torch.Tensor, bits: int, group_size: int) -> torch.Tensor:
+    """fp32 [out, in] weight that the quantised form stands for."""
+    if bits == 8:
+        return qweight.float() * scales.float()[:, None]
+    if bits == 4:
+        q = unpack_int4(qweight).float()
+        n, k = q.shape
+        _int4_group_check(k, group_size)
+        return (q.reshape(n, k // group_size, group_size) * scales.float()[..., None]).reshape(n, k)
+    raise ValueError(f"bits must be 4 or 8, got {bits}")
+
+
+# --------------------------------------------------------------------------------------------
+# references (plain torch, used by tests and as the fallback)
+# --------------------------------------------------------------------------------------------
+
+
+def weight_only_linear_reference(x, qweight, scales, bias, bits: int, group_size: int):
+    w = dequantize(qweight, scales, bits, group_size)
+    y = F.linear(x.float(), w, None if bias is None else bias.float())
+    return y.to(x.dtype)
+
+
+def bf16_linear_reference(x, weight, bias):
+    y = F.linear(x.float(), weight.float(), None if bias is None else bias.float())
+    return y.to(x.dtype)
+
+
+# --------------------------------------------------------------------------------------------
+# native library: lazy compile + ctypes
+# --------------------------------------------------------------------------------------------
+
+_CSRC = Path(__file__).resolve().parent / "csrc" / "weight_only_linear.cpp"
+_lib_lock = threading.Lock()
+_lib: Optional[ctypes.CDLL] = None
+_lib_state = "unloaded"  # unloaded | ok | failed
+_enabled = os.environ.get("KILN_DISABLE_NATIVE_KERNELS", "0") in ("", "0", "false", "False")
+_warned: set[str] = set()
+
+
+def _warn_once(key: str, msg: str) -> None:
+    if key not in _warned:
+        _warned.add(key)
+        warnings.warn(msg, RuntimeWarning, stacklevel=3)
+
+
+def _cpu_has_avx2_fma() -> bool:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    flags = set(line.split(":", 1)[1].split())
+                    return {"avx2", "fma"} <= flags
+    except OSError:
+        pass
+    return torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512")
+
+
+def _load_library() -> Optional[ctypes.CDLL]:
+    global _lib, _lib_state
+    if _lib_state == "ok":
+        return _lib
+    if _lib_state == "failed":
+        return None
+    with _lib_lock:
+        if _lib_state != "unloaded":
+            return _lib
+        try:
+            if not _cpu_has_avx2_fma():
+                raise RuntimeError("this CPU lacks AVX2/FMA")
+            from torch.utils import cpp_extension
+
+            path = cpp_extension.load(
+                name=f"kiln_linear_kernels_v{_ABI_VERSION}",
+                sources=[str(_CSRC)],
+                extra_cflags=["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-std=c++17"],
+                extra_ldflags=["-fopenmp"],
+                is_python_module=False,
+                verbose=False,
+            )
+            lib = ctypes.CDLL(path)
+            if lib.kiln_wol_abi_version() != _ABI_VERSION:
+                raise RuntimeError("stale kernel library (ABI version mismatch)")
+            i64, vp, fp = ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p
+            lib.kiln_linear.argtypes = [ctypes.c_int, vp, fp, i64, fp, i64, i64, i64, fp, fp, ctypes.c_int]
+            lib.kiln_linear.restype = ctypes.c_int
+            lib.kiln_dequant_rows.argtypes = [ctypes.c_int, vp, fp, i64, i64, i64, i64, i64, fp, ctypes.c_int]
+            lib.kiln_dequant_rows.restype = ctypes.c_int
+            _lib = lib
+            _lib_state = "ok"
+        except Exception as e:  # compile error, missing compiler, no AVX2 ...
+            _lib_state = "failed"
+            _warn_once(
+                "load",
+                f"kiln: native linear kernels unavailable ({type(e).__name__}: {str(e)[:500]}); "
+                "using the slower plain-torch path",
+            )
+        return _lib
+
+
+def native_kernels_available() -> bool:
+    """True if the native kernels are enabled and compiled (compiles them on first call)."""
+    return _enabled and _load_library() is not None
+
+
+def set_native_kernels_enabled(enabled: bool) -> None:
+    global _enabled
+    _enabled = bool(enabled)
+
+
+@contextlib.contextmanager
+def native_kernels_disabled():
+    """Force the plain-torch path inside the block (tests, debugging)."""
+    global _enabled
+    old = _enabled
+    _enabled = False
+    try:
+        yield
+    finally:
+        _enabled = old
+
+
+def _native(wtype: int, x: torch.Tensor, w: torch.Tensor, scales, bias, group_size: int, n: int, k: int):
+    """Run the native kernel; returns None when the case is not covered (caller falls back)."""
+    if not _enabled:
+        return None
+    lib = _load_library()
+    if lib is None:
+        return None
+    out_dtype = x.dtype
+    lead = x.shape[:-1]
+    x2 = x.reshape(-1, k)
+    if x2.dtype != torch.float32:
+        x2 = x2.float()
+    x2 = x2.contiguous()
+    m = x2.shape[0]
+    if not w.is_contiguous():
+        w = w.contiguous()
+    sp = None
+    if scales is not None:
+        if scales.dtype != torch.float32 or not scales.is_contiguous():
+            scales = scales.float().contiguous()
+        sp = scales.data_ptr()
+    bp = None
+    if bias is not None:
+        if bias.dtype != torch.float32 or not bias.is_contiguous():
+            bias = bias.float().contiguous()
+        bp = bias.data_ptr()
+    nthreads = torch.get_num_threads()
+    if m == 0:
+        y = x2.new_empty(0, n)
+    elif m <= GEMV_MAX_M:
+        y = torch.empty(m, n, dtype=torch.float32)
+        rc = lib.kiln_linear(wtype, w.data_ptr(), sp, group_size, x2.data_ptr(), m, n, k, bp, y.data_ptr(), nthreads)
+        if rc != 0:
+            return None
+    else:
+        y = torch.empty(m, n, dtype=torch.float32)
+        rows = max(1, min(n, _PREFILL_CHUNK_BYTES // (4 * k)))
+        wbuf = torch.empty(rows, k, dtype=torch.float32)
+        for n0 in range(0, n, rows):
+            n1 = min(n, n0 + rows)
+            wc = wbuf[: n1 - n0]
+            rc = lib.kiln_dequant_rows(wtype, w.data_ptr(), sp, group_size, n, k, n0, n1, wc.data_ptr(), nthreads)
+            if rc != 0:
+                return None
+            if n0 == 0 and n1 == n:
+                torch.mm(x2, wc.t(), out=y)
+            else:
+                y[:, n0:n1] = torch.mm(x2, wc.t())
+        if bias is not None:
+            y += bias
+    if out_dtype != torch.float32:
+        y = y.to(out_dtype)
+    return y.reshape(*lead, n)
+
+
+# --------------------------------------------------------------------------------------------
+# ops
+# --------------------------------------------------------------------------------------------
+
+
+def _check_wol(x, qweight, scales, bias, bits, group_size):
+    if bits == 8:
+        if qweight.dtype != torch.int8:
+            raise ValueError(f"bits=8 expects an int8 qweight, got {qweight.dtype}")
+        if scales.shape != (qweight.shape[0],):
+            raise ValueError(f"bits=8 expects scales [{qweight.shape[0]}], got {tuple(scales.shape)}")
+    elif bits == 4:
+        if qweight.dtype != torch.uint8:
+            raise ValueError(f"bits=4 expects a packed uint8 qweight, got {qweight.dtype}")
+        k = 2 * qweight.shape[1]
+        _int4_group_check(k, group_size)
+        if scales.shape != (qweight.shape[0], k // group_size):
+            raise ValueError(
+                f"bits=4 expects scales [{qweight.shape[0]}, {k // group_size}], got {tuple(scales.shape)}"
+            )
+    else:
+        raise ValueError(f"bits must be 4 or 8, got {bits}")
+    k = _in_features(qweight, bits)
+    if x.shape[-1] != k:
+        raise ValueError(f"x has {x.shape[-1]} input features, the weight expects {k}")
+
+
+_lib_def = torch.library.Library("kiln", "FRAGMENT")
+# Ops are defined with torch.library.Library (not custom_op): the per-call Python overhead of a
+# custom_op is ~30-40 us on this class of machine, ~4x that of a plain Library op, which matters
+# for batch-1 decode with hundreds of linears per step.
+_lib_def.define(
+    "weight_only_linear(Tensor x, Tensor qweight, Tensor scales, Tensor? bias, int bits, int group_size) -> Tensor"
+)
+_lib_def.define("bf16_linear(Tensor x, Tensor weight, Tensor? bias) -> Tensor")
+
+
+def _weight_only_linear_cpu(x, qweight, scales, bias, bits, group_size):
+    _check_wol(x, qweight, scales, bias, bits, group_size)
+    n, k = qweight.shape[0], _in_features(qweight, bits)
+    wtype = _WTYPE_INT8 if bits == 8 else _WTYPE_INT4
+    y = _native(wtype, x, qweight, scales, bias, group_size if bits == 4 else 0, n, k)
+    if y is None:
+        y = weight_only_linear_reference(x, qweight, scales, bias, bits, group_size)
+    return y
+
+
+def _bf16_linear_cpu(x, weight, bias):
+    if weight.dim() != 2 or x.shape[-1] != weight.shape[1]:
+        raise ValueError(f"bf16_linear: x {tuple(x.shape)} does not match weight {tuple(weight.shape)}")
+    y = None
+    if weight.dtype == torch.bfloat16:
+        y = _native(_WTYPE_BF16, x, weight, None, bias, 0, weight.shape[0], weight.shape[1])
+    if y is None:
+        y = bf16_linear_reference(x, weight, bias)
+    return y
+
+
+_lib_def.impl("weight_only_linear", _weight_only_linear_cpu, "CPU")
+_lib_def.impl("bf16_linear", _bf16_linear_cpu, "CPU")
+
+
+@torch.library.register_fake("kiln::weight_only_linear")
+def _(x, qweight, scales, bias, bits, group_size):
+    return x.new_empty(*x.shape[:-1], qweight.shape[0])
+
+
+@torch.library.register_fake("kiln::bf16_linear")
+def _(x, weight, bias):
+    return x.new_empty(*x.shape[:-1], weight.shape[0])
+
+
+def weight_only_linear(x, qweight, scales, bias=None, bits: int = 8, group_size: int = 0):
+    """Python entry point: ``torch.ops.kiln.weight_only_linear``."""
+    return torch.ops.kiln.weight_only_linear(x, qweight, scales, bias, bits, group_size)
+
+
+def bf16_linear(x, weight, bias=None):
+    """Python entry point: ``torch.ops.kiln.bf16_linear``."""
+    return torch.ops.kiln.bf16_linear(x, weight, bias)
