@@ -1,0 +1,151 @@
+"""Sampler: next tokens for a batch of requests, vectorised over the batch (see sampling_params for the order).
+
+Random draws use the exponential-race form of categorical sampling: ``argmax(p / E)`` with ``E ~ Exp(1)``
+per vocabulary entry draws from ``p``. A request with a seed owns a ``torch.Generator`` that produces its
+row of ``E`` (one vocabulary-sized draw per generated token), so its tokens depend only on its seed and its
+own logits, never on what else is in the batch or in which row it sits. Unseeded rows share one
+generator and one batched draw.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kiln.runtime.request import Request
+
+
+@dataclass
+class SamplerOutput:
+    token_ids: list[int]
+    logprobs: list[dict[int, float] | None]
+
+
+class Sampler:
+    def __init__(self, vocab_size: int, seed: int | None = None):
+        self.vocab_size = vocab_size
+        self.generator = torch.Generator()
+        if seed is not None:
+            self.generator.manual_seed(seed)
+        else:
+            self.generator.seed()
+
+    # ---- penalties ------------------------------------------------------------------------------------
+    def _apply_penalties(self, logits: torch.Tensor, reqs: list[Request]) -> torch.Tensor:
+        rows = [i for i, r in enumerate(reqs) if r.params.needs_penalties]
+        if not rows:
+            return logits
+        V = logits.shape[1]
+        sub = logits[rows]
+        n = len(rows)
+
+        def padded(lists: list[list[int]]) -> torch.Tensor:
+            width = max(1, max(len(x) for x in lists))
+            return torch.tensor([x + [V] * (width - len(x)) for x in lists], dtype=torch.int64)
+
+        out_ids = padded([reqs[i].output_token_ids for i in rows])
+        counts = torch.zeros(n, V + 1).scatter_add_(1, out_ids, torch.ones(out_ids.shape))[:, :V]
+        rep = torch.tensor([reqs[i].params.repetition_penalty for i in rows]).unsqueeze(1)
+        pres = torch.tensor([reqs[i].params.presence_penalty for i in rows]).unsqueeze(1)
+        freq = torch.tensor([reqs[i].params.frequency_penalty for i in rows]).unsqueeze(1)
+        if bool((rep != 1.0).any()):
+            prompt_ids = padded([reqs[i].prompt_token_ids for i in rows])
+            seen = torch.zeros(n, V + 1, dtype=torch.bool).scatter_(1, prompt_ids, True)[:, :V] | (counts > 0)
+            sub = torch.where(seen, torch.where(sub > 0, sub / rep, sub * rep), sub)
+        sub = sub - freq * counts - pres * (counts > 0).float()
+        logits = logits.clone()
+        logits[rows] = sub
+        return logits
+
+    def _apply_min_tokens(self, logits: torch.Tensor, reqs: list[Request]) -> torch.Tensor:
+        cloned = False
+        for i, r in enumerate(reqs):
+            p = r.params
+            if r.num_output_tokens < p.min_tokens:
+                banned = list(p.stop_token_ids) + ([] if p.ignore_eos else list(r.eos_token_ids))
+                banned = [t for t in banned if 0 <= t < logits.shape[1]]
+                if banned:
+                    if not cloned:
+                        logits, cloned = logits.clone(), True
+                    logits[i, banned] = float("-inf")
+        return logits
+
+    # ---- truncation -----------------------------------------------------------------------------------
+    @staticmethod
+    def truncate(x: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+        """Temperature-scaled logits [B, V] -> the same with disallowed tokens at -inf.
+
+        top_k [B] int (0 = off), top_p [B] float (1 = off), min_p [B] float (0 = off).
+        """
+        V = x.shape[1]
+        vals, idx = x.sort(dim=1, descending=True)
+        rank = torch.arange(V).unsqueeze(0)
+        k = torch.where(top_k > 0, top_k, V).unsqueeze(1)
+        vals = vals.masked_fill(rank >= k, float("-inf"))
+        use_p = top_p < 1.0
+        if bool(use_p.any()):
+            probs = vals.softmax(dim=1)
+            before = probs.cumsum(dim=1) - probs          # mass of the better tokens
+            drop = (before >= top_p.unsqueeze(1)) & use_p.unsqueeze(1)
+            drop[:, 0] = False
+            vals = vals.masked_fill(drop, float("-inf"))
+        use_min = min_p > 0
+        if bool(use_min.any()):
+            probs = vals.softmax(dim=1)
+            drop = (probs < min_p.unsqueeze(1) * probs[:, :1]) & use_min.unsqueeze(1)
+            drop[:, 0] = False
+            vals = vals.masked_fill(drop, float("-inf"))
+        return torch.full_like(x, float("-inf")).scatter_(1, idx, vals)
+
+    # ---- the step -------------------------------------------------------------------------------------
+    def __call__(self, logits: torch.Tensor, reqs: list[Request]) -> SamplerOutput:
+        """logits [len(reqs), V] float32 -> one token per request (plus logprobs where asked)."""
+        B = logits.shape[0]
+        assert B == len(reqs)
+        logits = self._apply_penalties(logits, reqs)
+        logits = self._apply_min_tokens(logits, reqs)
+
+        temps = [r.params.temperature for r in reqs]
+        tokens = logits.argmax(dim=1)
+        rand_rows = [i for i, t in enumerate(temps) if t > 0]
+        if rand_rows:
+            rr = reqs if len(rand_rows) == B else [reqs[i] for i in rand_rows]
+            x = logits if len(rand_rows) == B else logits[rand_rows]
+            x = x / torch.tensor([r.params.temperature for r in rr]).unsqueeze(1)
+            top_k = torch.tensor([r.params.top_k for r in rr])
+            top_p = torch.tensor([r.params.top_p for r in rr])
+            min_p = torch.tensor([r.params.min_p for r in rr])
+            if bool((top_k > 0).any() | (top_p < 1).any() | (min_p > 0).any()):
+                x = self.truncate(x, top_k, top_p, min_p)
+            probs = x.softmax(dim=1)
+            noise = torch.empty_like(probs).exponential_(generator=self.generator)
+            for j, r in enumerate(rr):
+                if r.params.seed is not None:
+                    if r.generator is None:
+                        r.generator = torch.Generator().manual_seed(r.params.seed)
+                    noise[j] = torch.empty(probs.shape[1]).exponential_(generator=r.generator)
+            picked = (probs / noise).argmax(dim=1)
+            if len(rand_rows) == B:
+                tokens = picked
+            else:
+                tokens[rand_rows] = picked
+        token_list = tokens.tolist()
+
+        logprobs: list[dict[int, float] | None] = [None] * B
+        lp_rows = [i for i, r in enumerate(reqs) if r.params.logprobs is not None]
+        if lp_rows:
+            lp = logits[lp_rows].log_softmax(dim=1)
+            chosen = lp.gather(1, tokens[lp_rows].unsqueeze(1)).squeeze(1).tolist()
+            n_top = max(reqs[i].params.logprobs for i in lp_rows)
+            top_v, top_i = (lp.topk(min(n_top, lp.shape[1]), dim=1) if n_top else (None, None))
+            top_v = top_v.tolist() if n_top else None
+            top_i = top_i.tolist() if n_top else None
+            for j, i in enumerate(lp_rows):
+                d = {token_list[i]: chosen[j]}
+                n = reqs[i].params.logprobs
+                if n:
+                    for t, v in zip(top_i[j][:n], top_v[j][:n]):
+                        d.setdefault(t, v)
+                logprobs[i] = d
+        return SamplerOutput(token_list, logprobs)
