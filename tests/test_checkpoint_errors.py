@@ -247,3 +247,20 @@ def test_gpt2_untied_head_is_used(checkpoint_dir):
     hf = AutoModelForCausalLM.from_pretrained(path)
     assert torch.equal(model.lm_head.weight, hf.lm_head.weight)
     assert not torch.equal(model.lm_head.weight, model.embed_tokens.weight)
+
+
+def test_bf16_checkpoint_converts(tmp_path):
+    """A checkpoint saved in bf16 loads as fp32 (exact upcast) or stays bf16 when asked."""
+    from safetensors import safe_open
+
+    from kiln.model_defs.synthetic import make_checkpoint
+
+    path = make_checkpoint(tmp_path / "bf16", "qwen2", "tiny", dtype=torch.bfloat16)
+    with safe_open(str(path / "model.safetensors"), "pt") as f:
+        stored = f.get_tensor("model.layers.0.self_attn.q_proj.bias")
+    assert stored.dtype == torch.bfloat16
+    _, fp32 = load_checkpoint(path, torch.float32)
+    _, bf16 = load_checkpoint(path, "bfloat16")
+    assert fp32["layers.0.self_attn.q_proj.bias"].dtype == torch.float32
+    assert torch.equal(fp32["layers.0.self_attn.q_proj.bias"], stored.float())
+    assert torch.equal(bf16["layers.0.self_attn.q_proj.bias"], stored)
