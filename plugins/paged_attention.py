@@ -41,12 +41,21 @@ def _gather_context(
 def _attend(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float
 ) -> torch.Tensor:
-    """Masked attention with GQA. q [B, Hq, M, D], k/v [B, Hkv, N, D], mask [B, 1, M, N] bool (True = attend)."""
-    hq, hkv = q.shape[1], k.shape[1]
-    if hq != hkv:
-        k = k.repeat_interleave(hq // hkv, dim=1)
-        v = v.repeat_interleave(hq // hkv, dim=1)
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+    """Masked attention with GQA. q [B, Hq, M, D], k/v [B, Hkv, N, D], mask [B, 1, M, N] bool (True = attend).
+
+    Query head h reads kv head h // group. Rather than copying each kv head ``group`` times, the
+    group's query heads become extra query rows of their kv head: [B, Hkv, group*M, D].
+    """
+    b, hq, m, d = q.shape
+    hkv = k.shape[1]
+    if hq == hkv:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+    group = hq // hkv
+    q = q.reshape(b, hkv, group * m, d)  # row g*M + i = query i of head kv*group + g
+    if m > 1:
+        mask = mask.repeat(1, 1, group, 1)
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+    return out.reshape(b, hq, m, d)
 
 
 def _decode_batch(
