@@ -1,0 +1,99 @@
+"""Benchmark kiln's CPU linear kernels against torch on decode-like shapes.
+
+Prints, per shape and M (tokens): time per call and GB/s of *weights* streamed (weight bytes /
+time; activations are negligible at small M), plus GFLOP/s. Compare ratios within one run: other
+processes on the machine add noise, so each case keeps the best of several repeats.
+
+    .venv/bin/python scripts/bench_kernels.py [--shapes 4096x5504,1024x2816] [--m 1,16] [--threads N]
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+
+
+def bench(fn, min_time: float = 0.3, repeats: int = 5) -> float:
+    """Best-of-`repeats` mean seconds per call, each repeat running >= min_time/repeats."""
+    fn()
+    t0 = time.perf_counter()
+    fn()
+    one = max(time.perf_counter() - t0, 1e-6)
+    iters = max(1, int(min_time / repeats / one))
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        for _ in range(iters):
+            fn()
+        best = min(best, (time.perf_counter() - t0) / iters)
+    return best
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--shapes", default="4096x5504,1024x2816", help="comma list of OUTxIN weight shapes")
+    ap.add_argument("--m", default="1,16", help="comma list of token counts")
+    ap.add_argument("--threads", type=int, default=0, help="torch threads (default: all)")
+    ap.add_argument("--group-size", type=int, default=128)
+    ap.add_argument("--min-time", type=float, default=0.4, help="seconds per case")
+    args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+
+    from kiln.plugins import weight_only_linear as wol
+
+    print(f"torch {torch.__version__}, threads {torch.get_num_threads()}, "
+          f"cpu capability {torch.backends.cpu.get_cpu_capability()}", flush=True)
+    t0 = time.perf_counter()
+    ok = wol.native_kernels_available()
+    print(f"native kernels: {'ok' if ok else 'UNAVAILABLE (torch fallback)'} "
+          f"(load/compile {time.perf_counter() - t0:.1f} s)", flush=True)
+    int8pack = getattr(torch.ops.aten, "_weight_int8pack_mm", None)
+
+    header = f"{'shape':>11} {'M':>3}  {'kernel':<28} {'ms':>8} {'GB/s(w)':>8} {'GFLOP/s':>8}"
+    for shape in args.shapes.split(","):
+        n, k = (int(v) for v in shape.lower().split("x"))
+        torch.manual_seed(0)
+        w = torch.randn(n, k) * 0.02
+        wb = w.bfloat16()
+        q8, s8 = wol.quantize_int8(w)
+        q4, s4 = wol.quantize_int4(w, args.group_size)
+        print(f"\n== weight {n}x{k} ({n * k / 1e6:.1f}M elements), int4 group {args.group_size}", flush=True)
+        print(header, flush=True)
+        for m in (int(v) for v in args.m.split(",")):
+            x = torch.randn(m, k)
+            xb = x.bfloat16()
+            cases = [
+                ("F.linear fp32", 4 * n * k, lambda: F.linear(x, w)),
+                ("F.linear bf16", 2 * n * k, lambda: F.linear(xb, wb)),
+                ("kiln bf16_linear (x fp32)", 2 * n * k, lambda: wol.bf16_linear(x, wb)),
+                ("kiln bf16_linear (x bf16)", 2 * n * k, lambda: wol.bf16_linear(xb, wb)),
+            ]
+            if int8pack is not None:
+                cases.append(("torch _weight_int8pack_mm", n * k, lambda: int8pack(xb, q8, s8.bfloat16())))
+            cases += [
+                ("kiln int8 (x fp32)", n * k, lambda: wol.weight_only_linear(x, q8, s8, None, 8, 0)),
+                ("kiln int8 (x bf16)", n * k, lambda: wol.weight_only_linear(xb, q8, s8, None, 8, 0)),
+                (f"kiln int4 g{args.group_size} (x fp32)", n * k // 2 + s4.numel() * 4,
+                 lambda: wol.weight_only_linear(x, q4, s4, None, 4, args.group_size)),
+            ]
+            ref_ms = None
+            for name, nbytes, fn in cases:
+                try:
+                    sec = bench(fn, args.min_time)
+                except Exception as e:  # keep going: one broken torch op must not hide the rest
+                    print(f"{shape:>11} {m:>3}  {name:<28} failed: {type(e).__name__}: {e}", flush=True)
+                    continue
+                ms = sec * 1e3
+                ref_ms = ref_ms or ms
+                print(f"{shape:>11} {m:>3}  {name:<28} {ms:8.3f} {nbytes / sec / 1e9:8.1f} "
+                      f"{2 * m * n * k / sec / 1e9:8.1f}   x{ref_ms / ms:.2f} vs fp32", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

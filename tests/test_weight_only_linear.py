@@ -1,0 +1,283 @@
+"""kiln::weight_only_linear / kiln::bf16_linear: native AVX2 kernels vs the plain-torch reference,
+the int4 layout, quantisation error bounds, the fallback path, and torch.export with a dynamic T."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import warnings
+
+import pytest
+import torch
+
+from kiln.plugins import weight_only_linear as wol
+
+ops = torch.ops.kiln
+
+SHAPES = [(37, 128), (64, 200), (130, 256), (8, 8), (5, 1000)]  # (out, in): odd/even, tails
+MS = [1, 3, 16, 64]
+
+
+@pytest.fixture(scope="module")
+def native():
+    """Compile (or load the cached) kernels once; the native tests fail loudly if this fails."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a compile failure warns: make it an error here
+        ok = wol.native_kernels_available()
+    assert ok, "native kernels did not build"
+    return True
+
+
+def _tol(ref: torch.Tensor, dtype: torch.dtype) -> dict:
+    scale = ref.float().abs().max().item() + 1e-6
+    if dtype == torch.bfloat16:
+        return dict(atol=scale * 1.6e-2, rtol=1.6e-2)
+    return dict(atol=scale * 2e-6 + 1e-6, rtol=1e-5)
+
+
+def _assert_native_used(wtype, x, w, scales, bias, gs, n, k):
+    y = wol._native(wtype, x, w, scales, bias, gs, n, k)
+    assert y is not None, "the native kernel declined this case"
+    return y
+
+
+@pytest.mark.parametrize("m", MS)
+@pytest.mark.parametrize("n,k", SHAPES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_int8_matches_reference(native, m, n, k, dtype, with_bias):
+    g = torch.Generator().manual_seed(m * 1000 + n + k)
+    w = torch.randn(n, k, generator=g)
+    x = torch.randn(m, k, generator=g).to(dtype)
+    bias = torch.randn(n, generator=g).to(dtype) if with_bias else None
+    q, s = wol.quantize_int8(w)
+    ref = wol.weight_only_linear_reference(x, q, s, bias, 8, 0)
+    _assert_native_used(wol._WTYPE_INT8, x, q, s, bias, 0, n, k)
+    y = ops.weight_only_linear(x, q, s, bias, 8, 0)
+    assert y.dtype == dtype and y.shape == (m, n)
+    torch.testing.assert_close(y, ref, **_tol(ref, dtype))
+
+
+@pytest.mark.parametrize("m", MS)
+@pytest.mark.parametrize("n,k,gs", [(37, 128, 32), (64, 192, 64), (130, 256, 128), (3, 64, 64), (33, 512, 256)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_int4_matches_reference(native, m, n, k, gs, dtype, with_bias):
+    g = torch.Generator().manual_seed(m * 1000 + n + k + gs)
+    w = torch.randn(n, k, generator=g)
+    x = torch.randn(m, k, generator=g).to(dtype)
+    bias = torch.randn(n, generator=g).to(dtype) if with_bias else None
+    q, s = wol.quantize_int4(w, gs)
+    ref = wol.weight_only_linear_reference(x, q, s, bias, 4, gs)
+    _assert_native_used(wol._WTYPE_INT4, x, q, s, bias, gs, n, k)
+    y = ops.weight_only_linear(x, q, s, bias, 4, gs)
+    assert y.dtype == dtype and y.shape == (m, n)
+    torch.testing.assert_close(y, ref, **_tol(ref, dtype))
+
+
+@pytest.mark.parametrize("n,k,gs", [(10, 200, 40), (7, 66, 66), (4, 96, 32)])
+def test_int4_shapes_outside_the_fast_kernel_still_correct(n, k, gs):
+    """in % 64 != 0 (or odd group sizes): the op falls back to the torch path, same result."""
+    w = torch.randn(n, k)
+    x = torch.randn(3, k)
+    q, s = wol.quantize_int4(w, gs)
+    torch.testing.assert_close(ops.weight_only_linear(x, q, s, None, 4, gs),
+                               wol.weight_only_linear_reference(x, q, s, None, 4, gs), atol=1e-4, rtol=1e-5)
+
+
+@pytest.mark.parametrize("m", MS)
+@pytest.mark.parametrize("n,k", SHAPES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_bf16_linear_matches_reference(native, m, n, k, dtype, with_bias):
+    g = torch.Generator().manual_seed(m * 7 + n + k)
+    w = torch.randn(n, k, generator=g).bfloat16()
+    x = torch.randn(m, k, generator=g).to(dtype)
+    bias = torch.randn(n, generator=g).to(dtype) if with_bias else None
+    ref = wol.bf16_linear_reference(x, w, bias)
+    _assert_native_used(wol._WTYPE_BF16, x, w, None, bias, 0, n, k)
+    y = ops.bf16_linear(x, w, bias)
+    assert y.dtype == dtype and y.shape == (m, n)
+    torch.testing.assert_close(y, ref, **_tol(ref, dtype))
+
+
+def test_leading_dims_and_noncontiguous_inputs(native):
+    w = torch.randn(48, 128)
+    x = torch.randn(2, 3, 256)[..., ::2]  # [2, 3, 128], non-contiguous
+    q, s = wol.quantize_int8(w)
+    y = ops.weight_only_linear(x, q, s, None, 8, 0)
+    assert y.shape == (2, 3, 48)
+    torch.testing.assert_close(y, wol.weight_only_linear_reference(x, q, s, None, 8, 0), atol=1e-4, rtol=1e-5)
+    wb = torch.randn(128, 48).bfloat16().t()  # non-contiguous weight
+    torch.testing.assert_close(ops.bf16_linear(x, wb, None), wol.bf16_linear_reference(x, wb, None),
+                               atol=1e-4, rtol=1e-5)
+
+
+# ---------------------------------------------------------------------------------------------
+# quantisation and layout
+
+
+@pytest.mark.parametrize("k", [2, 62, 64, 66, 128, 130, 320])
+def test_int4_pack_round_trip(k):
+    q = torch.randint(-8, 8, (5, k), dtype=torch.int8)
+    packed = wol.pack_int4(q)
+    assert packed.dtype == torch.uint8 and packed.shape == (5, k // 2)
+    assert torch.equal(wol.unpack_int4(packed), q)
+
+
+def test_int4_layout_is_the_documented_one():
+    # element 64*b + 8*j + l is nibble j of little-endian 32-bit word l of block b
+    k = 128
+    q = torch.zeros(1, k, dtype=torch.int8)
+    for b, j, l, v in [(0, 0, 0, 1), (0, 7, 3, -8), (1, 2, 7, 5), (1, 5, 0, -1)]:
+        q[0, 64 * b + 8 * j + l] = v
+    words = wol.pack_int4(q).view(torch.int32).view(-1).tolist()  # little-endian machine
+
+    def nib(b, l, j):
+        return ((words[8 * b + l] >> (4 * j)) & 0xF)
+
+    assert nib(0, 0, 0) == 1 and nib(0, 3, 7) == 8 and nib(1, 7, 2) == 5 and nib(1, 0, 5) == 0xF
+    assert sum(1 for w in words if w) == 4
+
+
+def test_int8_quantization_error_bound():
+    w = torch.randn(64, 300) * torch.logspace(-3, 1, 64)[:, None]
+    w[5] = 0.0
+    q, s = wol.quantize_int8(w)
+    assert q.dtype == torch.int8 and s.dtype == torch.float32 and s.shape == (64,)
+    assert q.abs().max() <= 127
+    err = (wol.dequantize(q, s, 8, 0) - w).abs()
+    assert (err <= s[:, None] / 2 * (1 + 1e-5) + 1e-12).all()
+    assert torch.equal(q[5], torch.zeros_like(q[5]))
+    rel = err.norm() / w.norm()
+    assert rel < 0.01
+
+
+@pytest.mark.parametrize("gs", [32, 64, 128])
+def test_int4_quantization_error_bound(gs):
+    w = torch.randn(48, 256)
+    w[3, :gs] = 0.0
+    packed, s = wol.quantize_int4(w, gs)
+    assert packed.dtype == torch.uint8 and packed.shape == (48, 128)
+    assert s.dtype == torch.float32 and s.shape == (48, 256 // gs)
+    q = wol.unpack_int4(packed)
+    assert q.min() >= -8 and q.max() <= 7
+    deq = wol.dequantize(packed, s, 4, gs)
+    err = (deq - w).abs().reshape(48, -1, gs)
+    bound = s.abs()[..., None]
+    assert (err <= bound * (1 + 1e-5) + 1e-12).all()          # worst case (clamp of +8 to 7)
+    assert (err.mean(-1) <= bound.squeeze(-1) * 0.4).all()    # typical: ~|s|/4
+    assert (err.mean(-1) / bound.squeeze(-1).clamp_min(1e-12)).mean() < 0.3
+    # the element of largest magnitude of each group is exact (it maps to -8)
+    wg = w.reshape(48, -1, gs)
+    idx = wg.abs().argmax(-1, keepdim=True)
+    torch.testing.assert_close(deq.reshape(48, -1, gs).gather(-1, idx), wg.gather(-1, idx))
+    assert (deq[3, :gs] == 0).all()
+    assert (deq - w).norm() / w.norm() < 0.12
+
+
+def test_int4_rejects_bad_group_size():
+    w = torch.randn(4, 96)
+    with pytest.raises(ValueError, match="multiple of group_size"):
+        wol.quantize_int4(w, 64)
+    with pytest.raises(ValueError, match="positive"):
+        wol.quantize_int4(w, 0)
+    with pytest.raises(ValueError, match="bits"):
+        ops.weight_only_linear(torch.randn(1, 96), torch.zeros(4, 96, dtype=torch.int8), torch.ones(4), None, 3, 0)
+
+
+# ---------------------------------------------------------------------------------------------
+# fallback
+
+
+def test_forced_fallback_matches_reference():
+    w = torch.randn(40, 128)
+    x = torch.randn(3, 128)
+    q8, s8 = wol.quantize_int8(w)
+    q4, s4 = wol.quantize_int4(w, 32)
+    with wol.native_kernels_disabled():
+        assert wol._native(wol._WTYPE_INT8, x, q8, s8, None, 0, 40, 128) is None
+        torch.testing.assert_close(ops.weight_only_linear(x, q8, s8, None, 8, 0),
+                                   wol.weight_only_linear_reference(x, q8, s8, None, 8, 0))
+        torch.testing.assert_close(ops.weight_only_linear(x, q4, s4, None, 4, 32),
+                                   wol.weight_only_linear_reference(x, q4, s4, None, 4, 32))
+        wb = w.bfloat16()
+        torch.testing.assert_close(ops.bf16_linear(x.bfloat16(), wb, None),
+                                   wol.bf16_linear_reference(x.bfloat16(), wb, None))
+
+
+def test_build_failure_warns_once_and_falls_back(monkeypatch):
+    monkeypatch.setattr(wol, "_lib_state", "unloaded")
+    monkeypatch.setattr(wol, "_lib", None)
+    monkeypatch.setattr(wol, "_warned", set())
+    monkeypatch.setattr(wol, "_cpu_has_avx2_fma", lambda: False)
+    w = torch.randn(16, 64)
+    x = torch.randn(2, 64)
+    q, s = wol.quantize_int8(w)
+    with pytest.warns(RuntimeWarning, match="AVX2"):
+        y = ops.weight_only_linear(x, q, s, None, 8, 0)
+    torch.testing.assert_close(y, wol.weight_only_linear_reference(x, q, s, None, 8, 0))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no second warning
+        ops.weight_only_linear(x, q, s, None, 8, 0)
+
+
+def test_env_var_disables_native_kernels():
+    code = (
+        "import torch, warnings; warnings.simplefilter('error');"
+        "from kiln.plugins import weight_only_linear as wol;"
+        "assert not wol.native_kernels_available();"
+        "w = torch.randn(8, 64); q, s = wol.quantize_int8(w); x = torch.randn(1, 64);"
+        "torch.testing.assert_close(torch.ops.kiln.weight_only_linear(x, q, s, None, 8, 0),"
+        " wol.weight_only_linear_reference(x, q, s, None, 8, 0)); print('ok')"
+    )
+    env = {**os.environ, "KILN_DISABLE_NATIVE_KERNELS": "1"}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "ok" in out.stdout
+
+
+# ---------------------------------------------------------------------------------------------
+# export
+
+
+class _TinyMLP(torch.nn.Module):
+    def __init__(self, k=128, h=192, gs=64):
+        super().__init__()
+        w1, w2, w3 = torch.randn(h, k), torch.randn(h, k), torch.randn(k, h)
+        q1, s1 = wol.quantize_int8(w1)
+        q2, s2 = wol.quantize_int4(w2, gs)
+        self.gs = gs
+        self.register_buffer("q1", q1)
+        self.register_buffer("s1", s1)
+        self.register_buffer("q2", q2)
+        self.register_buffer("s2", s2)
+        self.register_buffer("w3", w3.bfloat16())
+        self.register_buffer("b3", torch.randn(k))
+
+    def forward(self, x):
+        a = ops.weight_only_linear(x, self.q1, self.s1, None, 8, 0)
+        b = ops.weight_only_linear(x, self.q2, self.s2, None, 4, self.gs)
+        return ops.bf16_linear(torch.nn.functional.silu(a) * b, self.w3, self.b3)
+
+    def reference(self, x):
+        a = wol.weight_only_linear_reference(x, self.q1, self.s1, None, 8, 0)
+        b = wol.weight_only_linear_reference(x, self.q2, self.s2, None, 4, self.gs)
+        return wol.bf16_linear_reference(torch.nn.functional.silu(a) * b, self.w3, self.b3)
+
+
+def test_export_with_dynamic_tokens(native):
+    mod = _TinyMLP().eval()
+    t = torch.export.Dim("num_tokens", min=1, max=512)
+    ep = torch.export.export(mod, (torch.randn(4, 128),), dynamic_shapes={"x": {0: t}})
+    targets = {str(n.target) for n in ep.graph.nodes if n.op == "call_function"}
+    assert {"kiln.weight_only_linear.default", "kiln.bf16_linear.default"} <= targets
+    run = ep.module()
+    for m in (1, 5, 40):
+        x = torch.randn(m, 128)
+        torch.testing.assert_close(run(x), mod.reference(x), atol=2e-3, rtol=1e-4)
+    # re-export of the exported graph (the builder re-traces graphs that contain these ops)
+    ep2 = torch.export.export(run, (torch.randn(3, 128),), dynamic_shapes={"x": {0: t}})
+    x = torch.randn(7, 128)
+    torch.testing.assert_close(ep2.module()(x), mod.reference(x), atol=2e-3, rtol=1e-4)
