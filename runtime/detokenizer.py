@@ -2,7 +2,7 @@
 
 A byte-level BPE token can end in the middle of a multi-byte UTF-8 character (an emoji, CJK); decoding it
 alone gives U+FFFD. The detokenizer decodes a short window of recent tokens and only releases text once the
-window decodes cleanly, so the concatenated deltas equal the decode of all tokens at once. A few prompt
+window decodes cleanly (or 4 tokens have passed: then the bytes are invalid, not incomplete), so the concatenated deltas equal the decode of all tokens at once. A few prompt
 tokens seed the window, so tokenizers that strip a leading space from the first token (SentencePiece's
 "▁") still give the first generated token its space.
 """
@@ -32,7 +32,10 @@ class IncrementalDetokenizer:
         self.ids.extend(token_ids)
         prefix = self._decode(self.ids[self.prefix_offset:self.read_offset])
         full = self._decode(self.ids[self.prefix_offset:])
-        if len(full) > len(prefix) and not full.endswith("\ufffd"):
+        # a trailing U+FFFD may be a character still arriving (UTF-8 needs at most 4 bytes, so at most 4 tokens);
+        # after that it is an invalid byte the model produced, and is released as it is
+        pending = full.endswith("\ufffd") and len(self.ids) - self.read_offset < 4
+        if len(full) > len(prefix) and not pending:
             delta = full[len(prefix):]
             self.prefix_offset = self.read_offset
             self.read_offset = len(self.ids)

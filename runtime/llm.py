@@ -1,0 +1,154 @@
+"""kiln.runtime.LLM: the Python API over an engine directory.
+
+    llm = LLM("engines/llama", max_batch_size=16, capacity_policy="max_utilization")
+    outs = llm.generate(["Hello", "The kiln"], SamplingParams(max_tokens=32, temperature=0))
+    async for out in llm.generate_async("Hello", SamplingParams(max_tokens=32)): print(out.delta_text)
+
+Options (ExecutorConfig): max_batch_size, max_num_tokens (at most the engine's), kv_cache_memory_fraction,
+max_kv_cache_tokens, capacity_policy ("guaranteed_no_evict" default, or "max_utilization"),
+enable_prefix_reuse, seed.
+
+Errors: ``InvalidRequestError`` (a ValueError) for requests that can never be served (see errors.py),
+``ValueError`` for invalid SamplingParams or options, ``ExecutorClosedError`` after ``shutdown``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import AsyncIterator, Sequence
+from pathlib import Path
+
+from kiln.runtime.detokenizer import load_tokenizer
+from kiln.runtime.errors import InvalidRequestError
+from kiln.runtime.executor import Executor, ExecutorConfig
+from kiln.runtime.outputs import RequestOutput
+from kiln.runtime.sampling_params import SamplingParams
+
+Prompt = str | Sequence[int]
+
+
+class LLM:
+    def __init__(self, engine, tokenizer=None, **options):
+        """``engine``: an engine directory, or an already loaded ``Engine`` (shared, e.g. by tests)."""
+        if isinstance(engine, (str, Path)):
+            from kiln.runtime.engine import Engine
+
+            engine = Engine.from_dir(engine)
+        self.engine = engine
+        self.tokenizer = tokenizer if tokenizer is not None else load_tokenizer(engine.directory)
+        self.executor = Executor(engine, ExecutorConfig(**options), tokenizer=self.tokenizer)
+
+    # ---- helpers --------------------------------------------------------------------------------------
+    def encode(self, prompt: Prompt) -> tuple[list[int], str | None]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise InvalidRequestError("text prompts need a tokenizer; the engine directory has no tokenizer.json")
+            return self.tokenizer.encode(prompt).ids, prompt
+        return list(prompt), None
+
+    def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        return self.tokenizer.decode(list(token_ids), skip_special_tokens=skip_special_tokens)
+
+    # ---- API ------------------------------------------------------------------------------------------
+    def submit(self, prompt: Prompt, params: SamplingParams | None = None, *, request_id: str | None = None,
+               priority: int = 0, callback=None) -> str:
+        ids, text = self.encode(prompt)
+        return self.executor.submit(ids, params, request_id=request_id, priority=priority, prompt=text,
+                                    callback=callback)
+
+    def generate(self, prompts: Prompt | Sequence[Prompt], sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 *, priority: int | Sequence[int] = 0, timeout: float | None = None) -> list[RequestOutput]:
+        """Run every prompt concurrently; the final RequestOutputs in input order.
+
+        A prompt is a string or a list of token ids (a single prompt may be passed bare). If any request is
+        invalid, none is left running and the InvalidRequestError is raised.
+        """
+        single = isinstance(prompts, str) or (len(prompts) > 0 and isinstance(prompts[0], int))
+        if single:
+            prompts = [prompts]
+        n = len(prompts)
+        params = list(sampling_params) if isinstance(sampling_params, (list, tuple)) else [sampling_params] * n
+        prios = list(priority) if isinstance(priority, (list, tuple)) else [priority] * n
+        if len(params) != n or len(prios) != n:
+            raise ValueError(f"{n} prompts but {len(params)} sampling params and {len(prios)} priorities")
+        encoded = [self.encode(p) for p in prompts]
+        for (ids, _), sp in zip(encoded, params):
+            self.executor.validate(list(ids), sp if sp is not None else SamplingParams())
+        results: list[RequestOutput | None] = [None] * n
+        done = threading.Event()
+        remaining = [n]
+        lock = threading.Lock()
+
+        def on_output(i):
+            def cb(out: RequestOutput):
+                if out.finished:
+                    results[i] = out
+                    with lock:
+                        remaining[0] -= 1
+                        if remaining[0] == 0:
+                            done.set()
+            return cb
+
+        ids_submitted = []
+        try:
+            for i, ((ids, text), sp) in enumerate(zip(encoded, params)):
+                ids_submitted.append(self.executor.submit(ids, sp, priority=prios[i], prompt=text, callback=on_output(i)))
+        except BaseException:
+            for rid in ids_submitted:
+                self.executor.abort(rid)
+            raise
+        if n and not done.wait(timeout):
+            for rid in ids_submitted:
+                self.executor.abort(rid)
+            raise TimeoutError(f"generate did not finish within {timeout} s; its requests were aborted")
+        errors = [r.error for r in results if r is not None and r.error]
+        if errors:
+            raise RuntimeError(f"the step loop failed: {errors[0]}")
+        return results if not single else results[:1]
+
+    async def generate_async(self, prompt: Prompt, sampling_params: SamplingParams | None = None, *,
+                             request_id: str | None = None, priority: int = 0) -> AsyncIterator[RequestOutput]:
+        """Incremental outputs of one request (each with ``delta_text`` / ``delta_token_ids``); the last one
+        has ``finish_reason`` set. Closing or cancelling the iterator aborts the request."""
+        loop = asyncio.get_running_loop()
+        queue: asyncio.Queue[RequestOutput] = asyncio.Queue()
+
+        def cb(out: RequestOutput) -> None:
+            try:
+                loop.call_soon_threadsafe(queue.put_nowait, out)
+            except RuntimeError:  # the consumer's event loop is gone (it stopped listening); nothing to deliver
+                pass
+
+        rid = self.submit(prompt, sampling_params, request_id=request_id, priority=priority, callback=cb)
+        finished = False
+        try:
+            while True:
+                out = await queue.get()
+                if out.finished:
+                    finished = True
+                yield out
+                if finished:
+                    return
+        finally:
+            if not finished:
+                self.executor.abort(rid)
+
+    def abort(self, request_id: str) -> None:
+        self.executor.abort(request_id)
+
+    def stats(self) -> dict:
+        """Counters, gauges, latency histograms (count/mean/p50/p90/p95/p99), recent step summary, KV cache."""
+        return self.executor.stats()
+
+    def metrics_summary(self) -> str:
+        return self.executor.metrics.summary_text()
+
+    def shutdown(self) -> None:
+        self.executor.close()
+
+    def __enter__(self) -> "LLM":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.shutdown()

@@ -1,0 +1,61 @@
+"""Shared helpers of the runtime tests: engines built once per process, HF greedy references cached.
+
+Engines come from ``kiln.builder.build_engine`` (the real path: engine directory -> Engine.from_dir).
+Transformers references: greedy ``generate(do_sample=False)`` of each prompt alone; the longest
+generation per prompt is cached and shorter ones are its prefixes (greedy decoding is prefix-stable).
+"""
+
+from __future__ import annotations
+
+import random
+import tempfile
+from pathlib import Path
+
+import torch
+
+_ENGINES: dict[tuple, object] = {}
+_HF_MODELS: dict[str, object] = {}
+_HF_CACHE: dict[tuple, list[int]] = {}
+
+# small bounds so blocks, chunks and batches all get exercised on tiny models
+TEST_BUILD = dict(max_batch_size=16, max_input_len=96, max_seq_len=128, max_num_tokens=128, tokens_per_block=8)
+
+
+def get_engine(ckpt: Path, **build_overrides):
+    """An Engine for ``ckpt`` built with TEST_BUILD (+ overrides); built once per process."""
+    key = (str(ckpt), tuple(sorted(build_overrides.items())))
+    if key not in _ENGINES:
+        from kiln.builder import BuildConfig, build_engine
+        from kiln.runtime.engine import Engine
+
+        out = Path(tempfile.mkdtemp(prefix="kiln-rt-engine-"))
+        build_engine(ckpt, out, BuildConfig(**{**TEST_BUILD, **build_overrides}))
+        _ENGINES[key] = Engine.from_dir(out)
+    return _ENGINES[key]
+
+
+def hf_greedy(ckpt: Path, prompt: list[int], max_new_tokens: int, eos_token_id: int = 2) -> list[int]:
+    """Tokens transformers generates greedily for ``prompt`` alone (stops at EOS, like kiln)."""
+    key = (str(ckpt), tuple(prompt))
+    cached = _HF_CACHE.get(key)
+    if cached is None or (len(cached) < max_new_tokens and (not cached or cached[-1] != eos_token_id)):
+        from transformers import AutoModelForCausalLM
+
+        model = _HF_MODELS.get(str(ckpt))
+        if model is None:
+            model = _HF_MODELS[str(ckpt)] = AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float32).eval()
+        want = max(max_new_tokens, 24)
+        with torch.no_grad():
+            ids = torch.tensor([prompt])
+            out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=want, do_sample=False,
+                                 eos_token_id=eos_token_id, pad_token_id=0, min_new_tokens=0)
+        cached = _HF_CACHE[key] = out[0, len(prompt):].tolist()
+    gen = cached[:max_new_tokens]
+    if eos_token_id in gen:
+        gen = gen[:gen.index(eos_token_id) + 1]
+    return gen
+
+
+def random_prompts(n: int, vocab: int, min_len: int, max_len: int, seed: int = 0) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(3, vocab) for _ in range(rng.randint(min_len, max_len))] for _ in range(n)]

@@ -1,0 +1,298 @@
+"""End-to-end runtime: many concurrent requests through a built engine, checked token-for-token against
+transformers' greedy ``generate`` of each prompt alone; preemption, chunked prefill, prefix reuse,
+seeded sampling, stop strings, abort, invalid requests."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import threading
+import time
+
+import pytest
+
+from kiln.runtime import LLM, RequestOutput, SamplingParams
+from kiln.runtime.errors import InvalidRequestError
+from runtime_support import get_engine, hf_greedy, random_prompts
+
+pytestmark = pytest.mark.xdist_group("runtime")   # one worker builds the engines once
+
+VOCAB = 512
+
+
+def workload(n=48, seed=0, min_len=1, max_len=90):
+    rng = random.Random(seed)
+    prompts = random_prompts(n, VOCAB, min_len, max_len, seed=seed)
+    max_tokens = [rng.randint(1, 24) for _ in range(n)]
+    delays = sorted(rng.uniform(0, 0.4) for _ in range(n))   # staggered arrivals while others run
+    return prompts, max_tokens, delays
+
+
+def run_async(llm: LLM, prompts, params, delays) -> list[RequestOutput]:
+    """Submit each prompt after its delay through generate_async; check the stream adds up."""
+
+    async def one(p, sp, d):
+        await asyncio.sleep(d)
+        tokens, text, last = [], "", None
+        async for out in llm.generate_async(p, sp):
+            tokens += out.delta_token_ids
+            text += out.delta_text
+            last = out
+        assert tokens == last.token_ids and text == last.text
+        return last
+
+    async def main():
+        return await asyncio.gather(*(one(p, sp, d) for p, sp, d in zip(prompts, params, delays)))
+
+    return asyncio.run(main())
+
+
+def assert_matches_hf(ckpt, prompts, max_tokens, outs):
+    bad = []
+    for i, (p, m, o) in enumerate(zip(prompts, max_tokens, outs)):
+        ref = hf_greedy(ckpt, p, m)
+        if o.token_ids != ref:
+            bad.append(f"request {i} (prompt {len(p)} tokens, max_tokens {m}): kiln {o.token_ids} != hf {ref}")
+        assert o.finish_reason == ("stop" if ref and ref[-1] == 2 and len(ref) <= m else "length") or o.token_ids != ref
+    assert not bad, "\n".join(bad)
+
+
+def assert_no_leak(llm: LLM):
+    assert llm.executor.wait_idle(10)
+    time.sleep(0.05)
+    kv = llm.executor.kv
+    kv.check_consistency()
+    assert kv.num_used_blocks == 0, f"{kv.num_used_blocks} blocks still referenced after every request ended"
+    assert kv.num_free_blocks == kv.num_blocks
+
+
+@pytest.fixture(scope="module")
+def engines(checkpoint_dir):
+    out = {}
+    for fam in ("llama", "qwen2"):
+        ckpt = checkpoint_dir(fam)
+        out[fam] = (ckpt, get_engine(ckpt))
+    return out
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_48_concurrent_requests_match_transformers(engines, family):
+    ckpt, engine = engines[family]
+    prompts, max_tokens, delays = workload(seed=1 if family == "llama" else 2)
+    with LLM(engine) as llm:
+        outs = run_async(llm, prompts, [SamplingParams(temperature=0, max_tokens=m) for m in max_tokens], delays)
+        assert_matches_hf(ckpt, prompts, max_tokens, outs)
+        assert_no_leak(llm)
+        stats = llm.stats()
+        assert stats["counters"]["requests_finished"] == 48 and stats["counters"]["preemptions"] == 0
+        assert stats["histograms"]["batch_size"]["p90"] > 4, "requests were not batched"
+        for o in outs:
+            m = o.metrics
+            assert m.arrival_time <= m.first_scheduled_time <= m.first_token_time <= m.finished_time
+            assert m.ttft >= m.queue_time >= 0
+            assert (m.mean_tpot is None) == (len(o.token_ids) < 2)
+
+
+def test_preemption_with_a_tiny_pool_keeps_outputs(engines):
+    ckpt, engine = engines["llama"]
+    prompts, max_tokens, delays = workload(seed=3)
+    longest = max(len(p) + m for p, m in zip(prompts, max_tokens))
+    with LLM(engine, capacity_policy="max_utilization", max_kv_cache_tokens=longest + 16) as llm:
+        assert llm.executor.kv.num_blocks * 8 < 3 * longest
+        outs = run_async(llm, prompts, [SamplingParams(temperature=0, max_tokens=m) for m in max_tokens], delays)
+        assert_matches_hf(ckpt, prompts, max_tokens, outs)
+        assert_no_leak(llm)
+        assert llm.stats()["counters"]["preemptions"] > 0
+        assert sum(o.metrics.num_preemptions for o in outs) == llm.stats()["counters"]["preemptions"]
+
+
+def test_chunked_prefill_keeps_outputs(engines):
+    ckpt, engine = engines["qwen2"]
+    prompts, max_tokens, delays = workload(seed=4, min_len=30, max_len=90)
+    with LLM(engine, max_num_tokens=16, enable_prefix_reuse=False) as llm:
+        chunks = []
+        schedule = llm.executor.scheduler.schedule
+
+        def spy():
+            out = schedule()
+            chunks.extend((s.num_new_tokens, s.samples) for s in out.scheduled)
+            assert out.num_tokens <= 16
+            return out
+
+        llm.executor.scheduler.schedule = spy
+        outs = run_async(llm, prompts, [SamplingParams(temperature=0, max_tokens=m) for m in max_tokens], delays)
+        assert_matches_hf(ckpt, prompts, max_tokens, outs)
+        assert_no_leak(llm)
+        assert max(len(p) for p in prompts) > 16
+        assert any(not samples for _, samples in chunks), "no prompt was split"
+        assert llm.stats()["counters"]["prefill_tokens_computed"] == sum(len(p) for p in prompts)
+
+
+def test_prefix_reuse_hits_and_outputs(engines):
+    ckpt, engine = engines["llama"]
+    rng = random.Random(5)
+    prefix = [rng.randrange(3, VOCAB) for _ in range(64)]
+    prompts = [prefix + [rng.randrange(3, VOCAB) for _ in range(rng.randint(1, 20))] for _ in range(8)]
+    with LLM(engine) as llm:
+        first = llm.generate(prompts[:1], SamplingParams(temperature=0, max_tokens=6))
+        rest = llm.generate(prompts[1:], SamplingParams(temperature=0, max_tokens=6))
+        outs = first + rest
+        assert_matches_hf(ckpt, prompts, [6] * 8, outs)
+        assert outs[0].metrics.num_cached_tokens == 0
+        assert all(o.metrics.num_cached_tokens == 64 for o in rest)
+        kv = llm.stats()["kv_cache"]
+        assert kv["prefix_hits"] == 7 * 64 and kv["hit_rate"] > 0.5
+        assert llm.stats()["counters"]["prefill_tokens_computed"] == sum(len(p) for p in prompts) - 7 * 64
+        assert_no_leak(llm)
+
+
+def test_multi_turn_replay_ttft_with_and_without_reuse(engines, capsys):
+    _, engine = engines["llama"]
+    rng = random.Random(6)
+    results = {}
+    for reuse in (True, False):
+        with LLM(engine, enable_prefix_reuse=reuse) as llm:
+            history = [rng.randrange(3, VOCAB) for _ in range(24)] if reuse else results["first_turn"]
+            results.setdefault("first_turn", list(history))
+            ttfts, computed = [], []
+            user = random.Random(7)
+            for turn in range(4):
+                before = llm.stats()["counters"]["prefill_tokens_computed"]
+                (out,) = llm.generate([history], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
+                ttfts.append(out.metrics.ttft)
+                computed.append(llm.stats()["counters"]["prefill_tokens_computed"] - before)
+                history = history + out.token_ids + [user.randrange(3, VOCAB) for _ in range(12)]
+            results[reuse] = (ttfts, computed)
+    with capsys.disabled():
+        for reuse in (True, False):
+            ttfts, computed = results[reuse]
+            print(f"\n  multi-turn replay, prefix reuse {'on ' if reuse else 'off'}: TTFT per turn "
+                  f"{[f'{t * 1e3:.1f} ms' for t in ttfts]}, prompt tokens computed {computed}")
+    on, off = results[True][1], results[False][1]
+    assert on[0] == off[0] and all(a < b for a, b in zip(on[1:], off[1:]))
+
+
+def test_seeded_sampling_reproducible_alone_and_batched(engines):
+    _, engine = engines["qwen2"]
+    params = SamplingParams(temperature=1.0, top_p=0.95, seed=1234, max_tokens=16, ignore_eos=True)
+    prompt = random_prompts(1, VOCAB, 20, 20, seed=8)[0]
+    with LLM(engine) as llm:
+        (alone,) = llm.generate([prompt], params)
+        (again,) = llm.generate([prompt], params)
+        others = random_prompts(12, VOCAB, 1, 60, seed=9)
+        mixed = llm.generate(others[:6] + [prompt] + others[6:],
+                             [SamplingParams(temperature=1.0, max_tokens=12)] * 6 + [params]
+                             + [SamplingParams(temperature=0.7, max_tokens=20, seed=5)] * 6)
+        (other_seed,) = llm.generate([prompt], SamplingParams(temperature=1.0, top_p=0.95, seed=99, max_tokens=16,
+                                                              ignore_eos=True))
+    assert again.token_ids == alone.token_ids
+    assert mixed[6].token_ids == alone.token_ids
+    assert other_seed.token_ids != alone.token_ids
+
+
+def test_stop_strings_are_trimmed(engines):
+    _, engine = engines["llama"]
+    with LLM(engine) as llm:
+        prompts = random_prompts(6, VOCAB, 5, 30, seed=10)
+        full = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True))
+        checked = 0
+        for p, f in zip(prompts, full):
+            text = f.text
+            if len(text) < 12:
+                continue
+            stop = text[6:9]
+            if "\ufffd" in stop:
+                continue
+            k = text.index(stop)
+            (cut,) = llm.generate([p], SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, stop=[stop, "\x00"]))
+            assert cut.finish_reason == "stop" and cut.stop_reason == stop
+            assert cut.text == text[:k] and stop not in cut.text
+            assert len(cut.token_ids) < len(f.token_ids)
+            (kept,) = llm.generate([p], SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, stop=stop,
+                                                       include_stop_str_in_output=True))
+            assert kept.text == text[:k + len(stop)]
+            streamed = run_async(llm, [p], [SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, stop=stop)],
+                                 [0])[0]
+            assert streamed.text == text[:k]
+            checked += 1
+        assert checked >= 3
+
+
+def test_abort_mid_stream_frees_blocks(engines):
+    _, engine = engines["llama"]
+    with LLM(engine) as llm:
+        prompt = random_prompts(1, VOCAB, 40, 40, seed=11)[0]
+        seen = {}
+
+        async def main():
+            outs = []
+            agen = llm.generate_async(prompt, SamplingParams(temperature=0, max_tokens=80, ignore_eos=True),
+                                      request_id="victim")
+            async for out in agen:
+                outs.append(out)
+                if len(outs) == 3:
+                    seen["used"] = llm.executor.kv.num_used_blocks
+                    llm.abort("victim")
+            return outs
+
+        outs = asyncio.run(main())
+        assert seen["used"] > 0
+        assert outs[-1].finish_reason == "abort" and 3 <= len(outs[-1].token_ids) < 80
+        assert_no_leak(llm)
+
+        async def early_exit():   # leaving the stream early aborts the request too
+            async for out in llm.generate_async(prompt, SamplingParams(temperature=0, max_tokens=80, ignore_eos=True)):
+                break
+
+        asyncio.run(early_exit())
+        assert_no_leak(llm)
+        assert llm.stats()["counters"]["requests_aborted"] == 2
+
+
+def test_invalid_requests_raise_while_others_finish(engines):
+    ckpt, engine = engines["llama"]
+    prompts, max_tokens, _ = workload(n=12, seed=12)
+    with LLM(engine) as llm:
+        result = {}
+        t = threading.Thread(target=lambda: result.update(outs=llm.generate(
+            prompts, [SamplingParams(temperature=0, max_tokens=m) for m in max_tokens])))
+        t.start()
+        time.sleep(0.05)
+        cases = [
+            (list(range(3, 100)), SamplingParams(max_tokens=4), "max_input_len"),
+            (list(range(3, 90)), SamplingParams(max_tokens=60), "max_seq_len"),
+            ([5, VOCAB + 3], SamplingParams(max_tokens=4), "vocabulary"),
+            ([], SamplingParams(max_tokens=4), "empty"),
+            ([5, 6], SamplingParams(max_tokens=4, stop_token_ids=[10**6]), "stop_token_ids"),
+        ]
+        for prompt, sp, msg in cases:
+            with pytest.raises(InvalidRequestError, match=msg):
+                llm.submit(prompt, sp)
+        with pytest.raises(ValueError, match="invalid SamplingParams"):
+            llm.submit([5, 6], SamplingParams(top_p=0))
+        llm.submit([5, 6], SamplingParams(max_tokens=30, ignore_eos=True), request_id="dup")
+        with pytest.raises(InvalidRequestError, match="already in use"):
+            llm.submit([5, 6], SamplingParams(max_tokens=2), request_id="dup")
+        with pytest.raises(InvalidRequestError, match="max_input_len"):   # a bad prompt in a batch: nothing runs
+            llm.generate([[5, 6], list(range(3, 200))], SamplingParams(max_tokens=4))
+        t.join(60)
+        assert_matches_hf(ckpt, prompts, max_tokens, result["outs"])
+        assert_no_leak(llm)
+        assert llm.stats()["counters"]["requests_rejected"] >= 6
+
+
+def test_llm_from_engine_dir_with_text_prompts(engines):
+    _, engine = engines["qwen2"]
+    with LLM(engine.directory, max_batch_size=4, seed=0) as llm:
+        outs = llm.generate(["The kiln fires the clay", "Héllo wörld 🙂", "Tokens flow"],
+                            SamplingParams(temperature=0, max_tokens=8, logprobs=3))
+        assert [o.prompt for o in outs] == ["The kiln fires the clay", "Héllo wörld 🙂", "Tokens flow"]
+        for o in outs:
+            assert o.prompt_token_ids == llm.tokenizer.encode(o.prompt).ids
+            assert o.text == llm.decode(o.token_ids)
+            assert len(o.logprobs) == len(o.token_ids)
+            for tok, lp in zip(o.token_ids, o.logprobs):
+                assert next(iter(lp)) == tok and len(lp) >= 3 and lp[tok] == max(lp.values())
+        with pytest.raises(ValueError, match="max_batch_size"):
+            LLM(engine, max_batch_size=10**6)
+        assert "TTFT" in llm.metrics_summary()
