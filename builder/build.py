@@ -135,7 +135,6 @@ def build_engine(
                 if (ckpt / name).is_file():
                     shutil.copy2(ckpt / name, tmp / name)
                     copied.append(name)
-            timings["total"] = round(time.perf_counter() - t_total, 3)
             config = {
                 "format_version": ENGINE_FORMAT_VERSION,
                 "kiln_version": kiln_version(),
@@ -157,16 +156,17 @@ def build_engine(
                 "engine_files": [ENGINE_FILE],
             }
             (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-            report = {
-                "checkpoint": str(ckpt.resolve()),
-                "timings_s": timings,
-                "gemms": {"before_passes": gemms_before, "after_passes": gemms_after},
-                "passes": pass_stats,
-                "backend": backend_stats,
-                "memory": summary,
-                "memory_plan": arena,
-            }
-            (tmp / "build_report.json").write_text(json.dumps(report, indent=2, default=str) + "\n")
+        timings["total"] = round(time.perf_counter() - t_total, 3)
+        report = {
+            "checkpoint": str(ckpt.resolve()),
+            "timings_s": timings,
+            "gemms": {"before_passes": gemms_before, "after_passes": gemms_after},
+            "passes": pass_stats,
+            "backend": backend_stats,
+            "memory": summary,
+            "memory_plan": arena,
+        }
+        (tmp / "build_report.json").write_text(json.dumps(report, indent=2, default=str) + "\n")
         if out.exists():
             shutil.rmtree(out)
         tmp.rename(out)

@@ -48,12 +48,12 @@ def run(gm: fx.GraphModule, ctx) -> dict:
         if bits == 4 and w.shape[1] % group:
             continue  # left in the engine dtype (reported)
         if bits == 8:
-            qweight, scales = wol.quantize_int8(w)
+            qweight, scales = wol.quantize_int8(w.float())
         else:
-            qweight, scales = wol.quantize_int4(w, group)
+            qweight, scales = wol.quantize_int4(w.float(), group)
         base = node.args[1].target.removesuffix(".weight").removesuffix("_weight")
         q_node = add_weight(gm, f"{base}_q{bits}", qweight, node)
-        s_node = add_weight(gm, f"{base}_scales", scales.to(w.dtype) if scales.is_floating_point() else scales, node)
+        s_node = add_weight(gm, f"{base}_scales", scales, node)  # fp32, as the kernel expects
         with gm.graph.inserting_before(node):
             new = gm.graph.call_function(
                 torch.ops.kiln.weight_only_linear.default,

@@ -1,0 +1,68 @@
+"""build-engine and kiln inspect through click's runner."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from kiln.builder.cli import build_engine_cmd
+from kiln.builder.passes import PASS_NAMES
+from kiln.runtime.cli import main as kiln_main
+
+TINY_YAML = Path(__file__).resolve().parent.parent / "build_configs" / "tiny-test.yaml"
+
+
+def test_passes_are_listed():
+    result = CliRunner().invoke(build_engine_cmd, ["--passes"])
+    assert result.exit_code == 0
+    for name in PASS_NAMES:
+        assert name in result.output
+
+
+def test_build_with_yaml_and_flag_overrides_then_inspect(checkpoint_dir, tmp_path):
+    out = tmp_path / "eng"
+    result = CliRunner().invoke(build_engine_cmd, [
+        "--checkpoint", str(checkpoint_dir("gpt2")), "--output", str(out), "--config", str(TINY_YAML),
+        "--max-batch-size", "2", "--tokens-per-block", "8", "--disable-pass", "merge_qkv",
+    ])
+    assert result.exit_code == 0, result.output
+    for stage in ("[1/7] load", "[2/7] trace", "[3/7] passes", "[6/7] compile", "[7/7] write"):
+        assert stage in result.output
+    for row in ("weights", "activation peak", "KV bytes/token", "KV tokens in 1 GiB", "build time"):
+        assert row in result.output
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg["build"]["max_batch_size"] == 2 and cfg["build"]["tokens_per_block"] == 8  # flags
+    assert cfg["build"]["max_num_tokens"] == 64 and cfg["build"]["max_seq_len"] == 128  # yaml
+    assert cfg["build"]["disabled_passes"] == ["merge_qkv"]
+    report = json.loads((out / "build_report.json").read_text())
+    assert report["passes"]["merge_qkv"] == "disabled"
+
+    inspected = CliRunner().invoke(kiln_main, ["inspect", str(out), "--load"])
+    assert inspected.exit_code == 0, inspected.output
+    assert "KV bytes/token" in inspected.output and f"{cfg['memory']['kv_bytes_per_token']} B" in inspected.output
+    assert "GPT2LMHeadModel" in inspected.output and "merge_qkv (off)" in inspected.output
+    as_json = CliRunner().invoke(kiln_main, ["inspect", str(out), "--json"])
+    assert json.loads(as_json.output)["build"]["max_batch_size"] == 2
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--max-seq-len", "64", "--max-input-len", "128"], "max_input_len=128 > max_seq_len=64"),
+    (["--max-seq-len", "100000", "--max-input-len", "64"], "max_position_embeddings"),
+    (["--disable-pass", "nonsense"], "unknown pass"),
+])
+def test_build_errors_are_clear(checkpoint_dir, tmp_path, args, message):
+    result = CliRunner().invoke(build_engine_cmd, [
+        "--checkpoint", str(checkpoint_dir("gpt2")), "--output", str(tmp_path / "x"), *args])
+    assert result.exit_code != 0
+    assert message in result.output
+    assert not (tmp_path / "x").exists()
+
+
+def test_missing_arguments_and_bad_engine(tmp_path):
+    result = CliRunner().invoke(build_engine_cmd, ["--output", str(tmp_path)])
+    assert result.exit_code != 0 and "--checkpoint and --output are required" in result.output
+    result = CliRunner().invoke(kiln_main, ["inspect", str(tmp_path)])
+    assert result.exit_code != 0 and "config.json: missing" in result.output

@@ -1,0 +1,181 @@
+"""Each pass: the graph changes as intended (structure) and the logits do not (numerics)."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from kiln.builder import BuildConfig, trace
+from kiln.builder.passes import PASS_NAMES, PassContext, check_names, run_passes
+from kiln.builder.passes import dead_code, fuse_add_norm, merge_gate_up, merge_qkv
+from kiln.builder.passes.common import count_gemms, weights_bytes
+from kiln.model_defs import build_model, load_checkpoint
+from paged_batch import PagedBatcher
+
+BUILD = BuildConfig(max_batch_size=4, max_num_tokens=64, max_input_len=32, max_seq_len=64, tokens_per_block=4,
+                    gather_all_logits=True)
+STEPS = [[("a", [5, 9, 14, 3, 7, 11]), ("b", [8, 2, 4])], [("c", [6, 6, 1, 9, 10]), ("a", [12]), ("b", [13])]]
+
+
+def _traced(path, dtype=torch.float32, build=BUILD):
+    cfg, weights = load_checkpoint(path, dtype)
+    model = build_model(cfg, weights)
+    return cfg, trace.export(model, cfg.to_dict(), build).module()
+
+
+@pytest.fixture(scope="module")
+def llama(checkpoint_dir):
+    return _traced(checkpoint_dir("llama"))
+
+
+@pytest.fixture(scope="module")
+def qwen2(checkpoint_dir):  # q/k/v biases, tied embeddings
+    return _traced(checkpoint_dir("qwen2"))
+
+
+def run_steps(gm, cfg, dtype=torch.float32):
+    b = PagedBatcher(cfg.num_layers, 32, BUILD.tokens_per_block, cfg.num_kv_heads, cfg.head_dim, dtype=dtype)
+    with torch.no_grad():
+        return torch.cat([gm(**b.step(step, all_logits=True)) for step in STEPS])
+
+
+def targets(gm, op):
+    return [n for n in gm.graph.nodes if n.op == "call_function" and n.target is op]
+
+
+def apply(gm, module, build=BUILD, cfg=None):
+    out = copy.deepcopy(gm)
+    stats = module.run(out, PassContext(build=build, model=cfg.to_dict() if cfg else {}))
+    out.recompile()
+    out.graph.lint()
+    return out, stats
+
+
+@pytest.mark.parametrize("fixture", ["llama", "qwen2"])
+def test_merge_qkv(fixture, request):
+    cfg, gm = request.getfixturevalue(fixture)
+    new, stats = apply(gm, merge_qkv, cfg=cfg)
+    assert stats["merged"] == cfg.num_layers
+    assert count_gemms(new) == count_gemms(gm) - 2 * cfg.num_layers
+    fused = [n for n in new.graph.nodes if n.op == "get_attr" and "qkv_proj" in n.target]
+    assert len(fused) == cfg.num_layers * (2 if cfg.attention_bias else 1)  # weight (+ bias)
+    qkv_rows = (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim
+    w = getattr(new, [n.target for n in fused if n.target.endswith("weight")][0])
+    assert tuple(w.shape) == (qkv_rows, cfg.hidden_size)
+    torch.testing.assert_close(run_steps(new, cfg), run_steps(gm, cfg), atol=1e-5, rtol=1e-5)
+
+
+def test_merge_gate_up(llama):
+    cfg, gm = llama
+    new, stats = apply(gm, merge_gate_up, cfg=cfg)
+    assert stats["merged"] == cfg.num_layers
+    assert count_gemms(new) == count_gemms(gm) - cfg.num_layers
+    torch.testing.assert_close(run_steps(new, cfg), run_steps(gm, cfg), atol=1e-5, rtol=1e-5)
+
+
+def test_fuse_add_norm(llama):
+    cfg, gm = llama
+    rms, fused_op = torch.ops.kiln.rms_norm.default, torch.ops.kiln.fused_add_rms_norm.default
+    new, stats = apply(gm, fuse_add_norm, cfg=cfg)
+    # every pre-norm after a residual add: 2 per layer minus the first layer's input norm (on the embedding)
+    assert stats["fused"] == 2 * cfg.num_layers - 1
+    assert len(targets(new, fused_op)) == 2 * cfg.num_layers - 1
+    assert len(targets(new, rms)) == len(targets(gm, rms)) - stats["fused"]
+    # residual adds left: the last layer's output add (it feeds the final norm through the logits gather)
+    assert len(targets(new, torch.ops.aten.add.Tensor)) == 1
+    torch.testing.assert_close(run_steps(new, cfg), run_steps(gm, cfg), atol=1e-5, rtol=1e-5)
+
+
+def test_dead_code_and_cse(llama):
+    cfg, gm = llama
+    new = copy.deepcopy(gm)
+    graph = new.graph
+    emb = next(n for n in graph.nodes if n.target is torch.ops.aten.embedding.default)
+    first_norm = next(n for n in graph.nodes if n.target is torch.ops.kiln.rms_norm.default)
+    with graph.inserting_after(first_norm):
+        dup = graph.call_function(torch.ops.kiln.rms_norm.default, first_norm.args)  # duplicate of first_norm
+    with graph.inserting_after(dup):
+        dead = graph.call_function(torch.ops.aten.mul.Tensor, (emb, 2.0))  # never used
+    # route one reader of first_norm through the duplicate
+    reader = next(u for u in first_norm.users if u is not dup)
+    reader.replace_input_with(first_norm, dup)
+    attn_before = len(targets(new, torch.ops.kiln.paged_attention.default))
+    new.recompile()
+    stats = dead_code.run(new)
+    new.recompile()
+    assert stats["cse_merged"] >= 1 and stats["dce_removed"] >= 1
+    assert dead not in new.graph.nodes and dup not in new.graph.nodes
+    # paged attention mutates the KV pool: never merged or removed
+    assert len(targets(new, torch.ops.kiln.paged_attention.default)) == attn_before == cfg.num_layers
+    torch.testing.assert_close(run_steps(new, cfg), run_steps(gm, cfg), atol=0, rtol=0)
+
+
+def test_cse_keeps_mutating_ops():
+    def f(x, cache):
+        a = torch.ops.aten.add_.Tensor(cache, x)  # mutating: not pure
+        b = torch.ops.aten.add_.Tensor(cache, x)
+        return a + b
+
+    gm = torch.fx.symbolic_trace(f)
+    assert dead_code.cse(gm) == 0
+
+
+def test_run_passes_all_and_disabled(qwen2):
+    cfg, gm = qwen2
+    ctx = PassContext(build=BUILD, model=cfg.to_dict())
+    full = copy.deepcopy(gm)
+    stats = run_passes(full, ctx)
+    assert set(stats) == set(PASS_NAMES)
+    assert count_gemms(full) == count_gemms(gm) - 3 * cfg.num_layers  # q/k/v -> 1, gate/up -> 1 per layer
+    # the original per-projection weights are gone from the module (no double weights in the engine)
+    names = {name for name, _ in full.named_buffers()} | {name for name, _ in full.named_parameters()}
+    assert not any("q_proj" in n or "gate_proj" in n for n in names)
+    assert weights_bytes(full) == weights_bytes(gm)
+    torch.testing.assert_close(run_steps(full, cfg), run_steps(gm, cfg), atol=1e-5, rtol=1e-5)
+
+    partial = copy.deepcopy(gm)
+    stats = run_passes(partial, ctx, disabled=["merge_qkv"])
+    assert stats["merge_qkv"] == "disabled"
+    assert count_gemms(partial) == count_gemms(gm) - cfg.num_layers
+    with pytest.raises(ValueError, match="unknown pass name"):
+        check_names(["merge_qkv", "fuse_everything"])
+
+
+def _plugin_or_skip():
+    return pytest.importorskip("kiln.plugins.weight_only_linear")
+
+
+@pytest.mark.parametrize("mode, bits", [("int8_weight_only", 8), ("int4_weight_only", 4)])
+def test_weight_only_quant(llama, mode, bits):
+    _plugin_or_skip()
+    from kiln.builder.passes import weight_only_quant
+
+    cfg, gm = llama
+    build = BUILD.replace(quantization=mode, group_size=32)
+    new, stats = apply(gm, weight_only_quant, build=build, cfg=cfg)
+    op = torch.ops.kiln.weight_only_linear.default
+    assert stats["quantized_gemms"] == count_gemms(gm)
+    assert len(targets(new, op)) == count_gemms(gm) and len(targets(new, torch.ops.aten.linear.default)) == 0
+    assert all(n.args[4] == bits for n in targets(new, op))
+    assert stats["weights_bytes_after"] < stats["weights_bytes_before"]
+    got, ref = run_steps(new, cfg), run_steps(gm, cfg)
+    rel = (got - ref).abs().max() / ref.abs().max()
+    assert rel < (0.05 if bits == 8 else 0.3), rel
+    assert (got.argmax(-1) == ref.argmax(-1)).float().mean() >= (0.9 if bits == 8 else 0.5)
+
+
+def test_bf16_linear(checkpoint_dir):
+    _plugin_or_skip()
+    from kiln.builder.passes import bf16_linear
+
+    cfg, gm = _traced(checkpoint_dir("llama"), torch.bfloat16, BUILD.replace(dtype="bfloat16"))
+    new, stats = apply(gm, bf16_linear, build=BUILD.replace(dtype="bfloat16"), cfg=cfg)
+    assert stats["replaced"] == count_gemms(gm)
+    assert len(targets(new, torch.ops.kiln.bf16_linear.default)) == stats["replaced"]
+    got, ref = run_steps(new, cfg, torch.bfloat16), run_steps(gm, cfg, torch.bfloat16)
+    assert ((got - ref).abs().max() / ref.abs().max()) < 0.02
+    # fp32 engines are left alone
+    _, stats32 = apply(gm, bf16_linear, build=BUILD, cfg=cfg)
+    assert "skipped" in stats32
