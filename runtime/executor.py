@@ -290,9 +290,7 @@ class Executor:
                 logits_idx.append(len(ids) - 1)
                 sampled.append(i)
         width = max(len(t) for t in tables)
-        table = torch.zeros(len(tables), width, dtype=torch.int32)
-        for j, t in enumerate(tables):
-            table[j, :len(t)] = torch.tensor(t, dtype=torch.int32)
+        table = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32)
         inputs = {
             "input_ids": torch.tensor(ids, dtype=torch.int64),
             "position_ids": torch.tensor(pos, dtype=torch.int64),
