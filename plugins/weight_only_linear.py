@@ -17,10 +17,14 @@ int4 format: symmetric, values -8..7 (two's-complement nibbles), one fp32 scale 
 ``group_size`` consecutive input elements. As in llama.cpp's Q4_0, the scale is chosen so that the
 element of largest magnitude maps exactly to -8 (the scale may therefore be negative); the full
 16-level range is used. Packed layout of a row: the input dim is cut in blocks of 64 elements
-stored in 32 bytes; the little-endian 32-bit word ``l`` (0..7) of a block holds element
-``64*b + 8*j + l`` in its nibble ``j`` (bits 4j..4j+3). A trailing partial block (in % 64 != 0)
+stored in 32 bytes; the little-endian 16-bit word ``l`` (0..15) of a block holds element
+``64*b + 16*j + l`` in its nibble ``j`` (bits 4j..4j+3). A trailing partial block (in % 64 != 0)
 is stored plainly: element 2i in the low nibble of byte i, 2i+1 in the high nibble. The layout
-lets the AVX2 kernel expand 8 consecutive weights with one load and two shifts.
+lets the AVX2 kernel expand 16 consecutive weights with one load and two 16-bit shifts.
+
+Activations: for M <= 4 the int8/int4 kernels quantise x on the fly to int16 with one scale per
+row (error <= max|x_row|/65534, orders of magnitude below the weight quantisation error) and
+compute the dot products with integer multiply-adds; larger M computes in fp32.
 
 Kernels: C++ (AVX2 + FMA + OpenMP, ``plugins/csrc/weight_only_linear.cpp``) compiled with
 ``torch.utils.cpp_extension.load`` on first use and cached in TORCH_EXTENSIONS_DIR. Dispatch on M
@@ -66,7 +70,7 @@ GEMV_MAX_M = 16
 _PREFILL_CHUNK_BYTES = 16 << 20
 
 _WTYPE_BF16, _WTYPE_INT8, _WTYPE_INT4 = 0, 1, 2
-_ABI_VERSION = 1
+_ABI_VERSION = 2
 
 # --------------------------------------------------------------------------------------------
 # quantisation and the int4 layout (plain torch)
@@ -128,8 +132,8 @@ def pack_int4(q: torch.Tensor) -> torch.Tensor:
     kb = (k // 64) * 64
     parts = []
     if kb:
-        # [n, blocks, j, l] -> [n, blocks, l, j]; byte 4l + j//2, low nibble = even j
-        blk = nib[:, :kb].reshape(n, kb // 64, 8, 8).transpose(2, 3).reshape(n, kb // 64, 8, 4, 2)
+        # [n, blocks, j, l] -> [n, blocks, l, j]; byte 2l + j//2, low nibble = even j
+        blk = nib[:, :kb].reshape(n, kb // 64, 4, 16).transpose(2, 3).reshape(n, kb // 64, 16, 2, 2)
         parts.append((blk[..., 0] | (blk[..., 1] << 4)).reshape(n, kb // 2))
     if k > kb:
         tail = nib[:, kb:].reshape(n, (k - kb) // 2, 2)
@@ -149,7 +153,7 @@ def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
     kb = (k // 64) * 64
     parts = []
     if kb:
-        blk = vals[:, : kb // 2].reshape(n, kb // 64, 8, 8)  # [n, blocks, l, j]
+        blk = vals[:, : kb // 2].reshape(n, kb // 64, 16, 4)  # [n, blocks, l, j]
         parts.append(blk.transpose(2, 3).reshape(n, kb))
     if k > kb:
         parts.append(vals[:, kb // 2 :].reshape(n, k - kb))

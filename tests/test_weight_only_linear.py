@@ -16,7 +16,7 @@ from kiln.plugins import weight_only_linear as wol
 ops = torch.ops.kiln
 
 SHAPES = [(37, 128), (64, 200), (130, 256), (8, 8), (5, 1000)]  # (out, in): odd/even, tails
-MS = [1, 3, 16, 64]
+MS = [1, 3, 5, 16, 64]
 
 
 @pytest.fixture(scope="module")
@@ -29,10 +29,14 @@ def native():
     return True
 
 
-def _tol(ref: torch.Tensor, dtype: torch.dtype) -> dict:
+def _tol(ref: torch.Tensor, dtype: torch.dtype, int_act: bool = False) -> dict:
+    """bf16 outputs: ~1 bf16 ulp. fp32: accumulation-order noise, plus (int8/int4) the int16
+    quantisation of x (<= max|x|/65534 per element) that the integer GEMV kernels use."""
     scale = ref.float().abs().max().item() + 1e-6
     if dtype == torch.bfloat16:
         return dict(atol=scale * 1.6e-2, rtol=1.6e-2)
+    if int_act:
+        return dict(atol=scale * 1e-4 + 1e-6, rtol=1e-4)
     return dict(atol=scale * 2e-6 + 1e-6, rtol=1e-5)
 
 
@@ -56,11 +60,11 @@ def test_int8_matches_reference(native, m, n, k, dtype, with_bias):
     _assert_native_used(wol._WTYPE_INT8, x, q, s, bias, 0, n, k)
     y = ops.weight_only_linear(x, q, s, bias, 8, 0)
     assert y.dtype == dtype and y.shape == (m, n)
-    torch.testing.assert_close(y, ref, **_tol(ref, dtype))
+    torch.testing.assert_close(y, ref, **_tol(ref, dtype, int_act=True))
 
 
 @pytest.mark.parametrize("m", MS)
-@pytest.mark.parametrize("n,k,gs", [(37, 128, 32), (64, 192, 64), (130, 256, 128), (3, 64, 64), (33, 512, 256)])
+@pytest.mark.parametrize("n,k,gs", [(37, 128, 32), (64, 192, 64), (130, 256, 128), (3, 64, 16), (33, 512, 256)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_int4_matches_reference(native, m, n, k, gs, dtype, with_bias):
@@ -73,7 +77,7 @@ def test_int4_matches_reference(native, m, n, k, gs, dtype, with_bias):
     _assert_native_used(wol._WTYPE_INT4, x, q, s, bias, gs, n, k)
     y = ops.weight_only_linear(x, q, s, bias, 4, gs)
     assert y.dtype == dtype and y.shape == (m, n)
-    torch.testing.assert_close(y, ref, **_tol(ref, dtype))
+    torch.testing.assert_close(y, ref, **_tol(ref, dtype, int_act=True))
 
 
 @pytest.mark.parametrize("n,k,gs", [(10, 200, 40), (7, 66, 66), (4, 96, 32)])
@@ -82,8 +86,8 @@ def test_int4_shapes_outside_the_fast_kernel_still_correct(n, k, gs):
     w = torch.randn(n, k)
     x = torch.randn(3, k)
     q, s = wol.quantize_int4(w, gs)
-    torch.testing.assert_close(ops.weight_only_linear(x, q, s, None, 4, gs),
-                               wol.weight_only_linear_reference(x, q, s, None, 4, gs), atol=1e-4, rtol=1e-5)
+    ref = wol.weight_only_linear_reference(x, q, s, None, 4, gs)
+    torch.testing.assert_close(ops.weight_only_linear(x, q, s, None, 4, gs), ref, **_tol(ref, torch.float32, True))
 
 
 @pytest.mark.parametrize("m", MS)
@@ -108,7 +112,8 @@ def test_leading_dims_and_noncontiguous_inputs(native):
     q, s = wol.quantize_int8(w)
     y = ops.weight_only_linear(x, q, s, None, 8, 0)
     assert y.shape == (2, 3, 48)
-    torch.testing.assert_close(y, wol.weight_only_linear_reference(x, q, s, None, 8, 0), atol=1e-4, rtol=1e-5)
+    ref = wol.weight_only_linear_reference(x, q, s, None, 8, 0)
+    torch.testing.assert_close(y, ref, **_tol(ref, torch.float32, int_act=True))
     wb = torch.randn(128, 48).bfloat16().t()  # non-contiguous weight
     torch.testing.assert_close(ops.bf16_linear(x, wb, None), wol.bf16_linear_reference(x, wb, None),
                                atol=1e-4, rtol=1e-5)
@@ -127,17 +132,17 @@ def test_int4_pack_round_trip(k):
 
 
 def test_int4_layout_is_the_documented_one():
-    # element 64*b + 8*j + l is nibble j of little-endian 32-bit word l of block b
+    # element 64*b + 16*j + l is nibble j of little-endian 16-bit word l of block b
     k = 128
     q = torch.zeros(1, k, dtype=torch.int8)
-    for b, j, l, v in [(0, 0, 0, 1), (0, 7, 3, -8), (1, 2, 7, 5), (1, 5, 0, -1)]:
-        q[0, 64 * b + 8 * j + l] = v
-    words = wol.pack_int4(q).view(torch.int32).view(-1).tolist()  # little-endian machine
+    for b, j, l, v in [(0, 0, 0, 1), (0, 3, 3, -8), (1, 2, 15, 5), (1, 1, 9, -1)]:
+        q[0, 64 * b + 16 * j + l] = v
+    words = wol.pack_int4(q).view(torch.int16).view(-1).tolist()  # little-endian machine
 
     def nib(b, l, j):
-        return ((words[8 * b + l] >> (4 * j)) & 0xF)
+        return ((words[16 * b + l] >> (4 * j)) & 0xF)
 
-    assert nib(0, 0, 0) == 1 and nib(0, 3, 7) == 8 and nib(1, 7, 2) == 5 and nib(1, 0, 5) == 0xF
+    assert nib(0, 0, 0) == 1 and nib(0, 3, 3) == 8 and nib(1, 15, 2) == 5 and nib(1, 9, 1) == 0xF
     assert sum(1 for w in words if w) == 4
 
 
@@ -276,8 +281,10 @@ def test_export_with_dynamic_tokens(native):
     run = ep.module()
     for m in (1, 5, 40):
         x = torch.randn(m, 128)
-        torch.testing.assert_close(run(x), mod.reference(x), atol=2e-3, rtol=1e-4)
+        ref = mod.reference(x)
+        torch.testing.assert_close(run(x), ref, **_tol(ref, torch.float32, int_act=True))
     # re-export of the exported graph (the builder re-traces graphs that contain these ops)
     ep2 = torch.export.export(run, (torch.randn(3, 128),), dynamic_shapes={"x": {0: t}})
     x = torch.randn(7, 128)
-    torch.testing.assert_close(ep2.module()(x), mod.reference(x), atol=2e-3, rtol=1e-4)
+    ref = mod.reference(x)
+    torch.testing.assert_close(ep2.module()(x), ref, **_tol(ref, torch.float32, int_act=True))

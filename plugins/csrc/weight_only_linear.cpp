@@ -4,27 +4,37 @@
 //   WTYPE_BF16 (0): uint16 bf16 bits [N, K]
 //   WTYPE_INT8 (1): int8 [N, K], one fp32 scale per row
 //   WTYPE_INT4 (2): uint8 [N, K/2], fp32 scales [N, K/group_size]; two's-complement nibbles
-//       (-8..7). K is cut into blocks of 64 elements stored in 32 bytes: the 32-bit little-endian
-//       word l (l = 0..7) of a block holds, in its nibble j (bits 4j..4j+3), element
-//       k = 64*block + 8*j + l. So one 256-bit load + one shift pair per j gives 8 consecutive
+//       (-8..7). K is cut into blocks of 64 elements stored in 32 bytes: the little-endian 16-bit
+//       word l (l = 0..15) of a block holds, in its nibble j (bits 4j..4j+3), element
+//       k = 64*block + 16*j + l. One 256-bit load + two 16-bit shifts give 16 consecutive
 //       elements. (The Python side packs/unpacks this layout; the kernel needs K % 64 == 0.)
 //
-// Strategy (memory-bound decode first):
-//   * Parallel over tiles of 4 output rows (OpenMP, static contiguous ranges per thread).
-//   * M <= 4: "direct" GEMV: every weight vector is decoded once in registers and used for all M
-//     activation rows; the weights are read exactly once per call and never materialised.
-//   * M > 4: per tile and K-chunk of 256, the 4 rows are decoded once into an fp32 L1 buffer and a
-//     4x3 register-blocked FMA micro-kernel runs over the M rows (compute-bound regime).
+// Why it looks like this (AMD Zen 1, AVX2 on 128-bit units; every 256-bit op costs about one
+// cycle and int->float conversions are the bottleneck, not the FMAs):
+//   * M <= 4 ("direct" GEMV, decode): weights are read once and never materialised.
+//       bf16: a 32-byte load holds 16 weights; the odd ones are already fp32 bit patterns after a
+//             single AND, the even ones after one shift. x is de-interleaved once per call to match.
+//       int8/int4: activations are quantised once per call to int16 with one scale per row
+//             (error <= max|x_row| / 65534, far below the weight quantisation error), and the dot
+//             products run in integers: vpmovsxbw (int8) or two 16-bit shifts (int4), vpmaddwd,
+//             vpaddd; int32 partial sums are flushed to fp32 every 128 steps (no overflow) or at
+//             each int4 group end (times the group scale).
+//   * M > 4 ("buffered"): per tile of 4 rows and K-chunk of 256, the rows are decoded once into an
+//     fp32 L1 buffer, then a 4x3 register-blocked FMA micro-kernel runs over the M rows.
 //   * The Python side sends large M (prefill) to kiln_dequant_rows + torch's sgemm instead.
-// This file deliberately includes no torch header (it compiles in ~2 s) and exposes a C ABI used
+//   * Parallel over tiles of 4 output rows (OpenMP, contiguous static ranges per thread).
+// This file deliberately includes no torch header (it compiles in ~3 s) and exposes a C ABI used
 // through ctypes. OpenMP resolves to the libgomp that torch already loaded (same soname).
 
 #include <immintrin.h>
 #include <omp.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
+#include <vector>
 
 namespace {
 
@@ -32,9 +42,12 @@ constexpr int WTYPE_BF16 = 0;
 constexpr int WTYPE_INT8 = 1;
 constexpr int WTYPE_INT4 = 2;
 
-constexpr int RT = 4;           // output rows per tile
-constexpr int KCV = 32;         // vectors (of 8) per K-chunk in the buffered kernel -> 256 floats
-constexpr int64_t MAX_M = 64;   // largest M the kernels accept (Python sends bigger M to sgemm)
+constexpr int RT = 4;            // output rows per tile
+constexpr int KCV = 16;          // 16-element units per K-chunk in the buffered kernel -> 256 floats
+constexpr int KC = KCV * 16;
+constexpr int64_t MAX_M = 64;    // largest M the kernels accept (Python sends bigger M to sgemm)
+int64_t DIRECT_M = 4;  // M up to this uses the direct kernels (max 4; tunable for benchmarks)
+constexpr int64_t FLUSH = 128;   // int8: int32 partial sums are flushed every FLUSH 16-element steps
 
 inline float hsum(__m256 v) {
   __m128 lo = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
@@ -52,22 +65,23 @@ inline float bf16_bits_to_f32(uint16_t h) {
   return f;
 }
 
-struct NoCtx {};
+// ---- weight types ------------------------------------------------------------------------------
+// decode16f(n, i, lo, hi): elements 16i..16i+7 -> lo, 16i+8..16i+15 -> hi, fp32, group scale applied
+// load16(n, i, ctx):       (int types) elements 16i..16i+15 as int16 (no scale)
 
 struct WBf16 {
   const uint16_t* w;
   int64_t K;
   static constexpr bool grouped = false;
-  using Ctx = NoCtx;
-  inline Ctx prep(int64_t) const { return {}; }
-  inline __m256 load(int64_t n, int64_t i, Ctx) const {
-    __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w + n * K + 8 * i));
-    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+  inline void decode16f(int64_t n, int64_t i, __m256& lo, __m256& hi) const {
+    const uint16_t* p = w + n * K + 16 * i;
+    lo = _mm256_castsi256_ps(_mm256_slli_epi32(
+        _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))), 16));
+    hi = _mm256_castsi256_ps(_mm256_slli_epi32(
+        _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 8))), 16));
   }
   inline float scalar(int64_t n, int64_t k) const { return bf16_bits_to_f32(w[n * K + k]); }
   inline float row_scale(int64_t) const { return 1.0f; }
-  inline float group_scale(int64_t, int64_t) const { return 1.0f; }
-  int64_t group_vecs() const { return 0; }
 };
 
 struct WInt8 {
@@ -75,16 +89,20 @@ struct WInt8 {
   const float* s;
   int64_t K;
   static constexpr bool grouped = false;
-  using Ctx = NoCtx;
+  struct Ctx {};
   inline Ctx prep(int64_t) const { return {}; }
-  inline __m256 load(int64_t n, int64_t i, Ctx) const {
-    __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(w + n * K + 8 * i));
-    return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b));
+  inline __m256i load16(int64_t n, int64_t i, Ctx) const {
+    return _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w + n * K + 16 * i)));
+  }
+  inline void decode16f(int64_t n, int64_t i, __m256& lo, __m256& hi) const {
+    const int8_t* p = w + n * K + 16 * i;
+    lo = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+    hi = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + 8))));
   }
   inline float scalar(int64_t n, int64_t k) const { return float(w[n * K + k]); }
   inline float row_scale(int64_t n) const { return s[n]; }
   inline float group_scale(int64_t, int64_t) const { return 1.0f; }
-  int64_t group_vecs() const { return 0; }
+  int64_t seg_steps() const { return FLUSH; }
 };
 
 struct WInt4 {
@@ -97,60 +115,150 @@ struct WInt4 {
   struct Ctx {
     __m128i cnt;
   };
-  inline Ctx prep(int64_t i) const { return {_mm_cvtsi32_si128(int(28 - 4 * (i & 7)))}; }
-  inline __m256 load(int64_t n, int64_t i, Ctx c) const {
-    __m256i word =
-        _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + n * (K / 2) + (i >> 3) * 32));
-    return _mm256_cvtepi32_ps(_mm256_srai_epi32(_mm256_sll_epi32(word, c.cnt), 28));
+  inline Ctx prep(int64_t i) const { return {_mm_cvtsi32_si128(int(12 - 4 * (i & 3)))}; }
+  inline __m256i load16(int64_t n, int64_t i, Ctx c) const {
+    const __m256i word =
+        _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + n * (K / 2) + (i >> 2) * 32));
+    return _mm256_srai_epi16(_mm256_sll_epi16(word, c.cnt), 12);
   }
-  inline float scalar(int64_t, int64_t) const { return 0.0f; }  // K % 64 == 0: no tail
+  inline void decode16f(int64_t n, int64_t i, __m256& lo, __m256& hi) const {
+    const __m256i v = load16(n, i, prep(i));
+    const __m256 sc = _mm256_set1_ps(s[n * ngroups + (16 * i) / gs]);
+    lo = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi16_epi32(_mm256_castsi256_si128(v))), sc);
+    hi = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi16_epi32(_mm256_extracti128_si256(v, 1))), sc);
+  }
+  inline float scalar(int64_t, int64_t) const { return 0.0f;  }  // K % 64 == 0: no tail
   inline float row_scale(int64_t) const { return 1.0f; }
   inline float group_scale(int64_t n, int64_t g) const { return s[n * ngroups + g]; }
-  int64_t group_vecs() const { return gs / 8; }
+  int64_t seg_steps() const { return gs / 16; }
 };
 
-// ---- direct GEMV: R rows x MB activation rows, weights decoded once in registers --------------
-template <class W, int R, int MB>
-inline void tile_direct(const W& w, int64_t n0, const float* x, int64_t K, float* out, int ldo) {
-  const int64_t nvec = K / 8;
-  const int64_t gvec = W::grouped ? w.group_vecs() : nvec;
-  __m256 tot[R][MB];
-  for (int r = 0; r < R; ++r)
-    for (int m = 0; m < MB; ++m) tot[r][m] = _mm256_setzero_ps();
-  int64_t g = 0;
-  for (int64_t g0 = 0; g0 < nvec; g0 += gvec, ++g) {
-    const int64_t g1 = std::min(g0 + gvec, nvec);
-    __m256 acc[R][MB];
-    for (int r = 0; r < R; ++r)
-      for (int m = 0; m < MB; ++m) acc[r][m] = _mm256_setzero_ps();
-    for (int64_t i = g0; i < g1; ++i) {
-      const auto c = w.prep(i);
-      __m256 xv[MB];
-      for (int m = 0; m < MB; ++m) xv[m] = _mm256_loadu_ps(x + m * K + 8 * i);
-      for (int r = 0; r < R; ++r) {
-        const __m256 v = w.load(n0 + r, i, c);
-        for (int m = 0; m < MB; ++m) acc[r][m] = _mm256_fmadd_ps(v, xv[m], acc[r][m]);
-      }
+// ---- per-call activation preprocessing ---------------------------------------------------------
+
+struct XPrep {
+  const float* x;     // original fp32 [M][K]
+  const float* xp;    // bf16 path: [M][K16*16], per 16-block even elements then odd elements
+  const int16_t* xq;  // int path: [M][K16*16] int16
+  const float* sx;    // int path: [M] scale of xq
+};
+
+// even/odd de-interleave per 16-element block (matches the bf16 AND/shift decode)
+void prep_bf16(const float* x, int64_t M, int64_t K, float* xp) {
+  const int64_t K16 = K / 16;
+  const __m256i idx = _mm256_setr_epi32(0, 2, 4, 6, 1, 3, 5, 7);
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t i = 0; i < K16; ++i) {
+      const float* s = x + m * K + 16 * i;
+      __m256 a = _mm256_permutevar8x32_ps(_mm256_loadu_ps(s), idx);      // e0..e3 o0..o3
+      __m256 b = _mm256_permutevar8x32_ps(_mm256_loadu_ps(s + 8), idx);  // e4..e7 o4..o7
+      float* d = xp + m * K16 * 16 + 16 * i;
+      _mm256_storeu_ps(d, _mm256_permute2f128_ps(a, b, 0x20));
+      _mm256_storeu_ps(d + 8, _mm256_permute2f128_ps(a, b, 0x31));
     }
-    if constexpr (W::grouped) {
-      for (int r = 0; r < R; ++r) {
-        const __m256 sc = _mm256_set1_ps(w.group_scale(n0 + r, g));
-        for (int m = 0; m < MB; ++m) tot[r][m] = _mm256_fmadd_ps(acc[r][m], sc, tot[r][m]);
+}
+
+// symmetric int16 per row: xq = round(x / sx), sx = max|x| / 32767
+void prep_int16(const float* x, int64_t M, int64_t K, int16_t* xq, float* sx) {
+  const int64_t K16 = K / 16;
+  const __m256 absmask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+  for (int64_t m = 0; m < M; ++m) {
+    const float* r = x + m * K;
+    __m256 mx = _mm256_setzero_ps();
+    int64_t k = 0;
+    for (; k + 8 <= K16 * 16; k += 8) mx = _mm256_max_ps(mx, _mm256_and_ps(_mm256_loadu_ps(r + k), absmask));
+    alignas(32) float t[8];
+    _mm256_store_ps(t, mx);
+    float amax = 0.0f;
+    for (float v : t) amax = std::max(amax, v);
+    const float s = amax > 0.0f ? amax / 32767.0f : 1.0f;
+    sx[m] = s;
+    const __m256 inv = _mm256_set1_ps(1.0f / s);
+    const __m256 lim = _mm256_set1_ps(32767.0f);
+    for (int64_t i = 0; i < K16; ++i) {
+      __m256 a = _mm256_min_ps(_mm256_max_ps(_mm256_mul_ps(_mm256_loadu_ps(r + 16 * i), inv), _mm256_sub_ps(_mm256_setzero_ps(), lim)), lim);
+      __m256 b = _mm256_min_ps(_mm256_max_ps(_mm256_mul_ps(_mm256_loadu_ps(r + 16 * i + 8), inv), _mm256_sub_ps(_mm256_setzero_ps(), lim)), lim);
+      __m256i p = _mm256_packs_epi32(_mm256_cvtps_epi32(a), _mm256_cvtps_epi32(b));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(xq + m * K16 * 16 + 16 * i), _mm256_permute4x64_epi64(p, 0xD8));
+    }
+  }
+}
+
+// ---- direct kernels (M <= 4) ---------------------------------------------------------------------
+
+template <int R, int MB>
+inline void direct_bf16(const WBf16& w, int64_t n0, const XPrep& xs, int64_t K, float* out, int ldo) {
+  // M == 1: two accumulator sets (even/odd) for more independent FMA chains; else one set.
+  constexpr int NA = MB == 1 ? 2 : 1;
+  const int64_t K16 = K / 16;
+  const __m256i himask = _mm256_set1_epi32(int(0xFFFF0000u));
+  __m256 acc[NA][R][MB];
+  for (int a = 0; a < NA; ++a)
+    for (int r = 0; r < R; ++r)
+      for (int m = 0; m < MB; ++m) acc[a][r][m] = _mm256_setzero_ps();
+  for (int64_t i = 0; i < K16; ++i) {
+    __m256 xe[MB], xo[MB];
+    for (int m = 0; m < MB; ++m) {
+      xe[m] = _mm256_loadu_ps(xs.xp + m * K16 * 16 + 16 * i);
+      xo[m] = _mm256_loadu_ps(xs.xp + m * K16 * 16 + 16 * i + 8);
+    }
+    for (int r = 0; r < R; ++r) {
+      const __m256i word = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w.w + (n0 + r) * K + 16 * i));
+      const __m256 ve = _mm256_castsi256_ps(_mm256_slli_epi32(word, 16));
+      const __m256 vo = _mm256_castsi256_ps(_mm256_and_si256(word, himask));
+      for (int m = 0; m < MB; ++m) {
+        acc[0][r][m] = _mm256_fmadd_ps(ve, xe[m], acc[0][r][m]);
+        acc[NA - 1][r][m] = _mm256_fmadd_ps(vo, xo[m], acc[NA - 1][r][m]);
       }
-    } else {
-      for (int r = 0; r < R; ++r)
-        for (int m = 0; m < MB; ++m) tot[r][m] = acc[r][m];
     }
   }
   for (int r = 0; r < R; ++r)
     for (int m = 0; m < MB; ++m) {
-      float v = hsum(tot[r][m]);
-      for (int64_t k = nvec * 8; k < K; ++k) v += w.scalar(n0 + r, k) * x[m * K + k];
+      __m256 t = acc[0][r][m];
+      if constexpr (NA == 2) t = _mm256_add_ps(t, acc[1][r][m]);
+      float v = hsum(t);
+      for (int64_t k = K16 * 16; k < K; ++k) v += w.scalar(n0 + r, k) * xs.x[m * K + k];
       out[m * ldo + r] = v;
     }
 }
 
-// ---- buffered: decode R rows x 256 once into L1, then a register-blocked fp32 micro-kernel ----
+template <class W, int R, int MB>
+inline void direct_int(const W& w, int64_t n0, const XPrep& xs, int64_t K, float* out, int ldo) {
+  const int64_t K16 = K / 16;
+  const int64_t seg = w.seg_steps();
+  __m256 tot[R][MB];
+  for (int r = 0; r < R; ++r)
+    for (int m = 0; m < MB; ++m) tot[r][m] = _mm256_setzero_ps();
+  int64_t g = 0;
+  for (int64_t s0 = 0; s0 < K16; s0 += seg, ++g) {
+    const int64_t s1 = std::min(s0 + seg, K16);
+    __m256i acc[R][MB];
+    for (int r = 0; r < R; ++r)
+      for (int m = 0; m < MB; ++m) acc[r][m] = _mm256_setzero_si256();
+    for (int64_t i = s0; i < s1; ++i) {
+      const auto c = w.prep(i);
+      __m256i xv[MB];
+      for (int m = 0; m < MB; ++m)
+        xv[m] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xs.xq + m * K16 * 16 + 16 * i));
+      for (int r = 0; r < R; ++r) {
+        const __m256i v = w.load16(n0 + r, i, c);
+        for (int m = 0; m < MB; ++m) acc[r][m] = _mm256_add_epi32(acc[r][m], _mm256_madd_epi16(v, xv[m]));
+      }
+    }
+    for (int r = 0; r < R; ++r) {
+      const __m256 sc = _mm256_set1_ps(w.group_scale(n0 + r, g));
+      for (int m = 0; m < MB; ++m) tot[r][m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc[r][m]), sc, tot[r][m]);
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int m = 0; m < MB; ++m) {
+      float v = hsum(tot[r][m]) * xs.sx[m];
+      for (int64_t k = K16 * 16; k < K; ++k) v += w.scalar(n0 + r, k) * xs.x[m * K + k];
+      out[m * ldo + r] = v;
+    }
+}
+
+// ---- buffered kernel (M > 4): decode R rows x 256 once into L1, then fp32 FMA micro-kernel ----
+
 template <int R, int MB>
 inline void dense_block(const float* buf, int64_t nv, const float* xp, int64_t ldx, __m256* tot) {
   __m256 acc[R][MB];
@@ -160,7 +268,7 @@ inline void dense_block(const float* buf, int64_t nv, const float* xp, int64_t l
     __m256 xv[MB];
     for (int m = 0; m < MB; ++m) xv[m] = _mm256_loadu_ps(xp + m * ldx + 8 * j);
     for (int r = 0; r < R; ++r) {
-      const __m256 wv = _mm256_load_ps(buf + r * (KCV * 8) + 8 * j);
+      const __m256 wv = _mm256_load_ps(buf + r * KC + 8 * j);
       for (int m = 0; m < MB; ++m) acc[r][m] = _mm256_fmadd_ps(wv, xv[m], acc[r][m]);
     }
   }
@@ -171,20 +279,19 @@ inline void dense_block(const float* buf, int64_t nv, const float* xp, int64_t l
 template <class W, int R>
 inline void tile_buffered(const W& w, int64_t n0, const float* x, int64_t M, int64_t K,
                           float* out, int ldo, float* buf, __m256* tot) {
-  const int64_t nvec = K / 8;
+  const int64_t K16 = K / 16;
   for (int64_t q = 0; q < M * R; ++q) tot[q] = _mm256_setzero_ps();
-  for (int64_t c0 = 0; c0 < nvec; c0 += KCV) {
-    const int64_t c1 = std::min<int64_t>(c0 + KCV, nvec);
-    for (int64_t i = c0; i < c1; ++i) {
-      const auto c = w.prep(i);
+  for (int64_t c0 = 0; c0 < K16; c0 += KCV) {
+    const int64_t c1 = std::min<int64_t>(c0 + KCV, K16);
+    for (int64_t i = c0; i < c1; ++i)
       for (int r = 0; r < R; ++r) {
-        __m256 v = w.load(n0 + r, i, c);
-        if constexpr (W::grouped) v = _mm256_mul_ps(v, _mm256_set1_ps(w.group_scale(n0 + r, (8 * i) / w.gs)));
-        _mm256_store_ps(buf + r * (KCV * 8) + 8 * (i - c0), v);
+        __m256 lo, hi;
+        w.decode16f(n0 + r, i, lo, hi);
+        _mm256_store_ps(buf + r * KC + 16 * (i - c0), lo);
+        _mm256_store_ps(buf + r * KC + 16 * (i - c0) + 8, hi);
       }
-    }
-    const int64_t nv = c1 - c0;
-    const float* xp = x + 8 * c0;
+    const int64_t nv = 2 * (c1 - c0);
+    const float* xp = x + 16 * c0;
     int64_t m = 0;
     for (; m + 3 <= M; m += 3) dense_block<R, 3>(buf, nv, xp + m * K, K, tot + m * R);
     if (M - m == 2) dense_block<R, 2>(buf, nv, xp + m * K, K, tot + m * R);
@@ -193,33 +300,85 @@ inline void tile_buffered(const W& w, int64_t n0, const float* x, int64_t M, int
   for (int64_t m = 0; m < M; ++m)
     for (int r = 0; r < R; ++r) {
       float v = hsum(tot[m * R + r]);
-      for (int64_t k = nvec * 8; k < K; ++k) v += w.scalar(n0 + r, k) * x[m * K + k];
+      for (int64_t k = K16 * 16; k < K; ++k) v += w.scalar(n0 + r, k) * x[m * K + k];
       out[m * ldo + r] = v;
     }
 }
 
+// ---- dispatch ----------------------------------------------------------------------------------
+
+template <class W, int R, int MB>
+inline void direct(const W& w, int64_t n0, const XPrep& xs, int64_t K, float* out, int ldo) {
+  if constexpr (std::is_same_v<W, WBf16>) direct_bf16<R, MB>(w, n0, xs, K, out, ldo);
+  else direct_int<W, R, MB>(w, n0, xs, K, out, ldo);
+}
+
 template <class W, int R>
-inline void tile(const W& w, int64_t n0, const float* x, int64_t M, int64_t K, float* out,
+inline void direct_rows(const W& w, int64_t n0, const XPrep& xs, int64_t M, int64_t K, float* out) {
+  // M in 1..4, out is [M][RT]
+  switch (M) {
+    case 1: direct<W, R, 1>(w, n0, xs, K, out, RT); return;
+    case 2: direct<W, R, 2>(w, n0, xs, K, out, RT); return;
+    default:
+      if constexpr (R % 2 == 0) {
+        for (int h = 0; h < R; h += 2) {
+          if (M == 3) direct<W, 2, 3>(w, n0 + h, xs, K, out + h, RT);
+          else direct<W, 2, 4>(w, n0 + h, xs, K, out + h, RT);
+        }
+      } else {
+        if (M == 3) direct<W, R, 3>(w, n0, xs, K, out, RT);
+        else direct<W, R, 4>(w, n0, xs, K, out, RT);
+      }
+  }
+}
+
+template <class W>
+inline bool use_direct(int64_t M) {
+  // measured on Zen 1: the integer kernels beat the fp32 buffered kernel up to M = 16 when run in
+  // passes of <= 4 rows of x (the tile's weights stay in L1/L2 between passes); bf16 up to M = 8.
+  if constexpr (std::is_same_v<W, WBf16>) return M <= DIRECT_M * 2;
+  else return M <= DIRECT_M * 16;
+}
+
+template <class W, int R>
+inline void tile(const W& w, int64_t n0, const XPrep& xs, int64_t M, int64_t K, float* out,
                  float* buf, __m256* tot) {
   // out is [M][RT] (ldo = RT), rows n0..n0+R
-  switch (M) {
-    case 1: tile_direct<W, R, 1>(w, n0, x, K, out, RT); return;
-    case 2: tile_direct<W, R, 2>(w, n0, x, K, out, RT); return;
-    case 3: tile_direct<W, R, 3>(w, n0, x, K, out, RT); return;
-    case 4:
-      if constexpr (R % 2 == 0) {
-        for (int h = 0; h < R; h += 2) tile_direct<W, 2, 4>(w, n0 + h, x, K, out + h, RT);
-      } else {
-        tile_direct<W, R, 4>(w, n0, x, K, out, RT);
-      }
-      return;
-    default: tile_buffered<W, R>(w, n0, x, M, K, out, RT, buf, tot); return;
+  if (DIRECT_M > 0 && use_direct<W>(M)) {
+    const int64_t K16 = K / 16;
+    for (int64_t m0 = 0; m0 < M; m0 += DIRECT_M) {
+      XPrep part = xs;
+      part.x = xs.x + m0 * K;
+      if (xs.xp) part.xp = xs.xp + m0 * K16 * 16;
+      if (xs.xq) part.xq = xs.xq + m0 * K16 * 16;
+      part.sx = xs.sx + m0;
+      direct_rows<W, R>(w, n0, part, std::min(DIRECT_M, M - m0), K, out + m0 * RT);
+    }
+    return;
   }
+  tile_buffered<W, R>(w, n0, xs.x, M, K, out, RT, buf, tot);
 }
 
 template <class W>
 void run_linear(const W& w, const float* x, int64_t M, int64_t N, int64_t K, const float* bias,
                 float* y, int nthreads) {
+  // per-call activation preprocessing for the direct kernels (small: M * K elements)
+  thread_local std::vector<float> xp_buf;
+  thread_local std::vector<int16_t> xq_buf;
+  float sx[MAX_M];
+  XPrep xs{x, nullptr, nullptr, sx};
+  const int64_t K16 = K / 16;
+  if (DIRECT_M > 0 && use_direct<W>(M)) {
+    if constexpr (std::is_same_v<W, WBf16>) {
+      xp_buf.resize(size_t(M * K16 * 16) + 16);
+      prep_bf16(x, M, K, xp_buf.data());
+      xs.xp = xp_buf.data();
+    } else {
+      xq_buf.resize(size_t(M * K16 * 16) + 16);
+      prep_int16(x, M, K, xq_buf.data(), sx);
+      xs.xq = xq_buf.data();
+    }
+  }
   const int64_t ntiles = (N + RT - 1) / RT;
   const int nt = int(std::max<int64_t>(1, std::min<int64_t>(nthreads, ntiles)));
 #pragma omp parallel num_threads(nt)
@@ -227,16 +386,16 @@ void run_linear(const W& w, const float* x, int64_t M, int64_t N, int64_t K, con
     const int tid = omp_get_thread_num();
     const int nth = omp_get_num_threads();
     const int64_t t0 = ntiles * tid / nth, t1 = ntiles * (tid + 1) / nth;
-    alignas(32) float buf[RT * KCV * 8];
+    alignas(32) float buf[RT * KC];
     alignas(32) __m256 tot[MAX_M * RT];
     alignas(32) float out[MAX_M * RT];
     for (int64_t t = t0; t < t1; ++t) {
       const int64_t n0 = t * RT;
       const int rows = int(std::min<int64_t>(RT, N - n0));
       if (rows == RT) {
-        tile<W, RT>(w, n0, x, M, K, out, buf, tot);
+        tile<W, RT>(w, n0, xs, M, K, out, buf, tot);
       } else {
-        for (int r = 0; r < rows; ++r) tile<W, 1>(w, n0 + r, x, M, K, out + r, buf, tot);
+        for (int r = 0; r < rows; ++r) tile<W, 1>(w, n0 + r, xs, M, K, out + r, buf, tot);
       }
       for (int64_t m = 0; m < M; ++m)
         for (int r = 0; r < rows; ++r) {
@@ -249,7 +408,7 @@ void run_linear(const W& w, const float* x, int64_t M, int64_t N, int64_t K, con
 
 template <class W>
 void run_dequant(const W& w, int64_t K, int64_t n0, int64_t n1, float* out, int nthreads) {
-  const int64_t nvec = K / 8;
+  const int64_t K16 = K / 16;
   const int64_t rows = n1 - n0;
   const int nt = int(std::max<int64_t>(1, std::min<int64_t>(nthreads, rows)));
 #pragma omp parallel for num_threads(nt) schedule(static)
@@ -257,22 +416,34 @@ void run_dequant(const W& w, int64_t K, int64_t n0, int64_t n1, float* out, int 
     float* o = out + (n - n0) * K;
     const float rs = w.row_scale(n);
     const __m256 rsv = _mm256_set1_ps(rs);
-    for (int64_t i = 0; i < nvec; ++i) {
-      __m256 v = w.load(n, i, w.prep(i));
-      if constexpr (W::grouped) v = _mm256_mul_ps(v, _mm256_set1_ps(w.group_scale(n, (8 * i) / w.gs)));
-      _mm256_storeu_ps(o + 8 * i, _mm256_mul_ps(v, rsv));
+    for (int64_t i = 0; i < K16; ++i) {
+      __m256 lo, hi;
+      w.decode16f(n, i, lo, hi);
+      _mm256_storeu_ps(o + 16 * i, _mm256_mul_ps(lo, rsv));
+      _mm256_storeu_ps(o + 16 * i + 8, _mm256_mul_ps(hi, rsv));
     }
-    for (int64_t k = nvec * 8; k < K; ++k) o[k] = w.scalar(n, k) * rs;
+    for (int64_t k = K16 * 16; k < K; ++k) o[k] = w.scalar(n, k) * rs;
   }
+}
+
+bool int4_supported(int64_t K, int64_t group_size) {
+  return K % 64 == 0 && group_size > 0 && group_size % 16 == 0 && K % group_size == 0;
 }
 
 }  // namespace
 
 extern "C" {
 
-int kiln_wol_abi_version() { return 1; }
+int kiln_wol_abi_version() { return 2; }
 
 int kiln_wol_max_m() { return int(MAX_M); }
+
+// Largest M that uses the direct (GEMV) kernels, 0..4; returns the previous value.
+int kiln_wol_set_direct_m(int m) {
+  const int old = int(DIRECT_M);
+  DIRECT_M = std::max(0, std::min(4, m));
+  return old;
+}
 
 // Returns 0 on success, a positive code when the case is not supported (caller falls back).
 int kiln_linear(int wtype, const void* w, const float* scales, int64_t group_size,
@@ -283,7 +454,7 @@ int kiln_linear(int wtype, const void* w, const float* scales, int64_t group_siz
     case WTYPE_BF16: run_linear(WBf16{static_cast<const uint16_t*>(w), K}, x, M, N, K, bias, y, nthreads); return 0;
     case WTYPE_INT8: run_linear(WInt8{static_cast<const int8_t*>(w), scales, K}, x, M, N, K, bias, y, nthreads); return 0;
     case WTYPE_INT4:
-      if (K % 64 != 0 || group_size <= 0 || group_size % 8 != 0 || K % group_size != 0) return 2;
+      if (!int4_supported(K, group_size)) return 2;
       run_linear(WInt4{static_cast<const uint8_t*>(w), scales, K, group_size, K / group_size}, x, M, N, K, bias, y, nthreads);
       return 0;
     default: return 3;
@@ -298,7 +469,7 @@ int kiln_dequant_rows(int wtype, const void* w, const float* scales, int64_t gro
     case WTYPE_BF16: run_dequant(WBf16{static_cast<const uint16_t*>(w), K}, K, n0, n1, out, nthreads); return 0;
     case WTYPE_INT8: run_dequant(WInt8{static_cast<const int8_t*>(w), scales, K}, K, n0, n1, out, nthreads); return 0;
     case WTYPE_INT4:
-      if (K % 64 != 0 || group_size <= 0 || group_size % 8 != 0 || K % group_size != 0) return 2;
+      if (!int4_supported(K, group_size)) return 2;
       run_dequant(WInt4{static_cast<const uint8_t*>(w), scales, K, group_size, K / group_size}, K, n0, n1, out, nthreads);
       return 0;
     default: return 3;
