@@ -28,9 +28,9 @@ compute the dot products with integer multiply-adds; larger M computes in fp32.
 
 Kernels: C++ (AVX2 + FMA + OpenMP, ``plugins/csrc/weight_only_linear.cpp``) compiled with
 ``torch.utils.cpp_extension.load`` on first use and cached in TORCH_EXTENSIONS_DIR. Dispatch on M
-(number of rows of ``x``): M <= ``GEMV_MAX_M`` runs the streaming GEMV kernel (each weight byte is
-read once per call, nothing is dequantised in memory); larger M (prefill) dequantises row chunks
-to fp32 and uses torch's sgemm. Set ``KILN_DISABLE_NATIVE_KERNELS=1`` (or call
+(number of rows of ``x``): small M (decode) runs streaming GEMV kernels (each weight byte is read
+once per call, nothing is dequantised in memory); larger M runs the same kernels on 64-row
+chunks, or, above ``KERNEL_MAX_M`` (bf16: 64), dequantises row chunks to fp32 for torch's sgemm. Set ``KILN_DISABLE_NATIVE_KERNELS=1`` (or call
 :func:`set_native_kernels_enabled(False)`) to force the plain-torch path; if the compile fails or
 the CPU lacks AVX2/FMA, the torch path is used after a one-time warning.
 """
@@ -61,12 +61,16 @@ __all__ = [
     "native_kernels_available",
     "set_native_kernels_enabled",
     "native_kernels_disabled",
-    "GEMV_MAX_M",
+    "KERNEL_MAX_M",
 ]
 
-# M above which the prefill path (dequantise chunk + torch sgemm) is used; tuned on AVX2 (Zen).
-GEMV_MAX_M = 16
-# Rows of the weight dequantised at once in the prefill path (bounded fp32 scratch).
+# Dispatch on M (rows of x). Measured on the project's AVX2 machine (AMD Zen 1, 2 cores), where
+# torch's sgemm reaches ~30 GFLOP/s per core: the native kernels win for bf16 up to M ~ 64-128 and
+# for int8/int4 at every M tried (up to 256). Above the limit: dequantise row chunks + torch sgemm.
+# On a CPU with AVX-512/AMX GEMMs, lower these.
+KERNEL_MAX_M = {"bf16": 64, "int8": 1 << 30, "int4": 1 << 30}
+_KERNEL_CHUNK_M = 64  # the C kernels take at most 64 rows per call; bigger M is split
+# Rows of the weight dequantised at once in the sgemm path (bounded fp32 scratch).
 _PREFILL_CHUNK_BYTES = 16 << 20
 
 _WTYPE_BF16, _WTYPE_INT8, _WTYPE_INT4 = 0, 1, 2
@@ -313,13 +317,18 @@ def _native(wtype: int, x: torch.Tensor, w: torch.Tensor, scales, bias, group_si
             bias = bias.float().contiguous()
         bp = bias.data_ptr()
     nthreads = torch.get_num_threads()
+    kind = ("bf16", "int8", "int4")[wtype]
     if m == 0:
         y = x2.new_empty(0, n)
-    elif m <= GEMV_MAX_M:
+    elif m <= KERNEL_MAX_M[kind]:
         y = torch.empty(m, n, dtype=torch.float32)
-        rc = lib.kiln_linear(wtype, w.data_ptr(), sp, group_size, x2.data_ptr(), m, n, k, bp, y.data_ptr(), nthreads)
-        if rc != 0:
-            return None
+        xp, yp, step = x2.data_ptr(), y.data_ptr(), _KERNEL_CHUNK_M
+        for m0 in range(0, m, step):
+            mc = min(step, m - m0)
+            rc = lib.kiln_linear(wtype, w.data_ptr(), sp, group_size, xp + 4 * m0 * k, mc, n, k, bp,
+                                 yp + 4 * m0 * n, nthreads)
+            if rc != 0:
+                return None
     else:
         y = torch.empty(m, n, dtype=torch.float32)
         rows = max(1, min(n, _PREFILL_CHUNK_BYTES // (4 * k)))

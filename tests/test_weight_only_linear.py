@@ -106,6 +106,31 @@ def test_bf16_linear_matches_reference(native, m, n, k, dtype, with_bias):
     torch.testing.assert_close(y, ref, **_tol(ref, dtype))
 
 
+@pytest.mark.parametrize("path", ["sgemm", "chunked"])
+def test_large_m_paths(native, monkeypatch, path):
+    """M above KERNEL_MAX_M: dequantised row chunks + torch sgemm; M > 64: kernels on 64-row chunks."""
+    if path == "sgemm":
+        monkeypatch.setattr(wol, "KERNEL_MAX_M", {"bf16": 2, "int8": 2, "int4": 2})
+        monkeypatch.setattr(wol, "_PREFILL_CHUNK_BYTES", 4 * 128 * 16)  # several row chunks
+        m = 9
+    else:
+        m = 150
+    n, k, gs = 70, 128, 32
+    w = torch.randn(n, k)
+    x = torch.randn(m, k)
+    bias = torch.randn(n)
+    q8, s8 = wol.quantize_int8(w)
+    q4, s4 = wol.quantize_int4(w, gs)
+    wb = w.bfloat16()
+    for y, ref in [
+        (ops.weight_only_linear(x, q8, s8, bias, 8, 0), wol.weight_only_linear_reference(x, q8, s8, bias, 8, 0)),
+        (ops.weight_only_linear(x, q4, s4, bias, 4, gs), wol.weight_only_linear_reference(x, q4, s4, bias, 4, gs)),
+        (ops.bf16_linear(x, wb, bias), wol.bf16_linear_reference(x, wb, bias)),
+        (ops.bf16_linear(x.bfloat16(), wb, None), wol.bf16_linear_reference(x.bfloat16(), wb, None)),
+    ]:
+        torch.testing.assert_close(y, ref, **_tol(ref, y.dtype, int_act=True))
+
+
 def test_leading_dims_and_noncontiguous_inputs(native):
     w = torch.randn(48, 128)
     x = torch.randn(2, 3, 256)[..., ::2]  # [2, 3, 128], non-contiguous

@@ -381,15 +381,16 @@ void run_linear(const W& w, const float* x, int64_t M, int64_t N, int64_t K, con
   }
   const int64_t ntiles = (N + RT - 1) / RT;
   const int nt = int(std::max<int64_t>(1, std::min<int64_t>(nthreads, ntiles)));
+  const int64_t chunk = std::max<int64_t>(1, ntiles / (int64_t(nt) * 16));
 #pragma omp parallel num_threads(nt)
   {
-    const int tid = omp_get_thread_num();
-    const int nth = omp_get_num_threads();
-    const int64_t t0 = ntiles * tid / nth, t1 = ntiles * (tid + 1) / nth;
     alignas(32) float buf[RT * KC];
     alignas(32) __m256 tot[MAX_M * RT];
     alignas(32) float out[MAX_M * RT];
-    for (int64_t t = t0; t < t1; ++t) {
+    // dynamic chunks of ~1/16 of a thread's share: a thread preempted by another process (shared
+    // machines) then holds back only its current chunk instead of half the matrix.
+#pragma omp for schedule(dynamic, chunk)
+    for (int64_t t = 0; t < ntiles; ++t) {
       const int64_t n0 = t * RT;
       const int rows = int(std::min<int64_t>(RT, N - n0));
       if (rows == RT) {
