@@ -136,14 +136,11 @@ def graph_buffers(ep: torch.export.ExportedProgram) -> tuple[list[Buffer], list[
             continue
         src = node.args[0] if node.args else None
         if _is_view(node) and isinstance(src, fx.Node):
-            base[node] = base.get(src, src)
+            base[node] = base.get(src, src)  # no memory of its own; keeps its base alive
             continue
-        if node.target is operator.getitem and isinstance(src, fx.Node):
-            # one output of a multi-output op: a buffer of its own
-            pass
         val = node.meta.get("val")
         if not isinstance(val, torch.Tensor):
-            continue  # tuples are sized through their getitems
+            continue  # tuple-valued ops are sized through their getitem outputs
         numel = _numel_at_max(val.shape, maxima)
         if numel is None:
             unsized.append(node.name)
@@ -155,10 +152,8 @@ def graph_buffers(ep: torch.export.ExportedProgram) -> tuple[list[Buffer], list[
     for node in nodes:
         for inp in node.all_input_nodes:
             owner = base.get(inp, inp)
-            if node.target is operator.getitem or True:
-                if owner in last_use:
-                    last_use[owner] = max(last_use[owner], end if node.op == "output" else index[node])
-            # a multi-output op keeps its outputs alive through the getitems reading them
+            if owner in last_use:  # graph outputs stay live to the end
+                last_use[owner] = max(last_use[owner], end if node.op == "output" else index[node])
     buffers = [Buffer(n.name, sizes[n], index[n], last_use[n]) for n in owners]
     return buffers, unsized
 

@@ -1,0 +1,177 @@
+"""Builder benchmark (not a test): build time per stage and decode step time vs the memory-bandwidth bound.
+
+    .venv/bin/python scripts/bench_build.py [--variants fp32,bf16,int8,int4] [--steps 20] [--threads 2]
+
+A ~300M-parameter random Llama (``work/bench/llama-300m``, created once, shared with the serving bench)
+is built into four engines (fp32, bf16, int8 and int4 weight-only), each build printing its stages.
+Memory bandwidth is measured in the same run (sum and copy of a 1 GiB tensor, and a 2-thread fp32 GEMV
+that streams a 90 MB matrix), then each engine runs decode steps at batch 1 and 16 (every sequence
+with 128 tokens of context): the median step time is printed next to the time the machine's
+bandwidth allows, weights bytes / bandwidth. Bytes streamed per decode step exclude the embedding
+table (a decode step gathers one row of it per token).
+"""
+
+from __future__ import annotations
+
+import argparse
+import fcntl
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+BENCH = ROOT / "work" / "bench"
+CKPT = BENCH / "llama-300m"
+VARIANTS = {
+    "fp32": dict(dtype="float32"),
+    "bf16": dict(dtype="bfloat16"),
+    "int8": dict(dtype="float32", quantization="int8_weight_only"),
+    "int4": dict(dtype="float32", quantization="int4_weight_only", group_size=128),
+}
+CONTEXT = 128
+
+
+def log(msg: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+
+def ensure_checkpoint() -> Path:
+    BENCH.mkdir(parents=True, exist_ok=True)
+    with open(BENCH / ".llama-300m.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # the serving bench may be creating it at the same time
+        if not (CKPT / "config.json").exists():
+            from kiln.model_defs.synthetic import make_checkpoint
+
+            log(f"creating a random ~300M Llama checkpoint in {CKPT} (once) ...")
+            make_checkpoint(CKPT, "llama", "300m")
+    return CKPT
+
+
+def _median_time(fn, repeat: int) -> float:
+    fn()
+    times = []
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def measure_bandwidth() -> dict[str, float]:
+    """GB/s of: sum of 1 GiB, copy of 1 GiB (read + write), fp32 GEMV over a 90 MB matrix."""
+    big = torch.ones(1 << 28)  # 1 GiB fp32
+    out = torch.empty_like(big)
+    gib = big.numel() * 4
+    res = {
+        "sum": gib / _median_time(lambda: big.sum(), 5) / 1e9,
+        "copy": 2 * gib / _median_time(lambda: out.copy_(big), 5) / 1e9,
+    }
+    del big, out
+    w = torch.randn(5632, 4000)  # 22.5M elements, 90 MB: bigger than any cache
+    x = torch.randn(1, 4000)
+    res["gemv"] = w.numel() * 4 / _median_time(lambda: torch.nn.functional.linear(x, w), 20) / 1e9
+    return res
+
+
+def build(variant: str, ckpt: Path) -> Path:
+    from kiln.builder import BuildConfig, build_engine
+
+    cfg = BuildConfig(max_batch_size=16, max_input_len=256, max_seq_len=512, max_num_tokens=256,
+                      tokens_per_block=16, **VARIANTS[variant])
+    out = BENCH / f"engine-builder-{variant}"
+    log(f"build {variant}: {cfg.dtype}, quantization {cfg.quantization}")
+    build_engine(ckpt, out, cfg, progress=lambda s, m: m != "start" and print(f"    {s:<12} {m}", flush=True))
+    return out
+
+
+def decode_inputs(engine, batch: int) -> dict[str, torch.Tensor]:
+    """One decode step: ``batch`` sequences each with CONTEXT cached tokens + 1 new one."""
+    block = engine.build["tokens_per_block"]
+    per_seq = (CONTEXT + 1 + block - 1) // block
+    kv = engine.allocate_kv_cache(per_seq * batch)
+    tables = torch.arange(per_seq * batch, dtype=torch.int32).view(batch, per_seq)
+    pos = torch.full((batch,), CONTEXT, dtype=torch.int64)
+    slots = tables[:, CONTEXT // block].long() * block + CONTEXT % block
+    return {
+        "input_ids": torch.randint(3, engine.model["vocab_size"], (batch,)),
+        "position_ids": pos,
+        "seq_lens": torch.ones(batch, dtype=torch.int32),
+        "context_lens": torch.full((batch,), CONTEXT + 1, dtype=torch.int32),
+        "block_tables": tables,
+        "slot_mapping": slots,
+        "logits_indices": torch.arange(batch),
+        "kv_cache": kv,
+    }
+
+
+def streamed_bytes(engine) -> int:
+    """Weights bytes read by one decode step: all weights except the embedding table (one row gathered)."""
+    m = engine.model
+    elem = 2 if engine.build["dtype"] in ("bfloat16", "float16") else 4
+    embed = 0 if m["tie_word_embeddings"] else m["vocab_size"] * m["hidden_size"] * elem
+    rope = m["max_position_embeddings"] * m["head_dim"] * 4  # rope table, one row gathered
+    return engine.weights_bytes - embed - rope
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--variants", default="fp32,bf16,int8,int4")
+    ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--reuse", action="store_true", help="reuse engines already built by this script")
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    from kiln.runtime import Engine
+
+    ckpt = ensure_checkpoint()
+    variants = args.variants.split(",")
+    cpu = next((l.split(":", 1)[1].strip() for l in open("/proc/cpuinfo") if l.startswith("model name")), "?")
+    flags = next((l.split(":", 1)[1].split() for l in open("/proc/cpuinfo") if l.startswith("flags")), [])
+    simd = [f for f in ("avx2", "fma", "avx512f", "avx512_bf16", "amx_bf16") if f in flags]
+    log(f"cpu: {cpu} ({', '.join(simd)}), torch {torch.__version__}, {torch.get_num_threads()} threads")
+
+    builds: dict[str, dict] = {}
+    for v in variants:
+        out = BENCH / f"engine-builder-{v}"
+        if not (args.reuse and (out / "build_report.json").exists()):
+            out = build(v, ckpt)
+        builds[v] = json.loads((out / "build_report.json").read_text())
+
+    log("measuring memory bandwidth ...")
+    bw = measure_bandwidth()
+    peak_bw = max(bw.values())
+    log("bandwidth: " + ", ".join(f"{k} {v:.1f} GB/s" for k, v in bw.items()) + f" -> bound uses {peak_bw:.1f} GB/s")
+
+    rows = []
+    for v in variants:
+        engine = Engine.from_dir(BENCH / f"engine-builder-{v}")
+        streamed = streamed_bytes(engine)
+        bound_ms = streamed / (peak_bw * 1e9) * 1e3
+        for batch in (1, 16):
+            inputs = decode_inputs(engine, batch)
+            ms = _median_time(lambda: engine.run(inputs), args.steps) * 1e3
+            rows.append((v, batch, engine.weights_bytes, streamed, ms, bound_ms))
+        del engine
+
+    print()
+    print("build time per stage (s)")
+    stages = ["load", "trace", "passes", "export", "memory_plan", "compile", "write", "total"]
+    print(f"{'engine':<6} " + " ".join(f"{s:>11}" for s in stages))
+    for v in variants:
+        t = builds[v]["timings_s"]
+        print(f"{v:<6} " + " ".join(f"{t.get(s, 0):>11.2f}" for s in stages))
+    print()
+    print(f"decode step, context {CONTEXT}, {torch.get_num_threads()} threads; bound = streamed weights / {peak_bw:.1f} GB/s")
+    print(f"{'engine':<6} {'batch':>5} {'weights MB':>10} {'streamed MB':>11} {'step ms':>8} {'bound ms':>8} "
+          f"{'% of bound':>10} {'tok/s':>8}")
+    for v, batch, wb, sb, ms, bound in rows:
+        print(f"{v:<6} {batch:>5} {wb / 1e6:>10.1f} {sb / 1e6:>11.1f} {ms:>8.2f} {bound:>8.2f} "
+              f"{100 * bound / ms:>9.0f}% {batch * 1000 / ms:>8.1f}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
