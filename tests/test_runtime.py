@@ -5,6 +5,7 @@ seeded sampling, stop strings, abort, invalid requests."""
 from __future__ import annotations
 
 import asyncio
+import faulthandler
 import random
 import threading
 import time
@@ -18,6 +19,14 @@ from runtime_support import get_engine, hf_greedy, random_prompts
 pytestmark = pytest.mark.xdist_group("runtime")   # one worker builds the engines once
 
 VOCAB = 512
+
+
+@pytest.fixture(autouse=True)
+def watchdog():
+    """A scheduling bug shows up as a hang: end the worker with tracebacks instead of stalling the suite."""
+    faulthandler.dump_traceback_later(240, exit=True)
+    yield
+    faulthandler.cancel_dump_traceback_later()
 
 
 def workload(n=48, seed=0, min_len=1, max_len=90):
@@ -144,10 +153,18 @@ def test_prefix_reuse_hits_and_outputs(engines):
         assert kv["prefix_hits"] == 7 * 64 and kv["hit_rate"] > 0.5
         assert llm.stats()["counters"]["prefill_tokens_computed"] == sum(len(p) for p in prompts) - 7 * 64
         assert_no_leak(llm)
+        # the same prompt again, the bare block-aligned prefix, and a prompt extending a finished conversation:
+        # the last token is always recomputed, and cached blocks hold generated tokens too
+        again = [prompts[3], prefix, prompts[0] + outs[0].token_ids[:5] + [7, 8, 9]]
+        outs2 = llm.generate(again, SamplingParams(temperature=0, max_tokens=6))
+        assert_matches_hf(ckpt, again, [6] * 3, outs2)
+        assert [o.metrics.num_cached_tokens for o in outs2] == [len(prompts[3]) // 8 * 8, 56,
+                                                               (len(prompts[0]) + 5) // 8 * 8]
+        assert_no_leak(llm)
 
 
 def test_multi_turn_replay_ttft_with_and_without_reuse(engines, capsys):
-    _, engine = engines["llama"]
+    ckpt, engine = engines["llama"]
     rng = random.Random(6)
     results = {}
     for reuse in (True, False):
@@ -159,6 +176,8 @@ def test_multi_turn_replay_ttft_with_and_without_reuse(engines, capsys):
             for turn in range(4):
                 before = llm.stats()["counters"]["prefill_tokens_computed"]
                 (out,) = llm.generate([history], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
+                ref = hf_greedy(ckpt, history, 8)
+                assert out.token_ids[:len(ref)] == ref if ref[-1:] == [2] else out.token_ids == ref
                 ttfts.append(out.metrics.ttft)
                 computed.append(llm.stats()["counters"]["prefill_tokens_computed"] - before)
                 history = history + out.token_ids + [user.randrange(3, VOCAB) for _ in range(12)]
