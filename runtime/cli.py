@@ -79,3 +79,8 @@ def inspect(engine_dir: Path, as_json: bool, load: bool) -> None:
 
 if __name__ == "__main__":
     main()
+
+
+from kiln.runtime.generate_cli import generate  # noqa: E402  (the runtime's generate command)
+
+main.add_command(generate)

@@ -7,7 +7,9 @@ generation per prompt is cached and shorter ones are its prefixes (greedy decodi
 
 from __future__ import annotations
 
+import atexit
 import random
+import shutil
 import tempfile
 from pathlib import Path
 
@@ -29,6 +31,7 @@ def get_engine(ckpt: Path, **build_overrides):
         from kiln.runtime.engine import Engine
 
         out = Path(tempfile.mkdtemp(prefix="kiln-rt-engine-"))
+        atexit.register(shutil.rmtree, out, True)
         build_engine(ckpt, out, BuildConfig(**{**TEST_BUILD, **build_overrides}))
         _ENGINES[key] = Engine.from_dir(out)
     return _ENGINES[key]
