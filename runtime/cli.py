@@ -77,10 +77,10 @@ def inspect(engine_dir: Path, as_json: bool, load: bool) -> None:
             for k, v in report["passes"].items()))
 
 
-if __name__ == "__main__":
-    main()
-
-
 from kiln.runtime.generate_cli import generate  # noqa: E402  (the runtime's generate command)
 
 main.add_command(generate)
+
+
+if __name__ == "__main__":
+    main()
