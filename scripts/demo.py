@@ -3,10 +3,9 @@
 1. a small random Llama checkpoint (``work/demo-llama-small``) is created if missing;
 2. ``build_engine`` turns it into an engine directory (``work/demo-llama-small-engine``), printing
    each stage and the summary that ``build-engine`` prints;
-3. ``kiln.runtime.Engine`` loads the directory (no model code) and runs one packed forward over
-   three prompts, then a few decode steps with the KV cache.
-
-Later stages (runtime) extend this into generation.
+3. ``kiln.runtime.LLM`` loads the directory (no model code) and generates for a handful of prompts
+   concurrently (in-flight batching over a paged KV cache), printing the outputs, each request's
+   queue time / TTFT / TPOT and the runtime's metrics summary.
 """
 
 from __future__ import annotations
@@ -16,12 +15,11 @@ import sys
 import time
 from pathlib import Path
 
-import torch
 
 from kiln.builder import BuildConfig, build_engine
 from kiln.builder.cli import print_table, summary_rows
 from kiln.model_defs.synthetic import make_checkpoint
-from kiln.runtime import Engine
+from kiln.runtime import LLM, SamplingParams
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -40,52 +38,27 @@ def main() -> None:
     print_table(summary_rows(json.loads((engine_dir / "config.json").read_text()),
                              json.loads((engine_dir / "build_report.json").read_text())))
 
-    engine = Engine.from_dir(engine_dir)
-    from tokenizers import Tokenizer
-
-    tok = Tokenizer.from_file(str(engine_dir / "tokenizer.json"))
-    prompts = ["The kiln fires the clay", "Tokens flow through", "Memory is the wall:"]
-    ids = [tok.encode(p).ids for p in prompts]
-    block = engine.build["tokens_per_block"]
-    max_len = max(len(s) for s in ids) + 8
-    per_seq = (max_len + block - 1) // block
-    kv = engine.allocate_kv_cache(per_seq * len(ids))
-    tables = [list(range(i * per_seq, (i + 1) * per_seq)) for i in range(len(ids))]
-
-    def step(new: list[list[int]], starts: list[int]) -> torch.Tensor:
-        tokens, pos, slots, logits_idx = [], [], [], []
-        for s, (toks, start) in enumerate(zip(new, starts)):
-            for j, t in enumerate(toks):
-                p = start + j
-                tokens.append(t)
-                pos.append(p)
-                slots.append(tables[s][p // block] * block + p % block)
-            logits_idx.append(len(tokens) - 1)
-        return engine.run({
-            "input_ids": torch.tensor(tokens), "position_ids": torch.tensor(pos),
-            "seq_lens": torch.tensor([len(t) for t in new], dtype=torch.int32),
-            "context_lens": torch.tensor([s + len(t) for s, t in zip(starts, new)], dtype=torch.int32),
-            "block_tables": torch.tensor(tables, dtype=torch.int32), "slot_mapping": torch.tensor(slots),
-            "logits_indices": torch.tensor(logits_idx), "kv_cache": kv,
-        })
-
+    # generation: a handful of prompts submitted together, served with in-flight batching
+    # (max_batch_size 4 < 6 prompts, so some wait for a seat and join as others finish)
+    llm = LLM(engine_dir, max_kv_cache_tokens=1024)
+    prompts = ["The kiln fires the clay", "Tokens flow through", "Memory is the wall:",
+               "A request arrives, then another;", "Héllo wörld", "def add(a, b):"]
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in (12, 6, 16, 8, 10, 20)]
+    params[1] = SamplingParams(temperature=0.8, top_p=0.9, seed=7, max_tokens=6)   # one sampled, seeded
+    print(f"generating for {len(prompts)} prompts concurrently ({llm.executor.kv_plan})")
     t0 = time.perf_counter()
-    logits = step(ids, [0] * len(ids))
-    prefill_ms = (time.perf_counter() - t0) * 1e3
-    outs = [[int(r.argmax())] for r in logits]
-    lens = [len(s) for s in ids]
-    t0 = time.perf_counter()
-    for _ in range(7):  # greedy decode steps, all three sequences batched
-        logits = step([[o[-1]] for o in outs], lens)
-        lens = [n + 1 for n in lens]
-        for o, r in zip(outs, logits):
-            o.append(int(r.argmax()))
-    decode_ms = (time.perf_counter() - t0) * 1e3 / 7
-    for prompt, o in zip(prompts, outs):
-        print(f"{prompt!r:28} -> {tok.decode(o)!r}")
-    print(f"prefill of {sum(len(s) for s in ids)} tokens in {len(ids)} sequences: {prefill_ms:.1f} ms; "
-          f"decode step (batch {len(ids)}): {decode_ms:.1f} ms")
-
+    outs = llm.generate(prompts, params)
+    wall = time.perf_counter() - t0
+    for out in outs:
+        m = out.metrics
+        tpot = f"{m.mean_tpot * 1e3:5.1f} ms" if m.mean_tpot is not None else "   -    "
+        print(f"{out.prompt!r:36} -> {out.text!r}")
+        print(f"{'':36}    {len(out.token_ids):2d} tokens ({out.finish_reason}), queue {m.queue_time * 1e3:5.1f} ms, "
+              f"TTFT {m.ttft * 1e3:5.1f} ms, TPOT {tpot}")
+    print(f"{sum(len(o.token_ids) for o in outs)} tokens in {wall:.2f} s")
+    print("metrics:")
+    print("  " + llm.metrics_summary().replace("\n", "\n  "))
+    llm.shutdown()
 
 if __name__ == "__main__":
     sys.exit(main())
