@@ -15,7 +15,6 @@ import sys
 import time
 from pathlib import Path
 
-
 from kiln.builder import BuildConfig, build_engine
 from kiln.builder.cli import print_table, summary_rows
 from kiln.model_defs.synthetic import make_checkpoint
