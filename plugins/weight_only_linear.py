@@ -61,6 +61,7 @@ __all__ = [
     "native_kernels_available",
     "set_native_kernels_enabled",
     "native_kernels_disabled",
+    "set_kernel_max_m",
     "KERNEL_MAX_M",
 ]
 
@@ -74,7 +75,7 @@ _KERNEL_CHUNK_M = 64  # the C kernels take at most 64 rows per call; bigger M is
 _PREFILL_CHUNK_BYTES = 16 << 20
 
 _WTYPE_BF16, _WTYPE_INT8, _WTYPE_INT4 = 0, 1, 2
-_ABI_VERSION = 2
+_ABI_VERSION = 3
 
 # --------------------------------------------------------------------------------------------
 # quantisation and the int4 layout (plain torch)
@@ -200,7 +201,8 @@ def bf16_linear_reference(x, weight, bias):
 # native library: lazy compile + ctypes
 # --------------------------------------------------------------------------------------------
 
-_CSRC = Path(__file__).resolve().parent / "csrc" / "weight_only_linear.cpp"
+_CSRC_DIR = Path(__file__).resolve().parent / "csrc"
+_SOURCES = [_CSRC_DIR / "weight_only_linear.cpp", _CSRC_DIR / "linear_ops.cpp"]
 _lib_lock = threading.Lock()
 _lib: Optional[ctypes.CDLL] = None
 _lib_state = "unloaded"  # unloaded | ok | failed
@@ -242,7 +244,7 @@ def _load_library() -> Optional[ctypes.CDLL]:
 
             path = cpp_extension.load(
                 name=f"kiln_linear_kernels_v{_ABI_VERSION}",
-                sources=[str(_CSRC)],
+                sources=[str(p) for p in _SOURCES],
                 extra_cflags=["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-std=c++17"],
                 extra_ldflags=["-fopenmp"],
                 is_python_module=False,
@@ -256,6 +258,11 @@ def _load_library() -> Optional[ctypes.CDLL]:
             lib.kiln_linear.restype = ctypes.c_int
             lib.kiln_dequant_rows.argtypes = [ctypes.c_int, vp, fp, i64, i64, i64, i64, i64, fp, ctypes.c_int]
             lib.kiln_dequant_rows.restype = ctypes.c_int
+            lib.kiln_ops_set_enabled.argtypes = [ctypes.c_int]
+            lib.kiln_ops_set_max_m.argtypes = [ctypes.c_int, i64]
+            lib.kiln_ops_set_enabled(int(_enabled))
+            for wtype, kind in enumerate(("bf16", "int8", "int4")):
+                lib.kiln_ops_set_max_m(wtype, min(KERNEL_MAX_M[kind], 1 << 40))
             _lib = lib
             _lib_state = "ok"
         except Exception as e:  # compile error, missing compiler, no AVX2 ...
@@ -274,20 +281,32 @@ def native_kernels_available() -> bool:
 
 
 def set_native_kernels_enabled(enabled: bool) -> None:
+    """Enable/disable the native kernels (disabled: the plain-torch path, for tests/debugging)."""
     global _enabled
     _enabled = bool(enabled)
+    if _lib is not None:
+        _lib.kiln_ops_set_enabled(int(_enabled))
+
+
+def set_kernel_max_m(kind: str, max_m: int) -> int:
+    """Largest M that ``kind`` ('bf16', 'int8', 'int4') runs through the kernels; above it the
+    weight is dequantised in row chunks for torch's sgemm. Returns the previous value."""
+    old = KERNEL_MAX_M[kind]
+    KERNEL_MAX_M[kind] = int(max_m)
+    if _lib is not None:
+        _lib.kiln_ops_set_max_m(("bf16", "int8", "int4").index(kind), min(int(max_m), 1 << 40))
+    return old
 
 
 @contextlib.contextmanager
 def native_kernels_disabled():
     """Force the plain-torch path inside the block (tests, debugging)."""
-    global _enabled
     old = _enabled
-    _enabled = False
+    set_native_kernels_enabled(False)
     try:
         yield
     finally:
-        _enabled = old
+        set_native_kernels_enabled(old)
 
 
 def _native(wtype: int, x: torch.Tensor, w: torch.Tensor, scales, bias, group_size: int, n: int, k: int):
@@ -378,16 +397,22 @@ def _check_wol(x, qweight, scales, bias, bits, group_size):
 
 
 _lib_def = torch.library.Library("kiln", "FRAGMENT")
-# Ops are defined with torch.library.Library (not custom_op): the per-call Python overhead of a
-# custom_op is ~30-40 us on this class of machine, ~4x that of a plain Library op, which matters
-# for batch-1 decode with hundreds of linears per step.
-_lib_def.define(
-    "weight_only_linear(Tensor x, Tensor qweight, Tensor scales, Tensor? bias, int bits, int group_size) -> Tensor"
-)
-_lib_def.define("bf16_linear(Tensor x, Tensor weight, Tensor? bias) -> Tensor")
+# The public ops get their CPU kernel from C++ (plugins/csrc/linear_ops.cpp) once the native
+# library is loaded: no Python runs per call. Before that (first call) and whenever the native
+# kernels decline a case, the Python implementations below run: the public ops' Python kernel
+# loads the library and re-dispatches; the *_py ops validate the arguments (clear ValueErrors),
+# run the large-M path (dequantised chunks + torch sgemm) or the plain-torch fallback.
+# (Plain torch.library.Library rather than custom_op: a custom_op costs ~30-40 us of Python per
+# call here, which matters at batch-1 decode with hundreds of linears per step.)
+_WOL_SCHEMA = "(Tensor x, Tensor qweight, Tensor scales, Tensor? bias, int bits, int group_size) -> Tensor"
+_BF16_SCHEMA = "(Tensor x, Tensor weight, Tensor? bias) -> Tensor"
+_lib_def.define("weight_only_linear" + _WOL_SCHEMA)
+_lib_def.define("bf16_linear" + _BF16_SCHEMA)
+_lib_def.define("_weight_only_linear_py" + _WOL_SCHEMA)
+_lib_def.define("_bf16_linear_py" + _BF16_SCHEMA)
 
 
-def _weight_only_linear_cpu(x, qweight, scales, bias, bits, group_size):
+def _weight_only_linear_py(x, qweight, scales, bias, bits, group_size):
     _check_wol(x, qweight, scales, bias, bits, group_size)
     n, k = qweight.shape[0], _in_features(qweight, bits)
     wtype = _WTYPE_INT8 if bits == 8 else _WTYPE_INT4
@@ -397,7 +422,7 @@ def _weight_only_linear_cpu(x, qweight, scales, bias, bits, group_size):
     return y
 
 
-def _bf16_linear_cpu(x, weight, bias):
+def _bf16_linear_py(x, weight, bias):
     if weight.dim() != 2 or x.shape[-1] != weight.shape[1]:
         raise ValueError(f"bf16_linear: x {tuple(x.shape)} does not match weight {tuple(weight.shape)}")
     y = None
@@ -408,18 +433,47 @@ def _bf16_linear_cpu(x, weight, bias):
     return y
 
 
-_lib_def.impl("weight_only_linear", _weight_only_linear_cpu, "CPU")
-_lib_def.impl("bf16_linear", _bf16_linear_cpu, "CPU")
+def _cpp_kernel_registered(op: str) -> bool:
+    return torch._C._dispatch_has_kernel_for_dispatch_key(f"kiln::{op}", "CPU")
 
 
-@torch.library.register_fake("kiln::weight_only_linear")
-def _(x, qweight, scales, bias, bits, group_size):
+def _weight_only_linear_entry(x, qweight, scales, bias, bits, group_size):
+    # Runs only until the C++ CPU kernel is registered (or when the inputs are not on the CPU).
+    if _enabled and x.device.type == "cpu" and _load_library() is not None and _cpp_kernel_registered("weight_only_linear"):
+        return torch.ops.kiln.weight_only_linear.default(x, qweight, scales, bias, bits, group_size)
+    return _weight_only_linear_py(x, qweight, scales, bias, bits, group_size)
+
+
+def _bf16_linear_entry(x, weight, bias):
+    if _enabled and x.device.type == "cpu" and _load_library() is not None and _cpp_kernel_registered("bf16_linear"):
+        return torch.ops.kiln.bf16_linear.default(x, weight, bias)
+    return _bf16_linear_py(x, weight, bias)
+
+
+for _name, _fn in [
+    ("weight_only_linear", _weight_only_linear_entry),
+    ("bf16_linear", _bf16_linear_entry),
+    ("_weight_only_linear_py", _weight_only_linear_py),
+    ("_bf16_linear_py", _bf16_linear_py),
+]:
+    _lib_def.impl(_name, _fn, "CompositeExplicitAutograd")
+
+
+def _wol_fake(x, qweight, scales, bias, bits, group_size):
     return x.new_empty(*x.shape[:-1], qweight.shape[0])
 
 
-@torch.library.register_fake("kiln::bf16_linear")
-def _(x, weight, bias):
+def _bf16_fake(x, weight, bias):
     return x.new_empty(*x.shape[:-1], weight.shape[0])
+
+
+for _name, _fn in [
+    ("weight_only_linear", _wol_fake),
+    ("_weight_only_linear_py", _wol_fake),
+    ("bf16_linear", _bf16_fake),
+    ("_bf16_linear_py", _bf16_fake),
+]:
+    torch.library.register_fake(f"kiln::{_name}", _fn, lib=_lib_def)
 
 
 def weight_only_linear(x, qweight, scales, bias=None, bits: int = 8, group_size: int = 0):

@@ -26,6 +26,8 @@ def native():
         warnings.simplefilter("error")  # a compile failure warns: make it an error here
         ok = wol.native_kernels_available()
     assert ok, "native kernels did not build"
+    # the public ops now dispatch straight to the C++ kernels (no Python per call)
+    assert wol._cpp_kernel_registered("weight_only_linear") and wol._cpp_kernel_registered("bf16_linear")
     return True
 
 
@@ -107,10 +109,12 @@ def test_bf16_linear_matches_reference(native, m, n, k, dtype, with_bias):
 
 
 @pytest.mark.parametrize("path", ["sgemm", "chunked"])
-def test_large_m_paths(native, monkeypatch, path):
+def test_large_m_paths(native, monkeypatch, request, path):
     """M above KERNEL_MAX_M: dequantised row chunks + torch sgemm; M > 64: kernels on 64-row chunks."""
     if path == "sgemm":
-        monkeypatch.setattr(wol, "KERNEL_MAX_M", {"bf16": 2, "int8": 2, "int4": 2})
+        for kind in ("bf16", "int8", "int4"):
+            old = wol.set_kernel_max_m(kind, 2)
+            request.addfinalizer(lambda kind=kind, old=old: wol.set_kernel_max_m(kind, old))
         monkeypatch.setattr(wol, "_PREFILL_CHUNK_BYTES", 4 * 128 * 16)  # several row chunks
         m = 9
     else:
@@ -245,12 +249,13 @@ def test_build_failure_warns_once_and_falls_back(monkeypatch):
     w = torch.randn(16, 64)
     x = torch.randn(2, 64)
     q, s = wol.quantize_int8(w)
+    # (the Python implementation: in this process the C++ kernel may already be registered)
     with pytest.warns(RuntimeWarning, match="AVX2"):
-        y = ops.weight_only_linear(x, q, s, None, 8, 0)
+        y = ops._weight_only_linear_py(x, q, s, None, 8, 0)
     torch.testing.assert_close(y, wol.weight_only_linear_reference(x, q, s, None, 8, 0))
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # no second warning
-        ops.weight_only_linear(x, q, s, None, 8, 0)
+        ops._weight_only_linear_py(x, q, s, None, 8, 0)
 
 
 def test_env_var_disables_native_kernels():

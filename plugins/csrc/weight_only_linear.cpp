@@ -453,7 +453,7 @@ bool int4_supported(int64_t K, int64_t group_size) {
 
 extern "C" {
 
-int kiln_wol_abi_version() { return 2; }
+int kiln_wol_abi_version() { return 3; }
 
 int kiln_wol_max_m() { return int(MAX_M); }
 
