@@ -8,6 +8,6 @@ from kiln.plugins.activations import gelu, silu_mul
 from kiln.plugins.paged_attention import paged_attention
 from kiln.plugins.rms_norm import fused_add_rms_norm, rms_norm
 from kiln.plugins.rotary import rotary_embedding
-from kiln.plugins.weight_only_linear import bf16_linear, weight_only_linear  # noqa: F401  (kiln::weight_only_linear, kiln::bf16_linear)
+import kiln.plugins.weight_only_linear  # noqa: F401,E402  registers kiln::weight_only_linear, kiln::bf16_linear (module kept as the attribute)
 
 __all__ = ["paged_attention", "rms_norm", "fused_add_rms_norm", "rotary_embedding", "silu_mul", "gelu"]
