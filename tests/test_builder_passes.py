@@ -179,3 +179,24 @@ def test_bf16_linear(checkpoint_dir):
     # fp32 engines are left alone
     _, stats32 = apply(gm, bf16_linear, build=BUILD, cfg=cfg)
     assert "skipped" in stats32
+
+
+def test_inline_plugins(llama):
+    from kiln.builder.passes import inline_plugins
+
+    cfg, gm = llama
+    compiled = BUILD.replace(backend="cpu-compiled")
+    fused, _ = apply(gm, fuse_add_norm, cfg=cfg)
+    new, stats = apply(fused, inline_plugins, build=compiled, cfg=cfg)
+    assert stats["inlined"] == {"rms_norm": 2, "fused_add_rms_norm": 2 * cfg.num_layers - 1,
+                                "rotary_embedding": cfg.num_layers, "silu_mul": cfg.num_layers}
+    kiln_ops = {str(n.target) for n in new.graph.nodes
+                if n.op == "call_function" and str(n.target).startswith("kiln.")}
+    assert kiln_ops == {"kiln.paged_attention.default"}  # only attention stays a plugin
+    torch.testing.assert_close(run_steps(new, cfg), run_steps(gm, cfg), atol=1e-5, rtol=1e-5)
+    # after a re-export the graph holds aten ops only (plus attention)
+    ep = trace.export(new, cfg.to_dict(), compiled)
+    targets_after = {str(n.target) for n in ep.graph.nodes if n.op == "call_function"}
+    assert "kiln.paged_attention.default" in targets_after
+    assert not any(t.startswith("kiln.") and "paged_attention" not in t for t in targets_after)
+    assert "skipped" in inline_plugins.run(copy.deepcopy(gm), PassContext(build=BUILD, model={}))

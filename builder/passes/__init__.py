@@ -18,12 +18,15 @@ from kiln.builder.passes import (
     bf16_linear,
     dead_code,
     fuse_add_norm,
+    inline_plugins,
     merge_gate_up,
     merge_qkv,
     weight_only_quant,
 )
 
-PASSES: list[ModuleType] = [merge_qkv, merge_gate_up, fuse_add_norm, weight_only_quant, bf16_linear, dead_code]
+PASSES: list[ModuleType] = [
+    merge_qkv, merge_gate_up, fuse_add_norm, weight_only_quant, bf16_linear, inline_plugins, dead_code,
+]
 PASS_NAMES = [p.NAME for p in PASSES]
 
 
