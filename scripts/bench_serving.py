@@ -66,13 +66,13 @@ def ensure_engine(dtype: str, max_batch_size: int, max_num_tokens: int) -> Path:
     return out
 
 
-def make_workload(n: int, rate: float, seed: int, vocab: int):
+def make_workload(n: int, rate: float, seed: int, vocab: int, prompt_len=(32, 512), output_len=(16, 256)):
     rng = random.Random(seed)
     t, reqs = 0.0, []
     for i in range(n):
         t += rng.expovariate(rate)
-        prompt = [rng.randrange(3, vocab) for _ in range(rng.randint(32, 512))]
-        reqs.append(dict(id=i, arrival=t, prompt=prompt, max_tokens=rng.randint(16, 256)))
+        prompt = [rng.randrange(3, vocab) for _ in range(rng.randint(*prompt_len))]
+        reqs.append(dict(id=i, arrival=t, prompt=prompt, max_tokens=rng.randint(*output_len)))
     return reqs
 
 
@@ -196,6 +196,8 @@ def main() -> int:
     ap.add_argument("--requests", type=int, default=64)
     ap.add_argument("--rate", type=float, default=1.0, help="Poisson arrival rate, requests/s")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--prompt-len", type=int, nargs=2, default=[32, 512], metavar=("MIN", "MAX"))
+    ap.add_argument("--output-len", type=int, nargs=2, default=[16, 256], metavar=("MIN", "MAX"))
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     ap.add_argument("--max-batch-size", type=int, default=16)
     ap.add_argument("--max-num-tokens", type=int, default=256)
@@ -209,7 +211,7 @@ def main() -> int:
     ensure_checkpoint()
     engine_dir = ensure_engine(args.dtype, args.max_batch_size, args.max_num_tokens)
     vocab = json.loads((CKPT / "config.json").read_text())["vocab_size"]
-    workload = make_workload(args.requests, args.rate, args.seed, vocab)
+    workload = make_workload(args.requests, args.rate, args.seed, vocab, args.prompt_len, args.output_len)
     n_prompt = sum(len(r["prompt"]) for r in workload)
     n_out = sum(r["max_tokens"] for r in workload)
     log(f"workload: {len(workload)} requests, Poisson arrivals at {args.rate} req/s (last at "
@@ -224,7 +226,8 @@ def main() -> int:
         results.append(run_hf_static(workload, args.dtype, 16))
 
     print()
-    print(f"workload: {len(workload)} requests, prompts 32-512, outputs 16-256, Poisson {args.rate} req/s, "
+    print(f"workload: {len(workload)} requests, prompts {args.prompt_len[0]}-{args.prompt_len[1]}, outputs "
+          f"{args.output_len[0]}-{args.output_len[1]}, Poisson {args.rate} req/s, "
           f"seed {args.seed}, {args.dtype}, {args.threads} threads")
     print(f"{'':40} {'req/s':>7} {'out tok/s':>10} {'TTFT p50':>9} {'TTFT p95':>9} {'TPOT p50':>9} {'TPOT p95':>9} "
           f"{'e2e p50':>8} {'span':>7}")
