@@ -318,3 +318,17 @@ def test_export_with_dynamic_tokens(native):
     x = torch.randn(7, 128)
     ref = mod.reference(x)
     torch.testing.assert_close(ep2.module()(x), ref, **_tol(ref, torch.float32, int_act=True))
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not os.environ.get("KILN_RUN_SLOW"), reason="AOTInductor compile takes ~15-30 s; set KILN_RUN_SLOW=1")
+def test_aot_inductor_package_calls_the_ops(native, tmp_path):
+    mod = _TinyMLP().eval()
+    t = torch.export.Dim("num_tokens", min=1, max=512)
+    ep = torch.export.export(mod, (torch.randn(4, 128),), dynamic_shapes={"x": {0: t}})
+    path = torch._inductor.aoti_compile_and_package(ep, package_path=str(tmp_path / "mlp.pt2"))
+    runner = torch._inductor.aoti_load_package(path)
+    for m in (1, 7, 33):
+        x = torch.randn(m, 128)
+        ref = mod.reference(x)
+        torch.testing.assert_close(runner(x), ref, **_tol(ref, torch.float32, int_act=True))
