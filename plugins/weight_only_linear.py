@@ -62,6 +62,7 @@ __all__ = [
     "set_native_kernels_enabled",
     "native_kernels_disabled",
     "set_kernel_max_m",
+    "stream_read_bandwidth",
     "KERNEL_MAX_M",
 ]
 
@@ -75,7 +76,7 @@ _KERNEL_CHUNK_M = 64  # the C kernels take at most 64 rows per call; bigger M is
 _PREFILL_CHUNK_BYTES = 16 << 20
 
 _WTYPE_BF16, _WTYPE_INT8, _WTYPE_INT4 = 0, 1, 2
-_ABI_VERSION = 3
+_ABI_VERSION = 4
 
 # --------------------------------------------------------------------------------------------
 # quantisation and the int4 layout (plain torch)
@@ -258,6 +259,8 @@ def _load_library() -> Optional[ctypes.CDLL]:
             lib.kiln_linear.restype = ctypes.c_int
             lib.kiln_dequant_rows.argtypes = [ctypes.c_int, vp, fp, i64, i64, i64, i64, i64, fp, ctypes.c_int]
             lib.kiln_dequant_rows.restype = ctypes.c_int
+            lib.kiln_stream_sum.argtypes = [fp, i64, ctypes.c_int]
+            lib.kiln_stream_sum.restype = ctypes.c_double
             lib.kiln_ops_set_enabled.argtypes = [ctypes.c_int]
             lib.kiln_ops_set_max_m.argtypes = [ctypes.c_int, i64]
             lib.kiln_ops_set_enabled(int(_enabled))
@@ -286,6 +289,28 @@ def set_native_kernels_enabled(enabled: bool) -> None:
     _enabled = bool(enabled)
     if _lib is not None:
         _lib.kiln_ops_set_enabled(int(_enabled))
+
+
+def stream_read_bandwidth(nbytes: int = 64 << 20, repeats: int = 7, threads: Optional[int] = None) -> float:
+    """Best-of-``repeats`` GB/s of a pure streaming read of ``nbytes`` with ``threads`` threads
+    (default: torch's), the bound a batch-1 decode GEMV is compared with (weights bytes / GB/s).
+    Uses the native read kernel (falls back to ``torch.sum``, which reads slower)."""
+    import time
+
+    buf = torch.ones(max(1, nbytes // 4), dtype=torch.float32)
+    nt = threads or torch.get_num_threads()
+    lib = _load_library() if _enabled else None
+    if lib is not None:
+        fn = lambda: lib.kiln_stream_sum(buf.data_ptr(), buf.numel(), nt)  # noqa: E731
+    else:
+        fn = lambda: float(buf.sum())  # noqa: E731
+    fn()
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t0)
+    return buf.numel() * 4 / best / 1e9
 
 
 def set_kernel_max_m(kind: str, max_m: int) -> int:

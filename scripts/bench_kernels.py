@@ -54,9 +54,12 @@ def main() -> None:
     print(f"native kernels: {'ok' if ok else 'UNAVAILABLE (torch fallback)'} "
           f"(load/compile {time.perf_counter() - t0:.1f} s)", flush=True)
     int8pack = getattr(torch.ops.aten, "_weight_int8pack_mm", None)
+    bw = wol.stream_read_bandwidth()
+    print(f"streaming read bandwidth ({torch.get_num_threads()} threads, best of 7 x 64 MiB): {bw:.1f} GB/s "
+          f"-> '%bw' = GB/s(w) / this (the batch-1 bound; compute-bound kernels stay below it)", flush=True)
 
     header = (f"{'shape':>11} {'M':>3}  {'kernel':<28} {'best ms':>8} {'GB/s(w)':>8} {'GFLOP/s':>8}"
-              f" {'vs fp32':>8} {'median ms':>10}")
+              f" {'%bw':>5} {'vs fp32':>8} {'median ms':>10}")
     for shape in args.shapes.split(","):
         n, k = (int(v) for v in shape.lower().split("x"))
         torch.manual_seed(0)
@@ -92,8 +95,10 @@ def main() -> None:
                     continue
                 ms = sec * 1e3
                 ref_ms = ref_ms or ms
-                print(f"{shape:>11} {m:>3}  {name:<28} {ms:8.3f} {nbytes / sec / 1e9:8.1f} "
-                      f"{2 * m * n * k / sec / 1e9:8.1f} {'x%.2f' % (ref_ms / ms):>8} {med * 1e3:10.3f}", flush=True)
+                gbs = nbytes / sec / 1e9
+                print(f"{shape:>11} {m:>3}  {name:<28} {ms:8.3f} {gbs:8.1f} "
+                      f"{2 * m * n * k / sec / 1e9:8.1f} {100 * gbs / bw:5.0f} {'x%.2f' % (ref_ms / ms):>8} "
+                      f"{med * 1e3:10.3f}", flush=True)
     return 0
 
 

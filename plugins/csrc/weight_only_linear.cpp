@@ -453,7 +453,7 @@ bool int4_supported(int64_t K, int64_t group_size) {
 
 extern "C" {
 
-int kiln_wol_abi_version() { return 3; }
+int kiln_wol_abi_version() { return 4; }
 
 int kiln_wol_max_m() { return int(MAX_M); }
 
@@ -478,6 +478,28 @@ int kiln_linear(int wtype, const void* w, const float* scales, int64_t group_siz
       return 0;
     default: return 3;
   }
+}
+
+// Sum of n floats, read with nthreads threads: a pure streaming read, for measuring the memory
+// bandwidth the linear kernels are compared with.
+double kiln_stream_sum(const float* p, int64_t n, int nthreads) {
+  double total = 0.0;
+  const int64_t nv = n / 32;
+#pragma omp parallel for num_threads(std::max(1, nthreads)) schedule(static) reduction(+ : total)
+  for (int64_t c = 0; c < nthreads; ++c) {
+    const int64_t v0 = nv * c / nthreads, v1 = nv * (c + 1) / nthreads;
+    __m256 a = _mm256_setzero_ps(), b = a, d = a, e = a;
+    for (int64_t v = v0; v < v1; ++v) {
+      const float* q = p + 32 * v;
+      a = _mm256_add_ps(a, _mm256_loadu_ps(q));
+      b = _mm256_add_ps(b, _mm256_loadu_ps(q + 8));
+      d = _mm256_add_ps(d, _mm256_loadu_ps(q + 16));
+      e = _mm256_add_ps(e, _mm256_loadu_ps(q + 24));
+    }
+    total += hsum(_mm256_add_ps(_mm256_add_ps(a, b), _mm256_add_ps(d, e)));
+  }
+  for (int64_t k = nv * 32; k < n; ++k) total += p[k];
+  return total;
 }
 
 // Dequantize rows [n0, n1) to fp32 out[(n - n0) * K + k].
