@@ -108,6 +108,26 @@ def decode_inputs(engine, batch: int) -> dict[str, torch.Tensor]:
     }
 
 
+GEMM_OPS = ("aten::linear", "aten::mm", "aten::addmm", "kiln::weight_only_linear", "kiln::bf16_linear")
+
+
+def breakdown(engine, inputs, steps: int = 3) -> dict[str, float]:
+    """ms per step in GEMMs, in paged attention and in everything else (top-level ops, torch.profiler)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    engine.run(inputs)
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        for _ in range(steps):
+            engine.run(inputs)
+    out = {"gemm": 0.0, "attention": 0.0, "other ops": 0.0}
+    for ev in prof.events():
+        if ev.cpu_parent is not None:
+            continue
+        key = "gemm" if ev.name in GEMM_OPS else "attention" if ev.name == "kiln::paged_attention" else "other ops"
+        out[key] += ev.cpu_time_total / 1e3 / steps
+    return out
+
+
 def streamed_bytes(engine) -> int:
     """Weights bytes read by one decode step: all weights except the embedding table (one row gathered)."""
     m = engine.model
@@ -154,7 +174,8 @@ def main() -> None:
         for batch in (1, 16):
             inputs = decode_inputs(engine, batch)
             ms = _median_time(lambda: engine.run(inputs), args.steps) * 1e3
-            rows.append((v, batch, engine.weights_bytes, streamed, ms, bound_ms))
+            parts = breakdown(engine, inputs)
+            rows.append((v, batch, engine.weights_bytes, streamed, ms, bound_ms, parts))
         del engine
 
     print()
@@ -167,10 +188,12 @@ def main() -> None:
     print()
     print(f"decode step, context {CONTEXT}, {torch.get_num_threads()} threads; bound = streamed weights / {peak_bw:.1f} GB/s")
     print(f"{'engine':<6} {'batch':>5} {'weights MB':>10} {'streamed MB':>11} {'step ms':>8} {'bound ms':>8} "
-          f"{'% of bound':>10} {'tok/s':>8}")
-    for v, batch, wb, sb, ms, bound in rows:
+          f"{'% of bound':>10} {'tok/s':>8}   profiled ms/step: gemm | attention | other ops (GEMM GB/s)")
+    for v, batch, wb, sb, ms, bound, parts in rows:
+        gemm_bw = sb / (parts["gemm"] / 1e3) / 1e9 if parts["gemm"] else 0.0
         print(f"{v:<6} {batch:>5} {wb / 1e6:>10.1f} {sb / 1e6:>11.1f} {ms:>8.2f} {bound:>8.2f} "
-              f"{100 * bound / ms:>9.0f}% {batch * 1000 / ms:>8.1f}")
+              f"{100 * bound / ms:>9.0f}% {batch * 1000 / ms:>8.1f}   "
+              f"{parts['gemm']:.1f} | {parts['attention']:.1f} | {parts['other ops']:.1f} ({gemm_bw:.1f})")
 
 
 if __name__ == "__main__":

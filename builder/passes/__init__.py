@@ -55,6 +55,6 @@ def run_passes(gm: torch.fx.GraphModule, ctx: PassContext, disabled: list[str] |
             continue
         stats[p.NAME] = p.run(gm, ctx) or {}
         gm.graph.lint()
-    prune_unused_attrs(gm)
+        prune_unused_attrs(gm)  # weights a pass replaced are dropped now, not at the end
     gm.recompile()
     return stats
