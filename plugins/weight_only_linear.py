@@ -24,7 +24,8 @@ lets the AVX2 kernel expand 16 consecutive weights with one load and two 16-bit 
 
 Activations: for M <= 4 the int8/int4 kernels quantise x on the fly to int16 with one scale per
 row (error <= max|x_row|/65534, orders of magnitude below the weight quantisation error) and
-compute the dot products with integer multiply-adds; larger M computes in fp32.
+compute the dot products with integer multiply-adds (a call whose x holds NaN/inf computes in
+fp32 instead, so they propagate as in the reference).
 
 Kernels: C++ (AVX2 + FMA + OpenMP, ``plugins/csrc/weight_only_linear.cpp``) compiled with
 ``torch.utils.cpp_extension.load`` on first use and cached in TORCH_EXTENSIONS_DIR. Dispatch on M

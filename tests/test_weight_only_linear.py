@@ -135,6 +135,25 @@ def test_large_m_paths(native, monkeypatch, request, path):
         torch.testing.assert_close(y, ref, **_tol(ref, y.dtype, int_act=True))
 
 
+@pytest.mark.parametrize("m", [1, 3, 16])
+def test_non_finite_activations_propagate(native, m):
+    """NaN/inf in x must not vanish in the int16 quantisation of the integer kernels."""
+    w = torch.randn(24, 128)
+    x = torch.randn(m, 128)
+    x[0, 5] = float("nan")
+    x[-1, 77] = float("inf") if m > 1 else float("nan")
+    q8, s8 = wol.quantize_int8(w)
+    q4, s4 = wol.quantize_int4(w, 32)
+    for y, ref in [
+        (ops.weight_only_linear(x, q8, s8, None, 8, 0), wol.weight_only_linear_reference(x, q8, s8, None, 8, 0)),
+        (ops.weight_only_linear(x, q4, s4, None, 4, 32), wol.weight_only_linear_reference(x, q4, s4, None, 4, 32)),
+        (ops.bf16_linear(x, w.bfloat16(), None), wol.bf16_linear_reference(x, w.bfloat16(), None)),
+    ]:
+        assert torch.equal(y.isfinite(), ref.isfinite())
+        fin = ref.isfinite()
+        torch.testing.assert_close(y[fin], ref[fin], atol=1e-3, rtol=1e-4)
+
+
 def test_leading_dims_and_noncontiguous_inputs(native):
     w = torch.randn(48, 128)
     x = torch.randn(2, 3, 256)[..., ::2]  # [2, 3, 128], non-contiguous

@@ -157,15 +157,22 @@ void prep_bf16(const float* x, int64_t M, int64_t K, float* xp) {
     }
 }
 
-// symmetric int16 per row: xq = round(x / sx), sx = max|x| / 32767
-void prep_int16(const float* x, int64_t M, int64_t K, int16_t* xq, float* sx) {
+// symmetric int16 per row: xq = round(x / sx), sx = max|x| / 32767. Returns false if x holds a
+// NaN or an infinity (the caller then computes in fp32, so they propagate like in the reference).
+bool prep_int16(const float* x, int64_t M, int64_t K, int16_t* xq, float* sx) {
   const int64_t K16 = K / 16;
   const __m256 absmask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
   for (int64_t m = 0; m < M; ++m) {
     const float* r = x + m * K;
     __m256 mx = _mm256_setzero_ps();
+    __m256 bad = _mm256_setzero_ps();  // x * 0 is NaN iff x is NaN or +-inf
     int64_t k = 0;
-    for (; k + 8 <= K16 * 16; k += 8) mx = _mm256_max_ps(mx, _mm256_and_ps(_mm256_loadu_ps(r + k), absmask));
+    for (; k + 8 <= K16 * 16; k += 8) {
+      const __m256 v = _mm256_loadu_ps(r + k);
+      mx = _mm256_max_ps(mx, _mm256_and_ps(v, absmask));
+      bad = _mm256_add_ps(bad, _mm256_mul_ps(v, _mm256_setzero_ps()));
+    }
+    if (hsum(bad) != 0.0f) return false;  // NaN != 0
     alignas(32) float t[8];
     _mm256_store_ps(t, mx);
     float amax = 0.0f;
@@ -181,6 +188,7 @@ void prep_int16(const float* x, int64_t M, int64_t K, int16_t* xq, float* sx) {
       _mm256_storeu_si256(reinterpret_cast<__m256i*>(xq + m * K16 * 16 + 16 * i), _mm256_permute4x64_epi64(p, 0xD8));
     }
   }
+  return true;
 }
 
 // ---- direct kernels (M <= 4) ---------------------------------------------------------------------
@@ -356,9 +364,9 @@ inline bool use_direct(int64_t M) {
 
 template <class W, int R>
 inline void tile(const W& w, int64_t n0, const XPrep& xs, int64_t M, int64_t K, float* out,
-                 float* buf, __m256* tot) {
+                 float* buf, __m256* tot, bool direct_ok) {
   // out is [M][RT] (ldo = RT), rows n0..n0+R
-  if (DIRECT_M > 0 && use_direct<W>(M)) {
+  if (direct_ok) {
     const int64_t K16 = K / 16;
     for (int64_t m0 = 0; m0 < M; m0 += DIRECT_M) {
       XPrep part = xs;
@@ -386,15 +394,16 @@ void run_linear(const W& w, const float* x, int64_t M, int64_t N, int64_t K, con
   float sx[MAX_M];
   XPrep xs{x, nullptr, nullptr, sx};
   const int64_t K16 = K / 16;
-  if (DIRECT_M > 0 && use_direct<W>(M)) {
+  bool direct_ok = DIRECT_M > 0 && use_direct<W>(M);
+  if (direct_ok) {
     if constexpr (std::is_same_v<W, WBf16>) {
       xp_buf.resize(size_t(M * K16 * 16) + 16);
       prep_bf16(x, M, K, xp_buf.data());
       xs.xp = xp_buf.data();
     } else {
       xq_buf.resize(size_t(M * K16 * 16) + 16);
-      prep_int16(x, M, K, xq_buf.data(), sx);
-      xs.xq = xq_buf.data();
+      if (prep_int16(x, M, K, xq_buf.data(), sx)) xs.xq = xq_buf.data();
+      else direct_ok = false;  // non-finite x: fp32 kernel
     }
   }
   const int64_t ntiles = (N + RT - 1) / RT;
@@ -412,9 +421,9 @@ void run_linear(const W& w, const float* x, int64_t M, int64_t N, int64_t K, con
       const int64_t n0 = t * RT;
       const int rows = int(std::min<int64_t>(RT, N - n0));
       if (rows == RT) {
-        tile<W, RT>(w, n0, xs, M, K, out, buf, tot);
+        tile<W, RT>(w, n0, xs, M, K, out, buf, tot, direct_ok);
       } else {
-        for (int r = 0; r < rows; ++r) tile<W, 1>(w, n0 + r, xs, M, K, out + r, buf, tot);
+        for (int r = 0; r < rows; ++r) tile<W, 1>(w, n0 + r, xs, M, K, out + r, buf, tot, direct_ok);
       }
       for (int64_t m = 0; m < M; ++m)
         for (int r = 0; r < rows; ++r) {
