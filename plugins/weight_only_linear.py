@@ -22,16 +22,21 @@ stored in 32 bytes; the little-endian 16-bit word ``l`` (0..15) of a block holds
 is stored plainly: element 2i in the low nibble of byte i, 2i+1 in the high nibble. The layout
 lets the AVX2 kernel expand 16 consecutive weights with one load and two 16-bit shifts.
 
-Activations: for M <= 4 the int8/int4 kernels quantise x on the fly to int16 with one scale per
-row (error <= max|x_row|/65534, orders of magnitude below the weight quantisation error) and
-compute the dot products with integer multiply-adds (a call whose x holds NaN/inf computes in
-fp32 instead, so they propagate as in the reference).
+Activations: the int8/int4 kernels quantise x on the fly to int16 with one scale per row (error
+<= max|x_row|/65534, orders of magnitude below the weight quantisation error; outputs match the
+dequantise+F.linear reference to ~1e-5 relative) and compute the dot products with integer
+multiply-adds, which is twice as fast as int->float conversion + FMA on AVX2 (a call whose x
+holds NaN/inf computes in fp32 instead, so they propagate as in the reference). bf16 weights
+are widened to fp32 (exact) and accumulated in fp32.
 
-Kernels: C++ (AVX2 + FMA + OpenMP, ``plugins/csrc/weight_only_linear.cpp``) compiled with
-``torch.utils.cpp_extension.load`` on first use and cached in TORCH_EXTENSIONS_DIR. Dispatch on M
-(number of rows of ``x``): small M (decode) runs streaming GEMV kernels (each weight byte is read
-once per call, nothing is dequantised in memory); larger M runs the same kernels on 64-row
-chunks, or, above ``KERNEL_MAX_M`` (bf16: 64), dequantises row chunks to fp32 for torch's sgemm. Set ``KILN_DISABLE_NATIVE_KERNELS=1`` (or call
+Kernels: C++ (AVX2 + FMA + OpenMP, ``plugins/csrc/weight_only_linear.cpp``; dispatcher glue in
+``plugins/csrc/linear_ops.cpp``) compiled with ``torch.utils.cpp_extension.load`` on first use
+(~10-20 s cold) and cached in TORCH_EXTENSIONS_DIR; from then on the ops' CPU kernels run in C++
+with no Python per call. Dispatch on M (rows of ``x``): small M (decode) runs streaming GEMV
+kernels (each weight byte is read once per call, nothing is dequantised in memory, all M rows
+computed from one pass over the weights for M <= 4, passes of 4 rows above); M > 64 runs on
+64-row chunks; above ``KERNEL_MAX_M`` (bf16: 64) the weight is dequantised in row chunks for
+torch's sgemm. Set ``KILN_DISABLE_NATIVE_KERNELS=1`` (or call
 :func:`set_native_kernels_enabled(False)`) to force the plain-torch path; if the compile fails or
 the CPU lacks AVX2/FMA, the torch path is used after a one-time warning.
 """
