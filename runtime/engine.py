@@ -25,6 +25,10 @@ SUPPORTED_FORMAT_VERSIONS = (1,)
 ENGINE_FILE = "rank0.engine"
 BACKENDS = ("cpu", "cpu-compiled")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_INDEX_DTYPES = {
+    "input_ids": torch.int64, "position_ids": torch.int64, "seq_lens": torch.int32, "context_lens": torch.int32,
+    "block_tables": torch.int32, "slot_mapping": torch.int64, "logits_indices": torch.int64,
+}
 INPUT_NAMES = (
     "input_ids", "position_ids", "seq_lens", "context_lens",
     "block_tables", "slot_mapping", "logits_indices", "kv_cache",
@@ -60,6 +64,10 @@ class Engine:
         self.weights_bytes: int = int(memory.get("weights_bytes", 0))
         self.activation_peak_bytes: int = int(memory.get("activation_peak_bytes", 0))
         self._fn = fn
+        m, b = self.model, self.build
+        self._kv_fixed = (m["num_layers"], 2, b["tokens_per_block"], m["num_kv_heads"], m["head_dim"])
+        self._max_logits = int(b.get("max_num_logits") or (b["max_num_tokens"] if b.get("gather_all_logits") else b["max_batch_size"]))
+        self._max_blocks = int(b.get("max_blocks_per_seq") or -(-b["max_seq_len"] // b["tokens_per_block"]))
 
     # ------------------------------------------------------------------ loading
     @staticmethod
@@ -134,11 +142,44 @@ class Engine:
             m["num_layers"], 2, num_blocks, b["tokens_per_block"], m["num_kv_heads"], m["head_dim"], dtype=self.kv_dtype
         )
 
-    def run(self, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
-        """One forward step: contract inputs -> float32 logits [num_logits, vocab]."""
+    def check_inputs(self, inputs: dict[str, torch.Tensor]) -> None:
+        """Names, dtypes and sizes against the engine's contract and bounds (ValueError naming the input).
+
+        Cheap (no data is read); a compiled package would not check them itself.
+        """
         missing = [n for n in INPUT_NAMES if n not in inputs]
         if missing:
             raise ValueError(f"engine inputs missing {missing}; the contract needs {list(INPUT_NAMES)}")
+        for name, dtype in _INDEX_DTYPES.items():
+            if inputs[name].dtype != dtype:
+                raise ValueError(f"engine input {name} has dtype {inputs[name].dtype}, the contract says {dtype}")
+        kv = inputs["kv_cache"]
+        if kv.dtype != self.kv_dtype or tuple(kv.shape[:2]) + tuple(kv.shape[3:]) != self._kv_fixed:
+            raise ValueError(
+                f"kv_cache is {kv.dtype} {list(kv.shape)}; this engine needs {self.kv_dtype} "
+                f"[{self._kv_fixed[0]}, 2, num_blocks, {', '.join(map(str, self._kv_fixed[2:]))}] (allocate_kv_cache)"
+            )
+        b = self.build
+        sizes = (
+            ("num_tokens (input_ids)", inputs["input_ids"].shape[0], b["max_num_tokens"]),
+            ("num_seqs (seq_lens)", inputs["seq_lens"].shape[0], b["max_batch_size"]),
+            ("num_logits (logits_indices)", inputs["logits_indices"].shape[0], self._max_logits),
+            ("blocks per sequence (block_tables)", inputs["block_tables"].shape[1], self._max_blocks),
+        )
+        for what, n, limit in sizes:
+            if not 1 <= n <= limit:
+                raise ValueError(f"{what} = {n} is outside this engine's range [1, {limit}]")
+        t, s = inputs["input_ids"].shape[0], inputs["seq_lens"].shape[0]
+        for name, n, want in (("position_ids", inputs["position_ids"].shape[0], t),
+                              ("slot_mapping", inputs["slot_mapping"].shape[0], t),
+                              ("context_lens", inputs["context_lens"].shape[0], s),
+                              ("block_tables", inputs["block_tables"].shape[0], s)):
+            if n != want:
+                raise ValueError(f"{name} has {n} rows, expected {want} (one per {'token' if want == t else 'sequence'})")
+
+    def run(self, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
+        """One forward step: contract inputs -> float32 logits [num_logits, vocab]."""
+        self.check_inputs(inputs)
         with torch.inference_mode():
             out = self._fn(**{n: inputs[n] for n in INPUT_NAMES})
         if isinstance(out, (list, tuple)):

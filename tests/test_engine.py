@@ -165,8 +165,19 @@ def test_engine_rejects_steps_beyond_its_bounds(engine_of):
     engine = engine_of("llama")
     b = new_batcher(engine)
     too_many = [(i, [3]) for i in range(engine.build["max_batch_size"] + 1)]
-    with pytest.raises(Exception):
+    with pytest.raises(ValueError, match=r"num_seqs \(seq_lens\) = 5 is outside this engine's range \[1, 4\]"):
         engine.run(b.step(too_many))
+    ok = new_batcher(engine).step([("a", [3, 4, 5])])
+    for name, change, message in [
+        ("input_ids", lambda t: t.int(), "input_ids has dtype torch.int32"),
+        ("kv_cache", lambda t: t.half(), "kv_cache is torch.float16"),
+        ("kv_cache", lambda t: t[:, :, :, :2], "allocate_kv_cache"),
+        ("position_ids", lambda t: t[:2], "position_ids has 2 rows, expected 3"),
+        ("block_tables", lambda t: t.new_zeros(1, 33), r"blocks per sequence \(block_tables\) = 33"),
+    ]:
+        bad = dict(ok, **{name: change(ok[name])})
+        with pytest.raises(ValueError, match=message):
+            engine.run(bad)
 
 
 def _agreement(engine_q: Engine, engine_ref: Engine, positions: int = 256) -> tuple[float, float, float]:
