@@ -321,6 +321,16 @@ inline void direct(const W& w, int64_t n0, const XPrep& xs, int64_t K, float* ou
   else direct_int<W, R, MB>(w, n0, xs, K, out, ldo);
 }
 
+inline XPrep shift_rows(const XPrep& xs, int64_t m0, int64_t K) {
+  const int64_t K16 = K / 16;
+  XPrep part = xs;
+  part.x = xs.x + m0 * K;
+  if (xs.xp) part.xp = xs.xp + m0 * K16 * 16;
+  if (xs.xq) part.xq = xs.xq + m0 * K16 * 16;
+  part.sx = xs.sx + m0;
+  return part;
+}
+
 template <class W, int R>
 inline void direct_rows(const W& w, int64_t n0, const XPrep& xs, int64_t M, int64_t K, float* out) {
   // M in 1..4, out is [M][RT]; about 8 accumulators per call (M=1: 8 rows streamed together,
@@ -338,10 +348,22 @@ inline void direct_rows(const W& w, int64_t n0, const XPrep& xs, int64_t M, int6
         for (int h = 0; h < R; h += 4) direct<W, 4, 2>(w, n0 + h, xs, K, out + h, RT);
         return;
       case 3:
-        for (int h = 0; h < R; h += 2) direct<W, 2, 3>(w, n0 + h, xs, K, out + h, RT);
+        if constexpr (std::is_same_v<W, WBf16>) {
+          for (int h = 0; h < R; h += 4) direct<W, 4, 3>(w, n0 + h, xs, K, out + h, RT);
+        } else {
+          for (int h = 0; h < R; h += 2) direct<W, 2, 3>(w, n0 + h, xs, K, out + h, RT);
+        }
         return;
       default:
-        for (int h = 0; h < R; h += 2) direct<W, 2, 4>(w, n0 + h, xs, K, out + h, RT);
+        if constexpr (std::is_same_v<W, WBf16>) {  // two passes of M = 2 over 4 rows
+          const XPrep hi = shift_rows(xs, 2, K);
+          for (int h = 0; h < R; h += 4) {
+            direct<W, 4, 2>(w, n0 + h, xs, K, out + h, RT);
+            direct<W, 4, 2>(w, n0 + h, hi, K, out + 2 * RT + h, RT);
+          }
+        } else {
+          for (int h = 0; h < R; h += 2) direct<W, 2, 4>(w, n0 + h, xs, K, out + h, RT);
+        }
         return;
     }
   } else {
@@ -367,15 +389,8 @@ inline void tile(const W& w, int64_t n0, const XPrep& xs, int64_t M, int64_t K, 
                  float* buf, __m256* tot, bool direct_ok) {
   // out is [M][RT] (ldo = RT), rows n0..n0+R
   if (direct_ok) {
-    const int64_t K16 = K / 16;
-    for (int64_t m0 = 0; m0 < M; m0 += DIRECT_M) {
-      XPrep part = xs;
-      part.x = xs.x + m0 * K;
-      if (xs.xp) part.xp = xs.xp + m0 * K16 * 16;
-      if (xs.xq) part.xq = xs.xq + m0 * K16 * 16;
-      part.sx = xs.sx + m0;
-      direct_rows<W, R>(w, n0, part, std::min(DIRECT_M, M - m0), K, out + m0 * RT);
-    }
+    for (int64_t m0 = 0; m0 < M; m0 += DIRECT_M)
+      direct_rows<W, R>(w, n0, shift_rows(xs, m0, K), std::min(DIRECT_M, M - m0), K, out + m0 * RT);
     return;
   }
   if constexpr (R > 4) {
