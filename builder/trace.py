@@ -30,7 +30,7 @@ def dim_ranges(build: BuildConfig) -> dict[str, tuple[int, int | None]]:
     return {
         "num_tokens": (1, build.max_num_tokens),
         "num_seqs": (1, build.max_batch_size),
-        "num_logits": (1, build.max_num_logits),
+        "num_logits": (0, build.max_num_logits),  # 0: a step of non-final prefill chunks needs no logits
         "max_blocks_per_seq": (1, build.max_blocks_per_seq),
         "num_blocks": (1, None),
     }

@@ -161,14 +161,15 @@ class Engine:
             )
         b = self.build
         sizes = (
-            ("num_tokens (input_ids)", inputs["input_ids"].shape[0], b["max_num_tokens"]),
-            ("num_seqs (seq_lens)", inputs["seq_lens"].shape[0], b["max_batch_size"]),
-            ("num_logits (logits_indices)", inputs["logits_indices"].shape[0], self._max_logits),
-            ("blocks per sequence (block_tables)", inputs["block_tables"].shape[1], self._max_blocks),
+            ("num_tokens (input_ids)", inputs["input_ids"].shape[0], 1, b["max_num_tokens"]),
+            ("num_seqs (seq_lens)", inputs["seq_lens"].shape[0], 1, b["max_batch_size"]),
+            # 0 logits: a step whose sequences are all mid-prefill (chunked) needs none
+            ("num_logits (logits_indices)", inputs["logits_indices"].shape[0], 0, self._max_logits),
+            ("blocks per sequence (block_tables)", inputs["block_tables"].shape[1], 1, self._max_blocks),
         )
-        for what, n, limit in sizes:
-            if not 1 <= n <= limit:
-                raise ValueError(f"{what} = {n} is outside this engine's range [1, {limit}]")
+        for what, n, low, limit in sizes:
+            if not low <= n <= limit:
+                raise ValueError(f"{what} = {n} is outside this engine's range [{low}, {limit}]")
         t, s = inputs["input_ids"].shape[0], inputs["seq_lens"].shape[0]
         for name, n, want in (("position_ids", inputs["position_ids"].shape[0], t),
                               ("slot_mapping", inputs["slot_mapping"].shape[0], t),

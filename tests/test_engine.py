@@ -318,3 +318,14 @@ def test_cpu_compiled_engine_matches_transformers(checkpoint_dir, tmp_path_facto
     with pytest.raises(EngineLoadError, match="cannot be loaded by torch"):
         Engine.from_dir(out)
     assert cfg["backend"] == "cpu-compiled"
+
+
+def test_a_step_without_logits(engine_of):
+    """A step of only non-final prefill chunks asks for no logits (chunked prefill)."""
+    engine = engine_of("llama")
+    b = new_batcher(engine)
+    inputs = b.step([("a", [3, 4, 5, 6])])
+    inputs["logits_indices"] = inputs["logits_indices"][:0]
+    out = engine.run(inputs)
+    assert out.shape == (0, engine.model["vocab_size"])
+    assert inputs["kv_cache"].abs().sum() > 0  # the chunk's keys/values were written
