@@ -154,6 +154,16 @@ def test_non_finite_activations_propagate(native, m):
         torch.testing.assert_close(y[fin], ref[fin], atol=1e-3, rtol=1e-4)
 
 
+def test_fp16_activations(native):
+    w = torch.randn(40, 128)
+    x = torch.randn(3, 128).half()
+    q, s = wol.quantize_int8(w)
+    ref = wol.weight_only_linear_reference(x, q, s, None, 8, 0)
+    y = ops.weight_only_linear(x, q, s, None, 8, 0)
+    assert y.dtype == torch.float16
+    torch.testing.assert_close(y, ref, atol=ref.abs().max().item() * 2e-3, rtol=2e-3)
+
+
 def test_leading_dims_and_noncontiguous_inputs(native):
     w = torch.randn(48, 128)
     x = torch.randn(2, 3, 256)[..., ::2]  # [2, 3, 128], non-contiguous
