@@ -508,21 +508,22 @@ int kiln_linear(int wtype, const void* w, const float* scales, int64_t group_siz
 // bandwidth the linear kernels are compared with.
 double kiln_stream_sum(const float* p, int64_t n, int nthreads) {
   double total = 0.0;
-  const int64_t nv = n / 32;
-#pragma omp parallel for num_threads(std::max(1, nthreads)) schedule(static) reduction(+ : total)
+  const int64_t nv = n / 64;
+  nthreads = std::max(1, nthreads);
+#pragma omp parallel for num_threads(nthreads) schedule(static) reduction(+ : total)
   for (int64_t c = 0; c < nthreads; ++c) {
     const int64_t v0 = nv * c / nthreads, v1 = nv * (c + 1) / nthreads;
-    __m256 a = _mm256_setzero_ps(), b = a, d = a, e = a;
+    __m256 a[8];
+    for (int u = 0; u < 8; ++u) a[u] = _mm256_setzero_ps();
     for (int64_t v = v0; v < v1; ++v) {
-      const float* q = p + 32 * v;
-      a = _mm256_add_ps(a, _mm256_loadu_ps(q));
-      b = _mm256_add_ps(b, _mm256_loadu_ps(q + 8));
-      d = _mm256_add_ps(d, _mm256_loadu_ps(q + 16));
-      e = _mm256_add_ps(e, _mm256_loadu_ps(q + 24));
+      const float* q = p + 64 * v;
+      _mm_prefetch(reinterpret_cast<const char*>(q + 512), _MM_HINT_T0);
+      for (int u = 0; u < 8; ++u) a[u] = _mm256_add_ps(a[u], _mm256_loadu_ps(q + 8 * u));
     }
-    total += hsum(_mm256_add_ps(_mm256_add_ps(a, b), _mm256_add_ps(d, e)));
+    for (int u = 1; u < 8; ++u) a[0] = _mm256_add_ps(a[0], a[u]);
+    total += hsum(a[0]);
   }
-  for (int64_t k = nv * 32; k < n; ++k) total += p[k];
+  for (int64_t k = nv * 64; k < n; ++k) total += p[k];
   return total;
 }
 
