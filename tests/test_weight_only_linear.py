@@ -361,3 +361,9 @@ def test_aot_inductor_package_calls_the_ops(native, tmp_path):
         x = torch.randn(m, 128)
         ref = mod.reference(x)
         torch.testing.assert_close(runner(x), ref, **_tol(ref, torch.float32, int_act=True))
+
+
+def test_stream_read_kernel_sums_correctly(native):
+    buf = torch.ones(64 * 1000 + 37)
+    assert wol._lib.kiln_stream_sum(buf.data_ptr(), buf.numel(), 2) == buf.numel()
+    assert wol.stream_read_bandwidth(nbytes=1 << 20, repeats=2) > 0
