@@ -505,25 +505,25 @@ int kiln_linear(int wtype, const void* w, const float* scales, int64_t group_siz
 }
 
 // Sum of n floats, read with nthreads threads: a pure streaming read, for measuring the memory
-// bandwidth the linear kernels are compared with.
+// bandwidth the linear kernels are compared with. Like the GEMV kernels it reads 8 streams at
+// once per thread (tiles of 8 rows of 4096 floats): on Zen 1 one stream per core reaches less
+// than half the bandwidth.
 double kiln_stream_sum(const float* p, int64_t n, int nthreads) {
+  constexpr int64_t L = 4096, S = 8;
+  const int64_t tiles = n / (L * S);
   double total = 0.0;
-  const int64_t nv = n / 64;
   nthreads = std::max(1, nthreads);
 #pragma omp parallel for num_threads(nthreads) schedule(static) reduction(+ : total)
-  for (int64_t c = 0; c < nthreads; ++c) {
-    const int64_t v0 = nv * c / nthreads, v1 = nv * (c + 1) / nthreads;
-    __m256 a[8];
-    for (int u = 0; u < 8; ++u) a[u] = _mm256_setzero_ps();
-    for (int64_t v = v0; v < v1; ++v) {
-      const float* q = p + 64 * v;
-      _mm_prefetch(reinterpret_cast<const char*>(q + 512), _MM_HINT_T0);
-      for (int u = 0; u < 8; ++u) a[u] = _mm256_add_ps(a[u], _mm256_loadu_ps(q + 8 * u));
-    }
-    for (int u = 1; u < 8; ++u) a[0] = _mm256_add_ps(a[0], a[u]);
+  for (int64_t t = 0; t < tiles; ++t) {
+    __m256 a[S];
+    for (int s = 0; s < S; ++s) a[s] = _mm256_setzero_ps();
+    const float* q = p + t * L * S;
+    for (int64_t i = 0; i < L; i += 8)
+      for (int s = 0; s < S; ++s) a[s] = _mm256_add_ps(a[s], _mm256_loadu_ps(q + s * L + i));
+    for (int s = 1; s < S; ++s) a[0] = _mm256_add_ps(a[0], a[s]);
     total += hsum(a[0]);
   }
-  for (int64_t k = nv * 64; k < n; ++k) total += p[k];
+  for (int64_t k = tiles * L * S; k < n; ++k) total += p[k];
   return total;
 }
 
