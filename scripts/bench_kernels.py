@@ -74,6 +74,7 @@ def main() -> None:
             xb = x.bfloat16()
             cases = [
                 ("F.linear fp32", 4 * n * k, lambda: F.linear(x, w)),
+                ("kiln fp32_linear", 4 * n * k, lambda: wol.fp32_linear(x, w)),
                 ("F.linear bf16", 2 * n * k, lambda: F.linear(xb, wb)),
                 ("kiln bf16_linear (x fp32)", 2 * n * k, lambda: wol.bf16_linear(x, wb)),
                 ("kiln bf16_linear (x bf16)", 2 * n * k, lambda: wol.bf16_linear(xb, wb)),

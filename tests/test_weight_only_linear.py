@@ -27,7 +27,7 @@ def native():
         ok = wol.native_kernels_available()
     assert ok, "native kernels did not build"
     # the public ops now dispatch straight to the C++ kernels (no Python per call)
-    assert wol._cpp_kernel_registered("weight_only_linear") and wol._cpp_kernel_registered("bf16_linear")
+    assert all(wol._cpp_kernel_registered(op) for op in ("weight_only_linear", "bf16_linear", "fp32_linear"))
     return True
 
 
@@ -164,6 +164,22 @@ def test_fp16_activations(native):
     torch.testing.assert_close(y, ref, atol=ref.abs().max().item() * 2e-3, rtol=2e-3)
 
 
+@pytest.mark.parametrize("m", MS + [130])
+@pytest.mark.parametrize("n,k", SHAPES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fp32_linear_matches_reference(native, m, n, k, dtype):
+    g = torch.Generator().manual_seed(m * 11 + n + k)
+    w = torch.randn(n, k, generator=g)
+    x = torch.randn(m, k, generator=g).to(dtype)
+    bias = torch.randn(n, generator=g)
+    ref = wol.fp32_linear_reference(x, w, bias)
+    if m <= 64:
+        _assert_native_used(wol._WTYPE_F32, x, w, None, bias, 0, n, k)
+    y = ops.fp32_linear(x, w, bias)
+    assert y.dtype == dtype and y.shape == (m, n)
+    torch.testing.assert_close(y, ref, **_tol(ref, dtype))
+
+
 def test_leading_dims_and_noncontiguous_inputs(native):
     w = torch.randn(48, 128)
     x = torch.randn(2, 3, 256)[..., ::2]  # [2, 3, 128], non-contiguous
@@ -268,6 +284,7 @@ def test_forced_fallback_matches_reference():
         wb = w.bfloat16()
         torch.testing.assert_close(ops.bf16_linear(x.bfloat16(), wb, None),
                                    wol.bf16_linear_reference(x.bfloat16(), wb, None))
+        torch.testing.assert_close(ops.fp32_linear(x, w, None), wol.fp32_linear_reference(x, w, None))
 
 
 def test_build_failure_warns_once_and_falls_back(monkeypatch):
@@ -319,16 +336,19 @@ class _TinyMLP(torch.nn.Module):
         self.register_buffer("s2", s2)
         self.register_buffer("w3", w3.bfloat16())
         self.register_buffer("b3", torch.randn(k))
+        self.register_buffer("w4", torch.randn(64, k))
 
     def forward(self, x):
         a = ops.weight_only_linear(x, self.q1, self.s1, None, 8, 0)
         b = ops.weight_only_linear(x, self.q2, self.s2, None, 4, self.gs)
-        return ops.bf16_linear(torch.nn.functional.silu(a) * b, self.w3, self.b3)
+        h = ops.bf16_linear(torch.nn.functional.silu(a) * b, self.w3, self.b3)
+        return ops.fp32_linear(h, self.w4, None)
 
     def reference(self, x):
         a = wol.weight_only_linear_reference(x, self.q1, self.s1, None, 8, 0)
         b = wol.weight_only_linear_reference(x, self.q2, self.s2, None, 4, self.gs)
-        return wol.bf16_linear_reference(torch.nn.functional.silu(a) * b, self.w3, self.b3)
+        h = wol.bf16_linear_reference(torch.nn.functional.silu(a) * b, self.w3, self.b3)
+        return wol.fp32_linear_reference(h, self.w4, None)
 
 
 def test_export_with_dynamic_tokens(native):
@@ -336,7 +356,7 @@ def test_export_with_dynamic_tokens(native):
     t = torch.export.Dim("num_tokens", min=1, max=512)
     ep = torch.export.export(mod, (torch.randn(4, 128),), dynamic_shapes={"x": {0: t}})
     targets = {str(n.target) for n in ep.graph.nodes if n.op == "call_function"}
-    assert {"kiln.weight_only_linear.default", "kiln.bf16_linear.default"} <= targets
+    assert {"kiln.weight_only_linear.default", "kiln.bf16_linear.default", "kiln.fp32_linear.default"} <= targets
     run = ep.module()
     for m in (1, 5, 40):
         x = torch.randn(m, 128)

@@ -1,4 +1,4 @@
-// CPU kernels of kiln::weight_only_linear and kiln::bf16_linear, registered with the dispatcher
+// CPU kernels of kiln::weight_only_linear, kiln::bf16_linear and kiln::fp32_linear, registered with the dispatcher
 // when the native library loads (the op schemas are defined from Python). Calling the kernel from
 // C++ instead of a Python kernel saves ~20-40 us of Python per call, which matters at batch-1
 // decode (hundreds of linears per step). Anything the native kernels do not cover (kernels
@@ -23,7 +23,7 @@ extern "C" int kiln_wol_max_m();
 namespace {
 
 std::atomic<int> g_enabled{1};
-std::atomic<int64_t> g_max_m[3] = {{64}, {int64_t(1) << 40}, {int64_t(1) << 40}};  // bf16, int8, int4
+std::atomic<int64_t> g_max_m[4] = {{64}, {int64_t(1) << 40}, {int64_t(1) << 40}, {64}};  // bf16, int8, int4, fp32
 
 using OptT = std::optional<at::Tensor>;
 
@@ -39,6 +39,13 @@ at::Tensor wol_py(const at::Tensor& x, const at::Tensor& qw, const at::Tensor& s
 at::Tensor bf16_py(const at::Tensor& x, const at::Tensor& w, const OptT& bias) {
   static auto op = c10::Dispatcher::singleton()
                        .findSchemaOrThrow("kiln::_bf16_linear_py", "")
+                       .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const OptT&)>();
+  return op.call(x, w, bias);
+}
+
+at::Tensor fp32_py(const at::Tensor& x, const at::Tensor& w, const OptT& bias) {
+  static auto op = c10::Dispatcher::singleton()
+                       .findSchemaOrThrow("kiln::_fp32_linear_py", "")
                        .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const OptT&)>();
   return op.call(x, w, bias);
 }
@@ -114,11 +121,21 @@ at::Tensor bf16_linear_cpu(const at::Tensor& x, const at::Tensor& weight, const 
   return y.defined() ? y : bf16_py(x, weight, bias);
 }
 
+at::Tensor fp32_linear_cpu(const at::Tensor& x, const at::Tensor& weight, const OptT& bias) {
+  if (!g_enabled.load(std::memory_order_relaxed) || weight.dim() != 2 ||
+      weight.scalar_type() != at::kFloat || weight.size(0) == 0 || !act_ok(x, weight.size(1)))
+    return fp32_py(x, weight, bias);
+  const at::Tensor w = weight.contiguous();
+  at::Tensor y = run(3, x, w, nullptr, bias, 0, weight.size(0), weight.size(1));
+  return y.defined() ? y : fp32_py(x, weight, bias);
+}
+
 }  // namespace
 
 TORCH_LIBRARY_IMPL(kiln, CPU, m) {
   m.impl("weight_only_linear", &weight_only_linear_cpu);
   m.impl("bf16_linear", &bf16_linear_cpu);
+  m.impl("fp32_linear", &fp32_linear_cpu);
 }
 
 extern "C" {
@@ -126,9 +143,9 @@ extern "C" {
 void kiln_ops_set_enabled(int enabled) { g_enabled.store(enabled ? 1 : 0); }
 
 // Largest M (rows of x) the C++ op runs through the kernels, per weight type (0 bf16, 1 int8,
-// 2 int4); larger M goes to the Python implementation (dequantised chunks + torch sgemm).
+// 2 int4, 3 fp32); larger M goes to the Python implementation (torch sgemm).
 void kiln_ops_set_max_m(int wtype, int64_t max_m) {
-  if (wtype >= 0 && wtype < 3) g_max_m[wtype].store(max_m);
+  if (wtype >= 0 && wtype < 4) g_max_m[wtype].store(max_m);
 }
 
 }  // extern "C"

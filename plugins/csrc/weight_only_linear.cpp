@@ -2,6 +2,8 @@
 //
 // Weight formats (row-major, one row per output channel):
 //   WTYPE_BF16 (0): uint16 bf16 bits [N, K]
+//   WTYPE_F32  (3): fp32 [N, K] (plain GEMV: torch's fp32 GEMV reads with one stream per core,
+//                   which on Zen 1 reaches ~70% of the bandwidth that 8 streams per core reach)
 //   WTYPE_INT8 (1): int8 [N, K], one fp32 scale per row
 //   WTYPE_INT4 (2): uint8 [N, K/2], fp32 scales [N, K/group_size]; two's-complement nibbles
 //       (-8..7). K is cut into blocks of 64 elements stored in 32 bytes: the little-endian 16-bit
@@ -41,6 +43,7 @@ namespace {
 constexpr int WTYPE_BF16 = 0;
 constexpr int WTYPE_INT8 = 1;
 constexpr int WTYPE_INT4 = 2;
+constexpr int WTYPE_F32 = 3;
 
 constexpr int RT = 8;            // output rows per tile
 constexpr int KCV = 16;          // 16-element units per K-chunk in the buffered kernel -> 256 floats
@@ -81,6 +84,18 @@ struct WBf16 {
         _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 8))), 16));
   }
   inline float scalar(int64_t n, int64_t k) const { return bf16_bits_to_f32(w[n * K + k]); }
+  inline float row_scale(int64_t) const { return 1.0f; }
+};
+
+struct WF32 {
+  const float* w;
+  int64_t K;
+  static constexpr bool grouped = false;
+  inline void decode16f(int64_t n, int64_t i, __m256& lo, __m256& hi) const {
+    lo = _mm256_loadu_ps(w + n * K + 16 * i);
+    hi = _mm256_loadu_ps(w + n * K + 16 * i + 8);
+  }
+  inline float scalar(int64_t n, int64_t k) const { return w[n * K + k]; }
   inline float row_scale(int64_t) const { return 1.0f; }
 };
 
@@ -132,6 +147,9 @@ struct WInt4 {
   inline float group_scale(int64_t n, int64_t g) const { return s[n * ngroups + g]; }
   int64_t seg_steps() const { return gs / 16; }
 };
+
+template <class W>
+constexpr bool is_float_w = std::is_same_v<W, WBf16> || std::is_same_v<W, WF32>;
 
 // ---- per-call activation preprocessing ---------------------------------------------------------
 
@@ -216,6 +234,39 @@ inline void direct_bf16(const WBf16& w, int64_t n0, const XPrep& xs, int64_t K, 
       for (int m = 0; m < MB; ++m) {
         acc[0][r][m] = _mm256_fmadd_ps(ve, xe[m], acc[0][r][m]);
         acc[NA - 1][r][m] = _mm256_fmadd_ps(vo, xo[m], acc[NA - 1][r][m]);
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int m = 0; m < MB; ++m) {
+      __m256 t = acc[0][r][m];
+      if constexpr (NA == 2) t = _mm256_add_ps(t, acc[1][r][m]);
+      float v = hsum(t);
+      for (int64_t k = K16 * 16; k < K; ++k) v += w.scalar(n0 + r, k) * xs.x[m * K + k];
+      out[m * ldo + r] = v;
+    }
+}
+
+template <int R, int MB>
+inline void direct_f32(const WF32& w, int64_t n0, const XPrep& xs, int64_t K, float* out, int ldo) {
+  constexpr int NA = (MB == 1 && R < 8) ? 2 : 1;
+  const int64_t K16 = K / 16;
+  __m256 acc[NA][R][MB];
+  for (int a = 0; a < NA; ++a)
+    for (int r = 0; r < R; ++r)
+      for (int m = 0; m < MB; ++m) acc[a][r][m] = _mm256_setzero_ps();
+  for (int64_t i = 0; i < K16; ++i) {
+    __m256 x0[MB], x1[MB];
+    for (int m = 0; m < MB; ++m) {
+      x0[m] = _mm256_loadu_ps(xs.x + m * K + 16 * i);
+      x1[m] = _mm256_loadu_ps(xs.x + m * K + 16 * i + 8);
+    }
+    for (int r = 0; r < R; ++r) {
+      const float* p = w.w + (n0 + r) * K + 16 * i;
+      const __m256 v0 = _mm256_loadu_ps(p), v1 = _mm256_loadu_ps(p + 8);
+      for (int m = 0; m < MB; ++m) {
+        acc[0][r][m] = _mm256_fmadd_ps(v0, x0[m], acc[0][r][m]);
+        acc[NA - 1][r][m] = _mm256_fmadd_ps(v1, x1[m], acc[NA - 1][r][m]);
       }
     }
   }
@@ -318,6 +369,7 @@ inline void tile_buffered(const W& w, int64_t n0, const float* x, int64_t M, int
 template <class W, int R, int MB>
 inline void direct(const W& w, int64_t n0, const XPrep& xs, int64_t K, float* out, int ldo) {
   if constexpr (std::is_same_v<W, WBf16>) direct_bf16<R, MB>(w, n0, xs, K, out, ldo);
+  else if constexpr (std::is_same_v<W, WF32>) direct_f32<R, MB>(w, n0, xs, K, out, ldo);
   else direct_int<W, R, MB>(w, n0, xs, K, out, ldo);
 }
 
@@ -338,7 +390,7 @@ inline void direct_rows(const W& w, int64_t n0, const XPrep& xs, int64_t M, int6
   if constexpr (R == RT) {
     switch (M) {
       case 1:
-        if constexpr (std::is_same_v<W, WBf16>) {
+        if constexpr (is_float_w<W>) {
           direct<W, R, 1>(w, n0, xs, K, out, RT);
         } else {  // the int kernels keep fp32 totals too: 8 rows would spill
           for (int h = 0; h < R; h += 4) direct<W, 4, 1>(w, n0 + h, xs, K, out + h, RT);
@@ -348,14 +400,14 @@ inline void direct_rows(const W& w, int64_t n0, const XPrep& xs, int64_t M, int6
         for (int h = 0; h < R; h += 4) direct<W, 4, 2>(w, n0 + h, xs, K, out + h, RT);
         return;
       case 3:
-        if constexpr (std::is_same_v<W, WBf16>) {
+        if constexpr (is_float_w<W>) {
           for (int h = 0; h < R; h += 4) direct<W, 4, 3>(w, n0 + h, xs, K, out + h, RT);
         } else {
           for (int h = 0; h < R; h += 2) direct<W, 2, 3>(w, n0 + h, xs, K, out + h, RT);
         }
         return;
       default:
-        if constexpr (std::is_same_v<W, WBf16>) {  // two passes of M = 2 over 4 rows
+        if constexpr (is_float_w<W>) {  // two passes of M = 2 over 4 rows
           const XPrep hi = shift_rows(xs, 2, K);
           for (int h = 0; h < R; h += 4) {
             direct<W, 4, 2>(w, n0 + h, xs, K, out + h, RT);
@@ -380,7 +432,7 @@ template <class W>
 inline bool use_direct(int64_t M) {
   // measured on Zen 1: the integer kernels beat the fp32 buffered kernel up to M = 16 when run in
   // passes of <= 4 rows of x (the tile's weights stay in L1/L2 between passes); bf16 up to M = 8.
-  if constexpr (std::is_same_v<W, WBf16>) return M <= DIRECT_M * 2;
+  if constexpr (is_float_w<W>) return M <= DIRECT_M * 2;
   else return M <= DIRECT_M * 16;
 }
 
@@ -411,7 +463,9 @@ void run_linear(const W& w, const float* x, int64_t M, int64_t N, int64_t K, con
   const int64_t K16 = K / 16;
   bool direct_ok = DIRECT_M > 0 && use_direct<W>(M);
   if (direct_ok) {
-    if constexpr (std::is_same_v<W, WBf16>) {
+    if constexpr (std::is_same_v<W, WF32>) {
+      // x is used as is
+    } else if constexpr (std::is_same_v<W, WBf16>) {
       xp_buf.resize(size_t(M * K16 * 16) + 16);
       prep_bf16(x, M, K, xp_buf.data());
       xs.xp = xp_buf.data();
@@ -477,7 +531,7 @@ bool int4_supported(int64_t K, int64_t group_size) {
 
 extern "C" {
 
-int kiln_wol_abi_version() { return 4; }
+int kiln_wol_abi_version() { return 5; }
 
 int kiln_wol_max_m() { return int(MAX_M); }
 
@@ -495,6 +549,7 @@ int kiln_linear(int wtype, const void* w, const float* scales, int64_t group_siz
   if (M < 1 || M > MAX_M || N < 1 || K < 1) return 1;
   switch (wtype) {
     case WTYPE_BF16: run_linear(WBf16{static_cast<const uint16_t*>(w), K}, x, M, N, K, bias, y, nthreads); return 0;
+    case WTYPE_F32: run_linear(WF32{static_cast<const float*>(w), K}, x, M, N, K, bias, y, nthreads); return 0;
     case WTYPE_INT8: run_linear(WInt8{static_cast<const int8_t*>(w), scales, K}, x, M, N, K, bias, y, nthreads); return 0;
     case WTYPE_INT4:
       if (!int4_supported(K, group_size)) return 2;
@@ -533,6 +588,7 @@ int kiln_dequant_rows(int wtype, const void* w, const float* scales, int64_t gro
   if (n0 < 0 || n1 > N || n0 > n1) return 1;
   switch (wtype) {
     case WTYPE_BF16: run_dequant(WBf16{static_cast<const uint16_t*>(w), K}, K, n0, n1, out, nthreads); return 0;
+    case WTYPE_F32: run_dequant(WF32{static_cast<const float*>(w), K}, K, n0, n1, out, nthreads); return 0;
     case WTYPE_INT8: run_dequant(WInt8{static_cast<const int8_t*>(w), scales, K}, K, n0, n1, out, nthreads); return 0;
     case WTYPE_INT4:
       if (!int4_supported(K, group_size)) return 2;
