@@ -73,6 +73,22 @@ def _stage(name: str, timings: dict[str, float], progress: Progress | None):
         progress(name, f"done in {timings[name]:.2f} s")
 
 
+def _check_output_dir(ckpt: Path, out: Path) -> None:
+    """The output is replaced wholesale: refuse anything that is not an engine directory we wrote."""
+    c, o = ckpt.resolve(), out.resolve()
+    if o == c or o in c.parents:
+        raise ValueError(f"output directory {out} would replace the checkpoint {ckpt}; choose another --output")
+    if out.exists():
+        if not out.is_dir():
+            raise ValueError(f"output {out} exists and is not a directory")
+        is_engine = (out / "config.json").is_file() and "format_version" in (out / "config.json").read_text()[:4096]
+        if any(out.iterdir()) and not is_engine:
+            raise ValueError(
+                f"output directory {out} is not empty and does not hold a kiln engine; "
+                "refusing to replace it (choose an empty or new directory)"
+            )
+
+
 def build_engine(
     checkpoint_dir: str | Path,
     output_dir: str | Path,
@@ -85,6 +101,7 @@ def build_engine(
     build = (build or BuildConfig()).validate()
     check_names(build.disabled_passes)
     ckpt, out = Path(checkpoint_dir), Path(output_dir)
+    _check_output_dir(ckpt, out)
     timings: dict[str, float] = {}
     t_total = time.perf_counter()
 

@@ -66,3 +66,16 @@ def test_missing_arguments_and_bad_engine(tmp_path):
     assert result.exit_code != 0 and "--checkpoint and --output are required" in result.output
     result = CliRunner().invoke(kiln_main, ["inspect", str(tmp_path)])
     assert result.exit_code != 0 and "config.json: missing" in result.output
+
+
+def test_output_dir_is_never_a_foreign_directory(checkpoint_dir, tmp_path):
+    ckpt = checkpoint_dir("gpt2")
+    result = CliRunner().invoke(build_engine_cmd, ["--checkpoint", str(ckpt), "--output", str(ckpt)])
+    assert result.exit_code != 0 and "would replace the checkpoint" in result.output
+    assert (ckpt / "config.json").is_file()
+    foreign = tmp_path / "mine"
+    foreign.mkdir()
+    (foreign / "notes.txt").write_text("keep me")
+    result = CliRunner().invoke(build_engine_cmd, ["--checkpoint", str(ckpt), "--output", str(foreign)])
+    assert result.exit_code != 0 and "refusing to replace it" in result.output
+    assert (foreign / "notes.txt").read_text() == "keep me"
