@@ -78,10 +78,11 @@ __all__ = [
 ]
 
 # Dispatch on M (rows of x). Measured on the project's AVX2 machine (AMD Zen 1, 2 cores), where
-# torch's sgemm reaches ~30 GFLOP/s per core: the native kernels win for bf16 up to M ~ 64-128 and
-# for int8/int4 at every M tried (up to 256). Above the limit: dequantise row chunks + torch sgemm.
-# On a CPU with AVX-512/AMX GEMMs, lower these.
-KERNEL_MAX_M = {"bf16": 64, "int8": 1 << 30, "int4": 1 << 30, "fp32": 64}
+# torch's sgemm reaches ~30 GFLOP/s per core: the native kernels win for fp32 weights up to M ~ 32,
+# bf16 up to M ~ 64-128 and int8/int4 at every M tried (up to 256). Above the limit: torch sgemm
+# (bf16/int weights dequantised in row chunks). On a CPU with AVX-512/AMX GEMMs, lower these
+# (set_kernel_max_m).
+KERNEL_MAX_M = {"bf16": 64, "int8": 1 << 30, "int4": 1 << 30, "fp32": 32}
 _KERNEL_CHUNK_M = 64  # the C kernels take at most 64 rows per call; bigger M is split
 # Rows of the weight dequantised at once in the sgemm path (bounded fp32 scratch).
 _PREFILL_CHUNK_BYTES = 16 << 20

@@ -173,7 +173,7 @@ def test_fp32_linear_matches_reference(native, m, n, k, dtype):
     x = torch.randn(m, k, generator=g).to(dtype)
     bias = torch.randn(n, generator=g)
     ref = wol.fp32_linear_reference(x, w, bias)
-    if m <= 64:
+    if m <= wol.KERNEL_MAX_M["fp32"]:
         _assert_native_used(wol._WTYPE_F32, x, w, None, bias, 0, n, k)
     y = ops.fp32_linear(x, w, bias)
     assert y.dtype == dtype and y.shape == (m, n)
