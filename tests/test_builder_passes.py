@@ -166,19 +166,24 @@ def test_weight_only_quant(llama, mode, bits):
     assert (got.argmax(-1) == ref.argmax(-1)).float().mean() >= (0.9 if bits == 8 else 0.5)
 
 
-def test_bf16_linear(checkpoint_dir):
+def test_fast_linear(checkpoint_dir, llama):
     _plugin_or_skip()
-    from kiln.builder.passes import bf16_linear
+    from kiln.builder.passes import fast_linear
 
-    cfg, gm = _traced(checkpoint_dir("llama"), torch.bfloat16, BUILD.replace(dtype="bfloat16"))
-    new, stats = apply(gm, bf16_linear, build=BUILD.replace(dtype="bfloat16"), cfg=cfg)
-    assert stats["replaced"] == count_gemms(gm)
-    assert len(targets(new, torch.ops.kiln.bf16_linear.default)) == stats["replaced"]
+    cfg, gm = llama  # fp32 -> kiln.fp32_linear
+    new, stats = apply(gm, fast_linear, cfg=cfg)
+    assert stats["replaced"] == {"float32": count_gemms(gm)}
+    assert len(targets(new, torch.ops.kiln.fp32_linear.default)) == count_gemms(gm)
+    assert len(targets(new, torch.ops.aten.linear.default)) == 0
+    torch.testing.assert_close(run_steps(new, cfg), run_steps(gm, cfg), atol=1e-5, rtol=1e-5)
+
+    bf16 = BUILD.replace(dtype="bfloat16")
+    cfg, gm = _traced(checkpoint_dir("llama"), torch.bfloat16, bf16)
+    new, stats = apply(gm, fast_linear, build=bf16, cfg=cfg)
+    assert stats["replaced"] == {"bfloat16": count_gemms(gm)}
+    assert len(targets(new, torch.ops.kiln.bf16_linear.default)) == count_gemms(gm)
     got, ref = run_steps(new, cfg, torch.bfloat16), run_steps(gm, cfg, torch.bfloat16)
     assert ((got - ref).abs().max() / ref.abs().max()) < 0.02
-    # fp32 engines are left alone
-    _, stats32 = apply(gm, bf16_linear, build=BUILD, cfg=cfg)
-    assert "skipped" in stats32
 
 
 def test_inline_plugins(llama):

@@ -15,8 +15,8 @@ import torch
 
 from kiln.builder.config import BuildConfig
 from kiln.builder.passes import (
-    bf16_linear,
     dead_code,
+    fast_linear,
     fuse_add_norm,
     inline_plugins,
     merge_gate_up,
@@ -25,7 +25,7 @@ from kiln.builder.passes import (
 )
 
 PASSES: list[ModuleType] = [
-    merge_qkv, merge_gate_up, fuse_add_norm, weight_only_quant, bf16_linear, inline_plugins, dead_code,
+    merge_qkv, merge_gate_up, fuse_add_norm, weight_only_quant, fast_linear, inline_plugins, dead_code,
 ]
 PASS_NAMES = [p.NAME for p in PASSES]
 
