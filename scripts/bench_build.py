@@ -5,7 +5,8 @@
 A ~300M-parameter random Llama (``work/bench/llama-300m``, created once, shared with the serving bench)
 is built into four engines (fp32, bf16, int8 and int4 weight-only), each build printing its stages.
 Memory bandwidth is measured in the same run (sum and copy of a 1 GiB tensor, and a 2-thread fp32 GEMV
-that streams a 90 MB matrix), then each engine runs decode steps at batch 1 and 16 (every sequence
+that streams a 90 MB matrix, and the plugin's multi-stream read loop); the bound uses the highest
+of them. Then each engine runs decode steps at batch 1 and 16 (every sequence
 with 128 tokens of context): the median step time is printed next to the time the machine's
 bandwidth allows, weights bytes / bandwidth. Bytes streamed per decode step exclude the embedding
 table (a decode step gathers one row of it per token).
@@ -74,6 +75,12 @@ def measure_bandwidth() -> dict[str, float]:
     w = torch.randn(5632, 4000)  # 22.5M elements, 90 MB: bigger than any cache
     x = torch.randn(1, 4000)
     res["gemv"] = w.numel() * 4 / _median_time(lambda: torch.nn.functional.linear(x, w), 20) / 1e9
+    try:  # the plugin's multi-stream read loop: what a well-written GEMV can stream
+        from kiln.plugins.weight_only_linear import stream_read_bandwidth
+
+        res["stream_read"] = stream_read_bandwidth(256 << 20)  # GB/s, best of 7
+    except Exception as exc:  # noqa: BLE001 - optional measurement
+        log(f"stream_read_bandwidth unavailable ({exc})")
     return res
 
 
