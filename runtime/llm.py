@@ -3,6 +3,7 @@
     llm = LLM("engines/llama", max_batch_size=16, capacity_policy="max_utilization")
     outs = llm.generate(["Hello", "The kiln"], SamplingParams(max_tokens=32, temperature=0))
     async for out in llm.generate_async("Hello", SamplingParams(max_tokens=32)): print(out.delta_text)
+    for out in llm.stream("Hello", SamplingParams(max_tokens=32)): print(out.delta_text)
 
 Options (ExecutorConfig): max_batch_size, max_num_tokens (at most the engine's), kv_cache_memory_fraction,
 max_kv_cache_tokens, capacity_policy ("guaranteed_no_evict" default, or "max_utilization"),
@@ -15,8 +16,9 @@ Errors: ``InvalidRequestError`` (a ValueError) for requests that can never be se
 from __future__ import annotations
 
 import asyncio
+import queue
 import threading
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Iterator, Sequence
 from pathlib import Path
 
 from kiln.runtime.detokenizer import load_tokenizer
@@ -130,6 +132,22 @@ class LLM:
                 yield out
                 if finished:
                     return
+        finally:
+            if not finished:
+                self.executor.abort(rid)
+
+    def stream(self, prompt: Prompt, sampling_params: SamplingParams | None = None, *,
+               request_id: str | None = None, priority: int = 0) -> Iterator[RequestOutput]:
+        """Blocking iterator of incremental outputs (the thread-based twin of ``generate_async``);
+        leaving it early aborts the request."""
+        q: queue.SimpleQueue[RequestOutput] = queue.SimpleQueue()
+        rid = self.submit(prompt, sampling_params, request_id=request_id, priority=priority, callback=q.put)
+        finished = False
+        try:
+            while not finished:
+                out = q.get()
+                finished = out.finished
+                yield out
         finally:
             if not finished:
                 self.executor.abort(rid)

@@ -218,12 +218,19 @@ def main() -> int:
         f"{workload[-1]['arrival']:.1f} s), {n_prompt} prompt tokens, {n_out} output tokens, dtype {args.dtype}, "
         f"{args.threads} threads")
 
+    import os
+
+    load = {}
     log("kiln: serving the workload as it arrives ...")
+    load["kiln"] = [os.getloadavg()[0]]
     kiln, extra = run_kiln(engine_dir, workload, args)
+    load["kiln"].append(os.getloadavg()[0])
     results = [kiln]
     if not args.skip_hf:
         log("transformers: the same requests as static batches of 16 ...")
+        load["hf"] = [os.getloadavg()[0]]
         results.append(run_hf_static(workload, args.dtype, 16))
+        load["hf"].append(os.getloadavg()[0])
 
     print()
     print(f"workload: {len(workload)} requests, prompts {args.prompt_len[0]}-{args.prompt_len[1]}, outputs "
@@ -247,6 +254,8 @@ def main() -> int:
             ov = sum(s.overhead for s in sel)
             print(f"step loop overhead ({label}, {len(sel)} steps): {ov / st:.2%} of step time "
                   f"(mean step {st / len(sel) * 1e3:.1f} ms, of which engine.run {(st - ov) / len(sel) * 1e3:.1f} ms)")
+    print("machine load (1-min load average at start / end; the machine is shared, compare within one run): "
+          + ", ".join(f"{k} {a:.1f} / {b:.1f}" for k, (a, b) in load.items()))
     c = extra["stats"]["counters"]
     print(f"kiln: {c['steps']} steps, {c['preemptions']} preemptions, mean batch "
           f"{extra['stats']['histograms']['batch_size']['mean']:.1f}")
