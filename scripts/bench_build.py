@@ -115,7 +115,8 @@ def decode_inputs(engine, batch: int) -> dict[str, torch.Tensor]:
     }
 
 
-GEMM_OPS = ("aten::linear", "aten::mm", "aten::addmm", "kiln::weight_only_linear", "kiln::bf16_linear")
+GEMM_OPS = ("aten::linear", "aten::mm", "aten::addmm", "kiln::weight_only_linear", "kiln::bf16_linear",
+            "kiln::fp32_linear")
 
 
 def breakdown(engine, inputs, steps: int = 3) -> dict[str, float]:
