@@ -33,6 +33,8 @@ VARIANTS = {
     "int8": dict(dtype="float32", quantization="int8_weight_only"),
     "int4": dict(dtype="float32", quantization="int4_weight_only", group_size=128),
 }
+# the same engines through AOTInductor (``--variants fp32-compiled,...``): minutes of compile per engine
+VARIANTS.update({f"{k}-compiled": dict(v, backend="cpu-compiled") for k, v in list(VARIANTS.items())})
 CONTEXT = 128
 
 
@@ -90,7 +92,7 @@ def build(variant: str, ckpt: Path) -> Path:
     cfg = BuildConfig(max_batch_size=16, max_input_len=256, max_seq_len=512, max_num_tokens=256,
                       tokens_per_block=16, **VARIANTS[variant])
     out = BENCH / f"engine-builder-{variant}"
-    log(f"build {variant}: {cfg.dtype}, quantization {cfg.quantization}")
+    log(f"build {variant}: {cfg.dtype}, quantization {cfg.quantization}, backend {cfg.backend}")
     build_engine(ckpt, out, cfg, progress=lambda s, m: m != "start" and print(f"    {s:<12} {m}", flush=True))
     return out
 
@@ -189,17 +191,17 @@ def main() -> None:
     print()
     print("build time per stage (s)")
     stages = ["load", "trace", "passes", "export", "memory_plan", "compile", "write", "total"]
-    print(f"{'engine':<6} " + " ".join(f"{s:>11}" for s in stages))
+    print(f"{'engine':<14} " + " ".join(f"{s:>11}" for s in stages))
     for v in variants:
         t = builds[v]["timings_s"]
-        print(f"{v:<6} " + " ".join(f"{t.get(s, 0):>11.2f}" for s in stages))
+        print(f"{v:<14} " + " ".join(f"{t.get(s, 0):>11.2f}" for s in stages))
     print()
     print(f"decode step, context {CONTEXT}, {torch.get_num_threads()} threads; bound = streamed weights / {peak_bw:.1f} GB/s")
-    print(f"{'engine':<6} {'batch':>5} {'weights MB':>10} {'streamed MB':>11} {'step ms':>8} {'bound ms':>8} "
+    print(f"{'engine':<14} {'batch':>5} {'weights MB':>10} {'streamed MB':>11} {'step ms':>8} {'bound ms':>8} "
           f"{'% of bound':>10} {'tok/s':>8}   profiled ms/step: gemm | attention | other ops (GEMM GB/s)")
     for v, batch, wb, sb, ms, bound, parts in rows:
         gemm_bw = sb / (parts["gemm"] / 1e3) / 1e9 if parts["gemm"] else 0.0
-        print(f"{v:<6} {batch:>5} {wb / 1e6:>10.1f} {sb / 1e6:>11.1f} {ms:>8.2f} {bound:>8.2f} "
+        print(f"{v:<14} {batch:>5} {wb / 1e6:>10.1f} {sb / 1e6:>11.1f} {ms:>8.2f} {bound:>8.2f} "
               f"{100 * bound / ms:>9.0f}% {batch * 1000 / ms:>8.1f}   "
               f"{parts['gemm']:.1f} | {parts['attention']:.1f} | {parts['other ops']:.1f} ({gemm_bw:.1f})")
 
