@@ -312,11 +312,7 @@ class Executor:
             return
         inputs, sampled_idx = self.prepare_inputs(out)
         t1 = time.perf_counter()
-        if sampled_idx:
-            logits = self.engine.run(inputs)
-        else:
-            inputs["logits_indices"] = inputs["logits_indices"][:0]
-            logits = self.engine.run(inputs)
+        logits = self.engine.run(inputs)   # num_logits may be 0: a step of non-final prefill chunks
         engine_time = time.perf_counter() - t1
         reqs = [out.scheduled[i].request for i in sampled_idx]
         sample = self.sampler(logits, reqs) if reqs else None
