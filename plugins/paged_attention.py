@@ -6,6 +6,14 @@ table. Decode sequences (one new token each) are computed as one batch; context
 sequences (several new tokens, causal with an offset) one at a time. Nothing loops
 in Python over tokens or blocks.
 
+CPU kernel: C++ (``plugins/csrc/plugin_ops.cpp``, loaded with the linear kernels' library, see
+:mod:`kiln.plugins.weight_only_linear`) for fp32/bf16 q/k/v and pools: it writes the pool and runs
+the decode sequences (one work item per sequence and kv head, the group's query heads sharing one
+pass over the context read through the block table, fp32 softmax; only slots inside each context
+are read, so garbage/NaN elsewhere in the pool cannot leak in), with no Python per call; context
+sequences go to ``_context_sequences`` below (SDPA, one call per sequence). Other cases, and
+``KILN_DISABLE_NATIVE_KERNELS=1``, run the plain-torch implementation ``_paged_attention_py``.
+
 Shapes (packed tokens, see DESIGN.md):
     q [T, Hq, D], k/v [T, Hkv, D], kv_cache [L, 2, num_blocks, block_size, Hkv, D],
     seq_lens/context_lens [S] int32, block_tables [S, max_blocks] int32, slot_mapping [T] int64.
@@ -17,6 +25,8 @@ import math
 
 import torch
 import torch.nn.functional as F
+
+from kiln.plugins.weight_only_linear import define_native_op
 
 __all__ = ["paged_attention", "paged_attention_reference", "write_kv"]
 
@@ -113,8 +123,31 @@ def _context_one(
     return out[0].transpose(0, 1)
 
 
-@torch.library.custom_op("kiln::paged_attention", mutates_args=("kv_cache",))
-def paged_attention(
+def _context_sequences(
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    layer: int,
+    seq_lens: torch.Tensor,
+    context_lens: torch.Tensor,
+    block_tables: torch.Tensor,
+    out: torch.Tensor,
+    scale: float,
+    sliding_window: int,
+) -> None:
+    """Rows of the context sequences (more than one new token) into ``out``, one SDPA call each."""
+    k_pool, v_pool = kv_cache[layer, 0], kv_cache[layer, 1]
+    lens = seq_lens.tolist()
+    ctx_lens = context_lens.tolist()
+    s = 0
+    for i, n in enumerate(lens):
+        if n > 1:
+            out[s : s + n] = _context_one(
+                q[s : s + n], k_pool, v_pool, ctx_lens[i], block_tables[i], scale, sliding_window
+            )
+        s += n
+
+
+def _paged_attention_py(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
@@ -127,7 +160,7 @@ def paged_attention(
     scale: float,
     sliding_window: int,
 ) -> torch.Tensor:
-    """Write k/v into the pool, then attend every sequence over its paged context."""
+    """Plain-torch kernel (the fallback): decode sequences as one batch, context ones one by one."""
     write_kv(kv_cache, layer, k, v, slot_mapping)
     k_pool, v_pool = kv_cache[layer, 0], kv_cache[layer, 1]
     out = torch.empty_like(q)
@@ -142,19 +175,47 @@ def paged_attention(
         out[rows] = _decode_batch(
             q[rows], k_pool, v_pool, context_lens[idx], block_tables[idx], scale, sliding_window
         )
-    ctx_lens = context_lens.tolist()
-    for i, n in enumerate(lens):
-        if n > 1:
-            s = starts[i]
-            out[s : s + n] = _context_one(
-                q[s : s + n], k_pool, v_pool, ctx_lens[i], block_tables[i], scale, sliding_window
-            )
+    if any(n > 1 for n in lens):
+        _context_sequences(q, kv_cache, layer, seq_lens, context_lens, block_tables, out, scale, sliding_window)
     return out
 
 
-@paged_attention.register_fake
-def _(q, k, v, kv_cache, layer, seq_lens, context_lens, block_tables, slot_mapping, scale, sliding_window):
-    return torch.empty_like(q)
+_PA_SCHEMA = (
+    "(Tensor q, Tensor k, Tensor v, Tensor(a3!) kv_cache, SymInt layer, Tensor seq_lens, Tensor context_lens, "
+    "Tensor block_tables, Tensor slot_mapping, float scale, SymInt sliding_window) -> Tensor"
+)
+_lib = torch.library.Library("kiln", "FRAGMENT")
+define_native_op(
+    _lib, "paged_attention", _PA_SCHEMA, _paged_attention_py,
+    lambda q, k, v, kv_cache, layer, seq_lens, context_lens, block_tables, slot_mapping, scale, sliding_window:
+    torch.empty_like(q),
+)
+# called by the C++ kernel for the context sequences of a mixed batch (not part of any graph)
+_lib.define(
+    "_paged_attention_context_py(Tensor q, Tensor kv_cache, int layer, Tensor seq_lens, Tensor context_lens, "
+    "Tensor block_tables, Tensor(a!) out, float scale, int sliding_window) -> ()"
+)
+_lib.impl("_paged_attention_context_py", _context_sequences, "CompositeExplicitAutograd")
+
+
+def paged_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    kv_cache: torch.Tensor,
+    layer: int,
+    seq_lens: torch.Tensor,
+    context_lens: torch.Tensor,
+    block_tables: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    scale: float,
+    sliding_window: int,
+) -> torch.Tensor:
+    """Write k/v into the pool, then attend every sequence over its paged context
+    (``torch.ops.kiln.paged_attention``)."""
+    return torch.ops.kiln.paged_attention(
+        q, k, v, kv_cache, layer, seq_lens, context_lens, block_tables, slot_mapping, scale, sliding_window
+    )
 
 
 def paged_attention_reference(

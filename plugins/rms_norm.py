@@ -2,11 +2,17 @@
 
 ``fused_add_rms_norm(x, residual, w)`` returns ``(rms_norm(x + residual), x + residual)`` so a
 decoder layer reads its activations once instead of twice.
+
+CPU kernels: C++ (``plugins/csrc/plugin_ops.cpp``, fp32/bf16, loaded with the linear kernels'
+library, see :mod:`kiln.plugins.weight_only_linear`); other cases and ``KILN_DISABLE_NATIVE_KERNELS=1``
+run the plain-torch implementations below.
 """
 
 from __future__ import annotations
 
 import torch
+
+from kiln.plugins.weight_only_linear import define_native_op
 
 __all__ = ["rms_norm", "fused_add_rms_norm", "rms_norm_reference"]
 
@@ -18,24 +24,30 @@ def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tor
     return weight * normed.to(x.dtype)
 
 
-@torch.library.custom_op("kiln::rms_norm", mutates_args=())
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+def _rms_norm_py(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return rms_norm_reference(x, weight, eps)
 
 
-@rms_norm.register_fake
-def _(x, weight, eps):
-    return torch.empty_like(x)
-
-
-@torch.library.custom_op("kiln::fused_add_rms_norm", mutates_args=())
-def fused_add_rms_norm(
-    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
-) -> tuple[torch.Tensor, torch.Tensor]:
+def _fused_add_rms_norm_py(x, residual, weight, eps):
     summed = x + residual
     return rms_norm_reference(summed, weight, eps), summed
 
 
-@fused_add_rms_norm.register_fake
-def _(x, residual, weight, eps):
-    return torch.empty_like(x), torch.empty_like(x)
+_lib = torch.library.Library("kiln", "FRAGMENT")
+define_native_op(_lib, "rms_norm", "(Tensor x, Tensor weight, float eps) -> Tensor", _rms_norm_py,
+                 lambda x, weight, eps: torch.empty_like(x))
+define_native_op(_lib, "fused_add_rms_norm",
+                 "(Tensor x, Tensor residual, Tensor weight, float eps) -> (Tensor, Tensor)",
+                 _fused_add_rms_norm_py, lambda x, residual, weight, eps: (torch.empty_like(x), torch.empty_like(x)))
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """``torch.ops.kiln.rms_norm``."""
+    return torch.ops.kiln.rms_norm(x, weight, eps)
+
+
+def fused_add_rms_norm(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``torch.ops.kiln.fused_add_rms_norm``: ``(rms_norm(x + residual), x + residual)``."""
+    return torch.ops.kiln.fused_add_rms_norm(x, residual, weight, eps)

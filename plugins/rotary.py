@@ -3,6 +3,9 @@
 The cos/sin table is computed once at model build time from the model's rope settings
 (plain, ``linear`` scaling or ``llama3`` frequency scaling) and looked up by absolute
 position, so chunked prefill and decode use the same positions as a full forward.
+
+CPU kernel: C++ (``plugins/csrc/plugin_ops.cpp``, fp32/bf16, int64 positions); the plain-torch
+reference is the fallback.
 """
 
 from __future__ import annotations
@@ -10,6 +13,8 @@ from __future__ import annotations
 import math
 
 import torch
+
+from kiln.plugins.weight_only_linear import define_native_op
 
 __all__ = ["rotary_embedding", "rotary_embedding_reference", "rope_inv_freq", "cos_sin_table"]
 
@@ -63,14 +68,15 @@ def rotary_embedding_reference(
     return _rotate(q, cos, sin), _rotate(k, cos, sin)
 
 
-@torch.library.custom_op("kiln::rotary_embedding", mutates_args=())
+_lib = torch.library.Library("kiln", "FRAGMENT")
+define_native_op(_lib, "rotary_embedding",
+                 "(Tensor q, Tensor k, Tensor position_ids, Tensor table) -> (Tensor, Tensor)",
+                 rotary_embedding_reference,
+                 lambda q, k, position_ids, table: (torch.empty_like(q), torch.empty_like(k)))
+
+
 def rotary_embedding(
     q: torch.Tensor, k: torch.Tensor, position_ids: torch.Tensor, table: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Rotate q [T, Hq, D] and k [T, Hkv, D] by the angles of their absolute positions."""
-    return rotary_embedding_reference(q, k, position_ids, table)
-
-
-@rotary_embedding.register_fake
-def _(q, k, position_ids, table):
-    return torch.empty_like(q), torch.empty_like(k)
+    return torch.ops.kiln.rotary_embedding(q, k, position_ids, table)

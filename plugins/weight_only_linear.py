@@ -89,7 +89,7 @@ _PREFILL_CHUNK_BYTES = 16 << 20
 
 _WTYPE_BF16, _WTYPE_INT8, _WTYPE_INT4, _WTYPE_F32 = 0, 1, 2, 3
 _KINDS = ("bf16", "int8", "int4", "fp32")
-_ABI_VERSION = 5
+_ABI_VERSION = 6
 
 # --------------------------------------------------------------------------------------------
 # quantisation and the int4 layout (plain torch)
@@ -221,7 +221,8 @@ def bf16_linear_reference(x, weight, bias):
 # --------------------------------------------------------------------------------------------
 
 _CSRC_DIR = Path(__file__).resolve().parent / "csrc"
-_SOURCES = [_CSRC_DIR / "weight_only_linear.cpp", _CSRC_DIR / "linear_ops.cpp"]
+# plugin_ops.cpp: the CPU kernels of the norm / rotary / activation / paged attention ops (same library)
+_SOURCES = [_CSRC_DIR / "weight_only_linear.cpp", _CSRC_DIR / "linear_ops.cpp", _CSRC_DIR / "plugin_ops.cpp"]
 _lib_lock = threading.Lock()
 _lib: Optional[ctypes.CDLL] = None
 _lib_state = "unloaded"  # unloaded | ok | failed
@@ -492,6 +493,38 @@ def _fp32_linear_py(x, weight, bias):
 
 def _cpp_kernel_registered(op: str) -> bool:
     return torch._C._dispatch_has_kernel_for_dispatch_key(f"kiln::{op}", "CPU")
+
+
+def native_op_ready(op: str) -> bool:
+    """True when the native library is enabled and loaded (compiling it on first call) and the C++
+    CPU kernel of ``kiln::<op>`` is registered. The other plugin modules share this loader: their
+    Python kernels call it on the first call and re-dispatch to the C++ kernel from then on."""
+    return _enabled and _load_library() is not None and _cpp_kernel_registered(op)
+
+
+def define_native_op(lib: torch.library.Library, name: str, schema: str, impl, fake) -> None:
+    """Define ``kiln::<name>`` (plain Library op: no custom_op wrapper per call) with a C++ CPU
+    kernel from the native library and ``impl`` as the Python implementation.
+
+    Two ops are defined with ``schema``: ``kiln::<name>`` and ``kiln::_<name>_py`` (``impl``). The
+    C++ kernel of ``<name>`` (registered for CPU when the library loads) runs the cases it covers
+    and calls ``_<name>_py`` for the rest. Until the library is loaded, and when it is disabled or
+    unavailable, ``<name>``'s CompositeExplicitAutograd kernel runs: it loads the library and
+    re-dispatches to the C++ kernel when that is registered, else runs ``impl``. ``fake`` is the
+    shape function of both."""
+    py_name = f"_{name}_py"
+    lib.define(name + schema)
+    lib.define(py_name + schema)
+
+    def entry(*args):
+        if args[0].device.type == "cpu" and native_op_ready(name):
+            return getattr(torch.ops.kiln, name).default(*args)
+        return impl(*args)
+
+    lib.impl(name, entry, "CompositeExplicitAutograd")
+    lib.impl(py_name, impl, "CompositeExplicitAutograd")
+    torch.library.register_fake(f"kiln::{name}", fake, lib=lib)
+    torch.library.register_fake(f"kiln::{py_name}", fake, lib=lib)
 
 
 def _weight_only_linear_entry(x, qweight, scales, bias, bits, group_size):

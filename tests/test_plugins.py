@@ -155,17 +155,27 @@ def test_paged_attention_sliding_window_boundary():
     torch.testing.assert_close(ops.paged_attention(**decode)[0, 0, 0], expected[-1])
 
 
-def test_paged_attention_batches_decode_sequences(monkeypatch):
-    """No Python loop over tokens: one attention call per context sequence, one for all decode ones."""
+@pytest.mark.parametrize("native", [True, False], ids=["native", "torch"])
+def test_paged_attention_batches_decode_sequences(monkeypatch, native):
+    """No Python loop over tokens: one attention call per context sequence, one for all decode ones
+    (the torch path), or none for the decode ones (the C++ kernel computes them)."""
+    from kiln.plugins.weight_only_linear import native_kernels_disabled, native_op_ready
+
+    if native and not native_op_ready("paged_attention"):
+        pytest.skip("native kernels unavailable")
     calls = []
     attend = pa._attend
     monkeypatch.setattr(pa, "_attend", lambda q, *a: calls.append(tuple(q.shape)) or attend(q, *a))
     seqs = [(0, 9), (4, 5)] + [(c, 1) for c in (3, 8, 16, 30, 2, 7)]
     case = build_case(4, 8, 2, 2, seqs, 0, torch.float32, 0, 0, seed=3)
-    out, ref, _, _ = run_both(case)
+    if native:
+        out, ref, _, _ = run_both(case)
+    else:
+        with native_kernels_disabled():
+            out, ref, _, _ = run_both(case)
     torch.testing.assert_close(out, ref, **TOL[torch.float32])
-    assert len(calls) == 3
-    assert sorted(c[0] for c in calls) == [1, 1, 6]  # [batch, heads, queries, dim]: 2 context + 6 decode
+    expected = [1, 1] if native else [1, 1, 6]  # [batch, heads, queries, dim]: 2 context (+ 6 decode)
+    assert sorted(c[0] for c in calls) == expected
 
 
 # ---------------------------------------------------------------------------------------------

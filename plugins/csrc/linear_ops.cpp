@@ -142,6 +142,9 @@ extern "C" {
 
 void kiln_ops_set_enabled(int enabled) { g_enabled.store(enabled ? 1 : 0); }
 
+// Read by the other plugin kernels (plugin_ops.cpp): one switch for the whole library.
+int kiln_ops_enabled() { return g_enabled.load(std::memory_order_relaxed); }
+
 // Largest M (rows of x) the C++ op runs through the kernels, per weight type (0 bf16, 1 int8,
 // 2 int4, 3 fp32); larger M goes to the Python implementation (torch sgemm).
 void kiln_ops_set_max_m(int wtype, int64_t max_m) {

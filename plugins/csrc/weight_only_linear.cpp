@@ -531,7 +531,7 @@ bool int4_supported(int64_t K, int64_t group_size) {
 
 extern "C" {
 
-int kiln_wol_abi_version() { return 5; }
+int kiln_wol_abi_version() { return 6; }
 
 int kiln_wol_max_m() { return int(MAX_M); }
 

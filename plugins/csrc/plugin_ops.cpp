@@ -1,0 +1,500 @@
+// CPU kernels of kiln::rms_norm, kiln::fused_add_rms_norm, kiln::rotary_embedding, kiln::silu_mul,
+// kiln::gelu and kiln::paged_attention, registered with the dispatcher when the native library loads
+// (the schemas are defined from Python, next to the fake kernels and the references). A Python
+// kernel costs ~30-40 us of dispatch per call; these run with no Python per call.
+//
+// Coverage: fp32 / bf16 contiguous-able tensors of the shapes the models use. Anything else
+// (other dtypes, mismatched shapes, out-of-range indices, kernels disabled) goes to the Python
+// implementations (kiln::_<op>_py), which also own the error messages.
+//
+// paged_attention: the new K/V are written into the pool here; decode sequences (one new token)
+// are computed here, one work item per (sequence, kv head): the group's query heads share one pass
+// over the keys and values, read through the block table, scores in fp32 with an exact softmax
+// (max, exp, sum). Only the slots inside each sequence's context (and window) are read, so
+// whatever the rest of the pool holds (stale values, NaN) cannot leak in. Context sequences
+// (several new tokens) go to the Python SDPA path, kiln::_paged_attention_context_py.
+
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/empty_like.h>
+#include <ATen/ops/gelu.h>
+#include <ATen/ops/mean.h>
+#include <ATen/ops/mul.h>
+#include <ATen/ops/pow.h>
+#include <ATen/ops/silu.h>
+#include <c10/util/BFloat16.h>
+#include <immintrin.h>
+#include <torch/library.h>
+
+#include <atomic>
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <tuple>
+#include <vector>
+
+extern "C" int kiln_ops_enabled();
+
+namespace {
+
+using at::Tensor;
+using BF = c10::BFloat16;
+
+// ---------------------------------------------------------------------------------------------
+// fallbacks (Python implementations)
+
+Tensor rms_norm_py(const Tensor& x, const Tensor& w, double eps) {
+  static auto op = c10::Dispatcher::singleton()
+                       .findSchemaOrThrow("kiln::_rms_norm_py", "")
+                       .typed<Tensor(const Tensor&, const Tensor&, double)>();
+  return op.call(x, w, eps);
+}
+
+std::tuple<Tensor, Tensor> fused_py(const Tensor& x, const Tensor& r, const Tensor& w, double eps) {
+  static auto op = c10::Dispatcher::singleton()
+                       .findSchemaOrThrow("kiln::_fused_add_rms_norm_py", "")
+                       .typed<std::tuple<Tensor, Tensor>(const Tensor&, const Tensor&, const Tensor&, double)>();
+  return op.call(x, r, w, eps);
+}
+
+std::tuple<Tensor, Tensor> rotary_py(const Tensor& q, const Tensor& k, const Tensor& p, const Tensor& t) {
+  static auto op = c10::Dispatcher::singleton()
+                       .findSchemaOrThrow("kiln::_rotary_embedding_py", "")
+                       .typed<std::tuple<Tensor, Tensor>(const Tensor&, const Tensor&, const Tensor&, const Tensor&)>();
+  return op.call(q, k, p, t);
+}
+
+Tensor silu_mul_py(const Tensor& g, const Tensor& u) {
+  static auto op = c10::Dispatcher::singleton()
+                       .findSchemaOrThrow("kiln::_silu_mul_py", "")
+                       .typed<Tensor(const Tensor&, const Tensor&)>();
+  return op.call(g, u);
+}
+
+Tensor gelu_py(const Tensor& x, c10::string_view a) {
+  static auto op = c10::Dispatcher::singleton()
+                       .findSchemaOrThrow("kiln::_gelu_py", "")
+                       .typed<Tensor(const Tensor&, c10::string_view)>();
+  return op.call(x, a);
+}
+
+Tensor paged_py(const Tensor& q, const Tensor& k, const Tensor& v, Tensor& kv, int64_t layer,
+                const Tensor& sl, const Tensor& cl, const Tensor& bt, const Tensor& sm, double scale,
+                int64_t window) {
+  static auto op = c10::Dispatcher::singleton()
+                       .findSchemaOrThrow("kiln::_paged_attention_py", "")
+                       .typed<Tensor(const Tensor&, const Tensor&, const Tensor&, Tensor&, int64_t,
+                                     const Tensor&, const Tensor&, const Tensor&, const Tensor&, double,
+                                     int64_t)>();
+  return op.call(q, k, v, kv, layer, sl, cl, bt, sm, scale, window);
+}
+
+void paged_context_py(const Tensor& q, const Tensor& kv, int64_t layer, const Tensor& sl, const Tensor& cl,
+                      const Tensor& bt, Tensor& out, double scale, int64_t window) {
+  static auto op = c10::Dispatcher::singleton()
+                       .findSchemaOrThrow("kiln::_paged_attention_context_py", "")
+                       .typed<void(const Tensor&, const Tensor&, int64_t, const Tensor&, const Tensor&,
+                                   const Tensor&, Tensor&, double, int64_t)>();
+  op.call(q, kv, layer, sl, cl, bt, out, scale, window);
+}
+
+bool enabled() { return kiln_ops_enabled() != 0; }
+
+bool f32_or_bf16(const Tensor& t) {
+  return t.scalar_type() == at::kFloat || t.scalar_type() == at::kBFloat16;
+}
+
+inline float to_f(float v) { return v; }
+inline float to_f(BF v) { return static_cast<float>(v); }
+template <typename T>
+inline T from_f(float v) { return static_cast<T>(v); }
+
+// 8 consecutive elements widened to fp32
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const BF* p) {
+  __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+
+inline float hsum(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+// exp on 8 lanes (Cephes polynomial, rel. error ~1e-7 on [-87, 88]); inputs below -87 give ~0.
+inline __m256 exp8(__m256 x) {
+  x = _mm256_min_ps(x, _mm256_set1_ps(88.3762626647949f));
+  x = _mm256_max_ps(x, _mm256_set1_ps(-87.0f));
+  __m256 fx = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                              _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_fnmadd_ps(fx, _mm256_set1_ps(0.693359375f), x);
+  r = _mm256_fnmadd_ps(fx, _mm256_set1_ps(-2.12194440e-4f), r);
+  __m256 y = _mm256_set1_ps(1.9875691500E-4f);
+  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(1.3981999507E-3f));
+  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(8.3334519073E-3f));
+  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(4.1665795894E-2f));
+  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(1.6666665459E-1f));
+  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(5.0000001201E-1f));
+  y = _mm256_fmadd_ps(y, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
+  __m256i n = _mm256_add_epi32(_mm256_cvtps_epi32(fx), _mm256_set1_epi32(127));
+  return _mm256_mul_ps(y, _mm256_castsi256_ps(_mm256_slli_epi32(n, 23)));
+}
+
+int64_t grain_rows(int64_t d) { return std::max<int64_t>(1, 16384 / std::max<int64_t>(1, d)); }
+
+// ---------------------------------------------------------------------------------------------
+// RMSNorm: y = w * cast(x * rsqrt(mean(x^2) + eps)) with x in fp32 (Llama's definition)
+
+// The mean of squares comes from ATen (xf.pow(2).mean(-1), the reference's own reduction, so the
+// result is bit-identical to rms_norm_reference); the rest is one pass by hand. Built without FMA
+// contraction so each product rounds as in the reference.
+template <typename T>
+__attribute__((optimize("fp-contract=off"))) void rms_rows(const T* x, const float* ms, const T* w, T* y,
+                                                             int64_t rows, int64_t d, float eps) {
+  at::parallel_for(0, rows, grain_rows(d), [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) {
+      const T* xr = x + r * d;
+      T* yr = y + r * d;
+      const float inv = 1.0f / std::sqrt(ms[r] + eps);
+      for (int64_t j = 0; j < d; ++j) {
+        const T normed = from_f<T>(to_f(xr[j]) * inv);  // rounded to x's dtype before the scale
+        yr[j] = from_f<T>(to_f(w[j]) * to_f(normed));
+      }
+    }
+  });
+}
+
+template <typename T>
+void rms_norm_into(const Tensor& xc, const Tensor& wc, Tensor& y, double eps) {
+  const int64_t d = xc.size(-1), rows = xc.numel() / d;
+  const Tensor ms = xc.to(at::kFloat).pow(2).mean(-1, true).contiguous();
+  rms_rows(xc.const_data_ptr<T>(), ms.const_data_ptr<float>(), wc.const_data_ptr<T>(), y.data_ptr<T>(), rows, d,
+           static_cast<float>(eps));
+}
+
+bool norm_ok(const Tensor& x, const Tensor& w) {
+  return enabled() && f32_or_bf16(x) && w.scalar_type() == x.scalar_type() && x.dim() >= 1 &&
+         w.dim() == 1 && w.size(0) == x.size(-1) && x.numel() > 0;
+}
+
+Tensor rms_norm_cpu(const Tensor& x, const Tensor& weight, double eps) {
+  if (!norm_ok(x, weight)) return rms_norm_py(x, weight, eps);
+  const Tensor xc = x.contiguous(), wc = weight.contiguous();
+  Tensor y = at::empty_like(xc);
+  if (x.scalar_type() == at::kFloat)
+    rms_norm_into<float>(xc, wc, y, eps);
+  else
+    rms_norm_into<BF>(xc, wc, y, eps);
+  return y;
+}
+
+template <typename T>
+__attribute__((optimize("fp-contract=off"))) void add_rows(const T* a, const T* b, T* s, int64_t n) {
+  at::parallel_for(0, n, 32768, [&](int64_t i0, int64_t i1) {
+    for (int64_t i = i0; i < i1; ++i) s[i] = from_f<T>(to_f(a[i]) + to_f(b[i]));
+  });
+}
+
+std::tuple<Tensor, Tensor> fused_add_rms_norm_cpu(const Tensor& x, const Tensor& residual,
+                                                  const Tensor& weight, double eps) {
+  if (!norm_ok(x, weight) || residual.scalar_type() != x.scalar_type() || !residual.sizes().equals(x.sizes()))
+    return fused_py(x, residual, weight, eps);
+  const Tensor xc = x.contiguous(), rc = residual.contiguous(), wc = weight.contiguous();
+  Tensor summed = at::empty_like(xc), y = at::empty_like(xc);
+  if (x.scalar_type() == at::kFloat) {
+    add_rows(xc.const_data_ptr<float>(), rc.const_data_ptr<float>(), summed.data_ptr<float>(), x.numel());
+    rms_norm_into<float>(summed, wc, y, eps);
+  } else {
+    add_rows(xc.const_data_ptr<BF>(), rc.const_data_ptr<BF>(), summed.data_ptr<BF>(), x.numel());
+    rms_norm_into<BF>(summed, wc, y, eps);
+  }
+  return {y, summed};
+}
+
+// ---------------------------------------------------------------------------------------------
+// rotary (rotate-half): table [P, D] fp32, cos in the first half, sin in the second
+
+template <typename T>
+__attribute__((optimize("fp-contract=off"))) void rotate(const T* x, T* y, int64_t tokens, int64_t heads, int64_t d, const int64_t* pos,
+            const float* table) {
+  const int64_t half = d / 2;
+  at::parallel_for(0, tokens, grain_rows(heads * d), [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t) {
+      const float* cs = table + pos[t] * d;
+      const float* sn = cs + half;
+      for (int64_t h = 0; h < heads; ++h) {
+        const T* xr = x + (t * heads + h) * d;
+        T* yr = y + (t * heads + h) * d;
+        for (int64_t i = 0; i < half; ++i) {
+          const float x1 = to_f(xr[i]), x2 = to_f(xr[i + half]);
+          yr[i] = from_f<T>(x1 * cs[i] - x2 * sn[i]);
+          yr[i + half] = from_f<T>(x2 * cs[i] + x1 * sn[i]);
+        }
+      }
+    }
+  });
+}
+
+std::tuple<Tensor, Tensor> rotary_embedding_cpu(const Tensor& q, const Tensor& k, const Tensor& position_ids,
+                                                const Tensor& table) {
+  const bool shapes = q.dim() == 3 && k.dim() == 3 && position_ids.dim() == 1 && table.dim() == 2 &&
+                      q.size(0) == k.size(0) && q.size(0) == position_ids.size(0) && q.size(2) == k.size(2) &&
+                      table.size(1) == q.size(2) && q.size(2) % 2 == 0;
+  if (!enabled() || !shapes || !f32_or_bf16(q) || k.scalar_type() != q.scalar_type() ||
+      table.scalar_type() != at::kFloat || position_ids.scalar_type() != at::kLong)
+    return rotary_py(q, k, position_ids, table);
+  const Tensor pc = position_ids.contiguous();
+  const int64_t* pos = pc.const_data_ptr<int64_t>();
+  const int64_t n = pc.numel(), maxp = table.size(0);
+  for (int64_t i = 0; i < n; ++i)
+    if (pos[i] < 0 || pos[i] >= maxp) return rotary_py(q, k, position_ids, table);  // raises there
+  const Tensor qc = q.contiguous(), kc = k.contiguous(), tc = table.contiguous();
+  Tensor qo = at::empty_like(qc), ko = at::empty_like(kc);
+  const int64_t d = q.size(2);
+  if (q.scalar_type() == at::kFloat) {
+    rotate(qc.const_data_ptr<float>(), qo.data_ptr<float>(), n, q.size(1), d, pos, tc.const_data_ptr<float>());
+    rotate(kc.const_data_ptr<float>(), ko.data_ptr<float>(), n, k.size(1), d, pos, tc.const_data_ptr<float>());
+  } else {
+    rotate(qc.const_data_ptr<BF>(), qo.data_ptr<BF>(), n, q.size(1), d, pos, tc.const_data_ptr<float>());
+    rotate(kc.const_data_ptr<BF>(), ko.data_ptr<BF>(), n, k.size(1), d, pos, tc.const_data_ptr<float>());
+  }
+  return {qo, ko};
+}
+
+// ---------------------------------------------------------------------------------------------
+// activations: ATen's vectorised kernels called from C++ (same definition as the references)
+
+Tensor silu_mul_cpu(const Tensor& gate, const Tensor& up) {
+  if (!enabled() || gate.scalar_type() != up.scalar_type() || !gate.sizes().equals(up.sizes()))
+    return silu_mul_py(gate, up);
+  Tensor y = at::silu(gate);
+  return y.mul_(up);
+}
+
+Tensor gelu_cpu(const Tensor& x, c10::string_view approximate) {
+  if (!enabled() || !(approximate == "none" || approximate == "tanh")) return gelu_py(x, approximate);
+  return at::gelu(x, approximate);
+}
+
+// ---------------------------------------------------------------------------------------------
+// paged attention
+
+template <typename S, typename D>
+void write_slots(const S* src, D* dst, const int64_t* slots, int64_t tokens, int64_t row) {
+  for (int64_t t = 0; t < tokens; ++t) {
+    D* o = dst + slots[t] * row;
+    const S* i = src + t * row;
+    if constexpr (std::is_same<S, D>::value) {
+      std::memcpy(o, i, row * sizeof(D));
+    } else {
+      for (int64_t j = 0; j < row; ++j) o[j] = from_f<D>(to_f(i[j]));
+    }
+  }
+}
+
+template <typename S>
+void write_kv_typed(const Tensor& src, Tensor& kv, int64_t offset, const int64_t* slots, int64_t tokens,
+                    int64_t row) {
+  const S* s = src.const_data_ptr<S>();
+  if (kv.scalar_type() == at::kFloat)
+    write_slots(s, kv.data_ptr<float>() + offset, slots, tokens, row);
+  else
+    write_slots(s, kv.data_ptr<BF>() + offset, slots, tokens, row);
+}
+
+template <typename Q, typename KV>
+void decode_attention(const Q* q, const KV* kpool, const KV* vpool, Q* out, const std::vector<int64_t>& rows,
+                      const std::vector<int64_t>& seqs, const int32_t* ctx_lens, const int32_t* tables,
+                      int64_t max_blocks, int64_t block_size, int64_t hkv, int64_t group, int64_t d,
+                      float scale, int64_t window) {
+  const int64_t hq = hkv * group;
+  const int64_t items = static_cast<int64_t>(rows.size()) * hkv;
+  const int64_t slot_stride = hkv * d;                 // one token of one pool (all kv heads)
+  const int64_t block_stride = block_size * slot_stride;
+  // Threads only when there is enough work: a parallel region costs more than a small decode
+  // (batch 1, short contexts), and much more when the cores are shared.
+  int64_t work = 0;
+  for (int64_t s : seqs) work += (window > 0 ? std::min<int64_t>(ctx_lens[s], window) : ctx_lens[s]);
+  work *= hkv * (group + 1) * d;
+  const int64_t grain = work < (int64_t(1) << 18) ? std::max<int64_t>(items, 1) : 1;
+  at::parallel_for(0, items, grain, [&](int64_t i0, int64_t i1) {
+    std::vector<float> qf(group * d), acc(group * d), scores;
+    for (int64_t it = i0; it < i1; ++it) {
+      const int64_t n = it / hkv, h = it % hkv;
+      const int64_t row = rows[n], s = seqs[n];
+      const int64_t ctx = ctx_lens[s];
+      const int64_t lo = window > 0 ? std::max<int64_t>(0, ctx - window) : 0;
+      const int64_t len = ctx - lo;
+      const int32_t* table = tables + s * max_blocks;
+      for (int64_t g = 0; g < group; ++g)
+        for (int64_t j = 0; j < d; ++j) qf[g * d + j] = to_f(q[(row * hq + h * group + g) * d + j]) * scale;
+      scores.resize(group * len);
+      // scores[g * len + p] = q_g . k_{lo+p}
+      for (int64_t p = 0; p < len; ++p) {
+        const int64_t pos = lo + p;
+        const KV* kr = kpool + table[pos / block_size] * block_stride + (pos % block_size) * slot_stride + h * d;
+        for (int64_t g = 0; g < group; ++g) {
+          const float* qg = qf.data() + g * d;
+          int64_t j = 0;
+          __m256 a = _mm256_setzero_ps();
+          for (; j + 8 <= d; j += 8) a = _mm256_fmadd_ps(_mm256_loadu_ps(qg + j), load8(kr + j), a);
+          float sc = hsum(a);
+          for (; j < d; ++j) sc += qg[j] * to_f(kr[j]);
+          scores[g * len + p] = sc;
+        }
+      }
+      // softmax per query head
+      for (int64_t g = 0; g < group; ++g) {
+        float* sg = scores.data() + g * len;
+        float mx = -std::numeric_limits<float>::infinity();
+        for (int64_t p = 0; p < len; ++p) mx = std::max(mx, sg[p]);
+        const __m256 vmx = _mm256_set1_ps(mx);
+        __m256 vs = _mm256_setzero_ps();
+        int64_t p = 0;
+        for (; p + 8 <= len; p += 8) {
+          __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(sg + p), vmx));
+          _mm256_storeu_ps(sg + p, e);
+          vs = _mm256_add_ps(vs, e);
+        }
+        float sum = hsum(vs);
+        for (; p < len; ++p) {
+          sg[p] = std::exp(sg[p] - mx);
+          sum += sg[p];
+        }
+        const float inv = 1.0f / sum;
+        for (p = 0; p < len; ++p) sg[p] *= inv;
+      }
+      // weighted sum of the values
+      std::fill(acc.begin(), acc.end(), 0.0f);
+      for (int64_t p = 0; p < len; ++p) {
+        const int64_t pos = lo + p;
+        const KV* vr = vpool + table[pos / block_size] * block_stride + (pos % block_size) * slot_stride + h * d;
+        int64_t j = 0;
+        for (; j + 8 <= d; j += 8) {
+          const __m256 vv = load8(vr + j);
+          for (int64_t g = 0; g < group; ++g) {
+            float* ag = acc.data() + g * d + j;
+            _mm256_storeu_ps(ag, _mm256_fmadd_ps(_mm256_set1_ps(scores[g * len + p]), vv, _mm256_loadu_ps(ag)));
+          }
+        }
+        for (; j < d; ++j) {
+          const float vj = to_f(vr[j]);
+          for (int64_t g = 0; g < group; ++g) acc[g * d + j] += scores[g * len + p] * vj;
+        }
+      }
+      for (int64_t g = 0; g < group; ++g)
+        for (int64_t j = 0; j < d; ++j) out[(row * hq + h * group + g) * d + j] = from_f<Q>(acc[g * d + j]);
+    }
+  });
+}
+
+template <typename Q>
+void decode_dispatch_kv(const Tensor& qc, const Tensor& kv, int64_t layer, Tensor& out,
+                        const std::vector<int64_t>& rows, const std::vector<int64_t>& seqs, const int32_t* ctx,
+                        const int32_t* tables, int64_t max_blocks, float scale, int64_t window) {
+  const int64_t nb = kv.size(2), bs = kv.size(3), hkv = kv.size(4), d = kv.size(5);
+  const int64_t pool = nb * bs * hkv * d;
+  const int64_t group = qc.size(1) / hkv;
+  if (kv.scalar_type() == at::kFloat) {
+    const float* base = kv.const_data_ptr<float>() + layer * 2 * pool;
+    decode_attention<Q, float>(qc.const_data_ptr<Q>(), base, base + pool, out.data_ptr<Q>(), rows, seqs, ctx, tables,
+                               max_blocks, bs, hkv, group, d, scale, window);
+  } else {
+    const BF* base = kv.const_data_ptr<BF>() + layer * 2 * pool;
+    decode_attention<Q, BF>(qc.const_data_ptr<Q>(), base, base + pool, out.data_ptr<Q>(), rows, seqs, ctx, tables,
+                            max_blocks, bs, hkv, group, d, scale, window);
+  }
+}
+
+Tensor paged_attention_cpu(const Tensor& q, const Tensor& k, const Tensor& v, Tensor& kv_cache, int64_t layer,
+                           const Tensor& seq_lens, const Tensor& context_lens, const Tensor& block_tables,
+                           const Tensor& slot_mapping, double scale, int64_t sliding_window) {
+  auto fallback = [&]() {
+    return paged_py(q, k, v, kv_cache, layer, seq_lens, context_lens, block_tables, slot_mapping, scale,
+                    sliding_window);
+  };
+  if (!enabled() || kv_cache.dim() != 6 || !kv_cache.is_contiguous() || !f32_or_bf16(kv_cache) || !f32_or_bf16(q) ||
+      !f32_or_bf16(k) || !f32_or_bf16(v) || q.dim() != 3 || k.dim() != 3 || v.dim() != 3 ||
+      seq_lens.dim() != 1 || context_lens.dim() != 1 || block_tables.dim() != 2 || slot_mapping.dim() != 1 ||
+      seq_lens.scalar_type() != at::kInt || context_lens.scalar_type() != at::kInt ||
+      block_tables.scalar_type() != at::kInt || slot_mapping.scalar_type() != at::kLong)
+    return fallback();
+  const int64_t L = kv_cache.size(0), nb = kv_cache.size(2), bs = kv_cache.size(3), hkv = kv_cache.size(4),
+                d = kv_cache.size(5);
+  const int64_t T = q.size(0), S = seq_lens.size(0), max_blocks = block_tables.size(1);
+  if (layer < 0 || layer >= L || kv_cache.size(1) != 2 || hkv == 0 || q.size(1) % hkv != 0 || q.size(2) != d ||
+      k.size(0) != T || v.size(0) != T || k.size(1) != hkv || v.size(1) != hkv || k.size(2) != d ||
+      v.size(2) != d || slot_mapping.size(0) != T || context_lens.size(0) != S || block_tables.size(0) != S)
+    return fallback();
+  const Tensor sl = seq_lens.contiguous(), cl = context_lens.contiguous(), bt = block_tables.contiguous(),
+               sm = slot_mapping.contiguous();
+  const int32_t* lens = sl.const_data_ptr<int32_t>();
+  const int32_t* ctx = cl.const_data_ptr<int32_t>();
+  const int32_t* tables = bt.const_data_ptr<int32_t>();
+  const int64_t* slots = sm.const_data_ptr<int64_t>();
+  // validate everything before touching the pool: anything odd goes to the Python path (its errors)
+  for (int64_t t = 0; t < T; ++t)
+    if (slots[t] < 0 || slots[t] >= nb * bs) return fallback();
+  std::vector<int64_t> rows, seqs;
+  rows.reserve(S);
+  seqs.reserve(S);
+  bool has_context = false;
+  int64_t start = 0;
+  for (int64_t s = 0; s < S; ++s) {
+    const int64_t n = lens[s], c = ctx[s];
+    if (n < 0 || c < n || c > max_blocks * bs) return fallback();
+    if (n == 1) {
+      if (c < 1) return fallback();
+      const int64_t used = (c + bs - 1) / bs;
+      for (int64_t b = 0; b < used; ++b)
+        if (tables[s * max_blocks + b] < 0 || tables[s * max_blocks + b] >= nb) return fallback();
+      rows.push_back(start);
+      seqs.push_back(s);
+    } else if (n > 1) {
+      has_context = true;
+    }
+    start += n;
+  }
+  if (start != T) return fallback();
+
+  // 1) write this step's keys/values into their slots
+  const int64_t row = hkv * d, pool = nb * bs * row;
+  const Tensor kc = k.contiguous(), vc = v.contiguous();
+  for (int which = 0; which < 2; ++which) {
+    const Tensor& src = which == 0 ? kc : vc;
+    const int64_t offset = (layer * 2 + which) * pool;
+    if (src.scalar_type() == at::kFloat)
+      write_kv_typed<float>(src, kv_cache, offset, slots, T, row);
+    else
+      write_kv_typed<BF>(src, kv_cache, offset, slots, T, row);
+  }
+  // 2) decode sequences, all at once
+  const Tensor qc = q.contiguous();
+  Tensor out = at::empty_like(qc);
+  if (!rows.empty()) {
+    if (q.scalar_type() == at::kFloat)
+      decode_dispatch_kv<float>(qc, kv_cache, layer, out, rows, seqs, ctx, tables, max_blocks, (float)scale,
+                                sliding_window);
+    else
+      decode_dispatch_kv<BF>(qc, kv_cache, layer, out, rows, seqs, ctx, tables, max_blocks, (float)scale,
+                             sliding_window);
+  }
+  // 3) context sequences: SDPA, one sequence at a time (Python)
+  if (has_context) paged_context_py(qc, kv_cache, layer, seq_lens, context_lens, block_tables, out, scale, sliding_window);
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(kiln, CPU, m) {
+  m.impl("rms_norm", &rms_norm_cpu);
+  m.impl("fused_add_rms_norm", &fused_add_rms_norm_cpu);
+  m.impl("rotary_embedding", &rotary_embedding_cpu);
+  m.impl("silu_mul", &silu_mul_cpu);
+  m.impl("gelu", &gelu_cpu);
+  m.impl("paged_attention", &paged_attention_cpu);
+}
