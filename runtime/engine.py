@@ -15,11 +15,7 @@ from typing import Any
 import torch
 
 import kiln.plugins  # noqa: F401  (registers torch.ops.kiln.* before an engine is loaded)
-
-try:  # the weight-only / bf16 GEMM plugin (quantized and bf16 engines call it)
-    import kiln.plugins.weight_only_linear  # noqa: F401
-except ImportError:  # pragma: no cover
-    pass
+from kiln.plugins.weight_only_linear import native_kernels_available
 
 SUPPORTED_FORMAT_VERSIONS = (1,)
 ENGINE_FILE = "rank0.engine"
@@ -111,6 +107,9 @@ class Engine:
         directory = Path(path)
         config = cls.read_config(directory)
         engine_path = directory / ENGINE_FILE
+        # Load (compiling on a fresh machine) the plugins' native kernels now, not inside the first
+        # request's step: otherwise that request's TTFT carries a one-time ~20 s compile.
+        native_kernels_available()
         if not engine_path.is_file():
             raise EngineLoadError(f"{engine_path}: missing; the engine directory is incomplete, rebuild it")
         if not zipfile.is_zipfile(engine_path):
