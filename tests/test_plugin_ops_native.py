@@ -118,7 +118,7 @@ def test_activations(mode, dtype):
     block_size=st.sampled_from([1, 4, 16]),
     num_kv_heads=st.sampled_from([1, 2, 4]),
     group=st.sampled_from([1, 3, 4]),
-    head_dim=st.sampled_from([4, 8, 12, 64]),
+    head_dim=st.sampled_from([4, 8, 12, 64, 128]),
     decode=st.lists(st.integers(0, 70), min_size=1, max_size=6),
     sliding_window=st.sampled_from([0, 1, 5, 32]),
     dtype=st.sampled_from([torch.float32, torch.bfloat16]),

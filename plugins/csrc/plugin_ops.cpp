@@ -118,6 +118,13 @@ inline __m256 load8(const BF* p) {
   return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
 }
 
+// The sums of eight vectors, in order: [sum(a0), ..., sum(a7)].
+inline __m256 hsum8(__m256 a0, __m256 a1, __m256 a2, __m256 a3, __m256 a4, __m256 a5, __m256 a6, __m256 a7) {
+  const __m256 u0 = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));
+  const __m256 u1 = _mm256_hadd_ps(_mm256_hadd_ps(a4, a5), _mm256_hadd_ps(a6, a7));
+  return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
+}
+
 inline float hsum(__m256 v) {
   __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
   s = _mm_add_ps(s, _mm_movehl_ps(s, s));
@@ -333,8 +340,35 @@ void decode_attention(const Q* q, const KV* kpool, const KV* vpool, Q* out, cons
       for (int64_t g = 0; g < group; ++g)
         for (int64_t j = 0; j < d; ++j) qf[g * d + j] = to_f(q[(row * hq + h * group + g) * d + j]) * scale;
       scores.resize(group * len);
-      // scores[g * len + p] = q_g . k_{lo+p}
-      for (int64_t p = 0; p < len; ++p) {
+      // scores[g * len + p] = q_g . k_{lo+p}; eight positions per pass so one transpose-reduce
+      // replaces eight horizontal sums
+      int64_t p0 = 0;
+      if (d % 8 == 0) {
+        for (; p0 + 8 <= len; p0 += 8) {
+          const KV* kr[8];
+          for (int u = 0; u < 8; ++u) {
+            const int64_t pos = lo + p0 + u;
+            kr[u] = kpool + table[pos / block_size] * block_stride + (pos % block_size) * slot_stride + h * d;
+          }
+          for (int64_t g = 0; g < group; ++g) {
+            const float* qg = qf.data() + g * d;
+            __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0, a7 = a0;
+            for (int64_t j = 0; j < d; j += 8) {
+              const __m256 qv = _mm256_loadu_ps(qg + j);
+              a0 = _mm256_fmadd_ps(qv, load8(kr[0] + j), a0);
+              a1 = _mm256_fmadd_ps(qv, load8(kr[1] + j), a1);
+              a2 = _mm256_fmadd_ps(qv, load8(kr[2] + j), a2);
+              a3 = _mm256_fmadd_ps(qv, load8(kr[3] + j), a3);
+              a4 = _mm256_fmadd_ps(qv, load8(kr[4] + j), a4);
+              a5 = _mm256_fmadd_ps(qv, load8(kr[5] + j), a5);
+              a6 = _mm256_fmadd_ps(qv, load8(kr[6] + j), a6);
+              a7 = _mm256_fmadd_ps(qv, load8(kr[7] + j), a7);
+            }
+            _mm256_storeu_ps(scores.data() + g * len + p0, hsum8(a0, a1, a2, a3, a4, a5, a6, a7));
+          }
+        }
+      }
+      for (int64_t p = p0; p < len; ++p) {
         const int64_t pos = lo + p;
         const KV* kr = kpool + table[pos / block_size] * block_stride + (pos % block_size) * slot_stride + h * d;
         for (int64_t g = 0; g < group; ++g) {
@@ -370,20 +404,50 @@ void decode_attention(const Q* q, const KV* kpool, const KV* vpool, Q* out, cons
       }
       // weighted sum of the values
       std::fill(acc.begin(), acc.end(), 0.0f);
-      for (int64_t p = 0; p < len; ++p) {
-        const int64_t pos = lo + p;
-        const KV* vr = vpool + table[pos / block_size] * block_stride + (pos % block_size) * slot_stride + h * d;
-        int64_t j = 0;
-        for (; j + 8 <= d; j += 8) {
-          const __m256 vv = load8(vr + j);
+      if (d % 64 == 0) {  // 64 output dims of one query head live in 8 registers across all positions
+        for (int64_t jb = 0; jb < d; jb += 64)
           for (int64_t g = 0; g < group; ++g) {
-            float* ag = acc.data() + g * d + j;
-            _mm256_storeu_ps(ag, _mm256_fmadd_ps(_mm256_set1_ps(scores[g * len + p]), vv, _mm256_loadu_ps(ag)));
+            const float* sg = scores.data() + g * len;
+            __m256 r0 = _mm256_setzero_ps(), r1 = r0, r2 = r0, r3 = r0, r4 = r0, r5 = r0, r6 = r0, r7 = r0;
+            for (int64_t p = 0; p < len; ++p) {
+              const int64_t pos = lo + p;
+              const KV* vr = vpool + table[pos / block_size] * block_stride + (pos % block_size) * slot_stride + h * d + jb;
+              const __m256 w = _mm256_set1_ps(sg[p]);
+              r0 = _mm256_fmadd_ps(w, load8(vr), r0);
+              r1 = _mm256_fmadd_ps(w, load8(vr + 8), r1);
+              r2 = _mm256_fmadd_ps(w, load8(vr + 16), r2);
+              r3 = _mm256_fmadd_ps(w, load8(vr + 24), r3);
+              r4 = _mm256_fmadd_ps(w, load8(vr + 32), r4);
+              r5 = _mm256_fmadd_ps(w, load8(vr + 40), r5);
+              r6 = _mm256_fmadd_ps(w, load8(vr + 48), r6);
+              r7 = _mm256_fmadd_ps(w, load8(vr + 56), r7);
+            }
+            float* ag = acc.data() + g * d + jb;
+            _mm256_storeu_ps(ag, r0);
+            _mm256_storeu_ps(ag + 8, r1);
+            _mm256_storeu_ps(ag + 16, r2);
+            _mm256_storeu_ps(ag + 24, r3);
+            _mm256_storeu_ps(ag + 32, r4);
+            _mm256_storeu_ps(ag + 40, r5);
+            _mm256_storeu_ps(ag + 48, r6);
+            _mm256_storeu_ps(ag + 56, r7);
           }
-        }
-        for (; j < d; ++j) {
-          const float vj = to_f(vr[j]);
-          for (int64_t g = 0; g < group; ++g) acc[g * d + j] += scores[g * len + p] * vj;
+      } else {  // any head_dim
+        for (int64_t p = 0; p < len; ++p) {
+          const int64_t pos = lo + p;
+          const KV* vr = vpool + table[pos / block_size] * block_stride + (pos % block_size) * slot_stride + h * d;
+          int64_t j = 0;
+          for (; j + 8 <= d; j += 8) {
+            const __m256 vv = load8(vr + j);
+            for (int64_t g = 0; g < group; ++g) {
+              float* ag = acc.data() + g * d + j;
+              _mm256_storeu_ps(ag, _mm256_fmadd_ps(_mm256_set1_ps(scores[g * len + p]), vv, _mm256_loadu_ps(ag)));
+            }
+          }
+          for (; j < d; ++j) {
+            const float vj = to_f(vr[j]);
+            for (int64_t g = 0; g < group; ++g) acc[g * d + j] += scores[g * len + p] * vj;
+          }
         }
       }
       for (int64_t g = 0; g < group; ++g)
