@@ -15,7 +15,6 @@ table (a decode step gathers one row of it per token).
 from __future__ import annotations
 
 import argparse
-import fcntl
 import json
 import statistics
 import sys
@@ -23,10 +22,9 @@ import time
 from pathlib import Path
 
 import torch
+from bench_common import BENCH, ensure_checkpoint, log  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
-BENCH = ROOT / "work" / "bench"
-CKPT = BENCH / "llama-300m"
 VARIANTS = {
     "fp32": dict(dtype="float32"),
     "bf16": dict(dtype="bfloat16"),
@@ -36,22 +34,6 @@ VARIANTS = {
 # the same engines through AOTInductor (``--variants fp32-compiled,...``): minutes of compile per engine
 VARIANTS.update({f"{k}-compiled": dict(v, backend="cpu-compiled") for k, v in list(VARIANTS.items())})
 CONTEXT = 128
-
-
-def log(msg: str) -> None:
-    print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
-
-
-def ensure_checkpoint() -> Path:
-    BENCH.mkdir(parents=True, exist_ok=True)
-    with open(BENCH / ".llama-300m.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)  # the serving bench may be creating it at the same time
-        if not (CKPT / "config.json").exists():
-            from kiln.model_defs.synthetic import make_checkpoint
-
-            log(f"creating a random ~300M Llama checkpoint in {CKPT} (once) ...")
-            make_checkpoint(CKPT, "llama", "300m")
-    return CKPT
 
 
 def _median_time(fn, repeat: int) -> float:

@@ -16,7 +16,6 @@ own overhead (step time minus engine.run) as a share of step time at batch 16.
 from __future__ import annotations
 
 import argparse
-import fcntl
 import json
 import random
 import sys
@@ -25,26 +24,9 @@ import time
 from pathlib import Path
 
 import torch
+from bench_common import BENCH, CKPT, ensure_checkpoint, log  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
-BENCH = ROOT / "work" / "bench"
-CKPT = BENCH / "llama-300m"
-
-
-def log(msg: str) -> None:
-    print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
-
-
-def ensure_checkpoint() -> Path:
-    BENCH.mkdir(parents=True, exist_ok=True)
-    with open(BENCH / ".llama-300m.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)   # the builder bench may be creating it at the same time
-        if not (CKPT / "config.json").exists():
-            from kiln.model_defs.synthetic import make_checkpoint
-
-            log(f"creating a random ~300M Llama checkpoint in {CKPT} (once) ...")
-            make_checkpoint(CKPT, "llama", "300m")
-    return CKPT
 
 
 def ensure_engine(dtype: str, max_batch_size: int, max_num_tokens: int) -> Path:
