@@ -10,8 +10,9 @@ Ops (all registered in the ``kiln`` namespace, with a fake kernel for ``torch.ex
 ``kiln::bf16_linear(x, weight, bias) -> y``
     ``weight`` bf16 [out, in]; ``y`` in ``x``'s dtype; accumulation in fp32.
 ``kiln::fp32_linear(x, weight, bias) -> y``
-    ``weight`` fp32 [out, in]: ``F.linear`` with kiln's GEMV for small M (torch's fp32 GEMV reads
-    one weight stream per core and reaches ~70% of the bandwidth on the project's AVX2 machine).
+    ``weight`` fp32 [out, in]: ``F.linear`` through kiln's kernels (torch's fp32 GEMV reads one
+    weight stream per core and reaches ~70% of the bandwidth on the project's AVX2 machine, and its
+    sgemm is slow at small M there); ``KERNEL_MAX_M['fp32']`` sends larger M to torch.
 
 Quantisation helpers: :func:`quantize_int8`, :func:`quantize_int4`, :func:`dequantize`,
 :func:`pack_int4`, :func:`unpack_int4`.
@@ -78,11 +79,12 @@ __all__ = [
 ]
 
 # Dispatch on M (rows of x). Measured on the project's AVX2 machine (AMD Zen 1, 2 cores), where
-# torch's sgemm reaches ~30 GFLOP/s per core: the native kernels win for fp32 weights up to M ~ 32,
-# bf16 up to M ~ 64-128 and int8/int4 at every M tried (up to 256). Above the limit: torch sgemm
-# (bf16/int weights dequantised in row chunks). On a CPU with AVX-512/AMX GEMMs, lower these
-# (set_kernel_max_m).
-KERNEL_MAX_M = {"bf16": 64, "int8": 1 << 30, "int4": 1 << 30, "fp32": 32}
+# torch's sgemm reaches 19-68 GFLOP/s depending on the shape (19 at M=16 with K=1024): the native
+# kernels (50-70 GFLOP/s) win for fp32 weights at every M on the whole model (a 256-token prefill
+# of the 311M Llama: 2.32 s vs 2.43 s through sgemm), bf16 up to M ~ 64-128 and int8/int4 at every M
+# tried (up to 256). Above the limit: torch sgemm (bf16/int weights dequantised in row chunks). On a
+# CPU with AVX-512/AMX GEMMs, lower these (set_kernel_max_m).
+KERNEL_MAX_M = {"bf16": 64, "int8": 1 << 30, "int4": 1 << 30, "fp32": 1 << 30}
 _KERNEL_CHUNK_M = 64  # the C kernels take at most 64 rows per call; bigger M is split
 # Rows of the weight dequantised at once in the sgemm path (bounded fp32 scratch).
 _PREFILL_CHUNK_BYTES = 16 << 20

@@ -23,7 +23,7 @@ extern "C" int kiln_wol_max_m();
 namespace {
 
 std::atomic<int> g_enabled{1};
-std::atomic<int64_t> g_max_m[4] = {{64}, {int64_t(1) << 40}, {int64_t(1) << 40}, {32}};  // bf16, int8, int4, fp32
+std::atomic<int64_t> g_max_m[4] = {{64}, {int64_t(1) << 40}, {int64_t(1) << 40}, {int64_t(1) << 40}};  // bf16, int8, int4, fp32 (Python sets them at load)
 
 using OptT = std::optional<at::Tensor>;
 
