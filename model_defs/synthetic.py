@@ -87,25 +87,65 @@ def make_checkpoint(
     seed: int = 0,
     shard_size: str | None = None,
     dtype: torch.dtype = torch.float32,
+    train_steps: int = 0,
     **overrides: Any,
 ) -> Path:
-    """Write config.json, safetensors weights (sharded if ``shard_size``) and tokenizer files."""
+    """Write config.json, safetensors weights (sharded if ``shard_size``) and tokenizer files.
+
+    ``train_steps`` > 0 fits the random model to :data:`CORPUS` first (see :func:`train_on_corpus`),
+    for checks that need a model whose predictions are not near-ties.
+    """
     from transformers import AutoModelForCausalLM
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     config = hf_config(family, size, **overrides)
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32 if train_steps else dtype)
     with torch.no_grad():  # larger-than-default init so random models make confident, varied predictions
         for name, param in model.named_parameters():
             if param.dim() >= 2 and "norm" not in name and "ln" not in name:
                 param.normal_(0.0, 1.0 / max(param.shape[-1], 1) ** 0.5)
+    tok = train_tokenizer(config.vocab_size)
+    if train_steps:
+        train_on_corpus(model, corpus_token_ids(tok), train_steps, seed=seed)
+    model = model.to(dtype)
     kwargs = {"max_shard_size": shard_size} if shard_size else {}
     model.save_pretrained(out, **kwargs)
-    tok = train_tokenizer(config.vocab_size)
     tok.save(str(out / "tokenizer.json"))
     (out / "tokenizer_config.json").write_text(json.dumps({
         "tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>",
     }, indent=1))
     return out
+
+
+def corpus_token_ids(tok) -> list[int]:
+    """:data:`CORPUS` (four times over) as token ids of ``tok``: the text a trained checkpoint has seen."""
+    return tok.encode(CORPUS * 4).ids
+
+
+def train_on_corpus(model, ids: list[int], steps: int, *, seed: int = 0, seq_len: int = 64, batch: int = 8,
+                    lr: float = 3e-3) -> float:
+    """Fit ``model`` (a transformers causal LM, fp32) to the token stream ``ids`` for ``steps`` AdamW
+    steps on random windows; returns the last loss.
+
+    A random model's top-2 logits are nearly tied at about 1% of positions, so any check of "does
+    this engine predict the same token" on it partly measures noise; a few hundred steps on the
+    corpus make a tiny model predict that text confidently, as a trained model does its domain.
+    """
+    data = torch.tensor(ids)
+    if len(data) < seq_len + 1:
+        raise ValueError(f"the corpus has {len(data)} tokens, fewer than a training window ({seq_len + 1})")
+    gen = torch.Generator().manual_seed(seed)
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
+    model.train()
+    loss = torch.tensor(float("nan"))
+    for _ in range(steps):
+        starts = torch.randint(0, len(data) - seq_len, (batch,), generator=gen)
+        x = torch.stack([data[s : s + seq_len] for s in starts.tolist()])
+        loss = model(input_ids=x, labels=x).loss
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    model.eval()
+    return float(loss.detach())

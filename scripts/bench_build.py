@@ -22,7 +22,7 @@ import time
 from pathlib import Path
 
 import torch
-from bench_common import BENCH, ensure_checkpoint, log  # noqa: E402
+from bench_common import BENCH, engine_is_current, ensure_checkpoint, log  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 VARIANTS = {
@@ -68,11 +68,17 @@ def measure_bandwidth() -> dict[str, float]:
     return res
 
 
-def build(variant: str, ckpt: Path) -> Path:
-    from kiln.builder import BuildConfig, build_engine
+def build_config(variant: str):
+    from kiln.builder import BuildConfig
 
-    cfg = BuildConfig(max_batch_size=16, max_input_len=256, max_seq_len=512, max_num_tokens=256,
-                      tokens_per_block=16, **VARIANTS[variant])
+    return BuildConfig(max_batch_size=16, max_input_len=256, max_seq_len=512, max_num_tokens=256,
+                       tokens_per_block=16, **VARIANTS[variant])
+
+
+def build(variant: str, ckpt: Path) -> Path:
+    from kiln.builder import build_engine
+
+    cfg = build_config(variant)
     out = BENCH / f"engine-builder-{variant}"
     log(f"build {variant}: {cfg.dtype}, quantization {cfg.quantization}, backend {cfg.backend}")
     build_engine(ckpt, out, cfg, progress=lambda s, m: m != "start" and print(f"    {s:<12} {m}", flush=True))
@@ -134,7 +140,8 @@ def main() -> None:
     ap.add_argument("--variants", default="fp32,bf16,int8,int4")
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--reuse", action="store_true", help="reuse engines already built by this script")
+    ap.add_argument("--reuse", action="store_true",
+                    help="reuse engines this script built before (when the builder's passes have not changed)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     from kiln.runtime import Engine
@@ -149,7 +156,7 @@ def main() -> None:
     builds: dict[str, dict] = {}
     for v in variants:
         out = BENCH / f"engine-builder-{v}"
-        if not (args.reuse and (out / "build_report.json").exists()):
+        if not (args.reuse and engine_is_current(out, build_config(v).to_dict())):
             out = build(v, ckpt)
         builds[v] = json.loads((out / "build_report.json").read_text())
 

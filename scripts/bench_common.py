@@ -1,8 +1,10 @@
-"""What the benchmark scripts share: timestamped progress lines and the ~300M Llama checkpoint."""
+"""What the benchmark scripts share: timestamped progress lines, the ~300M Llama checkpoint, and the
+check that an engine left by an earlier run was built by today's builder."""
 
 from __future__ import annotations
 
 import fcntl
+import json
 import time
 from pathlib import Path
 
@@ -26,3 +28,16 @@ def ensure_checkpoint() -> Path:
             log(f"creating a random ~300M Llama checkpoint in {CKPT} (once) ...")
             make_checkpoint(CKPT, "llama", "300m")
     return CKPT
+
+
+def engine_is_current(engine_dir: Path, build: dict) -> bool:
+    """True if ``engine_dir`` holds an engine built with ``build``'s values by the current builder (same
+    pass list): an engine from an older builder would not measure today's kiln, so benchmarks rebuild it."""
+    from kiln.builder.passes import PASS_NAMES
+
+    cfg, report = engine_dir / "config.json", engine_dir / "build_report.json"
+    if not (cfg.exists() and report.exists()):
+        return False
+    have = json.loads(cfg.read_text())["build"]
+    passes = list(json.loads(report.read_text())["passes"])
+    return all(have.get(k) == v for k, v in build.items()) and passes == PASS_NAMES

@@ -24,7 +24,7 @@ import time
 from pathlib import Path
 
 import torch
-from bench_common import BENCH, CKPT, ensure_checkpoint, log  # noqa: E402
+from bench_common import BENCH, CKPT, engine_is_current, ensure_checkpoint, log  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -36,16 +36,9 @@ def ensure_engine(dtype: str, max_batch_size: int, max_num_tokens: int, backend:
                  max_num_tokens=max_num_tokens, tokens_per_block=16, backend=backend)
     suffix = "" if backend == "cpu" else f"-{backend}"
     out = BENCH / f"engine-serving-{dtype}-b{max_batch_size}-t{max_num_tokens}{suffix}"
-    cfg, report = out / "config.json", out / "build_report.json"
-    if cfg.exists() and report.exists():
-        from kiln.builder.passes import PASS_NAMES
-
-        have = json.loads(cfg.read_text())["build"]
-        passes = list(json.loads(report.read_text())["passes"])
-        # an engine built by an older builder (other passes) is rebuilt: it would not measure today's kiln
-        if all(have.get(k) == v for k, v in build.items()) and passes == PASS_NAMES:
-            log(f"reusing engine {out}")
-            return out
+    if engine_is_current(out, build):
+        log(f"reusing engine {out}")
+        return out
     log(f"building a {dtype} engine into {out} ...")
     t0 = time.perf_counter()
     build_engine(CKPT, out, BuildConfig(**build), progress=lambda stage, msg: log(f"  build {stage}: {msg}"))

@@ -30,12 +30,12 @@ def checkpoint_dir(tmp_path_factory):
     """checkpoint_dir(family, **overrides) -> path; cached per argument set for the session."""
     cache: dict[tuple, Path] = {}
 
-    def make(family: str, shard_size: str | None = None, **overrides) -> Path:
+    def make(family: str, shard_size: str | None = None, train_steps: int = 0, **overrides) -> Path:
         args = {**FAMILY_OVERRIDES[family], **overrides}
-        key = (family, shard_size, repr(sorted(args.items())))
+        key = (family, shard_size, train_steps, repr(sorted(args.items())))
         if key not in cache:
             out = tmp_path_factory.mktemp(f"ckpt-{family}")
-            cache[key] = make_checkpoint(out, family, "tiny", shard_size=shard_size, **args)
+            cache[key] = make_checkpoint(out, family, "tiny", shard_size=shard_size, train_steps=train_steps, **args)
         return cache[key]
 
     return make
