@@ -40,4 +40,5 @@ def engine_is_current(engine_dir: Path, build: dict) -> bool:
         return False
     have = json.loads(cfg.read_text())["build"]
     passes = list(json.loads(report.read_text())["passes"])
-    return all(have.get(k) == v for k, v in build.items()) and passes == PASS_NAMES
+    # values left to the builder (None / "auto") are stored resolved: they match whatever it chose
+    return all(have.get(k) == v for k, v in build.items() if v not in (None, "auto")) and passes == PASS_NAMES
