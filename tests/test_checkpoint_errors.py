@@ -264,3 +264,21 @@ def test_bf16_checkpoint_converts(tmp_path):
     assert fp32["layers.0.self_attn.q_proj.bias"].dtype == torch.float32
     assert torch.equal(fp32["layers.0.self_attn.q_proj.bias"], stored.float())
     assert torch.equal(bf16["layers.0.self_attn.q_proj.bias"], stored)
+
+
+def test_train_on_corpus_lowers_the_loss_and_rejects_a_short_corpus():
+    """The trained test checkpoints come from train_on_corpus: it must actually fit the text."""
+    from transformers import AutoModelForCausalLM
+
+    from kiln.model_defs.synthetic import CORPUS, corpus_token_ids, hf_config, train_on_corpus, train_tokenizer
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(hf_config("llama", "tiny"))
+    ids = corpus_token_ids(train_tokenizer(512))
+    assert len(ids) > len(CORPUS) // 8
+    first = train_on_corpus(model, ids, 1, seed=1)
+    last = train_on_corpus(model, ids, 40, seed=1)
+    assert last < 0.5 * first, (first, last)
+    assert not model.training
+    with pytest.raises(ValueError, match="fewer than a training window"):
+        train_on_corpus(model, ids[:10], 1)
