@@ -410,6 +410,12 @@ inline XPrep shift_rows(const XPrep& xs, int64_t m0, int64_t K) {
   return part;
 }
 
+// Rows per call of the int kernels at M = 3..4: int8 one row (a sequential stream; 3 and 4 rows of
+// x over 2 rows at once streamed 5 GB/s from memory, one row 7.5-8.5 GB/s), int4 two (one measured
+// no faster: its unpacking, not the stream, limits it).
+template <class W>
+constexpr int kIntRowsM34 = std::is_same_v<W, WInt8> ? 1 : 2;
+
 template <class W, int R>
 inline void direct_rows(const W& w, int64_t n0, const XPrep& xs, int64_t M, int64_t K, float* out) {
   // M in 1..4, out is [M][RT]; about 8 accumulators per call (M=1: bf16/fp32 stream 8 rows
@@ -433,7 +439,7 @@ inline void direct_rows(const W& w, int64_t n0, const XPrep& xs, int64_t M, int6
         if constexpr (is_float_w<W>) {
           for (int h = 0; h < R; h += 4) direct<W, 4, 3>(w, n0 + h, xs, K, out + h, RT);
         } else {
-          for (int h = 0; h < R; h += 2) direct<W, 2, 3>(w, n0 + h, xs, K, out + h, RT);
+          for (int h = 0; h < R; h += kIntRowsM34<W>) direct<W, kIntRowsM34<W>, 3>(w, n0 + h, xs, K, out + h, RT);
         }
         return;
       default:
@@ -444,7 +450,7 @@ inline void direct_rows(const W& w, int64_t n0, const XPrep& xs, int64_t M, int6
             direct<W, 4, 2>(w, n0 + h, hi, K, out + 2 * RT + h, RT);
           }
         } else {
-          for (int h = 0; h < R; h += 2) direct<W, 2, 4>(w, n0 + h, xs, K, out + h, RT);
+          for (int h = 0; h < R; h += kIntRowsM34<W>) direct<W, kIntRowsM34<W>, 4>(w, n0 + h, xs, K, out + h, RT);
         }
         return;
     }
