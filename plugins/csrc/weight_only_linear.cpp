@@ -24,8 +24,8 @@
 //   * M > 4 ("buffered"): per tile of 4 rows and K-chunk of 256, the rows are decoded once into an
 //     fp32 L1 buffer, then a 4x3 register-blocked FMA micro-kernel runs over the M rows.
 //   * From memory the kernels are limited by how many lines are in flight, not by the bus: fp32/bf16
-//     read 8 rows at once and prefetch the next 8 in software; int8/int4 (more work per byte) read
-//     one row after the other, a single sequential stream the hardware prefetcher follows.
+//     read 8 rows at once (bf16 also prefetches the next 8 in software); int8/int4 (more work per
+//     byte) read one row after the other, a single sequential stream the hardware prefetcher follows.
 //   * The Python side cuts M > 64 into 64-row calls, and sends M above KERNEL_MAX_M (bf16: 64) to
 //     kiln_dequant_rows + torch's sgemm instead.
 //   * Parallel over tiles of 8 output rows (OpenMP, dynamic chunks of ~1/16 of a thread's share).
@@ -163,14 +163,18 @@ struct WInt4 {
 template <class W>
 constexpr bool is_float_w = std::is_same_v<W, WBf16> || std::is_same_v<W, WF32>;
 
-// Software prefetch of the rows a direct kernel reads next (rows n0+R..n0+2R-1, at the offset it
-// is reading now in rows n0..n0+R-1), one prefetch per 64-byte line, when it reads R > 1 rows at once. On Zen 1 the hardware
+// Software prefetch of the rows a bf16 direct kernel reads next (rows n0+R..n0+2R-1, at the offset
+// it is reading now in rows n0..n0+R-1), one prefetch per 64-byte line. On Zen 1 the hardware
 // prefetcher alone keeps too few lines in flight once a kernel spends more than a few cycles per
 // line: a bf16 GEMV over a 32000x1024 matrix streamed 15.9 GB/s without it, 19.0 GB/s with it.
+// Not for fp32: its rows of K=1024 are 4 KiB apart, so the 8 prefetched lines land in the same L1
+// set as the 8 being read and evict them (fp32 GEMVs of the 311M Llama's shapes: 17-22 GB/s with,
+// 22-25 GB/s without). Not for one row at a time (int8/int4): one sequential stream, which the
+// hardware prefetcher follows.
 template <class W, int R>
 inline void prefetch_next(const W& w, int64_t n0, int64_t i) {
   constexpr int64_t every = W::STEP >= 64 ? 1 : 64 / W::STEP;
-  if constexpr (R == 1) return;  // one sequential stream: the hardware prefetcher follows it
+  if constexpr (R == 1 || std::is_same_v<W, WF32>) return;
   if (i % every != 0) return;
   for (int r = 0; r < R; ++r) _mm_prefetch(w.row_bytes(n0 + R + r) + i * W::STEP, _MM_HINT_T0);
 }
