@@ -87,8 +87,6 @@ struct WBf16 {
     hi = _mm256_castsi256_ps(_mm256_slli_epi32(
         _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 8))), 16));
   }
-  static constexpr int STEP = 32;  // bytes of weights per 16-element step
-  inline const char* row_bytes(int64_t n) const { return reinterpret_cast<const char*>(w + n * K); }
   inline float scalar(int64_t n, int64_t k) const { return bf16_bits_to_f32(w[n * K + k]); }
   inline float row_scale(int64_t) const { return 1.0f; }
 };
@@ -101,8 +99,6 @@ struct WF32 {
     lo = _mm256_loadu_ps(w + n * K + 16 * i);
     hi = _mm256_loadu_ps(w + n * K + 16 * i + 8);
   }
-  static constexpr int STEP = 64;
-  inline const char* row_bytes(int64_t n) const { return reinterpret_cast<const char*>(w + n * K); }
   inline float scalar(int64_t n, int64_t k) const { return w[n * K + k]; }
   inline float row_scale(int64_t) const { return 1.0f; }
 };
@@ -122,8 +118,6 @@ struct WInt8 {
     lo = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
     hi = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + 8))));
   }
-  static constexpr int STEP = 16;
-  inline const char* row_bytes(int64_t n) const { return reinterpret_cast<const char*>(w + n * K); }
   inline float scalar(int64_t n, int64_t k) const { return float(w[n * K + k]); }
   inline float row_scale(int64_t n) const { return s[n]; }
   inline float group_scale(int64_t, int64_t) const { return 1.0f; }
@@ -152,8 +146,6 @@ struct WInt4 {
     lo = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi16_epi32(_mm256_castsi256_si128(v))), sc);
     hi = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi16_epi32(_mm256_extracti128_si256(v, 1))), sc);
   }
-  static constexpr int STEP = 8;
-  inline const char* row_bytes(int64_t n) const { return reinterpret_cast<const char*>(w + n * (K / 2)); }
   inline float scalar(int64_t, int64_t) const { return 0.0f;  }  // K % 64 == 0: no tail
   inline float row_scale(int64_t) const { return 1.0f; }
   inline float group_scale(int64_t n, int64_t g) const { return s[n * ngroups + g]; }
@@ -163,20 +155,17 @@ struct WInt4 {
 template <class W>
 constexpr bool is_float_w = std::is_same_v<W, WBf16> || std::is_same_v<W, WF32>;
 
-// Software prefetch of the rows a bf16 direct kernel reads next (rows n0+R..n0+2R-1, at the offset
-// it is reading now in rows n0..n0+R-1), one prefetch per 64-byte line. On Zen 1 the hardware
-// prefetcher alone keeps too few lines in flight once a kernel spends more than a few cycles per
-// line: a bf16 GEMV over a 32000x1024 matrix streamed 15.9 GB/s without it, 19.0 GB/s with it.
-// Not for fp32: its rows of K=1024 are 4 KiB apart, so the 8 prefetched lines land in the same L1
-// set as the 8 being read and evict them (fp32 GEMVs of the 311M Llama's shapes: 17-22 GB/s with,
-// 22-25 GB/s without). Not for one row at a time (int8/int4): one sequential stream, which the
-// hardware prefetcher follows.
-template <class W, int R>
-inline void prefetch_next(const W& w, int64_t n0, int64_t i) {
-  constexpr int64_t every = W::STEP >= 64 ? 1 : 64 / W::STEP;
-  if constexpr (R == 1 || std::is_same_v<W, WF32>) return;
-  if (i % every != 0) return;
-  for (int r = 0; r < R; ++r) _mm_prefetch(w.row_bytes(n0 + R + r) + i * W::STEP, _MM_HINT_T0);
+// Software prefetch, bf16 direct kernels only: while reading rows n0..n0+R-1 at step i, prefetch
+// the next R rows (one contiguous block) at the same pace, R*32 bytes per step. On Zen 1 the
+// hardware prefetcher alone keeps too few lines in flight once a kernel spends more than a few
+// cycles per line: bf16 GEMVs of the 311M Llama's shapes streamed 15-18 GB/s without, 17-22 with.
+// Not for fp32: its rows of K=1024 are 4 KiB apart, the prefetched lines compete for the L1 sets
+// of the ones being read, and it measured 10-15% slower with any prefetch; the int kernels read
+// one row at a time at M=1, a sequential stream the hardware prefetcher follows.
+template <int R>
+inline void prefetch_next_rows(const WBf16& w, int64_t n0, int64_t i) {
+  const char* nxt = reinterpret_cast<const char*>(w.w + (n0 + R) * w.K) + i * (R * 32);
+  for (int j = 0; j < R * 32; j += 64) _mm_prefetch(nxt + j, _MM_HINT_T0);
 }
 
 // ---- per-call activation preprocessing ---------------------------------------------------------
@@ -250,7 +239,7 @@ inline void direct_bf16(const WBf16& w, int64_t n0, const XPrep& xs, int64_t K, 
     for (int r = 0; r < R; ++r)
       for (int m = 0; m < MB; ++m) acc[a][r][m] = _mm256_setzero_ps();
   for (int64_t i = 0; i < K16; ++i) {
-    prefetch_next<WBf16, R>(w, n0, i);
+    prefetch_next_rows<R>(w, n0, i);
     __m256 xe[MB], xo[MB];
     for (int m = 0; m < MB; ++m) {
       xe[m] = _mm256_loadu_ps(xs.xp + m * K16 * 16 + 16 * i);
@@ -285,7 +274,6 @@ inline void direct_f32(const WF32& w, int64_t n0, const XPrep& xs, int64_t K, fl
     for (int r = 0; r < R; ++r)
       for (int m = 0; m < MB; ++m) acc[a][r][m] = _mm256_setzero_ps();
   for (int64_t i = 0; i < K16; ++i) {
-    prefetch_next<WF32, R>(w, n0, i);
     __m256 x0[MB], x1[MB];
     for (int m = 0; m < MB; ++m) {
       x0[m] = _mm256_loadu_ps(xs.x + m * K + 16 * i);
@@ -324,7 +312,6 @@ inline void direct_int(const W& w, int64_t n0, const XPrep& xs, int64_t K, float
     for (int r = 0; r < R; ++r)
       for (int m = 0; m < MB; ++m) acc[r][m] = _mm256_setzero_si256();
     for (int64_t i = s0; i < s1; ++i) {
-      prefetch_next<W, R>(w, n0, i);
       const auto c = w.prep(i);
       __m256i xv[MB];
       for (int m = 0; m < MB; ++m)
