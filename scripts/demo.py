@@ -1,7 +1,9 @@
 """Main job on a small bundled default: make a checkpoint, build an engine, load it, run a packed step.
 
-1. a small random Llama checkpoint (``work/demo-llama-small``) is created if missing;
-2. ``build_engine`` turns it into an engine directory (``work/demo-llama-small-engine``), printing
+1. a small Llama checkpoint (``work/demo-llama-corpus``) is created if missing: random weights fitted
+   for a few seconds to kiln's synthetic corpus, so that greedy outputs continue the prompts (taken
+   from that text) with readable text and the engine's correctness is visible at a glance;
+2. ``build_engine`` turns it into an engine directory (``work/demo-llama-corpus-engine``), printing
    each stage and the summary that ``build-engine`` prints;
 3. ``kiln.runtime.LLM`` loads the directory (no model code) and generates for a handful of prompts
    concurrently (in-flight batching over a paged KV cache), printing the outputs, each request's
@@ -21,14 +23,18 @@ from kiln.model_defs.synthetic import make_checkpoint
 from kiln.runtime import LLM, SamplingParams
 
 ROOT = Path(__file__).resolve().parent.parent
+DEMO_TRAIN_STEPS = 150
 
 
 def main() -> None:
-    ckpt = ROOT / "work" / "demo-llama-small"
-    engine_dir = ROOT / "work" / "demo-llama-small-engine"
+    ckpt = ROOT / "work" / "demo-llama-corpus"
+    engine_dir = ROOT / "work" / "demo-llama-corpus-engine"
     if not (ckpt / "config.json").exists():
-        print(f"creating a small random Llama checkpoint in {ckpt} ...")
-        make_checkpoint(ckpt, "llama", "small")
+        print(f"creating a small Llama checkpoint in {ckpt} (random weights fitted to the synthetic corpus, "
+              f"{DEMO_TRAIN_STEPS} steps) ...", flush=True)
+        t0 = time.perf_counter()
+        make_checkpoint(ckpt, "llama", "small", train_steps=DEMO_TRAIN_STEPS)
+        print(f"  done in {time.perf_counter() - t0:.1f} s")
 
     build = BuildConfig.from_yaml(ROOT / "build_configs" / "tiny-test.yaml").replace(tokens_per_block=16)
     print(f"building {ckpt.name} -> {engine_dir.name} ({build.backend}, {build.dtype})")
