@@ -14,7 +14,7 @@ import torch
 
 from kiln.plugins.weight_only_linear import define_native_op
 
-__all__ = ["rms_norm", "fused_add_rms_norm", "rms_norm_reference"]
+__all__ = ["rms_norm", "fused_add_rms_norm", "rms_norm_reference", "fused_add_rms_norm_reference"]
 
 
 def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -24,21 +24,20 @@ def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tor
     return weight * normed.to(x.dtype)
 
 
-def _rms_norm_py(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    return rms_norm_reference(x, weight, eps)
-
-
-def _fused_add_rms_norm_py(x, residual, weight, eps):
+def fused_add_rms_norm_reference(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(rms_norm(x + residual), x + residual)`` in plain torch."""
     summed = x + residual
     return rms_norm_reference(summed, weight, eps), summed
 
 
 _lib = torch.library.Library("kiln", "FRAGMENT")
-define_native_op(_lib, "rms_norm", "(Tensor x, Tensor weight, float eps) -> Tensor", _rms_norm_py,
+define_native_op(_lib, "rms_norm", "(Tensor x, Tensor weight, float eps) -> Tensor", rms_norm_reference,
                  lambda x, weight, eps: torch.empty_like(x))
 define_native_op(_lib, "fused_add_rms_norm",
                  "(Tensor x, Tensor residual, Tensor weight, float eps) -> (Tensor, Tensor)",
-                 _fused_add_rms_norm_py, lambda x, residual, weight, eps: (torch.empty_like(x), torch.empty_like(x)))
+                 fused_add_rms_norm_reference, lambda x, residual, weight, eps: (torch.empty_like(x), torch.empty_like(x)))
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

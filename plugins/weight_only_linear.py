@@ -49,6 +49,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import functools
 import os
 import threading
 import warnings
@@ -208,14 +209,13 @@ def weight_only_linear_reference(x, qweight, scales, bias, bits: int, group_size
     return y.to(x.dtype)
 
 
-def fp32_linear_reference(x, weight, bias):
+def float_linear_reference(x, weight, bias):
+    """fp32/bf16 weights: ``F.linear`` in fp32, cast to x's dtype (the reference of both float ops)."""
     y = F.linear(x.float(), weight.float(), None if bias is None else bias.float())
     return y.to(x.dtype)
 
 
-def bf16_linear_reference(x, weight, bias):
-    y = F.linear(x.float(), weight.float(), None if bias is None else bias.float())
-    return y.to(x.dtype)
+fp32_linear_reference = bf16_linear_reference = float_linear_reference
 
 
 # --------------------------------------------------------------------------------------------
@@ -442,24 +442,6 @@ def _check_wol(x, qweight, scales, bias, bits, group_size):
         raise ValueError(f"x has {x.shape[-1]} input features, the weight expects {k}")
 
 
-_lib_def = torch.library.Library("kiln", "FRAGMENT")
-# The public ops get their CPU kernel from C++ (plugins/csrc/linear_ops.cpp) once the native
-# library is loaded: no Python runs per call. Before that (first call) and whenever the native
-# kernels decline a case, the Python implementations below run: the public ops' Python kernel
-# loads the library and re-dispatches; the *_py ops validate the arguments (clear ValueErrors),
-# run the large-M path (dequantised chunks + torch sgemm) or the plain-torch fallback.
-# (Plain torch.library.Library rather than custom_op: a custom_op costs ~30-40 us of Python per
-# call here, which matters at batch-1 decode with hundreds of linears per step.)
-_WOL_SCHEMA = "(Tensor x, Tensor qweight, Tensor scales, Tensor? bias, int bits, int group_size) -> Tensor"
-_BF16_SCHEMA = "(Tensor x, Tensor weight, Tensor? bias) -> Tensor"
-_lib_def.define("weight_only_linear" + _WOL_SCHEMA)
-_lib_def.define("bf16_linear" + _BF16_SCHEMA)
-_lib_def.define("_weight_only_linear_py" + _WOL_SCHEMA)
-_lib_def.define("_bf16_linear_py" + _BF16_SCHEMA)
-_lib_def.define("fp32_linear" + _BF16_SCHEMA)
-_lib_def.define("_fp32_linear_py" + _BF16_SCHEMA)
-
-
 def _weight_only_linear_py(x, qweight, scales, bias, bits, group_size):
     _check_wol(x, qweight, scales, bias, bits, group_size)
     n, k = qweight.shape[0], _in_features(qweight, bits)
@@ -470,27 +452,17 @@ def _weight_only_linear_py(x, qweight, scales, bias, bits, group_size):
     return y
 
 
-def _bf16_linear_py(x, weight, bias):
+def _float_linear_py(kind: str, x, weight, bias):
+    """fp32_linear / bf16_linear in Python: kiln's kernels where they apply, else the reference.
+    fp32 weights above KERNEL_MAX_M go straight to torch's sgemm (nothing to dequantise)."""
     if weight.dim() != 2 or x.shape[-1] != weight.shape[1]:
-        raise ValueError(f"bf16_linear: x {tuple(x.shape)} does not match weight {tuple(weight.shape)}")
-    y = None
-    if weight.dtype == torch.bfloat16:
-        y = _native(_WTYPE_BF16, x, weight, None, bias, 0, weight.shape[0], weight.shape[1])
-    if y is None:
-        y = bf16_linear_reference(x, weight, bias)
-    return y
-
-
-def _fp32_linear_py(x, weight, bias):
-    if weight.dim() != 2 or x.shape[-1] != weight.shape[1]:
-        raise ValueError(f"fp32_linear: x {tuple(x.shape)} does not match weight {tuple(weight.shape)}")
+        raise ValueError(f"{kind}_linear: x {tuple(x.shape)} does not match weight {tuple(weight.shape)}")
+    dtype, wtype = (torch.float32, _WTYPE_F32) if kind == "fp32" else (torch.bfloat16, _WTYPE_BF16)
     y = None
     m = x.numel() // max(1, x.shape[-1])
-    if weight.dtype == torch.float32 and m <= KERNEL_MAX_M["fp32"]:
-        y = _native(_WTYPE_F32, x, weight, None, bias, 0, weight.shape[0], weight.shape[1])
-    if y is None:  # large M: torch's sgemm on the weight as is
-        y = fp32_linear_reference(x, weight, bias)
-    return y
+    if weight.dtype == dtype and (kind != "fp32" or m <= KERNEL_MAX_M["fp32"]):
+        y = _native(wtype, x, weight, None, bias, 0, weight.shape[0], weight.shape[1])
+    return y if y is not None else float_linear_reference(x, weight, bias)
 
 
 def _cpp_kernel_registered(op: str) -> bool:
@@ -513,7 +485,8 @@ def define_native_op(lib: torch.library.Library, name: str, schema: str, impl, f
     and calls ``_<name>_py`` for the rest. Until the library is loaded, and when it is disabled or
     unavailable, ``<name>``'s CompositeExplicitAutograd kernel runs: it loads the library and
     re-dispatches to the C++ kernel when that is registered, else runs ``impl``. ``fake`` is the
-    shape function of both."""
+    shape function of both. (Plain Library ops rather than custom_op: a custom_op costs ~30-40 us
+    of Python per call here, which matters at batch-1 decode with hundreds of linears per step.)"""
     py_name = f"_{name}_py"
     lib.define(name + schema)
     lib.define(py_name + schema)
@@ -529,53 +502,18 @@ def define_native_op(lib: torch.library.Library, name: str, schema: str, impl, f
     torch.library.register_fake(f"kiln::{py_name}", fake, lib=lib)
 
 
-def _weight_only_linear_entry(x, qweight, scales, bias, bits, group_size):
-    # Runs only until the C++ CPU kernel is registered (or when the inputs are not on the CPU).
-    if _enabled and x.device.type == "cpu" and _load_library() is not None and _cpp_kernel_registered("weight_only_linear"):
-        return torch.ops.kiln.weight_only_linear.default(x, qweight, scales, bias, bits, group_size)
-    return _weight_only_linear_py(x, qweight, scales, bias, bits, group_size)
-
-
-def _bf16_linear_entry(x, weight, bias):
-    if _enabled and x.device.type == "cpu" and _load_library() is not None and _cpp_kernel_registered("bf16_linear"):
-        return torch.ops.kiln.bf16_linear.default(x, weight, bias)
-    return _bf16_linear_py(x, weight, bias)
-
-
-def _fp32_linear_entry(x, weight, bias):
-    if _enabled and x.device.type == "cpu" and _load_library() is not None and _cpp_kernel_registered("fp32_linear"):
-        return torch.ops.kiln.fp32_linear.default(x, weight, bias)
-    return _fp32_linear_py(x, weight, bias)
-
-
-for _name, _fn in [
-    ("weight_only_linear", _weight_only_linear_entry),
-    ("bf16_linear", _bf16_linear_entry),
-    ("fp32_linear", _fp32_linear_entry),
-    ("_fp32_linear_py", _fp32_linear_py),
-    ("_weight_only_linear_py", _weight_only_linear_py),
-    ("_bf16_linear_py", _bf16_linear_py),
-]:
-    _lib_def.impl(_name, _fn, "CompositeExplicitAutograd")
-
-
-def _wol_fake(x, qweight, scales, bias, bits, group_size):
-    return x.new_empty(*x.shape[:-1], qweight.shape[0])
-
-
-def _bf16_fake(x, weight, bias):
-    return x.new_empty(*x.shape[:-1], weight.shape[0])
-
-
-for _name, _fn in [
-    ("weight_only_linear", _wol_fake),
-    ("_weight_only_linear_py", _wol_fake),
-    ("bf16_linear", _bf16_fake),
-    ("_bf16_linear_py", _bf16_fake),
-    ("fp32_linear", _bf16_fake),
-    ("_fp32_linear_py", _bf16_fake),
-]:
-    torch.library.register_fake(f"kiln::{_name}", _fn, lib=_lib_def)
+# The linear ops' C++ kernels live in plugins/csrc/linear_ops.cpp; the *_py ops validate the
+# arguments (clear ValueErrors) and run the large-M path (dequantised chunks + torch sgemm) or the
+# plain-torch fallback.
+_lib_def = torch.library.Library("kiln", "FRAGMENT")
+define_native_op(_lib_def, "weight_only_linear",
+                 "(Tensor x, Tensor qweight, Tensor scales, Tensor? bias, int bits, int group_size) -> Tensor",
+                 _weight_only_linear_py,
+                 lambda x, qweight, scales, bias, bits, group_size: x.new_empty(*x.shape[:-1], qweight.shape[0]))
+for _kind in ("bf16", "fp32"):
+    define_native_op(_lib_def, f"{_kind}_linear", "(Tensor x, Tensor weight, Tensor? bias) -> Tensor",
+                     functools.partial(_float_linear_py, _kind),
+                     lambda x, weight, bias: x.new_empty(*x.shape[:-1], weight.shape[0]))
 
 
 def weight_only_linear(x, qweight, scales, bias=None, bits: int = 8, group_size: int = 0):

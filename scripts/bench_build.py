@@ -24,7 +24,6 @@ from pathlib import Path
 import torch
 from bench_common import BENCH, engine_is_current, ensure_checkpoint, log  # noqa: E402
 
-ROOT = Path(__file__).resolve().parent.parent
 VARIANTS = {
     "fp32": dict(dtype="float32"),
     "bf16": dict(dtype="bfloat16"),

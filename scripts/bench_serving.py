@@ -26,7 +26,6 @@ from pathlib import Path
 import torch
 from bench_common import BENCH, CKPT, engine_is_current, ensure_checkpoint, log  # noqa: E402
 
-ROOT = Path(__file__).resolve().parent.parent
 
 
 def ensure_engine(dtype: str, max_batch_size: int, max_num_tokens: int, backend: str) -> Path:

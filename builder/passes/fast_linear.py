@@ -19,15 +19,9 @@ DESCRIPTION = "float32 / bfloat16 GEMMs -> kiln.fp32_linear / kiln.bf16_linear (
 def run(gm: fx.GraphModule, ctx) -> dict:
     import torch
 
-    try:
-        import kiln.plugins.weight_only_linear  # noqa: F401  (registers the ops)
-    except ImportError:
-        return {"skipped": "kiln.plugins.weight_only_linear not available"}
-    ops = {}
-    if hasattr(torch.ops.kiln, "fp32_linear"):
-        ops[torch.float32] = torch.ops.kiln.fp32_linear.default
-    if hasattr(torch.ops.kiln, "bf16_linear"):
-        ops[torch.bfloat16] = torch.ops.kiln.bf16_linear.default
+    import kiln.plugins.weight_only_linear  # noqa: F401  (registers the ops)
+
+    ops = {torch.float32: torch.ops.kiln.fp32_linear.default, torch.bfloat16: torch.ops.kiln.bf16_linear.default}
     for op in ops.values():
         register_gemm_target(op)
     counts: dict[str, int] = {}

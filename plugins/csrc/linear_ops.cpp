@@ -3,7 +3,7 @@
 // C++ instead of a Python kernel saves ~20-40 us of Python per call, which matters at batch-1
 // decode (hundreds of linears per step). Anything the native kernels do not cover (kernels
 // disabled, large M for bf16, unusual shapes or dtypes, invalid arguments) goes to the Python
-// implementation, kiln::_weight_only_linear_py / kiln::_bf16_linear_py, which also owns the
+// implementation, kiln::_weight_only_linear_py / _bf16_linear_py / _fp32_linear_py, which also owns the
 // argument validation and its error messages.
 
 #include <ATen/Parallel.h>
@@ -36,16 +36,13 @@ at::Tensor wol_py(const at::Tensor& x, const at::Tensor& qw, const at::Tensor& s
   return op.call(x, qw, s, bias, bits, gs);
 }
 
-at::Tensor bf16_py(const at::Tensor& x, const at::Tensor& w, const OptT& bias) {
-  static auto op = c10::Dispatcher::singleton()
-                       .findSchemaOrThrow("kiln::_bf16_linear_py", "")
-                       .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const OptT&)>();
-  return op.call(x, w, bias);
-}
+constexpr int WTYPE_BF16 = 0, WTYPE_F32 = 3;  // as in weight_only_linear.cpp
 
-at::Tensor fp32_py(const at::Tensor& x, const at::Tensor& w, const OptT& bias) {
+// kiln::_bf16_linear_py or kiln::_fp32_linear_py
+template <int WTYPE>
+at::Tensor float_linear_py(const at::Tensor& x, const at::Tensor& w, const OptT& bias) {
   static auto op = c10::Dispatcher::singleton()
-                       .findSchemaOrThrow("kiln::_fp32_linear_py", "")
+                       .findSchemaOrThrow(WTYPE == WTYPE_BF16 ? "kiln::_bf16_linear_py" : "kiln::_fp32_linear_py", "")
                        .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const OptT&)>();
   return op.call(x, w, bias);
 }
@@ -112,30 +109,24 @@ at::Tensor weight_only_linear_cpu(const at::Tensor& x, const at::Tensor& qweight
   return y.defined() ? y : wol_py(x, qweight, scales, bias, bits, group_size);
 }
 
-at::Tensor bf16_linear_cpu(const at::Tensor& x, const at::Tensor& weight, const OptT& bias) {
-  if (!g_enabled.load(std::memory_order_relaxed) || weight.dim() != 2 ||
-      weight.scalar_type() != at::kBFloat16 || weight.size(0) == 0 || !act_ok(x, weight.size(1)))
-    return bf16_py(x, weight, bias);
+// kiln::bf16_linear (WTYPE_BF16, bf16 weights) and kiln::fp32_linear (WTYPE_F32, fp32 weights)
+template <int WTYPE>
+at::Tensor float_linear_cpu(const at::Tensor& x, const at::Tensor& weight, const OptT& bias) {
+  const auto wdtype = WTYPE == WTYPE_BF16 ? at::kBFloat16 : at::kFloat;
+  if (!g_enabled.load(std::memory_order_relaxed) || weight.dim() != 2 || weight.scalar_type() != wdtype ||
+      weight.size(0) == 0 || !act_ok(x, weight.size(1)))
+    return float_linear_py<WTYPE>(x, weight, bias);
   const at::Tensor w = weight.contiguous();
-  at::Tensor y = run(0, x, w, nullptr, bias, 0, weight.size(0), weight.size(1));
-  return y.defined() ? y : bf16_py(x, weight, bias);
-}
-
-at::Tensor fp32_linear_cpu(const at::Tensor& x, const at::Tensor& weight, const OptT& bias) {
-  if (!g_enabled.load(std::memory_order_relaxed) || weight.dim() != 2 ||
-      weight.scalar_type() != at::kFloat || weight.size(0) == 0 || !act_ok(x, weight.size(1)))
-    return fp32_py(x, weight, bias);
-  const at::Tensor w = weight.contiguous();
-  at::Tensor y = run(3, x, w, nullptr, bias, 0, weight.size(0), weight.size(1));
-  return y.defined() ? y : fp32_py(x, weight, bias);
+  at::Tensor y = run(WTYPE, x, w, nullptr, bias, 0, weight.size(0), weight.size(1));
+  return y.defined() ? y : float_linear_py<WTYPE>(x, weight, bias);
 }
 
 }  // namespace
 
 TORCH_LIBRARY_IMPL(kiln, CPU, m) {
   m.impl("weight_only_linear", &weight_only_linear_cpu);
-  m.impl("bf16_linear", &bf16_linear_cpu);
-  m.impl("fp32_linear", &fp32_linear_cpu);
+  m.impl("bf16_linear", &float_linear_cpu<WTYPE_BF16>);
+  m.impl("fp32_linear", &float_linear_cpu<WTYPE_F32>);
 }
 
 extern "C" {
