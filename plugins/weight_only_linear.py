@@ -8,9 +8,11 @@ Ops (all registered in the ``kiln`` namespace, with a fake kernel for ``torch.ex
     bits=4: ``qweight`` uint8 [out, in//2] in kiln's packed layout, ``scales`` fp32
     [out, in//group_size].
 ``kiln::bf16_linear(x, weight, bias) -> y``
-    ``weight`` bf16 [out, in]; ``y`` in ``x``'s dtype; accumulation in fp32.
+    ``weight`` bf16 [out, in], or packed [out/8, in/16, 8, 16] (:func:`pack_rows`: tiles of 8 rows
+    stored so that a GEMV tile is one sequential stream; the builder packs the engine's weights);
+    ``y`` in ``x``'s dtype; accumulation in fp32.
 ``kiln::fp32_linear(x, weight, bias) -> y``
-    ``weight`` fp32 [out, in]: ``F.linear`` through kiln's kernels (torch's fp32 GEMV reads one
+    ``weight`` fp32 [out, in] or packed as for bf16: ``F.linear`` through kiln's kernels (torch's fp32 GEMV reads one
     weight stream per core and reaches ~70% of the bandwidth on the project's AVX2 machine, and its
     sgemm is slow at small M there); ``KERNEL_MAX_M['fp32']`` sends larger M to torch.
 
@@ -71,6 +73,10 @@ __all__ = [
     "bf16_linear_reference",
     "fp32_linear",
     "fp32_linear_reference",
+    "pack_rows",
+    "unpack_rows",
+    "can_pack_rows",
+    "is_packed",
     "native_kernels_available",
     "set_native_kernels_enabled",
     "native_kernels_disabled",
@@ -90,9 +96,10 @@ _KERNEL_CHUNK_M = 64  # the C kernels take at most 64 rows per call; bigger M is
 # Rows of the weight dequantised at once in the sgemm path (bounded fp32 scratch).
 _PREFILL_CHUNK_BYTES = 16 << 20
 
-_WTYPE_BF16, _WTYPE_INT8, _WTYPE_INT4, _WTYPE_F32 = 0, 1, 2, 3
-_KINDS = ("bf16", "int8", "int4", "fp32")
-_ABI_VERSION = 6
+_WTYPE_BF16, _WTYPE_INT8, _WTYPE_INT4, _WTYPE_F32, _WTYPE_BF16_PACKED, _WTYPE_F32_PACKED = 0, 1, 2, 3, 4, 5
+_KINDS = ("bf16", "int8", "int4", "fp32")  # index = the C side's kind (weight type without layout)
+_KIND_OF_WTYPE = _KINDS + ("bf16", "fp32")
+_ABI_VERSION = 7
 
 # --------------------------------------------------------------------------------------------
 # quantisation and the int4 layout (plain torch)
@@ -182,6 +189,50 @@ def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
     return torch.cat(parts, dim=1) if len(parts) > 1 else parts[0].contiguous()
 
 
+ROW_TILE, K_STEP = 8, 16  # packed float weights: tiles of 8 rows, 16 input elements per step
+
+
+def can_pack_rows(weight: torch.Tensor) -> bool:
+    """True if a 2-D [out, in] weight fits the packed layout (out % 8 == 0, in % 16 == 0)."""
+    return weight.dim() == 2 and weight.shape[0] % ROW_TILE == 0 and weight.shape[1] % K_STEP == 0
+
+
+def is_packed(weight: torch.Tensor) -> bool:
+    return weight.dim() == 4 and tuple(weight.shape[2:]) == (ROW_TILE, K_STEP)
+
+
+def pack_rows(weight: torch.Tensor) -> torch.Tensor:
+    """[out, in] -> [out/8, in/16, 8, 16]: element (n, k) at [n//8, k//16, n%8, k%16].
+
+    The 8 rows that a GEMV tile reads together then lie in one contiguous block per 16 input
+    elements, so a tile is one sequential stream (see weight_only_linear.cpp, WFloat)."""
+    if not can_pack_rows(weight):
+        raise ValueError(
+            f"pack_rows needs a 2-D weight with out % {ROW_TILE} == 0 and in % {K_STEP} == 0, "
+            f"got shape {tuple(weight.shape)}"
+        )
+    n, k = weight.shape
+    return weight.reshape(n // ROW_TILE, ROW_TILE, k // K_STEP, K_STEP).permute(0, 2, 1, 3).contiguous()
+
+
+def unpack_rows(packed: torch.Tensor) -> torch.Tensor:
+    """Inverse of :func:`pack_rows`: [out/8, in/16, 8, 16] -> [out, in]."""
+    a, b = packed.shape[:2]
+    return packed.permute(0, 2, 1, 3).reshape(a * ROW_TILE, b * K_STEP)
+
+
+def float_weight_shape(weight: torch.Tensor) -> tuple[int, int]:
+    """(out, in) of a plain [out, in] or packed [out/8, in/16, 8, 16] float weight."""
+    if is_packed(weight):
+        return weight.shape[0] * ROW_TILE, weight.shape[1] * K_STEP
+    if weight.dim() != 2:
+        raise ValueError(
+            f"expected a weight [out, in] or packed [out/{ROW_TILE}, in/{K_STEP}, {ROW_TILE}, {K_STEP}], "
+            f"got shape {tuple(weight.shape)}"
+        )
+    return weight.shape[0], weight.shape[1]
+
+
 def _in_features(qweight: torch.Tensor, bits: int) -> int:
     return qweight.shape[1] * (2 if bits == 4 else 1)
 
@@ -210,7 +261,10 @@ def weight_only_linear_reference(x, qweight, scales, bias, bits: int, group_size
 
 
 def float_linear_reference(x, weight, bias):
-    """fp32/bf16 weights: ``F.linear`` in fp32, cast to x's dtype (the reference of both float ops)."""
+    """fp32/bf16 weights (plain or packed): ``F.linear`` in fp32, cast to x's dtype (the reference of
+    both float ops)."""
+    if is_packed(weight):
+        weight = unpack_rows(weight)
     y = F.linear(x.float(), weight.float(), None if bias is None else bias.float())
     return y.to(x.dtype)
 
@@ -382,7 +436,7 @@ def _native(wtype: int, x: torch.Tensor, w: torch.Tensor, scales, bias, group_si
             bias = bias.float().contiguous()
         bp = bias.data_ptr()
     nthreads = torch.get_num_threads()
-    kind = _KINDS[wtype]
+    kind = _KIND_OF_WTYPE[wtype]
     if m == 0:
         y = x2.new_empty(0, n)
     elif m <= KERNEL_MAX_M[kind]:
@@ -455,13 +509,19 @@ def _weight_only_linear_py(x, qweight, scales, bias, bits, group_size):
 def _float_linear_py(kind: str, x, weight, bias):
     """fp32_linear / bf16_linear in Python: kiln's kernels where they apply, else the reference.
     fp32 weights above KERNEL_MAX_M go straight to torch's sgemm (nothing to dequantise)."""
-    if weight.dim() != 2 or x.shape[-1] != weight.shape[1]:
-        raise ValueError(f"{kind}_linear: x {tuple(x.shape)} does not match weight {tuple(weight.shape)}")
-    dtype, wtype = (torch.float32, _WTYPE_F32) if kind == "fp32" else (torch.bfloat16, _WTYPE_BF16)
+    n, k = float_weight_shape(weight)
+    if x.shape[-1] != k:
+        raise ValueError(f"{kind}_linear: x {tuple(x.shape)} does not match weight {tuple(weight.shape)} "
+                         f"({k} input features)")
+    packed = is_packed(weight)
+    if kind == "fp32":
+        dtype, wtype = torch.float32, (_WTYPE_F32_PACKED if packed else _WTYPE_F32)
+    else:
+        dtype, wtype = torch.bfloat16, (_WTYPE_BF16_PACKED if packed else _WTYPE_BF16)
     y = None
     m = x.numel() // max(1, x.shape[-1])
     if weight.dtype == dtype and (kind != "fp32" or m <= KERNEL_MAX_M["fp32"]):
-        y = _native(wtype, x, weight, None, bias, 0, weight.shape[0], weight.shape[1])
+        y = _native(wtype, x, weight, None, bias, 0, n, k)
     return y if y is not None else float_linear_reference(x, weight, bias)
 
 
@@ -513,7 +573,7 @@ define_native_op(_lib_def, "weight_only_linear",
 for _kind in ("bf16", "fp32"):
     define_native_op(_lib_def, f"{_kind}_linear", "(Tensor x, Tensor weight, Tensor? bias) -> Tensor",
                      functools.partial(_float_linear_py, _kind),
-                     lambda x, weight, bias: x.new_empty(*x.shape[:-1], weight.shape[0]))
+                     lambda x, weight, bias: x.new_empty(*x.shape[:-1], float_weight_shape(weight)[0]))
 
 
 def weight_only_linear(x, qweight, scales, bias=None, bits: int = 8, group_size: int = 0):

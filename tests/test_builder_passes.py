@@ -10,7 +10,7 @@ import torch
 from kiln.builder import BuildConfig, trace
 from kiln.builder.passes import PASS_NAMES, PassContext, check_names, run_passes
 from kiln.builder.passes import dead_code, fuse_add_norm, merge_gate_up, merge_qkv
-from kiln.builder.passes.common import count_gemms, weights_bytes
+from kiln.builder.passes.common import attr, count_gemms, weights_bytes
 from kiln.model_defs import build_model, load_checkpoint
 from paged_batch import PagedBatcher
 
@@ -175,6 +175,11 @@ def test_fast_linear(checkpoint_dir, llama):
     assert stats["replaced"] == {"float32": count_gemms(gm)}
     assert len(targets(new, torch.ops.kiln.fp32_linear.default)) == count_gemms(gm)
     assert len(targets(new, torch.ops.aten.linear.default)) == 0
+    # every weight of the tiny Llama fits the 8-row tiles: all are stored packed, none twice
+    assert stats["packed"] == count_gemms(gm) and stats["plain"] == 0
+    shapes = [tuple(attr(new, n.args[1].target).shape) for n in targets(new, torch.ops.kiln.fp32_linear.default)]
+    assert all(len(s) == 4 and s[2:] == (8, 16) for s in shapes), shapes
+    assert weights_bytes(new) == weights_bytes(gm)
     torch.testing.assert_close(run_steps(new, cfg), run_steps(gm, cfg), atol=1e-5, rtol=1e-5)
 
     bf16 = BUILD.replace(dtype="bfloat16")
@@ -184,6 +189,18 @@ def test_fast_linear(checkpoint_dir, llama):
     assert len(targets(new, torch.ops.kiln.bf16_linear.default)) == count_gemms(gm)
     got, ref = run_steps(new, cfg, torch.bfloat16), run_steps(gm, cfg, torch.bfloat16)
     assert ((got - ref).abs().max() / ref.abs().max()) < 0.02
+
+
+def test_fast_linear_keeps_a_tied_lm_head_plain(checkpoint_dir):
+    """gpt2 reads its lm_head weight in the embedding lookup too: packing it would store it twice."""
+    _plugin_or_skip()
+    from kiln.builder.passes import fast_linear
+
+    cfg, gm = _traced(checkpoint_dir("gpt2"), torch.float32, BUILD)
+    new, stats = apply(gm, fast_linear, cfg=cfg)
+    assert stats["plain"] == 1 and stats["packed"] == count_gemms(gm) - 1
+    assert weights_bytes(new) == weights_bytes(gm)
+    torch.testing.assert_close(run_steps(new, cfg), run_steps(gm, cfg), atol=1e-5, rtol=1e-5)
 
 
 def test_inline_plugins(llama):

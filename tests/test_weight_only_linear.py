@@ -180,6 +180,55 @@ def test_fp32_linear_matches_reference(native, m, n, k, dtype):
     torch.testing.assert_close(y, ref, **_tol(ref, dtype))
 
 
+PACKABLE_SHAPES = [(8, 16), (40, 128), (136, 1024)]  # (out, in): out % 8 == 0, in % 16 == 0
+
+
+@pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 9, 16, 65, 130])
+@pytest.mark.parametrize("n,k", PACKABLE_SHAPES)
+@pytest.mark.parametrize("kind", ["bf16", "fp32"])
+def test_packed_float_weights_match_reference(native, m, n, k, kind):
+    """Weights packed in 8-row tiles (what the builder stores) give the plain layout's results:
+    the same products summed in the same order, so bitwise equal, on every path (M <= 4 GEMV in
+    one or two passes, M > 4 buffered, M > 64 chunks / dequantised sgemm for bf16)."""
+    g = torch.Generator().manual_seed(m * 13 + n + k)
+    dtype, wtype = (torch.bfloat16, wol._WTYPE_BF16_PACKED) if kind == "bf16" else (torch.float32, wol._WTYPE_F32_PACKED)
+    w = torch.randn(n, k, generator=g).to(dtype)
+    x = torch.randn(m, k, generator=g)
+    bias = torch.randn(n, generator=g)
+    p = wol.pack_rows(w)
+    assert p.shape == (n // 8, k // 16, 8, 16) and torch.equal(wol.unpack_rows(p), w)
+    assert p[1 % p.shape[0], 0, 3, 5] == w[(1 % p.shape[0]) * 8 + 3, 5]
+    op = ops.bf16_linear if kind == "bf16" else ops.fp32_linear
+    if m <= wol.KERNEL_MAX_M[kind]:
+        _assert_native_used(wtype, x, p, None, bias, 0, n, k)
+    y = op(x, p, bias)
+    assert y.shape == (m, n)
+    assert torch.equal(y, op(x, w, bias))
+    ref = wol.float_linear_reference(x, w, bias)
+    torch.testing.assert_close(y, ref, **_tol(ref, torch.float32))
+    torch.testing.assert_close(wol.float_linear_reference(x, p, bias), ref, atol=0, rtol=0)
+    yb = op(x.bfloat16(), p, None)  # bf16 activations, no bias
+    assert yb.dtype == torch.bfloat16
+    refb = wol.float_linear_reference(x.bfloat16(), w, None)
+    torch.testing.assert_close(yb, refb, **_tol(refb, torch.bfloat16))
+
+
+def test_packed_weight_errors(native):
+    with pytest.raises(ValueError, match="out % 8 == 0 and in % 16 == 0"):
+        wol.pack_rows(torch.randn(12, 32))
+    with pytest.raises(ValueError, match="out % 8 == 0 and in % 16 == 0"):
+        wol.pack_rows(torch.randn(16, 40))
+    p = wol.pack_rows(torch.randn(16, 48))
+    with pytest.raises(ValueError, match=r"\(48 input features\)"):
+        ops.fp32_linear(torch.randn(2, 32), p, None)
+    with pytest.raises(ValueError, match=r"packed \[out/8, in/16, 8, 16\]"):
+        ops.fp32_linear(torch.randn(2, 48), p.reshape(2, 3, 16, 8), None)
+    x = torch.randn(3, 48)
+    with wol.native_kernels_disabled():  # the plain-torch path understands the layout too
+        y = ops.fp32_linear(x, p, None)
+    torch.testing.assert_close(y, x @ wol.unpack_rows(p).t())
+
+
 def test_leading_dims_and_noncontiguous_inputs(native):
     w = torch.randn(48, 128)
     x = torch.randn(2, 3, 256)[..., ::2]  # [2, 3, 128], non-contiguous
@@ -336,7 +385,7 @@ class _TinyMLP(torch.nn.Module):
         self.register_buffer("s2", s2)
         self.register_buffer("w3", w3.bfloat16())
         self.register_buffer("b3", torch.randn(k))
-        self.register_buffer("w4", torch.randn(64, k))
+        self.register_buffer("w4", wol.pack_rows(torch.randn(64, k)))  # packed, as the builder stores it
 
     def forward(self, x):
         a = ops.weight_only_linear(x, self.q1, self.s1, None, 8, 0)

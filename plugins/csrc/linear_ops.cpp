@@ -36,7 +36,7 @@ at::Tensor wol_py(const at::Tensor& x, const at::Tensor& qw, const at::Tensor& s
   return op.call(x, qw, s, bias, bits, gs);
 }
 
-constexpr int WTYPE_BF16 = 0, WTYPE_F32 = 3;  // as in weight_only_linear.cpp
+constexpr int WTYPE_BF16 = 0, WTYPE_F32 = 3, WTYPE_BF16_PACKED = 4, WTYPE_F32_PACKED = 5;  // as in weight_only_linear.cpp
 
 // kiln::_bf16_linear_py or kiln::_fp32_linear_py
 template <int WTYPE>
@@ -54,13 +54,14 @@ bool act_ok(const at::Tensor& x, int64_t K) {
 }
 
 // Runs the kernel; returns an undefined tensor if the kernel declined (caller falls back).
-at::Tensor run(int wtype, const at::Tensor& x, const at::Tensor& w, const float* scales,
+// kind: the weight type without layout (0 bf16, 1 int8, 2 int4, 3 fp32), for the max-M limit.
+at::Tensor run(int wtype, int kind, const at::Tensor& x, const at::Tensor& w, const float* scales,
                const OptT& bias, int64_t gs, int64_t N, int64_t K) {
   at::Tensor x2 = x.reshape({-1, K});
   if (x2.scalar_type() != at::kFloat) x2 = x2.to(at::kFloat);
   x2 = x2.contiguous();
   const int64_t M = x2.size(0);
-  if (M > g_max_m[wtype].load(std::memory_order_relaxed)) return at::Tensor();
+  if (M > g_max_m[kind].load(std::memory_order_relaxed)) return at::Tensor();
   at::Tensor b;
   const float* bp = nullptr;
   if (bias.has_value() && bias->defined()) {
@@ -104,20 +105,26 @@ at::Tensor weight_only_linear_cpu(const at::Tensor& x, const at::Tensor& qweight
     return wol_py(x, qweight, scales, bias, bits, group_size);
   const at::Tensor w = qweight.contiguous();
   const at::Tensor s = scales.contiguous();
-  at::Tensor y = run(wtype, x, w, static_cast<const float*>(s.const_data_ptr()), bias,
+  at::Tensor y = run(wtype, wtype, x, w, static_cast<const float*>(s.const_data_ptr()), bias,
                      wtype == 2 ? group_size : 0, N, K);
   return y.defined() ? y : wol_py(x, qweight, scales, bias, bits, group_size);
 }
 
-// kiln::bf16_linear (WTYPE_BF16, bf16 weights) and kiln::fp32_linear (WTYPE_F32, fp32 weights)
+// kiln::bf16_linear (WTYPE_BF16, bf16 weights) and kiln::fp32_linear (WTYPE_F32, fp32 weights);
+// a 4-D weight [N/8, K/16, 8, 16] is the packed layout (WTYPE_BF16_PACKED / WTYPE_F32_PACKED)
 template <int WTYPE>
 at::Tensor float_linear_cpu(const at::Tensor& x, const at::Tensor& weight, const OptT& bias) {
   const auto wdtype = WTYPE == WTYPE_BF16 ? at::kBFloat16 : at::kFloat;
-  if (!g_enabled.load(std::memory_order_relaxed) || weight.dim() != 2 || weight.scalar_type() != wdtype ||
-      weight.size(0) == 0 || !act_ok(x, weight.size(1)))
+  const bool packed = weight.dim() == 4 && weight.size(2) == 8 && weight.size(3) == 16;
+  if (!g_enabled.load(std::memory_order_relaxed) || !(weight.dim() == 2 || packed) ||
+      weight.scalar_type() != wdtype || weight.size(0) == 0)
     return float_linear_py<WTYPE>(x, weight, bias);
+  const int64_t N = packed ? weight.size(0) * 8 : weight.size(0);
+  const int64_t K = packed ? weight.size(1) * 16 : weight.size(1);
+  if (!act_ok(x, K)) return float_linear_py<WTYPE>(x, weight, bias);
   const at::Tensor w = weight.contiguous();
-  at::Tensor y = run(WTYPE, x, w, nullptr, bias, 0, weight.size(0), weight.size(1));
+  at::Tensor y = run(packed ? (WTYPE == WTYPE_BF16 ? WTYPE_BF16_PACKED : WTYPE_F32_PACKED) : WTYPE, WTYPE, x, w,
+                     nullptr, bias, 0, N, K);
   return y.defined() ? y : float_linear_py<WTYPE>(x, weight, bias);
 }
 

@@ -4,6 +4,8 @@
 //   WTYPE_BF16 (0): uint16 bf16 bits [N, K]
 //   WTYPE_F32  (3): fp32 [N, K] (plain GEMV: torch's fp32 GEMV reads with one stream per core,
 //                   which on Zen 1 reaches ~70% of the bandwidth that 8 streams per core reach)
+//   WTYPE_BF16_PACKED (4), WTYPE_F32_PACKED (5): the same values in tiles of 8 rows,
+//                   [N/8][K/16][8][16] (N % 8 == 0, K % 16 == 0; see WFloat)
 //   WTYPE_INT8 (1): int8 [N, K], one fp32 scale per row
 //   WTYPE_INT4 (2): uint8 [N, K/2], fp32 scales [N, K/group_size]; two's-complement nibbles
 //       (-8..7). K is cut into blocks of 64 elements stored in 32 bytes: the little-endian 16-bit
@@ -24,8 +26,9 @@
 //   * M > 4 ("buffered"): per tile of 4 rows and K-chunk of 256, the rows are decoded once into an
 //     fp32 L1 buffer, then a 4x3 register-blocked FMA micro-kernel runs over the M rows.
 //   * From memory the kernels are limited by how many lines are in flight, not by the bus: fp32/bf16
-//     read 8 rows at once (bf16 also prefetches the next 8 in software); int8/int4 (more work per
-//     byte) read one row after the other, a single sequential stream the hardware prefetcher follows.
+//     read 8 rows at once, packed (one stream per tile, prefetched 1 KiB ahead in software) or
+//     plain (8 streams; bf16 also prefetches the next 8 rows); int8/int4 (more work per byte) read
+//     one row after the other, a single sequential stream the hardware prefetcher follows.
 //   * The Python side cuts M > 64 into 64-row calls, and sends M above KERNEL_MAX_M (bf16: 64) to
 //     kiln_dequant_rows + torch's sgemm instead.
 //   * Parallel over tiles of 8 output rows (OpenMP, dynamic chunks of ~1/16 of a thread's share).
@@ -48,6 +51,8 @@ constexpr int WTYPE_BF16 = 0;
 constexpr int WTYPE_INT8 = 1;
 constexpr int WTYPE_INT4 = 2;
 constexpr int WTYPE_F32 = 3;
+constexpr int WTYPE_BF16_PACKED = 4;
+constexpr int WTYPE_F32_PACKED = 5;
 
 constexpr int RT = 8;            // output rows per tile
 constexpr int KCV = 16;          // 16-element units per K-chunk in the buffered kernel -> 256 floats
@@ -76,37 +81,57 @@ inline float bf16_bits_to_f32(uint16_t h) {
 // decode16f(n, i, lo, hi): elements 16i..16i+7 -> lo, 16i+8..16i+15 -> hi, fp32, group scale applied
 // load16(n, i, ctx):       (int types) elements 16i..16i+15 as int16 (no scale)
 
-struct WBf16 {
-  const uint16_t* w;
+// Float weights: plain [N][K], or packed (P): tiles of 8 rows stored as [N/8][K/16][8][16], so
+// the 8 rows a GEMV tile reads at step i are 128 consecutive elements and a tile is one sequential
+// stream. Plain rows of K=1024 lie 2 KiB (bf16) / 4 KiB (fp32) apart: the 8 streams of a tile then
+// share L1 sets, and the hardware prefetcher tracks 8 short streams instead of one; packed, the bf16
+// GEMVs of the 311M Llama's shapes stream 22-24 GB/s from memory instead of 18-19 (2 threads).
+template <class T, bool P>
+struct WFloat {
+  const T* w;
   int64_t K;
+  static constexpr bool is_float = true;
+  static constexpr bool is_bf16 = std::is_same_v<T, uint16_t>;
+  static constexpr bool packed = P;
   static constexpr bool grouped = false;
-  inline void decode16f(int64_t n, int64_t i, __m256& lo, __m256& hi) const {
-    const uint16_t* p = w + n * K + 16 * i;
-    lo = _mm256_castsi256_ps(_mm256_slli_epi32(
-        _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))), 16));
-    hi = _mm256_castsi256_ps(_mm256_slli_epi32(
-        _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 8))), 16));
+  static constexpr int64_t step_stride = P ? 128 : 16;  // elements from step i to i + 1 of a row
+  // Row r of a call's rows n0..n0+R-1 (packed: within one tile of 8) is at at(n0, 0) + r * row_stride().
+  inline int64_t row_stride() const { return P ? 16 : K; }
+  inline const T* at(int64_t n, int64_t i) const {
+    if constexpr (P) return w + (n >> 3) * 8 * K + i * 128 + (n & 7) * 16;
+    else return w + n * K + 16 * i;
   }
-  inline float scalar(int64_t n, int64_t k) const { return bf16_bits_to_f32(w[n * K + k]); }
+  inline void decode16f(int64_t n, int64_t i, __m256& lo, __m256& hi) const {
+    const T* p = at(n, i);
+    if constexpr (is_bf16) {
+      lo = _mm256_castsi256_ps(_mm256_slli_epi32(
+          _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))), 16));
+      hi = _mm256_castsi256_ps(_mm256_slli_epi32(
+          _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 8))), 16));
+    } else {
+      lo = _mm256_loadu_ps(p);
+      hi = _mm256_loadu_ps(p + 8);
+    }
+  }
+  inline float scalar(int64_t n, int64_t k) const {
+    const T v = at(n, k / 16)[k % 16];
+    if constexpr (is_bf16) return bf16_bits_to_f32(v);
+    else return v;
+  }
   inline float row_scale(int64_t) const { return 1.0f; }
 };
-
-struct WF32 {
-  const float* w;
-  int64_t K;
-  static constexpr bool grouped = false;
-  inline void decode16f(int64_t n, int64_t i, __m256& lo, __m256& hi) const {
-    lo = _mm256_loadu_ps(w + n * K + 16 * i);
-    hi = _mm256_loadu_ps(w + n * K + 16 * i + 8);
-  }
-  inline float scalar(int64_t n, int64_t k) const { return w[n * K + k]; }
-  inline float row_scale(int64_t) const { return 1.0f; }
-};
+using WBf16 = WFloat<uint16_t, false>;
+using WBf16Packed = WFloat<uint16_t, true>;
+using WF32 = WFloat<float, false>;
+using WF32Packed = WFloat<float, true>;
 
 struct WInt8 {
   const int8_t* w;
   const float* s;
   int64_t K;
+  static constexpr bool is_float = false;
+  static constexpr bool is_bf16 = false;
+  static constexpr bool packed = false;
   static constexpr bool grouped = false;
   struct Ctx {};
   inline Ctx prep(int64_t) const { return {}; }
@@ -130,6 +155,9 @@ struct WInt4 {
   int64_t K;
   int64_t gs;
   int64_t ngroups;
+  static constexpr bool is_float = false;
+  static constexpr bool is_bf16 = false;
+  static constexpr bool packed = false;
   static constexpr bool grouped = true;
   struct Ctx {
     __m128i cnt;
@@ -153,21 +181,32 @@ struct WInt4 {
 };
 
 template <class W>
-constexpr bool is_float_w = std::is_same_v<W, WBf16> || std::is_same_v<W, WF32>;
+constexpr bool is_float_w = W::is_float;
 
-// Software prefetch, bf16 direct kernels only: while reading rows n0..n0+R-1 at step i, prefetch
-// the next R rows (one contiguous block) at the same pace, R*32 bytes per step. On Zen 1 the
-// hardware prefetcher alone keeps too few lines in flight once a kernel spends more than a few
-// cycles per line: bf16 GEMVs of the 311M Llama's shapes streamed 15-18 GB/s without, 17-22 with.
-// Not for fp32: its rows of K=1024 are 4 KiB apart, the prefetched lines compete for the L1 sets
-// of the ones being read, and it measured 10-15% slower with any prefetch; the int kernels read
-// one row at a time at M=1, a sequential stream the hardware prefetcher follows.
-// At the last tile the address lies past the weights: integer arithmetic (no out-of-range pointer),
-// and a prefetch never faults.
-template <int R>
-inline void prefetch_next_rows(const WBf16& w, int64_t n0, int64_t i) {
-  const uintptr_t nxt = reinterpret_cast<uintptr_t>(w.w) + uintptr_t((n0 + R) * w.K * 2 + i * (R * 32));
-  for (int j = 0; j < R * 32; j += 64) _mm_prefetch(reinterpret_cast<const char*>(nxt + j), _MM_HINT_T0);
+// Software prefetch in the float direct kernels, at step i of rows n0..n0+R-1 (row pointer p):
+//   packed weights: the same rows' bytes PREFETCH_AHEAD bytes further along the tile's stream, with
+//     the non-temporal hint (into L1, not kept in L2: the weights are read once per call). Without
+//     it the hardware prefetcher keeps too few lines in flight once the kernel spends a few cycles
+//     per line (bf16 311M-Llama shapes, 2 threads: 19 GB/s without, 22-24 with; T0 hint 21-22;
+//     512 bytes ahead 21-22, 2048 20).
+//   plain bf16: the next R rows (one contiguous block) at the same pace, R*32 bytes per step
+//     (15-18 GB/s without, 17-22 with).
+//   plain fp32: none (rows of K=1024 are 4 KiB apart; prefetched lines compete for the L1 sets of
+//     the ones being read: 10-15% slower with any prefetch).
+// The address may lie past the weights: integer arithmetic (no out-of-range pointer), and a
+// prefetch never faults.
+constexpr int PREFETCH_AHEAD = 1024;
+
+template <class W, int R>
+inline void prefetch_ahead(const W& w, int64_t n0, int64_t i, const void* p) {
+  using T = std::remove_cv_t<std::remove_pointer_t<decltype(w.w)>>;
+  if constexpr (W::packed) {
+    const uintptr_t a = reinterpret_cast<uintptr_t>(p) + PREFETCH_AHEAD;
+    for (int j = 0; j < R * 16 * int(sizeof(T)); j += 64) _mm_prefetch(reinterpret_cast<const char*>(a + j), _MM_HINT_NTA);
+  } else if constexpr (W::is_bf16) {
+    const uintptr_t nxt = reinterpret_cast<uintptr_t>(w.w) + uintptr_t((n0 + R) * w.K * 2 + i * (R * 32));
+    for (int j = 0; j < R * 32; j += 64) _mm_prefetch(reinterpret_cast<const char*>(nxt + j), _MM_HINT_T0);
+  }
 }
 
 // ---- per-call activation preprocessing ---------------------------------------------------------
@@ -230,8 +269,8 @@ bool prep_int16(const float* x, int64_t M, int64_t K, int16_t* xq, float* sx) {
 
 // ---- direct kernels (M <= 4) ---------------------------------------------------------------------
 
-template <int R, int MB>
-inline void direct_bf16(const WBf16& w, int64_t n0, const XPrep& xs, int64_t K, float* out, int ldo) {
+template <class W, int R, int MB>
+inline void direct_bf16(const W& w, int64_t n0, const XPrep& xs, int64_t K, float* out, int ldo) {
   // M == 1: two accumulator sets (even/odd) for more independent FMA chains; else one set.
   constexpr int NA = (MB == 1 && R < 8) ? 2 : 1;
   const int64_t K16 = K / 16;
@@ -240,15 +279,18 @@ inline void direct_bf16(const WBf16& w, int64_t n0, const XPrep& xs, int64_t K, 
   for (int a = 0; a < NA; ++a)
     for (int r = 0; r < R; ++r)
       for (int m = 0; m < MB; ++m) acc[a][r][m] = _mm256_setzero_ps();
+  const uint16_t* base = w.at(n0, 0);
+  const int64_t rs = w.row_stride();
   for (int64_t i = 0; i < K16; ++i) {
-    prefetch_next_rows<R>(w, n0, i);
+    const uint16_t* p = base + i * W::step_stride;
+    prefetch_ahead<W, R>(w, n0, i, p);
     __m256 xe[MB], xo[MB];
     for (int m = 0; m < MB; ++m) {
       xe[m] = _mm256_loadu_ps(xs.xp + m * K16 * 16 + 16 * i);
       xo[m] = _mm256_loadu_ps(xs.xp + m * K16 * 16 + 16 * i + 8);
     }
     for (int r = 0; r < R; ++r) {
-      const __m256i word = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w.w + (n0 + r) * K + 16 * i));
+      const __m256i word = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + r * rs));
       const __m256 ve = _mm256_castsi256_ps(_mm256_slli_epi32(word, 16));
       const __m256 vo = _mm256_castsi256_ps(_mm256_and_si256(word, himask));
       for (int m = 0; m < MB; ++m) {
@@ -267,22 +309,26 @@ inline void direct_bf16(const WBf16& w, int64_t n0, const XPrep& xs, int64_t K, 
     }
 }
 
-template <int R, int MB>
-inline void direct_f32(const WF32& w, int64_t n0, const XPrep& xs, int64_t K, float* out, int ldo) {
+template <class W, int R, int MB>
+inline void direct_f32(const W& w, int64_t n0, const XPrep& xs, int64_t K, float* out, int ldo) {
   constexpr int NA = (MB == 1 && R < 8) ? 2 : 1;
   const int64_t K16 = K / 16;
   __m256 acc[NA][R][MB];
   for (int a = 0; a < NA; ++a)
     for (int r = 0; r < R; ++r)
       for (int m = 0; m < MB; ++m) acc[a][r][m] = _mm256_setzero_ps();
+  const float* base = w.at(n0, 0);
+  const int64_t rs = w.row_stride();
   for (int64_t i = 0; i < K16; ++i) {
+    const float* q = base + i * W::step_stride;
+    prefetch_ahead<W, R>(w, n0, i, q);
     __m256 x0[MB], x1[MB];
     for (int m = 0; m < MB; ++m) {
       x0[m] = _mm256_loadu_ps(xs.x + m * K + 16 * i);
       x1[m] = _mm256_loadu_ps(xs.x + m * K + 16 * i + 8);
     }
     for (int r = 0; r < R; ++r) {
-      const float* p = w.w + (n0 + r) * K + 16 * i;
+      const float* p = q + r * rs;
       const __m256 v0 = _mm256_loadu_ps(p), v1 = _mm256_loadu_ps(p + 8);
       for (int m = 0; m < MB; ++m) {
         acc[0][r][m] = _mm256_fmadd_ps(v0, x0[m], acc[0][r][m]);
@@ -388,8 +434,8 @@ inline void tile_buffered(const W& w, int64_t n0, const float* x, int64_t M, int
 
 template <class W, int R, int MB>
 inline void direct(const W& w, int64_t n0, const XPrep& xs, int64_t K, float* out, int ldo) {
-  if constexpr (std::is_same_v<W, WBf16>) direct_bf16<R, MB>(w, n0, xs, K, out, ldo);
-  else if constexpr (std::is_same_v<W, WF32>) direct_f32<R, MB>(w, n0, xs, K, out, ldo);
+  if constexpr (is_float_w<W> && W::is_bf16) direct_bf16<W, R, MB>(w, n0, xs, K, out, ldo);
+  else if constexpr (is_float_w<W>) direct_f32<W, R, MB>(w, n0, xs, K, out, ldo);
   else direct_int<W, R, MB>(w, n0, xs, K, out, ldo);
 }
 
@@ -413,6 +459,17 @@ template <class W, int R>
 inline void direct_rows(const W& w, int64_t n0, const XPrep& xs, int64_t M, int64_t K, float* out) {
   // M in 1..4, out is [M][RT]; about 8 accumulators per call (M=1: bf16/fp32 stream 8 rows
   // together, which measured faster from memory than 4; int8/int4 read one row at a time)
+  if constexpr (R == RT && is_float_w<W> && W::packed) {
+    // one pass over the tile (one sequential stream) per 1-2 rows of x; the tile (16 KiB bf16,
+    // 32 KiB fp32) is re-read from L1/L2 by the next pass. (bf16 from memory at M=2: 21 GB/s, plain
+    // layout in 4-row halves 17.5 GB/s.)
+    for (int64_t m0 = 0; m0 < M; m0 += 2) {
+      const XPrep part = shift_rows(xs, m0, K);
+      if (M - m0 >= 2) direct<W, R, 2>(w, n0, part, K, out + m0 * RT, RT);
+      else direct<W, R, 1>(w, n0, part, K, out + m0 * RT, RT);
+    }
+    return;
+  }
   if constexpr (R == RT) {
     switch (M) {
       case 1:
@@ -492,9 +549,9 @@ void run_linear(const W& w, const float* x, int64_t M, int64_t N, int64_t K, con
   const int64_t K16 = K / 16;
   bool direct_ok = DIRECT_M > 0 && use_direct<W>(M);
   if (direct_ok) {
-    if constexpr (std::is_same_v<W, WF32>) {
+    if constexpr (is_float_w<W> && !W::is_bf16) {
       // x is used as is
-    } else if constexpr (std::is_same_v<W, WBf16>) {
+    } else if constexpr (is_float_w<W>) {
       xp_buf.resize(size_t(M * K16 * 16) + 16);
       prep_bf16(x, M, K, xp_buf.data());
       xs.xp = xp_buf.data();
@@ -552,6 +609,8 @@ void run_dequant(const W& w, int64_t K, int64_t n0, int64_t n1, float* out, int 
   }
 }
 
+bool packed_supported(int64_t N, int64_t K) { return N % 8 == 0 && K % 16 == 0; }
+
 bool int4_supported(int64_t K, int64_t group_size) {
   return K % 64 == 0 && group_size > 0 && group_size % 16 == 0 && K % group_size == 0;
 }
@@ -560,7 +619,7 @@ bool int4_supported(int64_t K, int64_t group_size) {
 
 extern "C" {
 
-int kiln_wol_abi_version() { return 6; }
+int kiln_wol_abi_version() { return 7; }
 
 int kiln_wol_max_m() { return int(MAX_M); }
 
@@ -579,6 +638,14 @@ int kiln_linear(int wtype, const void* w, const float* scales, int64_t group_siz
   switch (wtype) {
     case WTYPE_BF16: run_linear(WBf16{static_cast<const uint16_t*>(w), K}, x, M, N, K, bias, y, nthreads); return 0;
     case WTYPE_F32: run_linear(WF32{static_cast<const float*>(w), K}, x, M, N, K, bias, y, nthreads); return 0;
+    case WTYPE_BF16_PACKED:
+      if (!packed_supported(N, K)) return 2;
+      run_linear(WBf16Packed{static_cast<const uint16_t*>(w), K}, x, M, N, K, bias, y, nthreads);
+      return 0;
+    case WTYPE_F32_PACKED:
+      if (!packed_supported(N, K)) return 2;
+      run_linear(WF32Packed{static_cast<const float*>(w), K}, x, M, N, K, bias, y, nthreads);
+      return 0;
     case WTYPE_INT8: run_linear(WInt8{static_cast<const int8_t*>(w), scales, K}, x, M, N, K, bias, y, nthreads); return 0;
     case WTYPE_INT4:
       if (!int4_supported(K, group_size)) return 2;
@@ -618,6 +685,14 @@ int kiln_dequant_rows(int wtype, const void* w, const float* scales, int64_t gro
   switch (wtype) {
     case WTYPE_BF16: run_dequant(WBf16{static_cast<const uint16_t*>(w), K}, K, n0, n1, out, nthreads); return 0;
     case WTYPE_F32: run_dequant(WF32{static_cast<const float*>(w), K}, K, n0, n1, out, nthreads); return 0;
+    case WTYPE_BF16_PACKED:
+      if (!packed_supported(N, K)) return 2;
+      run_dequant(WBf16Packed{static_cast<const uint16_t*>(w), K}, K, n0, n1, out, nthreads);
+      return 0;
+    case WTYPE_F32_PACKED:
+      if (!packed_supported(N, K)) return 2;
+      run_dequant(WF32Packed{static_cast<const float*>(w), K}, K, n0, n1, out, nthreads);
+      return 0;
     case WTYPE_INT8: run_dequant(WInt8{static_cast<const int8_t*>(w), scales, K}, K, n0, n1, out, nthreads); return 0;
     case WTYPE_INT4:
       if (!int4_supported(K, group_size)) return 2;
