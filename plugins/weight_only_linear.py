@@ -4,7 +4,8 @@ Ops (all registered in the ``kiln`` namespace, with a fake kernel for ``torch.ex
 
 ``kiln::weight_only_linear(x, qweight, scales, bias, bits, group_size) -> y``
     ``x`` [..., in] fp32 or bf16 (fp16 also accepted); ``y`` [..., out] in ``x``'s dtype.
-    bits=8: ``qweight`` int8 [out, in], ``scales`` fp32 [out] (per output channel; group_size ignored).
+    bits=8: ``qweight`` int8 [out, in] or packed [out/8, in/16, 8, 16] (:func:`pack_rows`), ``scales``
+    fp32 [out] (per output channel; group_size ignored).
     bits=4: ``qweight`` uint8 [out, in//2] in kiln's packed layout, ``scales`` fp32
     [out, in//group_size].
 ``kiln::bf16_linear(x, weight, bias) -> y``
@@ -96,9 +97,10 @@ _KERNEL_CHUNK_M = 64  # the C kernels take at most 64 rows per call; bigger M is
 # Rows of the weight dequantised at once in the sgemm path (bounded fp32 scratch).
 _PREFILL_CHUNK_BYTES = 16 << 20
 
-_WTYPE_BF16, _WTYPE_INT8, _WTYPE_INT4, _WTYPE_F32, _WTYPE_BF16_PACKED, _WTYPE_F32_PACKED = 0, 1, 2, 3, 4, 5
+_WTYPE_BF16, _WTYPE_INT8, _WTYPE_INT4, _WTYPE_F32 = 0, 1, 2, 3
+_WTYPE_BF16_PACKED, _WTYPE_F32_PACKED, _WTYPE_INT8_PACKED = 4, 5, 6
 _KINDS = ("bf16", "int8", "int4", "fp32")  # index = the C side's kind (weight type without layout)
-_KIND_OF_WTYPE = _KINDS + ("bf16", "fp32")
+_KIND_OF_WTYPE = _KINDS + ("bf16", "fp32", "int8")
 _ABI_VERSION = 7
 
 # --------------------------------------------------------------------------------------------
@@ -234,13 +236,20 @@ def float_weight_shape(weight: torch.Tensor) -> tuple[int, int]:
 
 
 def _in_features(qweight: torch.Tensor, bits: int) -> int:
+    if bits == 8 and is_packed(qweight):
+        return qweight.shape[1] * K_STEP
     return qweight.shape[1] * (2 if bits == 4 else 1)
+
+
+def _out_features(qweight: torch.Tensor, bits: int) -> int:
+    return qweight.shape[0] * (ROW_TILE if bits == 8 and is_packed(qweight) else 1)
 
 
 def dequantize(qweight: torch.Tensor, scales: torch.Tensor, bits: int, group_size: int) -> torch.Tensor:
     """fp32 [out, in] weight that the quantised form stands for."""
     if bits == 8:
-        return qweight.float() * scales.float()[:, None]
+        q = unpack_rows(qweight) if is_packed(qweight) else qweight
+        return q.float() * scales.float()[:, None]
     if bits == 4:
         q = unpack_int4(qweight).float()
         n, k = q.shape
@@ -478,11 +487,16 @@ def _check_wol(x, qweight, scales, bias, bits, group_size):
     if bits == 8:
         if qweight.dtype != torch.int8:
             raise ValueError(f"bits=8 expects an int8 qweight, got {qweight.dtype}")
-        if scales.shape != (qweight.shape[0],):
-            raise ValueError(f"bits=8 expects scales [{qweight.shape[0]}], got {tuple(scales.shape)}")
+        if qweight.dim() != 2 and not is_packed(qweight):
+            raise ValueError(f"bits=8 expects a qweight [out, in] or packed [out/{ROW_TILE}, in/{K_STEP}, "
+                             f"{ROW_TILE}, {K_STEP}], got shape {tuple(qweight.shape)}")
+        n = _out_features(qweight, bits)
+        if scales.shape != (n,):
+            raise ValueError(f"bits=8 expects scales [{n}], got {tuple(scales.shape)}")
     elif bits == 4:
-        if qweight.dtype != torch.uint8:
-            raise ValueError(f"bits=4 expects a packed uint8 qweight, got {qweight.dtype}")
+        if qweight.dtype != torch.uint8 or qweight.dim() != 2:
+            raise ValueError(f"bits=4 expects a packed uint8 qweight [out, in//2], got {qweight.dtype} "
+                             f"{tuple(qweight.shape)}")
         k = 2 * qweight.shape[1]
         _int4_group_check(k, group_size)
         if scales.shape != (qweight.shape[0], k // group_size):
@@ -498,8 +512,11 @@ def _check_wol(x, qweight, scales, bias, bits, group_size):
 
 def _weight_only_linear_py(x, qweight, scales, bias, bits, group_size):
     _check_wol(x, qweight, scales, bias, bits, group_size)
-    n, k = qweight.shape[0], _in_features(qweight, bits)
-    wtype = _WTYPE_INT8 if bits == 8 else _WTYPE_INT4
+    n, k = _out_features(qweight, bits), _in_features(qweight, bits)
+    if bits == 8:
+        wtype = _WTYPE_INT8_PACKED if is_packed(qweight) else _WTYPE_INT8
+    else:
+        wtype = _WTYPE_INT4
     y = _native(wtype, x, qweight, scales, bias, group_size if bits == 4 else 0, n, k)
     if y is None:
         y = weight_only_linear_reference(x, qweight, scales, bias, bits, group_size)
@@ -569,7 +586,7 @@ _lib_def = torch.library.Library("kiln", "FRAGMENT")
 define_native_op(_lib_def, "weight_only_linear",
                  "(Tensor x, Tensor qweight, Tensor scales, Tensor? bias, int bits, int group_size) -> Tensor",
                  _weight_only_linear_py,
-                 lambda x, qweight, scales, bias, bits, group_size: x.new_empty(*x.shape[:-1], qweight.shape[0]))
+                 lambda x, qweight, scales, bias, bits, group_size: x.new_empty(*x.shape[:-1], _out_features(qweight, bits)))
 for _kind in ("bf16", "fp32"):
     define_native_op(_lib_def, f"{_kind}_linear", "(Tensor x, Tensor weight, Tensor? bias) -> Tensor",
                      functools.partial(_float_linear_py, _kind),

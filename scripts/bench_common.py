@@ -30,13 +30,21 @@ def ensure_checkpoint() -> Path:
     return CKPT
 
 
+def _builder_sources_mtime() -> float:
+    """Newest modification time of the code that decides what an engine holds (passes, plugin
+    layouts, model definitions)."""
+    files = [f for d in ("builder", "plugins", "model_defs") for f in (ROOT / d).rglob("*.py")]
+    return max(f.stat().st_mtime for f in files)
+
+
 def engine_is_current(engine_dir: Path, build: dict) -> bool:
     """True if ``engine_dir`` holds an engine built with ``build``'s values by the current builder (same
-    pass list): an engine from an older builder would not measure today's kiln, so benchmarks rebuild it."""
+    pass list, built after the last change to the builder, plugin or model-definition sources): an
+    engine from an older builder would not measure today's kiln, so benchmarks rebuild it."""
     from kiln.builder.passes import PASS_NAMES
 
     cfg, report = engine_dir / "config.json", engine_dir / "build_report.json"
-    if not (cfg.exists() and report.exists()):
+    if not (cfg.exists() and report.exists()) or cfg.stat().st_mtime < _builder_sources_mtime():
         return False
     have = json.loads(cfg.read_text())["build"]
     passes = list(json.loads(report.read_text())["passes"])

@@ -185,31 +185,39 @@ PACKABLE_SHAPES = [(8, 16), (40, 128), (136, 1024)]  # (out, in): out % 8 == 0, 
 
 @pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 9, 16, 65, 130])
 @pytest.mark.parametrize("n,k", PACKABLE_SHAPES)
-@pytest.mark.parametrize("kind", ["bf16", "fp32"])
-def test_packed_float_weights_match_reference(native, m, n, k, kind):
+@pytest.mark.parametrize("kind", ["bf16", "fp32", "int8"])
+def test_packed_weights_match_plain(native, m, n, k, kind):
     """Weights packed in 8-row tiles (what the builder stores) give the plain layout's results:
     the same products summed in the same order, so bitwise equal, on every path (M <= 4 GEMV in
-    one or two passes, M > 4 buffered, M > 64 chunks / dequantised sgemm for bf16)."""
+    one or two passes or row by row, M > 4 buffered, M > 64 chunks / dequantised sgemm for bf16)."""
     g = torch.Generator().manual_seed(m * 13 + n + k)
-    dtype, wtype = (torch.bfloat16, wol._WTYPE_BF16_PACKED) if kind == "bf16" else (torch.float32, wol._WTYPE_F32_PACKED)
-    w = torch.randn(n, k, generator=g).to(dtype)
+    w = torch.randn(n, k, generator=g)
     x = torch.randn(m, k, generator=g)
     bias = torch.randn(n, generator=g)
-    p = wol.pack_rows(w)
-    assert p.shape == (n // 8, k // 16, 8, 16) and torch.equal(wol.unpack_rows(p), w)
-    assert p[1 % p.shape[0], 0, 3, 5] == w[(1 % p.shape[0]) * 8 + 3, 5]
-    op = ops.bf16_linear if kind == "bf16" else ops.fp32_linear
+    if kind == "int8":
+        q, scales = wol.quantize_int8(w)
+        wtype, int_act = wol._WTYPE_INT8_PACKED, True
+        op = lambda x, w, b: ops.weight_only_linear(x, w, scales, b, 8, 0)  # noqa: E731
+        reference = lambda x, w, b: wol.weight_only_linear_reference(x, w, scales, b, 8, 0)  # noqa: E731
+    else:
+        q, scales = w.to(torch.bfloat16 if kind == "bf16" else torch.float32), None
+        wtype, int_act = (wol._WTYPE_BF16_PACKED if kind == "bf16" else wol._WTYPE_F32_PACKED), False
+        op = ops.bf16_linear if kind == "bf16" else ops.fp32_linear
+        reference = wol.float_linear_reference
+    p = wol.pack_rows(q)
+    assert p.shape == (n // 8, k // 16, 8, 16) and p.dtype == q.dtype and torch.equal(wol.unpack_rows(p), q)
+    assert p[n // 8 - 1, 0, 3, 5] == q[n - 8 + 3, 5]
     if m <= wol.KERNEL_MAX_M[kind]:
-        _assert_native_used(wtype, x, p, None, bias, 0, n, k)
+        _assert_native_used(wtype, x, p, scales, bias, 0, n, k)
     y = op(x, p, bias)
     assert y.shape == (m, n)
-    assert torch.equal(y, op(x, w, bias))
-    ref = wol.float_linear_reference(x, w, bias)
-    torch.testing.assert_close(y, ref, **_tol(ref, torch.float32))
-    torch.testing.assert_close(wol.float_linear_reference(x, p, bias), ref, atol=0, rtol=0)
+    assert torch.equal(y, op(x, q, bias))
+    ref = reference(x, q, bias)
+    torch.testing.assert_close(y, ref, **_tol(ref, torch.float32, int_act))
+    torch.testing.assert_close(reference(x, p, bias), ref, atol=0, rtol=0)
     yb = op(x.bfloat16(), p, None)  # bf16 activations, no bias
     assert yb.dtype == torch.bfloat16
-    refb = wol.float_linear_reference(x.bfloat16(), w, None)
+    refb = reference(x.bfloat16(), q, None)
     torch.testing.assert_close(yb, refb, **_tol(refb, torch.bfloat16))
 
 
@@ -227,6 +235,11 @@ def test_packed_weight_errors(native):
     with wol.native_kernels_disabled():  # the plain-torch path understands the layout too
         y = ops.fp32_linear(x, p, None)
     torch.testing.assert_close(y, x @ wol.unpack_rows(p).t())
+    q, s = wol.quantize_int8(torch.randn(16, 48))
+    with pytest.raises(ValueError, match=r"scales \[16\]"):
+        ops.weight_only_linear(x, wol.pack_rows(q), s[:8], None, 8, 0)
+    with pytest.raises(ValueError, match=r"bits=4 expects a packed uint8 qweight \[out, in//2\]"):
+        ops.weight_only_linear(x, wol.pack_rows(q).view(torch.uint8), s, None, 4, 16)
 
 
 def test_leading_dims_and_noncontiguous_inputs(native):
@@ -379,7 +392,7 @@ class _TinyMLP(torch.nn.Module):
         q1, s1 = wol.quantize_int8(w1)
         q2, s2 = wol.quantize_int4(w2, gs)
         self.gs = gs
-        self.register_buffer("q1", q1)
+        self.register_buffer("q1", wol.pack_rows(q1))  # packed, as the builder stores int8 weights
         self.register_buffer("s1", s1)
         self.register_buffer("q2", q2)
         self.register_buffer("s2", s2)

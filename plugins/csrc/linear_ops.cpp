@@ -36,7 +36,7 @@ at::Tensor wol_py(const at::Tensor& x, const at::Tensor& qw, const at::Tensor& s
   return op.call(x, qw, s, bias, bits, gs);
 }
 
-constexpr int WTYPE_BF16 = 0, WTYPE_F32 = 3, WTYPE_BF16_PACKED = 4, WTYPE_F32_PACKED = 5;  // as in weight_only_linear.cpp
+constexpr int WTYPE_BF16 = 0, WTYPE_F32 = 3, WTYPE_BF16_PACKED = 4, WTYPE_F32_PACKED = 5, WTYPE_INT8_PACKED = 6;  // as in weight_only_linear.cpp
 
 // kiln::_bf16_linear_py or kiln::_fp32_linear_py
 template <int WTYPE>
@@ -88,14 +88,16 @@ at::Tensor run(int wtype, int kind, const at::Tensor& x, const at::Tensor& w, co
 at::Tensor weight_only_linear_cpu(const at::Tensor& x, const at::Tensor& qweight,
                                   const at::Tensor& scales, const OptT& bias, int64_t bits,
                                   int64_t group_size) {
-  if (!g_enabled.load(std::memory_order_relaxed) || qweight.dim() != 2)
+  // int8 weights may be packed in 8-row tiles: [N/8, K/16, 8, 16]
+  const bool packed = bits == 8 && qweight.dim() == 4 && qweight.size(2) == 8 && qweight.size(3) == 16;
+  if (!g_enabled.load(std::memory_order_relaxed) || !(qweight.dim() == 2 || packed))
     return wol_py(x, qweight, scales, bias, bits, group_size);
-  const int64_t N = qweight.size(0);
+  const int64_t N = packed ? qweight.size(0) * 8 : qweight.size(0);
   int wtype = -1;
   int64_t K = 0;
   if (bits == 8 && qweight.scalar_type() == at::kChar && scales.dim() == 1 && scales.size(0) == N) {
-    wtype = 1;
-    K = qweight.size(1);
+    wtype = packed ? WTYPE_INT8_PACKED : 1;
+    K = packed ? qweight.size(1) * 16 : qweight.size(1);
   } else if (bits == 4 && qweight.scalar_type() == at::kByte && group_size > 0) {
     K = 2 * qweight.size(1);
     if (K % group_size == 0 && scales.dim() == 2 && scales.size(0) == N && scales.size(1) == K / group_size)
@@ -105,7 +107,7 @@ at::Tensor weight_only_linear_cpu(const at::Tensor& x, const at::Tensor& qweight
     return wol_py(x, qweight, scales, bias, bits, group_size);
   const at::Tensor w = qweight.contiguous();
   const at::Tensor s = scales.contiguous();
-  at::Tensor y = run(wtype, wtype, x, w, static_cast<const float*>(s.const_data_ptr()), bias,
+  at::Tensor y = run(wtype, bits == 8 ? 1 : 2, x, w, static_cast<const float*>(s.const_data_ptr()), bias,
                      wtype == 2 ? group_size : 0, N, K);
   return y.defined() ? y : wol_py(x, qweight, scales, bias, bits, group_size);
 }

@@ -4,8 +4,8 @@
 //   WTYPE_BF16 (0): uint16 bf16 bits [N, K]
 //   WTYPE_F32  (3): fp32 [N, K] (plain GEMV: torch's fp32 GEMV reads with one stream per core,
 //                   which on Zen 1 reaches ~70% of the bandwidth that 8 streams per core reach)
-//   WTYPE_BF16_PACKED (4), WTYPE_F32_PACKED (5): the same values in tiles of 8 rows,
-//                   [N/8][K/16][8][16] (N % 8 == 0, K % 16 == 0; see WFloat)
+//   WTYPE_BF16_PACKED (4), WTYPE_F32_PACKED (5), WTYPE_INT8_PACKED (6): the same values in tiles
+//                   of 8 rows, [N/8][K/16][8][16] (N % 8 == 0, K % 16 == 0; see WFloat)
 //   WTYPE_INT8 (1): int8 [N, K], one fp32 scale per row
 //   WTYPE_INT4 (2): uint8 [N, K/2], fp32 scales [N, K/group_size]; two's-complement nibbles
 //       (-8..7). K is cut into blocks of 64 elements stored in 32 bytes: the little-endian 16-bit
@@ -27,8 +27,9 @@
 //     fp32 L1 buffer, then a 4x3 register-blocked FMA micro-kernel runs over the M rows.
 //   * From memory the kernels are limited by how many lines are in flight, not by the bus: fp32/bf16
 //     read 8 rows at once, packed (one stream per tile, prefetched 1 KiB ahead in software) or
-//     plain (8 streams; bf16 also prefetches the next 8 rows); int8/int4 (more work per byte) read
-//     one row after the other, a single sequential stream the hardware prefetcher follows.
+//     plain (8 streams; bf16 also prefetches the next 8 rows); packed int8 reads its tiles the same
+//     way; plain int8 and int4 (more work per byte) read one row after the other, a single
+//     sequential stream the hardware prefetcher follows.
 //   * The Python side cuts M > 64 into 64-row calls, and sends M above KERNEL_MAX_M (bf16: 64) to
 //     kiln_dequant_rows + torch's sgemm instead.
 //   * Parallel over tiles of 8 output rows (OpenMP, dynamic chunks of ~1/16 of a thread's share).
@@ -53,6 +54,7 @@ constexpr int WTYPE_INT4 = 2;
 constexpr int WTYPE_F32 = 3;
 constexpr int WTYPE_BF16_PACKED = 4;
 constexpr int WTYPE_F32_PACKED = 5;
+constexpr int WTYPE_INT8_PACKED = 6;
 
 constexpr int RT = 8;            // output rows per tile
 constexpr int KCV = 16;          // 16-element units per K-chunk in the buffered kernel -> 256 floats
@@ -125,29 +127,37 @@ using WBf16Packed = WFloat<uint16_t, true>;
 using WF32 = WFloat<float, false>;
 using WF32Packed = WFloat<float, true>;
 
-struct WInt8 {
+// int8 weights: plain [N][K] or packed (P) in tiles of 8 rows, [N/8][K/16][8][16], as WFloat
+template <bool P>
+struct WInt8T {
   const int8_t* w;
   const float* s;
   int64_t K;
   static constexpr bool is_float = false;
   static constexpr bool is_bf16 = false;
-  static constexpr bool packed = false;
+  static constexpr bool packed = P;
   static constexpr bool grouped = false;
   struct Ctx {};
   inline Ctx prep(int64_t) const { return {}; }
+  inline const int8_t* at(int64_t n, int64_t i) const {
+    if constexpr (P) return w + (n >> 3) * 8 * K + i * 128 + (n & 7) * 16;
+    else return w + n * K + 16 * i;
+  }
   inline __m256i load16(int64_t n, int64_t i, Ctx) const {
-    return _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w + n * K + 16 * i)));
+    return _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(at(n, i))));
   }
   inline void decode16f(int64_t n, int64_t i, __m256& lo, __m256& hi) const {
-    const int8_t* p = w + n * K + 16 * i;
+    const int8_t* p = at(n, i);
     lo = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
     hi = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + 8))));
   }
-  inline float scalar(int64_t n, int64_t k) const { return float(w[n * K + k]); }
+  inline float scalar(int64_t n, int64_t k) const { return float(at(n, k / 16)[k % 16]); }
   inline float row_scale(int64_t n) const { return s[n]; }
   inline float group_scale(int64_t, int64_t) const { return 1.0f; }
   int64_t seg_steps() const { return FLUSH; }
 };
+using WInt8 = WInt8T<false>;
+using WInt8Packed = WInt8T<true>;
 
 struct WInt4 {
   const uint8_t* w;
@@ -360,6 +370,7 @@ inline void direct_int(const W& w, int64_t n0, const XPrep& xs, int64_t K, float
     for (int r = 0; r < R; ++r)
       for (int m = 0; m < MB; ++m) acc[r][m] = _mm256_setzero_si256();
     for (int64_t i = s0; i < s1; ++i) {
+      if constexpr (W::packed) prefetch_ahead<W, R>(w, n0, i, w.at(n0, i));
       const auto c = w.prep(i);
       __m256i xv[MB];
       for (int m = 0; m < MB; ++m)
@@ -449,9 +460,10 @@ inline XPrep shift_rows(const XPrep& xs, int64_t m0, int64_t K) {
   return part;
 }
 
-// Rows per call of the int kernels at M = 3..4: int8 one row (a sequential stream; 3 and 4 rows of
-// x over 2 rows at once streamed 5 GB/s from memory, one row 7.5-8.5 GB/s), int4 two (one measured
-// no faster: its unpacking, not the stream, limits it).
+// Rows per call of the int kernels at M = 3..4: plain int8 one row (a sequential stream; 3 and 4
+// rows of x over 2 rows at once streamed 5 GB/s from memory, one row 7.5-8.5 GB/s); packed int8 two
+// (its rows are interleaved: 2 rows 6.9 GB/s, 1 row 6.2); int4 two (one measured no faster: its
+// unpacking, not the stream, limits it).
 template <class W>
 constexpr int kIntRowsM34 = std::is_same_v<W, WInt8> ? 1 : 2;
 
@@ -459,16 +471,20 @@ template <class W, int R>
 inline void direct_rows(const W& w, int64_t n0, const XPrep& xs, int64_t M, int64_t K, float* out) {
   // M in 1..4, out is [M][RT]; about 8 accumulators per call (M=1: bf16/fp32 stream 8 rows
   // together, which measured faster from memory than 4; int8/int4 read one row at a time)
-  if constexpr (R == RT && is_float_w<W> && W::packed) {
-    // one pass over the tile (one sequential stream) per 1-2 rows of x; the tile (16 KiB bf16,
-    // 32 KiB fp32) is re-read from L1/L2 by the next pass. (bf16 from memory at M=2: 21 GB/s, plain
-    // layout in 4-row halves 17.5 GB/s.)
-    for (int64_t m0 = 0; m0 < M; m0 += 2) {
-      const XPrep part = shift_rows(xs, m0, K);
-      if (M - m0 >= 2) direct<W, R, 2>(w, n0, part, K, out + m0 * RT, RT);
-      else direct<W, R, 1>(w, n0, part, K, out + m0 * RT, RT);
+  if constexpr (R == RT && W::packed) {
+    // one pass over the tile (one sequential stream) per 2 rows of x; the tile (8 KiB int8, 16 KiB
+    // bf16, 32 KiB fp32) is re-read from L1/L2 by the next pass. From memory, 311M Llama shapes:
+    // bf16 M=2 21 GB/s (plain, 4-row halves: 17.5); int8 M=1 20 GB/s (plain, one row at a time:
+    // 13-15), M=2 12 (8). int8 at M = 3..4 reads one row at a time as in the plain layout (7 GB/s;
+    // 8-row passes: 6).
+    if (is_float_w<W> || M <= 2) {
+      for (int64_t m0 = 0; m0 < M; m0 += 2) {
+        const XPrep part = shift_rows(xs, m0, K);
+        if (M - m0 >= 2) direct<W, R, 2>(w, n0, part, K, out + m0 * RT, RT);
+        else direct<W, R, 1>(w, n0, part, K, out + m0 * RT, RT);
+      }
+      return;
     }
-    return;
   }
   if constexpr (R == RT) {
     switch (M) {
@@ -647,6 +663,10 @@ int kiln_linear(int wtype, const void* w, const float* scales, int64_t group_siz
       run_linear(WF32Packed{static_cast<const float*>(w), K}, x, M, N, K, bias, y, nthreads);
       return 0;
     case WTYPE_INT8: run_linear(WInt8{static_cast<const int8_t*>(w), scales, K}, x, M, N, K, bias, y, nthreads); return 0;
+    case WTYPE_INT8_PACKED:
+      if (!packed_supported(N, K)) return 2;
+      run_linear(WInt8Packed{static_cast<const int8_t*>(w), scales, K}, x, M, N, K, bias, y, nthreads);
+      return 0;
     case WTYPE_INT4:
       if (!int4_supported(K, group_size)) return 2;
       run_linear(WInt4{static_cast<const uint8_t*>(w), scales, K, group_size, K / group_size}, x, M, N, K, bias, y, nthreads);
@@ -694,6 +714,10 @@ int kiln_dequant_rows(int wtype, const void* w, const float* scales, int64_t gro
       run_dequant(WF32Packed{static_cast<const float*>(w), K}, K, n0, n1, out, nthreads);
       return 0;
     case WTYPE_INT8: run_dequant(WInt8{static_cast<const int8_t*>(w), scales, K}, K, n0, n1, out, nthreads); return 0;
+    case WTYPE_INT8_PACKED:
+      if (!packed_supported(N, K)) return 2;
+      run_dequant(WInt8Packed{static_cast<const int8_t*>(w), scales, K}, K, n0, n1, out, nthreads);
+      return 0;
     case WTYPE_INT4:
       if (!int4_supported(K, group_size)) return 2;
       run_dequant(WInt4{static_cast<const uint8_t*>(w), scales, K, group_size, K / group_size}, K, n0, n1, out, nthreads);
