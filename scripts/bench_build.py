@@ -1,12 +1,12 @@
 """Builder benchmark (not a test): build time per stage and decode step time vs the memory-bandwidth bound.
 
-    .venv/bin/python scripts/bench_build.py [--variants fp32,bf16,int8,int4] [--steps 20] [--threads 2]
+    .venv/bin/python scripts/bench_build.py [--variants fp32,bf16,int8,int4] [--steps 20] [--threads 2] [--size 300m]
 
-A ~300M-parameter random Llama (``work/bench/llama-300m``, created once, shared with the serving bench)
-is built into four engines (fp32, bf16, int8 and int4 weight-only), each build printing its stages.
+A ~300M-parameter random Llama (``work/bench/llama-300m``, created once, shared with the serving bench;
+``--size 246m``: 16 layers instead of 22) is built into four engines (fp32, bf16, int8 and int4 weight-only), each build printing its stages.
 Memory bandwidth is measured in the same run (sum and copy of a 1 GiB tensor, and a 2-thread fp32 GEMV
-that streams a 90 MB matrix, and the plugin's multi-stream read loop); the bound uses the highest
-of them. Then each engine runs decode steps at batch 1 and 16 (every sequence
+that streams a 90 MB matrix, and the plugin's multi-stream read loop, again after each engine); the
+bound uses the highest of them. Then each engine runs decode steps at batch 1 and 16 (every sequence
 with 128 tokens of context): the median step time is printed next to the time the machine's
 bandwidth allows, weights bytes / bandwidth. Bytes streamed per decode step exclude the embedding
 table (a decode step gathers one row of it per token).
@@ -82,11 +82,15 @@ def build_config(variant: str):
                        tokens_per_block=16, **VARIANTS[variant])
 
 
-def build(variant: str, ckpt: Path) -> Path:
+def engine_dir(variant: str, size: str = "300m") -> Path:
+    return BENCH / (f"engine-builder-{variant}" if size == "300m" else f"engine-builder-{size}-{variant}")
+
+
+def build(variant: str, ckpt: Path, size: str = "300m") -> Path:
     from kiln.builder import build_engine
 
     cfg = build_config(variant)
-    out = BENCH / f"engine-builder-{variant}"
+    out = engine_dir(variant, size)
     log(f"build {variant}: {cfg.dtype}, quantization {cfg.quantization}, backend {cfg.backend}")
     build_engine(ckpt, out, cfg, progress=lambda s, m: m != "start" and print(f"    {s:<12} {m}", flush=True))
     return out
@@ -147,13 +151,16 @@ def main() -> None:
     ap.add_argument("--variants", default="fp32,bf16,int8,int4")
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--size", default="300m", choices=["300m", "246m"],
+                    help="checkpoint: 300m (311M parameters, 22 layers) or 246m (16 layers: the size the "
+                         "peers' numbers in ../shared/notes were measured on)")
     ap.add_argument("--reuse", action="store_true",
                     help="reuse engines this script built before (when the builder's passes have not changed)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     from kiln.runtime import Engine
 
-    ckpt = ensure_checkpoint()
+    ckpt = ensure_checkpoint(args.size)
     variants = args.variants.split(",")
     cpu = next((l.split(":", 1)[1].strip() for l in open("/proc/cpuinfo") if l.startswith("model name")), "?")
     flags = next((l.split(":", 1)[1].split() for l in open("/proc/cpuinfo") if l.startswith("flags")), [])
@@ -162,9 +169,9 @@ def main() -> None:
 
     builds: dict[str, dict] = {}
     for v in variants:
-        out = BENCH / f"engine-builder-{v}"
+        out = engine_dir(v, args.size)
         if not (args.reuse and engine_is_current(out, build_config(v).to_dict())):
-            out = build(v, ckpt)
+            out = build(v, ckpt, args.size)
         builds[v] = json.loads((out / "build_report.json").read_text())
 
     log("measuring memory bandwidth ...")
@@ -176,7 +183,7 @@ def main() -> None:
 
     rows = []
     for v in variants:
-        engine = Engine.from_dir(BENCH / f"engine-builder-{v}")
+        engine = Engine.from_dir(engine_dir(v, args.size))
         streamed = streamed_bytes(engine)
         for batch in (1, 16):
             inputs = decode_inputs(engine, batch)

@@ -10,24 +10,30 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 BENCH = ROOT / "work" / "bench"
-CKPT = BENCH / "llama-300m"
+CKPT = BENCH / "llama-300m"  # the default size, shared by the benchmarks
 
 
 def log(msg: str) -> None:
     print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
 
 
-def ensure_checkpoint() -> Path:
-    """Create the random ~300M Llama once; a lock keeps two benchmarks from writing it together."""
+def checkpoint_dir(size: str = "300m") -> Path:
+    return BENCH / f"llama-{size}"
+
+
+def ensure_checkpoint(size: str = "300m") -> Path:
+    """Create the random Llama of ``size`` (a model_defs.synthetic preset) once; a lock keeps two
+    benchmarks from writing it together."""
     BENCH.mkdir(parents=True, exist_ok=True)
-    with open(BENCH / ".llama-300m.lock", "w") as lock:
+    ckpt = checkpoint_dir(size)
+    with open(BENCH / f".llama-{size}.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
-        if not (CKPT / "config.json").exists():
+        if not (ckpt / "config.json").exists():
             from kiln.model_defs.synthetic import make_checkpoint
 
-            log(f"creating a random ~300M Llama checkpoint in {CKPT} (once) ...")
-            make_checkpoint(CKPT, "llama", "300m")
-    return CKPT
+            log(f"creating a random {size} Llama checkpoint in {ckpt} (once) ...")
+            make_checkpoint(ckpt, "llama", size)
+    return ckpt
 
 
 def _builder_sources_mtime() -> float:

@@ -58,7 +58,7 @@ def main() -> None:
     print(f"streaming read bandwidth ({torch.get_num_threads()} threads, best of 7 x 64 MiB): {bw:.1f} GB/s "
           f"-> '%bw' = GB/s(w) / this (the batch-1 bound; compute-bound kernels stay below it)", flush=True)
 
-    header = (f"{'shape':>11} {'M':>3}  {'kernel':<28} {'best ms':>8} {'GB/s(w)':>8} {'GFLOP/s':>8}"
+    header = (f"{'shape':>11} {'M':>3}  {'kernel':<30} {'best ms':>8} {'GB/s(w)':>8} {'GFLOP/s':>8}"
               f" {'%bw':>5} {'vs fp32':>8} {'median ms':>10}")
     for shape in args.shapes.split(","):
         n, k = (int(v) for v in shape.lower().split("x"))
@@ -67,6 +67,9 @@ def main() -> None:
         wb = w.bfloat16()
         q8, s8 = wol.quantize_int8(w)
         q4, s4 = wol.quantize_int4(w, args.group_size)
+        # the builder stores fp32/bf16/int8 weights packed in 8-row tiles where the shape allows
+        pack = wol.pack_rows if wol.can_pack_rows(w) else (lambda t: t)
+        wp, wbp, q8p = pack(w), pack(wb), pack(q8)
         print(f"\n== weight {n}x{k} ({n * k / 1e6:.1f}M elements), int4 group {args.group_size}", flush=True)
         print(header, flush=True)
         for m in (int(v) for v in args.m.split(",")):
@@ -74,16 +77,19 @@ def main() -> None:
             xb = x.bfloat16()
             cases = [
                 ("F.linear fp32", 4 * n * k, lambda: F.linear(x, w)),
-                ("kiln fp32_linear", 4 * n * k, lambda: wol.fp32_linear(x, w)),
+                ("kiln fp32_linear", 4 * n * k, lambda: wol.fp32_linear(x, wp)),
+                ("kiln fp32_linear (plain rows)", 4 * n * k, lambda: wol.fp32_linear(x, w)),
                 ("F.linear bf16", 2 * n * k, lambda: F.linear(xb, wb)),
-                ("kiln bf16_linear (x fp32)", 2 * n * k, lambda: wol.bf16_linear(x, wb)),
-                ("kiln bf16_linear (x bf16)", 2 * n * k, lambda: wol.bf16_linear(xb, wb)),
+                ("kiln bf16_linear (x fp32)", 2 * n * k, lambda: wol.bf16_linear(x, wbp)),
+                ("kiln bf16_linear (x bf16)", 2 * n * k, lambda: wol.bf16_linear(xb, wbp)),
+                ("kiln bf16_linear (plain rows)", 2 * n * k, lambda: wol.bf16_linear(x, wb)),
             ]
             if int8pack is not None:
                 cases.append(("torch _weight_int8pack_mm", n * k, lambda: int8pack(xb, q8, s8.bfloat16())))
             cases += [
-                ("kiln int8 (x fp32)", n * k, lambda: wol.weight_only_linear(x, q8, s8, None, 8, 0)),
-                ("kiln int8 (x bf16)", n * k, lambda: wol.weight_only_linear(xb, q8, s8, None, 8, 0)),
+                ("kiln int8 (x fp32)", n * k, lambda: wol.weight_only_linear(x, q8p, s8, None, 8, 0)),
+                ("kiln int8 (x bf16)", n * k, lambda: wol.weight_only_linear(xb, q8p, s8, None, 8, 0)),
+                ("kiln int8 (plain rows)", n * k, lambda: wol.weight_only_linear(x, q8, s8, None, 8, 0)),
                 (f"kiln int4 g{args.group_size} (x fp32)", n * k // 2 + s4.numel() * 4,
                  lambda: wol.weight_only_linear(x, q4, s4, None, 4, args.group_size)),
             ]
@@ -92,12 +98,12 @@ def main() -> None:
                 try:
                     sec, med = bench(fn, args.min_time)
                 except Exception as e:  # keep going: one broken torch op must not hide the rest
-                    print(f"{shape:>11} {m:>3}  {name:<28} failed: {type(e).__name__}: {e}", flush=True)
+                    print(f"{shape:>11} {m:>3}  {name:<30} failed: {type(e).__name__}: {e}", flush=True)
                     continue
                 ms = sec * 1e3
                 ref_ms = ref_ms or ms
                 gbs = nbytes / sec / 1e9
-                print(f"{shape:>11} {m:>3}  {name:<28} {ms:8.3f} {gbs:8.1f} "
+                print(f"{shape:>11} {m:>3}  {name:<30} {ms:8.3f} {gbs:8.1f} "
                       f"{2 * m * n * k / sec / 1e9:8.1f} {100 * gbs / bw:5.0f} {'x%.2f' % (ref_ms / ms):>8} "
                       f"{med * 1e3:10.3f}", flush=True)
     return 0

@@ -93,7 +93,7 @@ def engine_step_ms(variant: str, batch: int, steps: int) -> float:
     import bench_build as bb
     from kiln.runtime import Engine
 
-    path = bb.BENCH / f"engine-builder-{variant}"
+    path = bb.engine_dir(variant)
     if not (path / "config.json").exists():
         bb.build(variant, bb.ensure_checkpoint())
     engine = Engine.from_dir(path)
