@@ -101,7 +101,7 @@ _WTYPE_BF16, _WTYPE_INT8, _WTYPE_INT4, _WTYPE_F32 = 0, 1, 2, 3
 _WTYPE_BF16_PACKED, _WTYPE_F32_PACKED, _WTYPE_INT8_PACKED = 4, 5, 6
 _KINDS = ("bf16", "int8", "int4", "fp32")  # index = the C side's kind (weight type without layout)
 _KIND_OF_WTYPE = _KINDS + ("bf16", "fp32", "int8")
-_ABI_VERSION = 7
+_ABI_VERSION = 8
 
 # --------------------------------------------------------------------------------------------
 # quantisation and the int4 layout (plain torch)
@@ -339,7 +339,7 @@ def _load_library() -> Optional[ctypes.CDLL]:
             if lib.kiln_wol_abi_version() != _ABI_VERSION:
                 raise RuntimeError("stale kernel library (ABI version mismatch)")
             i64, vp, fp = ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p
-            lib.kiln_linear.argtypes = [ctypes.c_int, vp, fp, i64, fp, i64, i64, i64, fp, fp, ctypes.c_int]
+            lib.kiln_linear.argtypes = [ctypes.c_int, vp, fp, i64, fp, i64, i64, i64, fp, fp, ctypes.c_int, ctypes.c_int]
             lib.kiln_linear.restype = ctypes.c_int
             lib.kiln_dequant_rows.argtypes = [ctypes.c_int, vp, fp, i64, i64, i64, i64, i64, fp, ctypes.c_int]
             lib.kiln_dequant_rows.restype = ctypes.c_int
@@ -454,7 +454,7 @@ def _native(wtype: int, x: torch.Tensor, w: torch.Tensor, scales, bias, group_si
         for m0 in range(0, m, step):
             mc = min(step, m - m0)
             rc = lib.kiln_linear(wtype, w.data_ptr(), sp, group_size, xp + 4 * m0 * k, mc, n, k, bp,
-                                 yp + 4 * m0 * n, nthreads)
+                                 yp + 4 * m0 * n, nthreads, 0)
             if rc != 0:
                 return None
     else:

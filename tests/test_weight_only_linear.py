@@ -148,10 +148,16 @@ def test_non_finite_activations_propagate(native, m):
         (ops.weight_only_linear(x, q8, s8, None, 8, 0), wol.weight_only_linear_reference(x, q8, s8, None, 8, 0)),
         (ops.weight_only_linear(x, q4, s4, None, 4, 32), wol.weight_only_linear_reference(x, q4, s4, None, 4, 32)),
         (ops.bf16_linear(x, w.bfloat16(), None), wol.bf16_linear_reference(x, w.bfloat16(), None)),
+        (ops.bf16_linear(x.bfloat16(), w.bfloat16(), None), wol.bf16_linear_reference(x.bfloat16(), w.bfloat16(), None)),
+        (ops.weight_only_linear(x.bfloat16(), q8, s8, None, 8, 0),
+         wol.weight_only_linear_reference(x.bfloat16(), q8, s8, None, 8, 0)),
     ]:
+        assert y.dtype == ref.dtype and torch.equal(y.isnan(), ref.isnan())
         assert torch.equal(y.isfinite(), ref.isfinite())
         fin = ref.isfinite()
-        torch.testing.assert_close(y[fin], ref[fin], atol=1e-3, rtol=1e-4)
+        if fin.any():
+            tol = _tol(ref[fin], torch.bfloat16) if y.dtype == torch.bfloat16 else dict(atol=1e-3, rtol=1e-4)
+            torch.testing.assert_close(y[fin], ref[fin], **tol)
 
 
 def test_fp16_activations(native):
@@ -215,8 +221,9 @@ def test_packed_weights_match_plain(native, m, n, k, kind):
     ref = reference(x, q, bias)
     torch.testing.assert_close(y, ref, **_tol(ref, torch.float32, int_act))
     torch.testing.assert_close(reference(x, p, bias), ref, atol=0, rtol=0)
-    yb = op(x.bfloat16(), p, None)  # bf16 activations, no bias
+    yb = op(x.bfloat16(), p, None)  # bf16 activations (widened and rounded in the kernel), no bias
     assert yb.dtype == torch.bfloat16
+    assert torch.equal(yb, op(x.bfloat16().float(), p, None).bfloat16())  # torch's rounding, bit for bit
     refb = reference(x.bfloat16(), q, None)
     torch.testing.assert_close(yb, refb, **_tol(refb, torch.bfloat16))
 

@@ -16,8 +16,8 @@
 #include <optional>
 
 extern "C" int kiln_linear(int wtype, const void* w, const float* scales, int64_t group_size,
-                           const float* x, int64_t M, int64_t N, int64_t K, const float* bias,
-                           float* y, int nthreads);
+                           const void* x, int64_t M, int64_t N, int64_t K, const float* bias,
+                           void* y, int nthreads, int bf16_io);
 extern "C" int kiln_wol_max_m();
 
 namespace {
@@ -57,11 +57,14 @@ bool act_ok(const at::Tensor& x, int64_t K) {
 // kind: the weight type without layout (0 bf16, 1 int8, 2 int4, 3 fp32), for the max-M limit.
 at::Tensor run(int wtype, int kind, const at::Tensor& x, const at::Tensor& w, const float* scales,
                const OptT& bias, int64_t gs, int64_t N, int64_t K) {
+  // bf16 activations go to the kernel as they are (it widens x and rounds y itself); fp16 is
+  // converted here
+  const bool bf16_io = x.scalar_type() == at::kBFloat16;
   at::Tensor x2 = x.reshape({-1, K});
-  if (x2.scalar_type() != at::kFloat) x2 = x2.to(at::kFloat);
-  x2 = x2.contiguous();
   const int64_t M = x2.size(0);
   if (M > g_max_m[kind].load(std::memory_order_relaxed)) return at::Tensor();
+  if (!bf16_io && x2.scalar_type() != at::kFloat) x2 = x2.to(at::kFloat);
+  x2 = x2.contiguous();
   at::Tensor b;
   const float* bp = nullptr;
   if (bias.has_value() && bias->defined()) {
@@ -70,16 +73,18 @@ at::Tensor run(int wtype, int kind, const at::Tensor& x, const at::Tensor& w, co
     bp = static_cast<const float*>(b.const_data_ptr());
   }
   at::Tensor y = at::empty({M, N}, x2.options());
-  const float* xp = static_cast<const float*>(x2.const_data_ptr());
-  float* yp = static_cast<float*>(y.data_ptr());
+  const char* xp = static_cast<const char*>(x2.const_data_ptr());
+  char* yp = static_cast<char*>(y.data_ptr());
+  const int64_t es = x2.element_size();
   const int nt = at::get_num_threads();
   const int64_t step = kiln_wol_max_m();
   for (int64_t m0 = 0; m0 < M; m0 += step) {
     const int64_t mc = std::min(step, M - m0);
-    if (kiln_linear(wtype, w.const_data_ptr(), scales, gs, xp + m0 * K, mc, N, K, bp, yp + m0 * N, nt) != 0)
+    if (kiln_linear(wtype, w.const_data_ptr(), scales, gs, xp + m0 * K * es, mc, N, K, bp, yp + m0 * N * es, nt,
+                    bf16_io) != 0)
       return at::Tensor();
   }
-  if (x.scalar_type() != at::kFloat) y = y.to(x.scalar_type());
+  if (y.scalar_type() != x.scalar_type()) y = y.to(x.scalar_type());
   std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
   shape.back() = N;
   return y.view(shape);

@@ -1,4 +1,4 @@
-// kiln CPU linear kernels: y[M,N] = x[M,K] @ dequant(W[N,K])^T (+ bias), x and y fp32.
+// kiln CPU linear kernels: y[M,N] = x[M,K] @ dequant(W[N,K])^T (+ bias), x and y fp32 (or both bf16).
 //
 // Weight formats (row-major, one row per output channel):
 //   WTYPE_BF16 (0): uint16 bf16 bits [N, K]
@@ -70,6 +70,14 @@ inline float hsum(__m256 v) {
   sh = _mm_movehl_ps(sh, lo);
   lo = _mm_add_ss(lo, sh);
   return _mm_cvtss_f32(lo);
+}
+
+// round to nearest even, NaN -> quiet NaN: the same bits as torch's float -> bfloat16 conversion
+inline uint16_t f32_to_bf16_bits(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return 0x7fc0;
+  return uint16_t((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
 }
 
 inline float bf16_bits_to_f32(uint16_t h) {
@@ -555,8 +563,21 @@ inline void tile(const W& w, int64_t n0, const XPrep& xs, int64_t M, int64_t K, 
 }
 
 template <class W>
-void run_linear(const W& w, const float* x, int64_t M, int64_t N, int64_t K, const float* bias,
-                float* y, int nthreads) {
+void run_linear(const W& w, const void* xin, int64_t M, int64_t N, int64_t K, const float* bias,
+                void* yout, bool bf16_io, int nthreads) {
+  // bf16_io: x and y are bf16 (a bf16 engine's activations). x is widened here and y rounded as
+  // it is written: two ATen conversions per call cost ~13 us, the whole GEMV of a 1024x1024 bf16
+  // weight ~60 us.
+  thread_local std::vector<float> x_buf;
+  const float* x = static_cast<const float*>(xin);
+  if (bf16_io) {
+    x_buf.resize(size_t(M * K));
+    const uint16_t* xb = static_cast<const uint16_t*>(xin);
+    for (int64_t j = 0; j < M * K; ++j) x_buf[j] = bf16_bits_to_f32(xb[j]);
+    x = x_buf.data();
+  }
+  float* y = bf16_io ? nullptr : static_cast<float*>(yout);
+  uint16_t* yb = bf16_io ? static_cast<uint16_t*>(yout) : nullptr;
   // per-call activation preprocessing for the direct kernels (small: M * K elements)
   thread_local std::vector<float> xp_buf;
   thread_local std::vector<int16_t> xq_buf;
@@ -599,7 +620,9 @@ void run_linear(const W& w, const float* x, int64_t M, int64_t N, int64_t K, con
       for (int64_t m = 0; m < M; ++m)
         for (int r = 0; r < rows; ++r) {
           const int64_t n = n0 + r;
-          y[m * N + n] = out[m * RT + r] * w.row_scale(n) + (bias ? bias[n] : 0.0f);
+          const float v = out[m * RT + r] * w.row_scale(n) + (bias ? bias[n] : 0.0f);
+          if (yb) yb[m * N + n] = f32_to_bf16_bits(v);
+          else y[m * N + n] = v;
         }
     }
   }
@@ -635,7 +658,7 @@ bool int4_supported(int64_t K, int64_t group_size) {
 
 extern "C" {
 
-int kiln_wol_abi_version() { return 7; }
+int kiln_wol_abi_version() { return 8; }
 
 int kiln_wol_max_m() { return int(MAX_M); }
 
@@ -647,29 +670,30 @@ int kiln_wol_set_direct_m(int m) {
 }
 
 // Returns 0 on success, a positive code when the case is not supported (caller falls back).
+// x [M, K] and y [M, N]: fp32, or bf16 when bf16_io != 0.
 int kiln_linear(int wtype, const void* w, const float* scales, int64_t group_size,
-                const float* x, int64_t M, int64_t N, int64_t K, const float* bias, float* y,
-                int nthreads) {
+                const void* x, int64_t M, int64_t N, int64_t K, const float* bias, void* y,
+                int nthreads, int bf16_io) {
   if (M < 1 || M > MAX_M || N < 1 || K < 1) return 1;
   switch (wtype) {
-    case WTYPE_BF16: run_linear(WBf16{static_cast<const uint16_t*>(w), K}, x, M, N, K, bias, y, nthreads); return 0;
-    case WTYPE_F32: run_linear(WF32{static_cast<const float*>(w), K}, x, M, N, K, bias, y, nthreads); return 0;
+    case WTYPE_BF16: run_linear(WBf16{static_cast<const uint16_t*>(w), K}, x, M, N, K, bias, y, bf16_io != 0, nthreads); return 0;
+    case WTYPE_F32: run_linear(WF32{static_cast<const float*>(w), K}, x, M, N, K, bias, y, bf16_io != 0, nthreads); return 0;
     case WTYPE_BF16_PACKED:
       if (!packed_supported(N, K)) return 2;
-      run_linear(WBf16Packed{static_cast<const uint16_t*>(w), K}, x, M, N, K, bias, y, nthreads);
+      run_linear(WBf16Packed{static_cast<const uint16_t*>(w), K}, x, M, N, K, bias, y, bf16_io != 0, nthreads);
       return 0;
     case WTYPE_F32_PACKED:
       if (!packed_supported(N, K)) return 2;
-      run_linear(WF32Packed{static_cast<const float*>(w), K}, x, M, N, K, bias, y, nthreads);
+      run_linear(WF32Packed{static_cast<const float*>(w), K}, x, M, N, K, bias, y, bf16_io != 0, nthreads);
       return 0;
-    case WTYPE_INT8: run_linear(WInt8{static_cast<const int8_t*>(w), scales, K}, x, M, N, K, bias, y, nthreads); return 0;
+    case WTYPE_INT8: run_linear(WInt8{static_cast<const int8_t*>(w), scales, K}, x, M, N, K, bias, y, bf16_io != 0, nthreads); return 0;
     case WTYPE_INT8_PACKED:
       if (!packed_supported(N, K)) return 2;
-      run_linear(WInt8Packed{static_cast<const int8_t*>(w), scales, K}, x, M, N, K, bias, y, nthreads);
+      run_linear(WInt8Packed{static_cast<const int8_t*>(w), scales, K}, x, M, N, K, bias, y, bf16_io != 0, nthreads);
       return 0;
     case WTYPE_INT4:
       if (!int4_supported(K, group_size)) return 2;
-      run_linear(WInt4{static_cast<const uint8_t*>(w), scales, K, group_size, K / group_size}, x, M, N, K, bias, y, nthreads);
+      run_linear(WInt4{static_cast<const uint8_t*>(w), scales, K, group_size, K / group_size}, x, M, N, K, bias, y, bf16_io != 0, nthreads);
       return 0;
     default: return 3;
   }
