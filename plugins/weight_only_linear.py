@@ -83,6 +83,7 @@ __all__ = [
     "native_kernels_disabled",
     "set_kernel_max_m",
     "stream_read_bandwidth",
+    "stream_read_rate",
     "KERNEL_MAX_M",
 ]
 
@@ -379,22 +380,24 @@ def stream_read_bandwidth(nbytes: int = 64 << 20, repeats: int = 7, threads: Opt
     """Best-of-``repeats`` GB/s of a pure streaming read of ``nbytes`` with ``threads`` threads
     (default: torch's), the bound a batch-1 decode GEMV is compared with (weights bytes / GB/s).
     Uses the native read kernel (falls back to ``torch.sum``, which reads slower)."""
+    buf = torch.ones(max(1, nbytes // 4), dtype=torch.float32)
+    stream_read_rate(buf, threads)
+    return max(stream_read_rate(buf, threads) for _ in range(repeats))
+
+
+def stream_read_rate(buf: torch.Tensor, threads: Optional[int] = None) -> float:
+    """GB/s of one streaming read of the fp32 tensor ``buf`` (benchmarks interleave these reads with
+    the steps they measure, so that both see the same share of a shared machine's memory bus)."""
     import time
 
-    buf = torch.ones(max(1, nbytes // 4), dtype=torch.float32)
     nt = threads or torch.get_num_threads()
     lib = _load_library() if _enabled else None
+    t0 = time.perf_counter()
     if lib is not None:
-        fn = lambda: lib.kiln_stream_sum(buf.data_ptr(), buf.numel(), nt)  # noqa: E731
+        lib.kiln_stream_sum(buf.data_ptr(), buf.numel(), nt)
     else:
-        fn = lambda: float(buf.sum())  # noqa: E731
-    fn()
-    best = float("inf")
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - t0)
-    return buf.numel() * 4 / best / 1e9
+        float(buf.sum())
+    return buf.numel() * 4 / (time.perf_counter() - t0) / 1e9
 
 
 def set_kernel_max_m(kind: str, max_m: int) -> int:
