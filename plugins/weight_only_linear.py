@@ -13,9 +13,10 @@ Ops (all registered in the ``kiln`` namespace, with a fake kernel for ``torch.ex
     stored so that a GEMV tile is one sequential stream; the builder packs the engine's weights);
     ``y`` in ``x``'s dtype; accumulation in fp32.
 ``kiln::fp32_linear(x, weight, bias) -> y``
-    ``weight`` fp32 [out, in] or packed as for bf16: ``F.linear`` through kiln's kernels (torch's fp32 GEMV reads one
-    weight stream per core and reaches ~70% of the bandwidth on the project's AVX2 machine, and its
-    sgemm is slow at small M there); ``KERNEL_MAX_M['fp32']`` sends larger M to torch.
+    ``weight`` fp32 [out, in] or packed as for bf16: ``F.linear`` through kiln's kernels (torch's
+    fp32 GEMV reads one weight stream per core and reaches ~70% of the bandwidth on the project's
+    AVX2 machine, and its sgemm is slow at small M there); ``KERNEL_MAX_M['fp32']`` sends larger M
+    to torch.
 
 Quantisation helpers: :func:`quantize_int8`, :func:`quantize_int4`, :func:`dequantize`,
 :func:`pack_int4`, :func:`unpack_int4`.
@@ -34,7 +35,8 @@ Activations: the int8/int4 kernels quantise x on the fly to int16 with one scale
 dequantise+F.linear reference to ~1e-5 relative) and compute the dot products with integer
 multiply-adds, which is twice as fast as int->float conversion + FMA on AVX2 (a call whose x
 holds NaN/inf computes in fp32 instead, so they propagate as in the reference). bf16 weights
-are widened to fp32 (exact) and accumulated in fp32.
+are widened to fp32 (exact) and accumulated in fp32. bf16 activations are widened, and the outputs
+rounded to bf16 (as torch rounds), inside the kernel call.
 
 Kernels: C++ (AVX2 + FMA + OpenMP, ``plugins/csrc/weight_only_linear.cpp``; dispatcher glue in
 ``plugins/csrc/linear_ops.cpp``) compiled with ``torch.utils.cpp_extension.load`` on first use

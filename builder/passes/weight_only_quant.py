@@ -2,8 +2,9 @@
 
 Weights are quantized at build time (int8: per output channel; int4: group-wise along the input,
 ``group_size`` weights per scale) by the plugin's ``quantize_int8`` / ``quantize_int4``; activations
-stay in the engine dtype. int8 weights are stored in 8-row tiles where the shape allows
-(``pack_rows``; batch-1 GEMVs of a 311M Llama from memory: 13-15 -> 17-20 GB/s). The lm_head is quantized too (it is the largest single GEMM at decode).
+stay in the engine dtype. The lm_head is quantized too (it is the largest single GEMM at decode).
+int8 weights are stored in 8-row tiles where the shape allows (``pack_rows``; batch-1 GEMVs of a
+311M Llama from memory: 13-15 -> 17-20 GB/s).
 """
 
 from __future__ import annotations

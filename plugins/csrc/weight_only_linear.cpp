@@ -91,6 +91,13 @@ inline float bf16_bits_to_f32(uint16_t h) {
 // decode16f(n, i, lo, hi): elements 16i..16i+7 -> lo, 16i+8..16i+15 -> hi, fp32, group scale applied
 // load16(n, i, ctx):       (int types) elements 16i..16i+15 as int16 (no scale)
 
+// Offset of element (n, 16i) of a weight [N][K], plain or packed in tiles of 8 rows ([N/8][K/16][8][16])
+template <bool P>
+inline int64_t elem_offset(int64_t n, int64_t i, int64_t K) {
+  if constexpr (P) return (n >> 3) * 8 * K + i * 128 + (n & 7) * 16;
+  else return n * K + 16 * i;
+}
+
 // Float weights: plain [N][K], or packed (P): tiles of 8 rows stored as [N/8][K/16][8][16], so
 // the 8 rows a GEMV tile reads at step i are 128 consecutive elements and a tile is one sequential
 // stream. Plain rows of K=1024 lie 2 KiB (bf16) / 4 KiB (fp32) apart: the 8 streams of a tile then
@@ -107,10 +114,7 @@ struct WFloat {
   static constexpr int64_t step_stride = P ? 128 : 16;  // elements from step i to i + 1 of a row
   // Row r of a call's rows n0..n0+R-1 (packed: within one tile of 8) is at at(n0, 0) + r * row_stride().
   inline int64_t row_stride() const { return P ? 16 : K; }
-  inline const T* at(int64_t n, int64_t i) const {
-    if constexpr (P) return w + (n >> 3) * 8 * K + i * 128 + (n & 7) * 16;
-    else return w + n * K + 16 * i;
-  }
+  inline const T* at(int64_t n, int64_t i) const { return w + elem_offset<P>(n, i, K); }
   inline void decode16f(int64_t n, int64_t i, __m256& lo, __m256& hi) const {
     const T* p = at(n, i);
     if constexpr (is_bf16) {
@@ -147,10 +151,7 @@ struct WInt8T {
   static constexpr bool grouped = false;
   struct Ctx {};
   inline Ctx prep(int64_t) const { return {}; }
-  inline const int8_t* at(int64_t n, int64_t i) const {
-    if constexpr (P) return w + (n >> 3) * 8 * K + i * 128 + (n & 7) * 16;
-    else return w + n * K + 16 * i;
-  }
+  inline const int8_t* at(int64_t n, int64_t i) const { return w + elem_offset<P>(n, i, K); }
   inline __m256i load16(int64_t n, int64_t i, Ctx) const {
     return _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(at(n, i))));
   }
