@@ -10,7 +10,8 @@ steps at batch 1 and 16 (every sequence with 128 tokens of context), each step f
 streaming read: the median step time is printed next to the time the bandwidth measured between the
 same steps allows, streamed weights bytes / read rate (and, as "strict", the share of the bound at
 the best read rate of the whole run). Bytes streamed per decode step exclude the embedding
-table (a decode step gathers one row of it per token).
+table (a decode step gathers one row of it per token). Last, ``transformers`` greedy-decodes at batch
+1 from the same checkpoint and context in fp32 and bf16: the baseline of the same run.
 """
 
 from __future__ import annotations
@@ -133,6 +134,27 @@ GEMM_OPS = ("aten::linear", "aten::mm", "aten::addmm", "kiln::weight_only_linear
             "kiln::fp32_linear")
 
 
+def hf_decode_tok_s(ckpt: Path, dtype: torch.dtype, new_tokens: int = 32) -> float:
+    """Batch-1 greedy decode tokens/s of ``transformers`` on the same checkpoint at context CONTEXT
+    (the baseline the step times are compared with in the same run; the prefill is timed apart)."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(ckpt, dtype=dtype).eval()
+    vocab = model.config.vocab_size
+    ids = torch.randint(3, vocab, (1, CONTEXT), generator=torch.Generator().manual_seed(0))
+
+    def gen(n: int) -> float:
+        t0 = time.perf_counter()
+        model.generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=False)
+        return time.perf_counter() - t0
+
+    with torch.inference_mode():
+        gen(4)
+        prefill = min(gen(1) for _ in range(3))
+        total = gen(new_tokens + 1)
+    return new_tokens / (total - prefill)
+
+
 def breakdown(engine, inputs, steps: int = 3) -> dict[str, float]:
     """ms per step in GEMMs, in paged attention and in everything else (top-level ops, torch.profiler)."""
     from torch.profiler import ProfilerActivity, profile
@@ -167,6 +189,8 @@ def main() -> None:
     ap.add_argument("--size", default="300m", choices=["300m", "246m"],
                     help="checkpoint: 300m (311M parameters, 22 layers) or 246m (16 layers: the size the "
                          "peers' numbers in ../shared/notes were measured on)")
+    ap.add_argument("--skip-hf", action="store_true",
+                    help="skip the transformers batch-1 decode baseline (fp32 and bf16, same checkpoint)")
     ap.add_argument("--reuse", action="store_true",
                     help="reuse engines this script built before (when the builder's passes have not changed)")
     args = ap.parse_args()
@@ -209,6 +233,11 @@ def main() -> None:
         del engine
     del read_buf
     peak_bw = max([*bw.values(), *(r for row in rows for r in row[5])])
+    hf: dict[str, float] = {}
+    if not args.skip_hf:
+        for name, dtype in (("float32", torch.float32), ("bfloat16", torch.bfloat16)):
+            log(f"transformers {name} batch-1 decode (baseline) ...")
+            hf[name] = hf_decode_tok_s(ckpt, dtype)
 
     print()
     print("build time per stage (s)")
@@ -234,6 +263,15 @@ def main() -> None:
         print(f"{v:<14} {batch:>5} {wb / 1e6:>10.1f} {sb / 1e6:>11.1f} {ms:>8.2f} {best:>8.2f} {read:>9.1f} "
               f"{bound:>8.2f} {100 * bound / ms:>9.0f}% {100 * strict / ms:>5.0f}% {batch * 1000 / ms:>8.1f}   "
               f"{parts['gemm']:.1f} | {parts['attention']:.1f} | {parts['other ops']:.1f} ({gemm_bw:.1f})")
+    if hf:
+        print()
+        print(f"batch-1 decode, same checkpoint and context, transformers generate (greedy): "
+              + ", ".join(f"{k} {v:.1f} tok/s" for k, v in hf.items()))
+        for v, batch, wb, sb, times, rates, parts in rows:
+            dtype = VARIANTS[v]["dtype"]
+            if batch == 1 and dtype in hf:
+                tok_s = 1 / statistics.median(times)
+                print(f"  kiln {v:<14} {tok_s:6.1f} tok/s = x{tok_s / hf[dtype]:.2f} transformers {dtype}")
 
 
 if __name__ == "__main__":
