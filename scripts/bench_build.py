@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import time
@@ -47,16 +48,30 @@ def _times(fn, repeat: int) -> list[float]:
     return times
 
 
-def _interleaved(step, read, repeat: int) -> tuple[list[float], list[float]]:
-    """Seconds of ``repeat`` calls of ``step``, each followed by ``read()`` (a GB/s measurement)."""
+def _steal_ticks() -> int:
+    """CPU time the hypervisor gave other machines (/proc/stat "steal", in clock ticks, all CPUs)."""
+    try:
+        with open("/proc/stat") as f:
+            fields = f.readline().split()
+        return int(fields[8]) if len(fields) > 8 else 0
+    except OSError:
+        return 0
+
+
+def _interleaved(step, read, repeat: int) -> tuple[list[float], list[float], float]:
+    """Seconds of ``repeat`` calls of ``step``, each followed by ``read()`` (a GB/s measurement),
+    and the share of the CPUs' time stolen by the hypervisor meanwhile (a slow row with a high
+    steal share was measured while other machines ran on these cores)."""
     step()
     times, rates = [], []
+    s0, w0 = _steal_ticks(), time.perf_counter()
     for _ in range(repeat):
         t0 = time.perf_counter()
         step()
         times.append(time.perf_counter() - t0)
         rates.append(read())
-    return times, rates
+    ticks = os.sysconf("SC_CLK_TCK") * (time.perf_counter() - w0) * (os.cpu_count() or 1)
+    return times, rates, (_steal_ticks() - s0) / ticks
 
 
 def _median_time(fn, repeat: int) -> float:
@@ -227,9 +242,10 @@ def main() -> None:
         streamed = streamed_bytes(engine)
         for batch in (1, 16):
             inputs = decode_inputs(engine, batch)
-            times, rates = _interleaved(lambda: engine.run(inputs), lambda: stream_read_rate(read_buf), args.steps)
+            times, rates, steal = _interleaved(lambda: engine.run(inputs), lambda: stream_read_rate(read_buf),
+                                               args.steps)
             parts = breakdown(engine, inputs)
-            rows.append((v, batch, engine.weights_bytes, streamed, times, rates, parts))
+            rows.append((v, batch, engine.weights_bytes, streamed, times, rates, steal, parts))
         del engine
     del read_buf
     peak_bw = max([*bw.values(), *(r for row in rows for r in row[5])])
@@ -250,24 +266,26 @@ def main() -> None:
     print(f"decode step, context {CONTEXT}, {torch.get_num_threads()} threads; bound = streamed weights / read rate")
     print("step ms: median of the steps (what a user sees on this shared machine); best: the fastest step. read GB/s:")
     print("median of the streaming reads made between the same steps; bound ms and % of bound from it. strict: % of")
-    print(f"the bound at the best read rate of the whole run ({peak_bw:.1f} GB/s). tok/s from the median step.")
+    print(f"the bound at the best read rate of the whole run ({peak_bw:.1f} GB/s). tok/s from the median step. steal:")
+    print("share of the CPUs' time the hypervisor gave other machines during the steps (/proc/stat).")
     print(f"{'engine':<14} {'batch':>5} {'weights MB':>10} {'streamed MB':>11} {'step ms':>8} {'best ms':>8} "
-          f"{'read GB/s':>9} {'bound ms':>8} {'% of bound':>10} {'strict':>6} {'tok/s':>8}   "
+          f"{'read GB/s':>9} {'bound ms':>8} {'% of bound':>10} {'strict':>6} {'tok/s':>8} {'steal':>6}   "
           "profiled ms/step: gemm | attention | other ops (GEMM GB/s)")
-    for v, batch, wb, sb, times, rates, parts in rows:
+    for v, batch, wb, sb, times, rates, steal, parts in rows:
         ms, best = statistics.median(times) * 1e3, min(times) * 1e3
         read = statistics.median(rates)
         bound = sb / (read * 1e9) * 1e3
         strict = sb / (peak_bw * 1e9) * 1e3
         gemm_bw = sb / (parts["gemm"] / 1e3) / 1e9 if parts["gemm"] else 0.0
         print(f"{v:<14} {batch:>5} {wb / 1e6:>10.1f} {sb / 1e6:>11.1f} {ms:>8.2f} {best:>8.2f} {read:>9.1f} "
-              f"{bound:>8.2f} {100 * bound / ms:>9.0f}% {100 * strict / ms:>5.0f}% {batch * 1000 / ms:>8.1f}   "
+              f"{bound:>8.2f} {100 * bound / ms:>9.0f}% {100 * strict / ms:>5.0f}% {batch * 1000 / ms:>8.1f} "
+              f"{100 * steal:>5.1f}%   "
               f"{parts['gemm']:.1f} | {parts['attention']:.1f} | {parts['other ops']:.1f} ({gemm_bw:.1f})")
     if hf:
         print()
         print(f"batch-1 decode, same checkpoint and context, transformers generate (greedy): "
               + ", ".join(f"{k} {v:.1f} tok/s" for k, v in hf.items()))
-        for v, batch, wb, sb, times, rates, parts in rows:
+        for v, batch, wb, sb, times, rates, steal, parts in rows:
             dtype = VARIANTS[v]["dtype"]
             if batch == 1 and dtype in hf:
                 tok_s = 1 / statistics.median(times)
