@@ -471,17 +471,18 @@ inline void tile_buffered(const W& w, int64_t n0, const float* x, int64_t M, int
       const int64_t calls = (R / G) * ((M + 2) / 3);
       pf_step = ((int64_t(pf_end - pf) / 64 + calls - 1) / calls) * 64;
     }
-    for (int g0 = 0; g0 < R; g0 += G) {  // the micro-kernel takes G rows: tot is [R/G][M][G]
-      const float* bg = buf + g0 * KC;
-      __m256* tg = tot + (g0 / G) * M * G;
-      int64_t m = 0;
-      for (; m + 3 <= M; m += 3) {
+    // the micro-kernel takes G rows: tot is [R/G][M][G]; each block of 3 rows of x is used for all
+    // R/G row groups while it is in L1
+    int64_t m = 0;
+    for (; m + 3 <= M; m += 3)
+      for (int g0 = 0; g0 < R; g0 += G) {
         for (const uintptr_t e = std::min(pf + pf_step, pf_end); pf < e; pf += 64)
           _mm_prefetch(reinterpret_cast<const char*>(pf), _MM_HINT_T0);
-        dense_block<G, 3>(bg, nv, xp + m * K, K, tg + m * G);
+        dense_block<G, 3>(buf + g0 * KC, nv, xp + m * K, K, tot + (g0 / G) * M * G + m * G);
       }
-      if (M - m == 2) dense_block<G, 2>(bg, nv, xp + m * K, K, tg + m * G);
-      else if (M - m == 1) dense_block<G, 1>(bg, nv, xp + m * K, K, tg + m * G);
+    for (int g0 = 0; g0 < R; g0 += G) {
+      if (M - m == 2) dense_block<G, 2>(buf + g0 * KC, nv, xp + m * K, K, tot + (g0 / G) * M * G + m * G);
+      else if (M - m == 1) dense_block<G, 1>(buf + g0 * KC, nv, xp + m * K, K, tot + (g0 / G) * M * G + m * G);
     }
   }
   for (int64_t m = 0; m < M; ++m)
