@@ -226,8 +226,8 @@ def unpack_rows(packed: torch.Tensor) -> torch.Tensor:
     return packed.permute(0, 2, 1, 3).reshape(a * ROW_TILE, b * K_STEP)
 
 
-def float_weight_shape(weight: torch.Tensor) -> tuple[int, int]:
-    """(out, in) of a plain [out, in] or packed [out/8, in/16, 8, 16] float weight."""
+def weight_shape(weight: torch.Tensor) -> tuple[int, int]:
+    """(out, in) of a plain [out, in] or packed [out/8, in/16, 8, 16] weight (fp32, bf16 or int8)."""
     if is_packed(weight):
         return weight.shape[0] * ROW_TILE, weight.shape[1] * K_STEP
     if weight.dim() != 2:
@@ -238,14 +238,11 @@ def float_weight_shape(weight: torch.Tensor) -> tuple[int, int]:
     return weight.shape[0], weight.shape[1]
 
 
-def _in_features(qweight: torch.Tensor, bits: int) -> int:
-    if bits == 8 and is_packed(qweight):
-        return qweight.shape[1] * K_STEP
-    return qweight.shape[1] * (2 if bits == 4 else 1)
-
-
-def _out_features(qweight: torch.Tensor, bits: int) -> int:
-    return qweight.shape[0] * (ROW_TILE if bits == 8 and is_packed(qweight) else 1)
+def _qweight_shape(qweight: torch.Tensor, bits: int) -> tuple[int, int]:
+    """(out, in) of a quantised weight: int8 plain or packed, int4 [out, in//2]."""
+    if bits == 8:
+        return weight_shape(qweight)
+    return qweight.shape[0], 2 * qweight.shape[1]
 
 
 def dequantize(qweight: torch.Tensor, scales: torch.Tensor, bits: int, group_size: int) -> torch.Tensor:
@@ -492,10 +489,7 @@ def _check_wol(x, qweight, scales, bias, bits, group_size):
     if bits == 8:
         if qweight.dtype != torch.int8:
             raise ValueError(f"bits=8 expects an int8 qweight, got {qweight.dtype}")
-        if qweight.dim() != 2 and not is_packed(qweight):
-            raise ValueError(f"bits=8 expects a qweight [out, in] or packed [out/{ROW_TILE}, in/{K_STEP}, "
-                             f"{ROW_TILE}, {K_STEP}], got shape {tuple(qweight.shape)}")
-        n = _out_features(qweight, bits)
+        n = weight_shape(qweight)[0]  # raises on a shape that is neither [out, in] nor packed
         if scales.shape != (n,):
             raise ValueError(f"bits=8 expects scales [{n}], got {tuple(scales.shape)}")
     elif bits == 4:
@@ -510,14 +504,14 @@ def _check_wol(x, qweight, scales, bias, bits, group_size):
             )
     else:
         raise ValueError(f"bits must be 4 or 8, got {bits}")
-    k = _in_features(qweight, bits)
+    k = _qweight_shape(qweight, bits)[1]
     if x.shape[-1] != k:
         raise ValueError(f"x has {x.shape[-1]} input features, the weight expects {k}")
 
 
 def _weight_only_linear_py(x, qweight, scales, bias, bits, group_size):
     _check_wol(x, qweight, scales, bias, bits, group_size)
-    n, k = _out_features(qweight, bits), _in_features(qweight, bits)
+    n, k = _qweight_shape(qweight, bits)
     if bits == 8:
         wtype = _WTYPE_INT8_PACKED if is_packed(qweight) else _WTYPE_INT8
     else:
@@ -531,7 +525,7 @@ def _weight_only_linear_py(x, qweight, scales, bias, bits, group_size):
 def _float_linear_py(kind: str, x, weight, bias):
     """fp32_linear / bf16_linear in Python: kiln's kernels where they apply, else the reference.
     fp32 weights above KERNEL_MAX_M go straight to torch's sgemm (nothing to dequantise)."""
-    n, k = float_weight_shape(weight)
+    n, k = weight_shape(weight)
     if x.shape[-1] != k:
         raise ValueError(f"{kind}_linear: x {tuple(x.shape)} does not match weight {tuple(weight.shape)} "
                          f"({k} input features)")
@@ -591,11 +585,11 @@ _lib_def = torch.library.Library("kiln", "FRAGMENT")
 define_native_op(_lib_def, "weight_only_linear",
                  "(Tensor x, Tensor qweight, Tensor scales, Tensor? bias, int bits, int group_size) -> Tensor",
                  _weight_only_linear_py,
-                 lambda x, qweight, scales, bias, bits, group_size: x.new_empty(*x.shape[:-1], _out_features(qweight, bits)))
+                 lambda x, qweight, scales, bias, bits, group_size: x.new_empty(*x.shape[:-1], _qweight_shape(qweight, bits)[0]))
 for _kind in ("bf16", "fp32"):
     define_native_op(_lib_def, f"{_kind}_linear", "(Tensor x, Tensor weight, Tensor? bias) -> Tensor",
                      functools.partial(_float_linear_py, _kind),
-                     lambda x, weight, bias: x.new_empty(*x.shape[:-1], float_weight_shape(weight)[0]))
+                     lambda x, weight, bias: x.new_empty(*x.shape[:-1], weight_shape(weight)[0]))
 
 
 def weight_only_linear(x, qweight, scales, bias=None, bits: int = 8, group_size: int = 0):

@@ -38,16 +38,6 @@ VARIANTS.update({f"{k}-compiled": dict(v, backend="cpu-compiled") for k, v in li
 CONTEXT = 128
 
 
-def _times(fn, repeat: int) -> list[float]:
-    fn()
-    times = []
-    for _ in range(repeat):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return times
-
-
 def _steal_ticks() -> int:
     """CPU time the hypervisor gave other machines (/proc/stat "steal", in clock ticks, all CPUs)."""
     try:
@@ -75,7 +65,13 @@ def _interleaved(step, read, repeat: int) -> tuple[list[float], list[float], flo
 
 
 def _median_time(fn, repeat: int) -> float:
-    return statistics.median(_times(fn, repeat))
+    fn()
+    times = []
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
 
 
 def measure_bandwidth() -> dict[str, float]:
@@ -92,16 +88,12 @@ def measure_bandwidth() -> dict[str, float]:
     x = torch.randn(1, 4000)
     res["gemv"] = w.numel() * 4 / _median_time(lambda: torch.nn.functional.linear(x, w), 20) / 1e9
     try:  # the plugin's multi-stream read loop: what a well-written GEMV can stream
-        res["stream_read"] = _stream_read()
+        from kiln.plugins.weight_only_linear import stream_read_bandwidth
+
+        res["stream_read"] = stream_read_bandwidth(256 << 20)  # GB/s, best of 7
     except Exception as exc:  # noqa: BLE001 - optional measurement
         log(f"stream_read_bandwidth unavailable ({exc})")
     return res
-
-
-def _stream_read() -> float:
-    from kiln.plugins.weight_only_linear import stream_read_bandwidth
-
-    return stream_read_bandwidth(256 << 20)  # GB/s, best of 7
 
 
 def build_config(variant: str):
@@ -283,7 +275,7 @@ def main() -> None:
               f"{parts['gemm']:.1f} | {parts['attention']:.1f} | {parts['other ops']:.1f} ({gemm_bw:.1f})")
     if hf:
         print()
-        print(f"batch-1 decode, same checkpoint and context, transformers generate (greedy): "
+        print("batch-1 decode, same checkpoint and context, transformers generate (greedy): "
               + ", ".join(f"{k} {v:.1f} tok/s" for k, v in hf.items()))
         for v, batch, wb, sb, times, rates, steal, parts in rows:
             dtype = VARIANTS[v]["dtype"]

@@ -10,7 +10,6 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 BENCH = ROOT / "work" / "bench"
-CKPT = BENCH / "llama-300m"  # the default size, shared by the benchmarks
 
 
 def log(msg: str) -> None:
@@ -19,6 +18,9 @@ def log(msg: str) -> None:
 
 def checkpoint_dir(size: str = "300m") -> Path:
     return BENCH / f"llama-{size}"
+
+
+CKPT = checkpoint_dir()  # the default size, shared by the benchmarks
 
 
 def ensure_checkpoint(size: str = "300m") -> Path:

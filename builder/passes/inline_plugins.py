@@ -2,10 +2,10 @@
 
 Each of these ``kiln`` ops is defined by a plain-torch reference, which its C++ CPU kernel
 reproduces (same rounding points). Calling it as an op costs a dispatch round trip per call,
-more than the math at decode. The pass points each call at the reference function; the re-export that follows traces it into aten ops, which the ``cpu`` backend
-would run one by one (measured: no faster than the plugin call, so the pass skips itself there) and
-the ``cpu-compiled`` backend fuses into compiled loops (measured: ~25% shorter decode steps on a
-4-layer model). Numerics are unchanged
+more than the math at decode. The pass points each call at the reference function; the re-export
+that follows traces it into aten ops, which the ``cpu`` backend would run one by one (measured: no
+faster than the plugin call, so the pass skips itself there) and the ``cpu-compiled`` backend fuses
+into compiled loops (measured: ~25% shorter decode steps on a 4-layer model). Numerics are unchanged
 (same code, same rounding points). Paged attention stays a plugin (data-dependent control flow,
 in-place KV writes).
 """

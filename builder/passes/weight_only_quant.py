@@ -12,7 +12,7 @@ from __future__ import annotations
 from torch import fx
 
 from kiln.builder.passes.common import (
-    add_weight, attr, count_gemms, is_linear, linear_bias, register_gemm_target, weights_bytes,
+    add_weight, attr, is_linear, linear_bias, prune_unused_attrs, register_gemm_target, weights_bytes,
 )
 
 NAME = "weight_only_quant"
@@ -67,8 +67,6 @@ def run(gm: fx.GraphModule, ctx) -> dict:
         node.replace_all_uses_with(new)
         gm.graph.erase_node(node)
         count += 1
-    from kiln.builder.passes.common import prune_unused_attrs
-
     prune_unused_attrs(gm)
     return {"quantized_gemms": count, "packed": packed, "bits": bits, "group_size": group,
             "weights_bytes_before": before_bytes, "weights_bytes_after": weights_bytes(gm)}

@@ -36,7 +36,9 @@ at::Tensor wol_py(const at::Tensor& x, const at::Tensor& qw, const at::Tensor& s
   return op.call(x, qw, s, bias, bits, gs);
 }
 
-constexpr int WTYPE_BF16 = 0, WTYPE_F32 = 3, WTYPE_BF16_PACKED = 4, WTYPE_F32_PACKED = 5, WTYPE_INT8_PACKED = 6;  // as in weight_only_linear.cpp
+// as in weight_only_linear.cpp
+constexpr int WTYPE_BF16 = 0, WTYPE_INT8 = 1, WTYPE_INT4 = 2, WTYPE_F32 = 3, WTYPE_BF16_PACKED = 4,
+              WTYPE_F32_PACKED = 5, WTYPE_INT8_PACKED = 6;
 
 // kiln::_bf16_linear_py or kiln::_fp32_linear_py
 template <int WTYPE>
@@ -46,6 +48,9 @@ at::Tensor float_linear_py(const at::Tensor& x, const at::Tensor& w, const OptT&
                        .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const OptT&)>();
   return op.call(x, w, bias);
 }
+
+// a weight packed in 8-row tiles: [N/8, K/16, 8, 16]
+bool packed_rows(const at::Tensor& w) { return w.dim() == 4 && w.size(2) == 8 && w.size(3) == 16; }
 
 bool act_ok(const at::Tensor& x, int64_t K) {
   const auto t = x.scalar_type();
@@ -93,27 +98,26 @@ at::Tensor run(int wtype, int kind, const at::Tensor& x, const at::Tensor& w, co
 at::Tensor weight_only_linear_cpu(const at::Tensor& x, const at::Tensor& qweight,
                                   const at::Tensor& scales, const OptT& bias, int64_t bits,
                                   int64_t group_size) {
-  // int8 weights may be packed in 8-row tiles: [N/8, K/16, 8, 16]
-  const bool packed = bits == 8 && qweight.dim() == 4 && qweight.size(2) == 8 && qweight.size(3) == 16;
+  const bool packed = bits == 8 && packed_rows(qweight);
   if (!g_enabled.load(std::memory_order_relaxed) || !(qweight.dim() == 2 || packed))
     return wol_py(x, qweight, scales, bias, bits, group_size);
   const int64_t N = packed ? qweight.size(0) * 8 : qweight.size(0);
   int wtype = -1;
   int64_t K = 0;
   if (bits == 8 && qweight.scalar_type() == at::kChar && scales.dim() == 1 && scales.size(0) == N) {
-    wtype = packed ? WTYPE_INT8_PACKED : 1;
+    wtype = packed ? WTYPE_INT8_PACKED : WTYPE_INT8;
     K = packed ? qweight.size(1) * 16 : qweight.size(1);
   } else if (bits == 4 && qweight.scalar_type() == at::kByte && group_size > 0) {
     K = 2 * qweight.size(1);
     if (K % group_size == 0 && scales.dim() == 2 && scales.size(0) == N && scales.size(1) == K / group_size)
-      wtype = 2;
+      wtype = WTYPE_INT4;
   }
   if (wtype < 0 || N == 0 || !act_ok(x, K) || scales.scalar_type() != at::kFloat)
     return wol_py(x, qweight, scales, bias, bits, group_size);
   const at::Tensor w = qweight.contiguous();
   const at::Tensor s = scales.contiguous();
-  at::Tensor y = run(wtype, bits == 8 ? 1 : 2, x, w, static_cast<const float*>(s.const_data_ptr()), bias,
-                     wtype == 2 ? group_size : 0, N, K);
+  const float* sp = static_cast<const float*>(s.const_data_ptr());
+  at::Tensor y = run(wtype, bits == 8 ? WTYPE_INT8 : WTYPE_INT4, x, w, sp, bias, wtype == WTYPE_INT4 ? group_size : 0, N, K);
   return y.defined() ? y : wol_py(x, qweight, scales, bias, bits, group_size);
 }
 
@@ -122,7 +126,7 @@ at::Tensor weight_only_linear_cpu(const at::Tensor& x, const at::Tensor& qweight
 template <int WTYPE>
 at::Tensor float_linear_cpu(const at::Tensor& x, const at::Tensor& weight, const OptT& bias) {
   const auto wdtype = WTYPE == WTYPE_BF16 ? at::kBFloat16 : at::kFloat;
-  const bool packed = weight.dim() == 4 && weight.size(2) == 8 && weight.size(3) == 16;
+  const bool packed = packed_rows(weight);
   if (!g_enabled.load(std::memory_order_relaxed) || !(weight.dim() == 2 || packed) ||
       weight.scalar_type() != wdtype || weight.size(0) == 0)
     return float_linear_py<WTYPE>(x, weight, bias);

@@ -468,7 +468,7 @@ inline void tile_buffered(const W& w, int64_t n0, const float* x, int64_t M, int
     if constexpr (W::packed && R == RT) {
       pf = reinterpret_cast<uintptr_t>(w.at(n0, c1));
       pf_end = pf + uintptr_t(KCV * W::step_stride * sizeof(*w.w));
-      const int64_t calls = (R / G) * ((M + 2) / 3);
+      const int64_t calls = (R / G) * std::max<int64_t>(1, M / 3);  // the 3-row micro-kernel calls below
       pf_step = ((int64_t(pf_end - pf) / 64 + calls - 1) / calls) * 64;
     }
     // the micro-kernel takes G rows: tot is [R/G][M][G]; each block of 3 rows of x is used for all
