@@ -1,8 +1,15 @@
-"""``kiln``: command-line entry point of the runtime (``kiln inspect`` here; generate/serve join later)."""
+"""``kiln``: the command-line entry point.
+
+Each package owns its subcommands (runtime: ``generate``, ``inspect``; serving: ``serve``, ...) and
+declares them in the ``kiln.commands`` entry-point group of pyproject.toml; the group below resolves
+them by name when they are invoked, so the runtime never imports serving or bench, and ``kiln --help``
+does not import every package.
+"""
 
 from __future__ import annotations
 
 import json
+from importlib import metadata
 from pathlib import Path
 
 import click
@@ -50,12 +57,31 @@ def _print_table(rows: list[tuple[str, str]]) -> None:
     click.echo(line)
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+COMMANDS_GROUP = "kiln.commands"
+
+
+class EntryPointGroup(click.Group):
+    """A click group whose subcommands are the installed ``kiln.commands`` entry points, loaded lazily."""
+
+    def _entry_points(self) -> dict[str, metadata.EntryPoint]:
+        return {ep.name: ep for ep in metadata.entry_points(group=COMMANDS_GROUP)}
+
+    def list_commands(self, ctx: click.Context) -> list[str]:
+        return sorted(set(super().list_commands(ctx)) | set(self._entry_points()))
+
+    def get_command(self, ctx: click.Context, name: str) -> click.Command | None:
+        command = super().get_command(ctx, name)
+        if command is None and (ep := self._entry_points().get(name)) is not None:
+            command = ep.load()
+        return command
+
+
+@click.group(cls=EntryPointGroup, context_settings={"help_option_names": ["-h", "--help"]})
 def main() -> None:
     """kiln: run compiled LLM engines."""
 
 
-@main.command()
+@click.command()
 @click.argument("engine_dir", type=click.Path(path_type=Path))
 @click.option("--json", "as_json", is_flag=True, help="Print config.json instead of the table.")
 @click.option("--load", is_flag=True, help="Also load the engine graph (checks rank0.engine).")
@@ -75,11 +101,6 @@ def inspect(engine_dir: Path, as_json: bool, load: bool) -> None:
         click.echo("passes: " + ", ".join(
             f"{k} ({'off' if v == 'disabled' else ', '.join(f'{a}={b}' for a, b in v.items() if not isinstance(b, (dict, list)))})"
             for k, v in report["passes"].items()))
-
-
-from kiln.runtime.generate_cli import generate  # noqa: E402  (the runtime's generate command)
-
-main.add_command(generate)
 
 
 if __name__ == "__main__":
