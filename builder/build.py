@@ -6,6 +6,7 @@ timed; ``progress(stage, message)`` is called as stages start and end (the CLI p
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
 import time
@@ -21,13 +22,19 @@ from kiln.builder.backends import BACKENDS
 from kiln.builder.config import BuildConfig
 from kiln.builder.passes import PassContext, check_names, run_passes
 from kiln.builder.passes.common import count_gemms
-
-ENGINE_FORMAT_VERSION = 1
-ENGINE_FILE = "rank0.engine"
-TOKENIZER_FILES = (
-    "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
-    "vocab.json", "merges.txt", "generation_config.json", "added_tokens.json",
+from kiln.contract import (
+    FORMAT_VERSION,
+    REPORT_FILE,
+    TOKENIZER_FILES,
+    EngineBuildError,
+    EngineConfig,
+    MemorySummary,
+    TokenizerInfo,
+    is_engine_dir,
+    kv_bytes_per_token,
+    rank_file,
 )
+
 STAGES = ("load", "trace", "passes", "export", "memory_plan", "compile", "write")
 
 Progress = Callable[[str, str], None]
@@ -77,13 +84,12 @@ def _check_output_dir(ckpt: Path, out: Path) -> None:
     """The output is replaced wholesale: refuse anything that is not an engine directory we wrote."""
     c, o = ckpt.resolve(), out.resolve()
     if o == c or o in c.parents:
-        raise ValueError(f"output directory {out} would replace the checkpoint {ckpt}; choose another --output")
+        raise EngineBuildError(f"output directory {out} would replace the checkpoint {ckpt}; choose another --output")
     if out.exists():
         if not out.is_dir():
-            raise ValueError(f"output {out} exists and is not a directory")
-        is_engine = (out / "config.json").is_file() and "format_version" in (out / "config.json").read_text()[:4096]
-        if any(out.iterdir()) and not is_engine:
-            raise ValueError(
+            raise EngineBuildError(f"output {out} exists and is not a directory")
+        if any(out.iterdir()) and not is_engine_dir(out):
+            raise EngineBuildError(
                 f"output directory {out} is not empty and does not hold a kiln engine; "
                 "refusing to replace it (choose an empty or new directory)"
             )
@@ -105,13 +111,12 @@ def build_engine(
     timings: dict[str, float] = {}
     t_total = time.perf_counter()
 
-    model_config = load_config(ckpt)
-    build.check_model(model_config)
-    model = model_config.to_dict()
+    model = load_config(ckpt)
+    build.check_model(model)
 
     with _stage("load", timings, progress):
         _, weights = load_checkpoint(ckpt, build.dtype)
-        module = build_model(model_config, weights)
+        module = build_model(model, weights)
         del weights
     with _stage("trace", timings, progress):
         ep = trace.export(module, model, build)
@@ -127,24 +132,24 @@ def build_engine(
         del gm
     with _stage("memory_plan", timings, progress):
         arena = memory_plan.plan(ep)
-        kv_elem = torch.empty(0, dtype=trace.TORCH_DTYPES[build.resolved_kv_cache_dtype]).element_size()
-        kv_bytes_per_token = 2 * model["num_layers"] * model["num_kv_heads"] * model["head_dim"] * kv_elem
-        summary = {
-            "weights_bytes": memory_plan.weights_bytes(ep),
-            "activation_peak_bytes": arena["activation_peak_bytes"],
-            "activation_live_peak_bytes": arena["live_peak_bytes"],
-            "activation_naive_bytes": arena["naive_bytes"],
-            "num_buffers": arena["num_buffers"],
-            "kv_bytes_per_token": kv_bytes_per_token,
-            "kv_tokens_per_gib": (1 << 30) // kv_bytes_per_token,
-        }
+        kv_bytes = kv_bytes_per_token(model, build.resolved_kv_cache_dtype)
+        summary = MemorySummary(
+            weights_bytes=memory_plan.weights_bytes(ep),
+            activation_peak_bytes=arena["activation_peak_bytes"],
+            activation_live_peak_bytes=arena["live_peak_bytes"],
+            activation_naive_bytes=arena["naive_bytes"],
+            num_buffers=arena["num_buffers"],
+            kv_bytes_per_token=kv_bytes,
+            kv_tokens_per_gib=(1 << 30) // kv_bytes,
+        )
     tmp = out.with_name(out.name + ".tmp-build")
     if tmp.exists():
         shutil.rmtree(tmp)
     tmp.mkdir(parents=True)
     try:
         with _stage("compile", timings, progress):
-            backend_stats = BACKENDS[build.backend].compile(ep, tmp / ENGINE_FILE, trace.example_inputs(model, build))
+            engine_file = rank_file(0)
+            backend_stats = BACKENDS[build.backend].compile(ep, tmp / engine_file, trace.example_inputs(model, build))
         with _stage("write", timings, progress):
             eos_ids, bos_id = special_tokens(ckpt)
             copied = []
@@ -152,27 +157,14 @@ def build_engine(
                 if (ckpt / name).is_file():
                     shutil.copy2(ckpt / name, tmp / name)
                     copied.append(name)
-            config = {
-                "format_version": ENGINE_FORMAT_VERSION,
-                "kiln_version": kiln_version(),
-                "torch_version": torch.__version__,
-                "backend": build.backend,
-                "model": model,
-                "build": {
-                    **build.to_dict(),
-                    "kv_cache_dtype": build.resolved_kv_cache_dtype,
-                    "opt_num_tokens": build.resolved_opt_num_tokens,
-                    "max_blocks_per_seq": build.max_blocks_per_seq,
-                    "max_num_logits": build.max_num_logits,
-                },
-                "eos_token_ids": eos_ids,
-                "bos_token_id": bos_id,
-                "io": trace.io_spec(model, build),
-                "memory": summary,
-                "tokenizer_files": copied,
-                "engine_files": [ENGINE_FILE],
-            }
-            (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+            resolved = build.resolved()
+            EngineConfig(
+                format_version=FORMAT_VERSION, torch_version=torch.__version__, kiln_version=kiln_version(),
+                backend=build.backend, dtype=build.dtype, kv_cache_dtype=resolved.kv_cache_dtype,
+                quantization=build.quantization, model=model, bounds=build.engine_bounds(), memory=summary,
+                tokenizer=TokenizerInfo(files=copied, eos_token_ids=eos_ids, bos_token_id=bos_id),
+                engine_files=[engine_file], build=resolved.to_dict(),
+            ).write(tmp)
         timings["total"] = round(time.perf_counter() - t_total, 3)
         report = {
             "checkpoint": str(ckpt.resolve()),
@@ -180,10 +172,10 @@ def build_engine(
             "gemms": {"before_passes": gemms_before, "after_passes": gemms_after},
             "passes": pass_stats,
             "backend": backend_stats,
-            "memory": summary,
+            "memory": dataclasses.asdict(summary),
             "memory_plan": arena,
         }
-        (tmp / "build_report.json").write_text(json.dumps(report, indent=2, default=str) + "\n")
+        (tmp / REPORT_FILE).write_text(json.dumps(report, indent=2, default=str) + "\n")
         if out.exists():
             shutil.rmtree(out)
         tmp.rename(out)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import sys
 import time
 from pathlib import Path
@@ -10,51 +9,14 @@ from pathlib import Path
 import click
 
 from kiln.builder.build import STAGES, build_engine
-from kiln.builder.config import BACKENDS, DTYPES, KV_DTYPES, QUANTIZATIONS, BuildConfig, BuildConfigError
+from kiln.builder.config import BACKENDS, DTYPES, KV_DTYPES, QUANTIZATIONS, BuildConfig
+from kiln.contract import KilnError, format_table, read_build_report, read_engine_config, summary_rows
 
 # CLI flag -> BuildConfig field (flags override the YAML)
 _OVERRIDES = (
     "dtype", "backend", "quantization", "group_size", "max_batch_size", "max_input_len", "max_seq_len",
     "max_num_tokens", "opt_num_tokens", "tokens_per_block", "kv_cache_dtype", "gather_all_logits",
 )
-
-
-def human_bytes(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if abs(n) < 1024 or unit == "GiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n:.1f} GiB"
-
-
-def summary_rows(config: dict, report: dict | None) -> list[tuple[str, str]]:
-    mem = config.get("memory", {})
-    b, m = config["build"], config["model"]
-    rows = [
-        ("model", f"{m['architecture']} ({m['num_layers']} layers, hidden {m['hidden_size']}, vocab {m['vocab_size']})"),
-        ("backend / dtype", f"{config['backend']} / {b['dtype']} (kv {b['kv_cache_dtype']}, quantization {b['quantization']})"),
-        ("limits", f"batch {b['max_batch_size']}, tokens/step {b['max_num_tokens']}, seq {b['max_seq_len']}, "
-                   f"block {b['tokens_per_block']}"),
-        ("weights", human_bytes(mem.get("weights_bytes", 0))),
-        ("activation peak", f"{human_bytes(mem.get('activation_peak_bytes', 0))} "
-                            f"(no reuse: {human_bytes(mem.get('activation_naive_bytes', 0))})"),
-        ("KV bytes/token", f"{mem.get('kv_bytes_per_token', 0)} B"),
-        ("KV tokens in 1 GiB", f"{mem.get('kv_tokens_per_gib', 0):,}"),
-    ]
-    if report:
-        rows.append(("GEMMs before/after passes",
-                     f"{report['gemms']['before_passes']} -> {report['gemms']['after_passes']}"))
-        rows.append(("build time", f"{report['timings_s'].get('total', 0):.1f} s"))
-    return rows
-
-
-def print_table(rows: list[tuple[str, str]]) -> None:
-    width = max(len(k) for k, _ in rows)
-    line = "-" * (width + 3 + max(len(v) for _, v in rows))
-    click.echo(line)
-    for k, v in rows:
-        click.echo(f"{k:<{width}} | {v}")
-    click.echo(line)
 
 
 def _list_passes(ctx: click.Context, _param, value: bool) -> None:
@@ -101,7 +63,7 @@ def build_engine_cmd(checkpoint, output, config_path, disabled, **flags) -> None
         if disabled:
             changes["disabled_passes"] = sorted(set(base.disabled_passes) | set(disabled))
         build = base.replace(**changes) if changes else base
-    except BuildConfigError as exc:
+    except KilnError as exc:
         raise click.ClickException(str(exc)) from None
 
     started: dict[str, float] = {}
@@ -117,13 +79,11 @@ def build_engine_cmd(checkpoint, output, config_path, disabled, **flags) -> None
     click.echo(f"building {checkpoint} -> {output} ({build.backend}, {build.dtype}, quantization {build.quantization})")
     try:
         out = build_engine(checkpoint, output, build, progress=progress)
-    except (BuildConfigError, ValueError, FileNotFoundError) as exc:
+    except (KilnError, FileNotFoundError) as exc:
         if started:
             click.echo("")
         raise click.ClickException(str(exc)) from None
-    config = json.loads((out / "config.json").read_text())
-    report = json.loads((out / "build_report.json").read_text())
-    print_table(summary_rows(config, report))
+    click.echo(format_table(summary_rows(read_engine_config(out), read_build_report(out))))
     click.echo(f"engine written to {out}")
 
 

@@ -15,15 +15,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-DTYPES = ("float32", "bfloat16", "float16")
+from kiln.contract import BACKENDS, QUANTIZATIONS, BuildConfigError, EngineBounds
+from kiln.contract import DTYPES as _TORCH_DTYPES
+
+DTYPES = tuple(_TORCH_DTYPES)
 KV_DTYPES = ("auto",) + DTYPES
-BACKENDS = ("cpu", "cpu-compiled")
-QUANTIZATIONS = ("none", "int8_weight_only", "int4_weight_only")
 LOGITS_DTYPES = ("float32",)
 
-
-class BuildConfigError(ValueError):
-    """A BuildConfig that cannot be built as it is; the message lists every problem and its fix."""
+__all__ = ["BACKENDS", "DTYPES", "KV_DTYPES", "LOGITS_DTYPES", "QUANTIZATIONS", "BuildConfig", "BuildConfigError"]
 
 
 @dataclass
@@ -157,6 +156,19 @@ class BuildConfig:
     @property
     def max_num_logits(self) -> int:
         return self.max_num_tokens if self.gather_all_logits else self.max_batch_size
+
+    def engine_bounds(self) -> EngineBounds:
+        """The bounds the engine is traced with and the runtime enforces (config.json ``bounds``)."""
+        return EngineBounds(
+            max_batch_size=self.max_batch_size, max_num_tokens=self.max_num_tokens, max_input_len=self.max_input_len,
+            max_seq_len=self.max_seq_len, tokens_per_block=self.tokens_per_block, max_num_logits=self.max_num_logits,
+            max_blocks_per_seq=self.max_blocks_per_seq,
+        )
+
+    def resolved(self) -> "BuildConfig":
+        """This config with its documented sentinels replaced by what they mean (``kv_cache_dtype: auto``,
+        ``opt_num_tokens: null``): what config.json records, and what rebuilds the same engine."""
+        return self.replace(kv_cache_dtype=self.resolved_kv_cache_dtype, opt_num_tokens=self.resolved_opt_num_tokens)
 
     # ------------------------------------------------------------------ (de)serialization
     def to_dict(self) -> dict[str, Any]:

@@ -14,16 +14,11 @@ from types import ModuleType
 import torch
 from safetensors import safe_open
 
+from kiln.contract import DTYPES, CheckpointError, ModelConfig
 from kiln.model_defs import gpt2, llama, mistral, qwen2
-from kiln.model_defs.config import ModelConfig
 from kiln.model_defs.hf_config import UnsupportedConfigError
 
 FAMILIES: dict[str, ModuleType] = {arch: fam for fam in (llama, mistral, qwen2, gpt2) for arch in fam.ARCHITECTURES}
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-class CheckpointError(ValueError):
-    """The checkpoint directory cannot be loaded as it is; the message says what to fix."""
 
 
 def family_of(architecture: str) -> ModuleType:

@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from kiln.model_defs.config import ModelConfig
+from kiln.contract import ModelConfig
 from kiln.model_defs.hf_config import UnsupportedConfigError, require
 from kiln.model_defs.layers import Attention, DecoderLayer, DecoderOnlyLM, GeluMLP, LayerNorm
 from kiln.model_defs.weights import WeightSpec

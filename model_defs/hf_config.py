@@ -4,8 +4,10 @@ from __future__ import annotations
 
 from typing import Any
 
+from kiln.contract import CheckpointError
 
-class UnsupportedConfigError(ValueError):
+
+class UnsupportedConfigError(CheckpointError):
     """The checkpoint's config asks for a feature kiln does not implement."""
 
 

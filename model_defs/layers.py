@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import kiln.plugins  # noqa: F401  (registers torch.ops.kiln.*)
-from kiln.model_defs.config import ModelConfig
+from kiln.contract import ModelConfig
 
 ops = torch.ops.kiln
 
@@ -164,8 +164,3 @@ class DecoderOnlyLM(nn.Module):
         x = self.norm(x[logits_indices])
         return self.lm_head(x).float()
 
-
-INPUT_NAMES = (
-    "input_ids", "position_ids", "seq_lens", "context_lens",
-    "block_tables", "slot_mapping", "logits_indices", "kv_cache",
-)

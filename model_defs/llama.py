@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from kiln.model_defs.config import ModelConfig
+from kiln.contract import ModelConfig
 from kiln.model_defs.hf_config import UnsupportedConfigError, require, rope_settings
 from kiln.model_defs.layers import Attention, DecoderLayer, DecoderOnlyLM, GatedMLP, RMSNorm
 from kiln.model_defs.weights import WeightSpec, identity_layout, parameter_shapes

@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from kiln.model_defs import llama
-from kiln.model_defs.config import ModelConfig
+from kiln.contract import ModelConfig
 
 ARCHITECTURES = ("MistralForCausalLM",)
 create = llama.create

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 import torch
 
 from kiln.runtime.detokenizer import IncrementalDetokenizer
-from kiln.runtime.errors import ExecutorClosedError, InvalidRequestError
+from kiln.contract import ExecutorClosedError, InvalidRequestError, SeqChunk, pack_inputs
 from kiln.runtime.kv_cache import KVCacheManager, plan_num_blocks
 from kiln.runtime.metrics import RuntimeMetrics, StepRecord
 from kiln.runtime.outputs import RequestOutput
@@ -78,13 +78,13 @@ class Executor:
         self.engine = engine
         self.config = config = config or ExecutorConfig()
         self.tokenizer = tokenizer
-        b = engine.build
-        self.block_size = int(b["tokens_per_block"])
-        self.vocab_size = int(engine.model["vocab_size"])
-        self.eos_token_ids = tuple(int(t) for t in (engine.eos_token_ids or []))
+        b = engine.config.bounds
+        self.block_size = b.tokens_per_block
+        self.vocab_size = engine.config.model.vocab_size
+        self.eos_token_ids = tuple(engine.config.tokenizer.eos_token_ids)
 
         def bound(name: str, value: int | None) -> int:
-            limit = int(b[name])
+            limit = getattr(b, name)
             if value is None:
                 return limit
             if not 1 <= value <= limit:
@@ -94,7 +94,7 @@ class Executor:
 
         max_batch_size = bound("max_batch_size", config.max_batch_size)
         max_num_tokens = bound("max_num_tokens", config.max_num_tokens)
-        max_seq_len, max_input_len = int(b["max_seq_len"]), int(b["max_input_len"])
+        max_seq_len, max_input_len = b.max_seq_len, b.max_input_len
         num_blocks, why = plan_num_blocks(
             engine.kv_bytes_per_token, self.block_size, memory_fraction=config.kv_cache_memory_fraction,
             max_kv_cache_tokens=config.max_kv_cache_tokens, useful_tokens=2 * max_batch_size * max_seq_len,
@@ -270,38 +270,10 @@ class Executor:
 
     def prepare_inputs(self, out: SchedulerOutput) -> tuple[dict[str, torch.Tensor], list[int]]:
         """Contract inputs for the scheduled tokens; also which scheduled entries produce logits."""
-        bs = self.block_size
-        ids: list[int] = []
-        pos: list[int] = []
-        slots: list[int] = []
-        seq_lens, ctx_lens, logits_idx, sampled, tables = [], [], [], [], []
-        for i, s in enumerate(out.scheduled):
-            req, start, n = s.request, s.start, s.num_new_tokens
-            end = start + n
-            blocks = req.block_ids
-            ids += req.all_token_ids[start:end]
-            r = range(start, end)
-            pos += r
-            slots += [blocks[p // bs] * bs + p % bs for p in r]
-            seq_lens.append(n)
-            ctx_lens.append(end)
-            tables.append(blocks)
-            if s.samples:
-                logits_idx.append(len(ids) - 1)
-                sampled.append(i)
-        width = max(len(t) for t in tables)
-        table = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32)
-        inputs = {
-            "input_ids": torch.tensor(ids, dtype=torch.int64),
-            "position_ids": torch.tensor(pos, dtype=torch.int64),
-            "seq_lens": torch.tensor(seq_lens, dtype=torch.int32),
-            "context_lens": torch.tensor(ctx_lens, dtype=torch.int32),
-            "block_tables": table,
-            "slot_mapping": torch.tensor(slots, dtype=torch.int64),
-            "logits_indices": torch.tensor(logits_idx, dtype=torch.int64),
-            "kv_cache": self.kv_cache,
-        }
-        return inputs, sampled
+        chunks = [SeqChunk(s.request.all_token_ids[s.start:s.start + s.num_new_tokens], s.start,
+                           s.request.block_ids, 1 if s.samples else 0) for s in out.scheduled]
+        sampled = [i for i, s in enumerate(out.scheduled) if s.samples]
+        return pack_inputs(chunks, self.kv_cache, self.block_size), sampled
 
     def step(self) -> None:
         t0 = time.perf_counter()

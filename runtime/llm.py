@@ -22,7 +22,7 @@ from collections.abc import AsyncIterator, Iterator, Sequence
 from pathlib import Path
 
 from kiln.runtime.detokenizer import load_tokenizer
-from kiln.runtime.errors import InvalidRequestError
+from kiln.contract import InvalidRequestError
 from kiln.runtime.executor import Executor, ExecutorConfig
 from kiln.runtime.outputs import RequestOutput
 from kiln.runtime.sampling_params import SamplingParams

@@ -29,7 +29,7 @@ import logging
 import time
 from dataclasses import dataclass, field
 
-from kiln.runtime.errors import InvalidRequestError
+from kiln.contract import InvalidRequestError
 from kiln.runtime.kv_cache import KVCacheManager, cdiv
 from kiln.runtime.request import Request, RequestStatus
 

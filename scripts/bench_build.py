@@ -119,22 +119,14 @@ def build(variant: str, ckpt: Path, size: str = "300m") -> Path:
 
 def decode_inputs(engine, batch: int) -> dict[str, torch.Tensor]:
     """One decode step: ``batch`` sequences each with CONTEXT cached tokens + 1 new one."""
-    block = engine.build["tokens_per_block"]
+    from kiln.contract import SeqChunk, pack_inputs
+
+    block = engine.config.bounds.tokens_per_block
     per_seq = (CONTEXT + 1 + block - 1) // block
     kv = engine.allocate_kv_cache(per_seq * batch)
-    tables = torch.arange(per_seq * batch, dtype=torch.int32).view(batch, per_seq)
-    pos = torch.full((batch,), CONTEXT, dtype=torch.int64)
-    slots = tables[:, CONTEXT // block].long() * block + CONTEXT % block
-    return {
-        "input_ids": torch.randint(3, engine.model["vocab_size"], (batch,)),
-        "position_ids": pos,
-        "seq_lens": torch.ones(batch, dtype=torch.int32),
-        "context_lens": torch.full((batch,), CONTEXT + 1, dtype=torch.int32),
-        "block_tables": tables,
-        "slot_mapping": slots,
-        "logits_indices": torch.arange(batch),
-        "kv_cache": kv,
-    }
+    tokens = torch.randint(3, engine.config.model.vocab_size, (batch,)).tolist()
+    chunks = [SeqChunk([tokens[i]], CONTEXT, range(i * per_seq, (i + 1) * per_seq)) for i in range(batch)]
+    return pack_inputs(chunks, kv, block)
 
 
 GEMM_OPS = ("aten::linear", "aten::mm", "aten::addmm", "kiln::weight_only_linear", "kiln::bf16_linear",
@@ -181,10 +173,10 @@ def breakdown(engine, inputs, steps: int = 3) -> dict[str, float]:
 
 def streamed_bytes(engine) -> int:
     """Weights bytes read by one decode step: all weights except the embedding table (one row gathered)."""
-    m = engine.model
-    elem = 2 if engine.build["dtype"] in ("bfloat16", "float16") else 4
-    embed = 0 if m["tie_word_embeddings"] else m["vocab_size"] * m["hidden_size"] * elem
-    rope = m["max_position_embeddings"] * m["head_dim"] * 4  # rope table, one row gathered
+    m = engine.config.model
+    elem = 2 if engine.config.dtype in ("bfloat16", "float16") else 4
+    embed = 0 if m.tie_word_embeddings else m.vocab_size * m.hidden_size * elem
+    rope = m.max_position_embeddings * m.head_dim * 4  # rope table, one row gathered
     return engine.weights_bytes - embed - rope
 
 

@@ -4,7 +4,6 @@ check that an engine left by an earlier run was built by today's builder."""
 from __future__ import annotations
 
 import fcntl
-import json
 import time
 from pathlib import Path
 
@@ -41,20 +40,25 @@ def ensure_checkpoint(size: str = "300m") -> Path:
 def _builder_sources_mtime() -> float:
     """Newest modification time of the code that decides what an engine holds (passes, plugin
     layouts, model definitions)."""
-    files = [f for d in ("builder", "plugins", "model_defs") for f in (ROOT / d).rglob("*.py")]
+    files = [f for d in ("builder", "contract", "plugins", "model_defs") for f in (ROOT / d).rglob("*.py")]
     return max(f.stat().st_mtime for f in files)
 
 
 def engine_is_current(engine_dir: Path, build: dict) -> bool:
-    """True if ``engine_dir`` holds an engine built with ``build``'s values by the current builder (same
-    pass list, built after the last change to the builder, plugin or model-definition sources): an
-    engine from an older builder would not measure today's kiln, so benchmarks rebuild it."""
+    """True if ``engine_dir`` holds an engine this kiln loads, built with ``build``'s values by the current
+    builder (same pass list, built after the last change to the builder, contract, plugin or
+    model-definition sources): an engine from an older builder would not measure today's kiln, so
+    benchmarks rebuild it."""
     from kiln.builder.passes import PASS_NAMES
+    from kiln.contract import EngineLoadError, read_build_report, read_engine_config
 
-    cfg, report = engine_dir / "config.json", engine_dir / "build_report.json"
-    if not (cfg.exists() and report.exists()) or cfg.stat().st_mtime < _builder_sources_mtime():
+    try:
+        config = read_engine_config(engine_dir)
+    except EngineLoadError:
         return False
-    have = json.loads(cfg.read_text())["build"]
-    passes = list(json.loads(report.read_text())["passes"])
+    report = read_build_report(engine_dir)
+    if report is None or (engine_dir / "config.json").stat().st_mtime < _builder_sources_mtime():
+        return False
     # values left to the builder (None / "auto") are stored resolved: they match whatever it chose
-    return all(have.get(k) == v for k, v in build.items() if v not in (None, "auto")) and passes == PASS_NAMES
+    return (all(config.build.get(k) == v for k, v in build.items() if v not in (None, "auto"))
+            and list(report["passes"]) == PASS_NAMES)

@@ -91,10 +91,11 @@ def op_cases(batch: int, dtype):
 def engine_step_ms(variant: str, batch: int, steps: int) -> float:
     sys.path.insert(0, str(ROOT / "scripts"))
     import bench_build as bb
+    from bench_common import engine_is_current
     from kiln.runtime import Engine
 
     path = bb.engine_dir(variant)
-    if not (path / "config.json").exists():
+    if not engine_is_current(path, bb.build_config(variant).to_dict()):
         bb.build(variant, bb.ensure_checkpoint())
     engine = Engine.from_dir(path)
     inputs = bb.decode_inputs(engine, batch)

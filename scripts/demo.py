@@ -12,13 +12,12 @@
 
 from __future__ import annotations
 
-import json
 import sys
 import time
 from pathlib import Path
 
 from kiln.builder import BuildConfig, build_engine
-from kiln.builder.cli import print_table, summary_rows
+from kiln.contract import format_table, read_build_report, read_engine_config, summary_rows
 from kiln.model_defs.synthetic import make_checkpoint
 from kiln.runtime import LLM, SamplingParams
 
@@ -40,8 +39,7 @@ def main() -> None:
     print(f"building {ckpt.name} -> {engine_dir.name} ({build.backend}, {build.dtype})")
     build_engine(ckpt, engine_dir, build,
                  progress=lambda stage, msg: print(f"  {stage:<12} {msg}", flush=True))
-    print_table(summary_rows(json.loads((engine_dir / "config.json").read_text()),
-                             json.loads((engine_dir / "build_report.json").read_text())))
+    print(format_table(summary_rows(read_engine_config(engine_dir), read_build_report(engine_dir))))
 
     # generation: a handful of prompts submitted together, served with in-flight batching
     # (max_batch_size 4 < 6 prompts, so some wait for a seat and join as others finish)

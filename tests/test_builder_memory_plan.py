@@ -69,7 +69,7 @@ def test_plan_of_a_traced_model_uses_the_max_profile(tiny_llama):
     for max_tokens in (32, 64):
         build = BuildConfig(max_batch_size=4, max_num_tokens=max_tokens, max_input_len=32, max_seq_len=64,
                             tokens_per_block=4)
-        ep = trace.export(model, cfg.to_dict(), build)
+        ep = trace.export(model, cfg, build)
         plans[max_tokens] = memory_plan.plan(ep)
     p = plans[32]
     assert p["unsized"] == []
@@ -94,6 +94,6 @@ def test_plan_of_a_traced_model_uses_the_max_profile(tiny_llama):
 def test_weights_bytes(tiny_llama):
     cfg, model = tiny_llama
     build = BuildConfig(max_batch_size=2, max_num_tokens=16, max_input_len=16, max_seq_len=32, tokens_per_block=4)
-    ep = trace.export(model, cfg.to_dict(), build)
+    ep = trace.export(model, cfg, build)
     expected = sum(p.numel() * 4 for p in model.parameters()) + model.rope_table.numel() * 4
     assert memory_plan.weights_bytes(ep) == expected

@@ -22,7 +22,7 @@ STEPS = [[("a", [5, 9, 14, 3, 7, 11]), ("b", [8, 2, 4])], [("c", [6, 6, 1, 9, 10
 def _traced(path, dtype=torch.float32, build=BUILD):
     cfg, weights = load_checkpoint(path, dtype)
     model = build_model(cfg, weights)
-    return cfg, trace.export(model, cfg.to_dict(), build).module()
+    return cfg, trace.export(model, cfg, build).module()
 
 
 @pytest.fixture(scope="module")
@@ -36,7 +36,7 @@ def qwen2(checkpoint_dir):  # q/k/v biases, tied embeddings
 
 
 def run_steps(gm, cfg, dtype=torch.float32):
-    b = PagedBatcher(cfg.num_layers, 32, BUILD.tokens_per_block, cfg.num_kv_heads, cfg.head_dim, dtype=dtype)
+    b = PagedBatcher(cfg, 32, BUILD.tokens_per_block, dtype=dtype)
     with torch.no_grad():
         return torch.cat([gm(**b.step(step, all_logits=True)) for step in STEPS])
 
@@ -221,7 +221,7 @@ def test_inline_plugins(llama):
     assert kiln_ops == {"kiln.paged_attention.default"}  # only attention stays a plugin
     torch.testing.assert_close(run_steps(new, cfg), run_steps(gm, cfg), atol=1e-5, rtol=1e-5)
     # after a re-export the graph holds aten ops only (plus attention)
-    ep = trace.export(new, cfg.to_dict(), compiled)
+    ep = trace.export(new, cfg, compiled)
     targets_after = {str(n.target) for n in ep.graph.nodes if n.op == "call_function"}
     assert "kiln.paged_attention.default" in targets_after
     assert not any(t.startswith("kiln.") and "paged_attention" not in t for t in targets_after)

@@ -14,8 +14,8 @@ import pytest
 import torch
 
 from kiln.builder import BuildConfig, build_engine
+from kiln.contract import FORMAT_VERSION, EngineConfig, EngineLoadError, io_spec
 from kiln.runtime import Engine
-from kiln.runtime.engine import EngineLoadError
 from paged_batch import PagedBatcher
 
 FAMILIES = ["llama", "mistral", "qwen2", "gpt2"]
@@ -54,9 +54,8 @@ def hf_logits(path, tokens: list[int]) -> torch.Tensor:
 
 
 def new_batcher(engine: Engine, seed: int = 0) -> PagedBatcher:
-    m = engine.model
-    return PagedBatcher(m["num_layers"], 64, engine.build["tokens_per_block"], m["num_kv_heads"], m["head_dim"],
-                        dtype=engine.kv_dtype, seed=seed)
+    return PagedBatcher(engine.config.model, 64, engine.config.bounds.tokens_per_block, dtype=engine.kv_dtype,
+                        seed=seed)
 
 
 # (seq, new tokens) per step: packed prefills, then mixed steps (a late prefill, a 2nd chunk with a
@@ -96,7 +95,7 @@ def run_schedule(engine: Engine, vocab: int, seed: int = 1, all_logits: bool = T
 
 
 def max_error_vs_hf(engine: Engine, path) -> float:
-    tokens, got = run_schedule(engine, engine.model["vocab_size"])
+    tokens, got = run_schedule(engine, engine.config.model.vocab_size)
     err = 0.0
     for s, toks in tokens.items():
         ref = hf_logits(path, toks)
@@ -112,7 +111,7 @@ def test_fp32_engine_matches_transformers(family, engine_of, checkpoint_dir):
     err = max_error_vs_hf(engine, checkpoint_dir(family))
     assert err <= FP32_ATOL, f"{family}: max abs logit error {err}"
     report = json.loads((engine.directory / "build_report.json").read_text())
-    layers = engine.model["num_layers"]
+    layers = engine.config.model.num_layers
     gemms = report["gemms"]
     # per layer: q/k/v -> 1 GEMM; gate/up -> 1 GEMM (gated MLP families)
     saved = 2 * layers + (layers if family != "gpt2" else 0)
@@ -124,16 +123,21 @@ def test_engine_directory_contents(engine_of, checkpoint_dir):
     d = engine.directory
     for name in ("config.json", "rank0.engine", "build_report.json", "tokenizer.json", "tokenizer_config.json"):
         assert (d / name).is_file(), name
-    cfg = engine.config
-    assert cfg["format_version"] == 1 and cfg["backend"] == "cpu"
+    cfg = json.loads((d / "config.json").read_text())
+    assert cfg["format_version"] == FORMAT_VERSION and cfg["backend"] == "cpu"
     assert cfg["torch_version"] == torch.__version__ and cfg["kiln_version"]
     assert cfg["model"]["architecture"] == "LlamaForCausalLM"
     assert cfg["build"]["max_num_tokens"] == 256 and cfg["build"]["kv_cache_dtype"] == "float32"
-    assert cfg["eos_token_ids"] == [2] and cfg["bos_token_id"] == 1
-    names = [i["name"] for i in cfg["io"]["inputs"]]
+    assert cfg["tokenizer"]["eos_token_ids"] == [2] and cfg["tokenizer"]["bos_token_id"] == 1
+    # the build section reads back as the BuildConfig that rebuilds this engine; the bounds are resolved from it
+    assert BuildConfig.from_dict(cfg["build"]) == BUILD.resolved()
+    assert cfg["bounds"]["max_num_logits"] == 256 and cfg["bounds"]["max_blocks_per_seq"] == 32
+    assert EngineConfig.from_dict(cfg) == engine.config
+    io = io_spec(engine.config)
+    names = [i["name"] for i in io["inputs"]]
     assert names == ["input_ids", "position_ids", "seq_lens", "context_lens", "block_tables", "slot_mapping",
                      "logits_indices", "kv_cache"]
-    assert cfg["io"]["dims"]["num_tokens"] == [1, 256] and cfg["io"]["dims"]["max_blocks_per_seq"] == [1, 32]
+    assert io["dims"]["num_tokens"] == [1, 256] and io["dims"]["max_blocks_per_seq"] == [1, 32]
     mem = cfg["memory"]
     m = cfg["model"]
     assert mem["kv_bytes_per_token"] == engine.kv_bytes_per_token == 2 * m["num_layers"] * m["num_kv_heads"] * m["head_dim"] * 4
@@ -150,8 +154,8 @@ def test_engine_directory_contents(engine_of, checkpoint_dir):
 
 def test_engine_accepts_last_token_logits_and_rejects_missing_inputs(engine_of):
     engine = engine_of("llama")
-    tokens, got = run_schedule(engine, engine.model["vocab_size"], all_logits=False)
-    _, full = run_schedule(engine, engine.model["vocab_size"], all_logits=True)
+    tokens, got = run_schedule(engine, engine.config.model.vocab_size, all_logits=False)
+    _, full = run_schedule(engine, engine.config.model.vocab_size, all_logits=True)
     for s in got:
         for p, row in got[s].items():
             torch.testing.assert_close(row, full[s][p], atol=1e-5, rtol=1e-5)
@@ -164,7 +168,7 @@ def test_engine_accepts_last_token_logits_and_rejects_missing_inputs(engine_of):
 def test_engine_rejects_steps_beyond_its_bounds(engine_of):
     engine = engine_of("llama")
     b = new_batcher(engine)
-    too_many = [(i, [3]) for i in range(engine.build["max_batch_size"] + 1)]
+    too_many = [(i, [3]) for i in range(engine.config.bounds.max_batch_size + 1)]
     with pytest.raises(ValueError, match=r"num_seqs \(seq_lens\) = 5 is outside this engine's range \[1, 4\]"):
         engine.run(b.step(too_many))
     ok = new_batcher(engine).step([("a", [3, 4, 5])])
@@ -187,7 +191,7 @@ def _agreement(engine_q: Engine, engine_ref: Engine, positions: int = 256,
 
     "Decided" rows are those where the fp32 engine's top-2 logit margin is at least DECIDED_MARGIN.
     """
-    vocab = engine_ref.model["vocab_size"]
+    vocab = engine_ref.config.model.vocab_size
     rng = random.Random(7)
     if seqs is None:
         seqs = [[rng.randrange(3, vocab) for _ in range(64)] for _ in range(positions // 64)]
@@ -258,8 +262,8 @@ def test_bf16_engine(engine_of, checkpoint_dir):
     ref = engine_of("qwen2")
     eng = engine_of("qwen2", dtype="bfloat16")
     assert eng.kv_dtype == torch.bfloat16 and eng.weights_bytes < 0.65 * ref.weights_bytes  # the fp32 rope table stays
-    _, got = run_schedule(eng, eng.model["vocab_size"])
-    _, want = run_schedule(ref, ref.model["vocab_size"])
+    _, got = run_schedule(eng, eng.config.model.vocab_size)
+    _, want = run_schedule(ref, ref.config.model.vocab_size)
     scale = max(r.abs().max().item() for s in want for r in want[s].values())
     err = max((got[s][p] - want[s][p]).abs().max().item() for s in want for p in want[s])
     assert err <= 0.05 * scale, (err, scale)
@@ -295,7 +299,7 @@ def test_load_errors_incompatible(engine_copy):
     _edit_config(engine_copy, format_version=99)
     with pytest.raises(EngineLoadError, match=r"format version 99.*rebuild"):
         Engine.from_dir(engine_copy)
-    _edit_config(engine_copy, format_version=1, torch_version="2.1.0")
+    _edit_config(engine_copy, format_version=FORMAT_VERSION, torch_version="2.1.0")
     with pytest.raises(EngineLoadError, match=r"torch 2\.1\.0.*cannot be loaded by torch"):
         Engine.from_dir(engine_copy)
     _edit_config(engine_copy, torch_version=torch.__version__, backend="tensorrt")
@@ -304,7 +308,7 @@ def test_load_errors_incompatible(engine_copy):
     (engine_copy / "config.json").write_text("{not json")
     with pytest.raises(EngineLoadError, match="not valid JSON"):
         Engine.from_dir(engine_copy)
-    (engine_copy / "config.json").write_text('{"format_version": 1}')
+    (engine_copy / "config.json").write_text(json.dumps({"format_version": FORMAT_VERSION}))
     with pytest.raises(EngineLoadError, match="'torch_version' is missing"):
         Engine.from_dir(engine_copy)
 
@@ -357,5 +361,5 @@ def test_a_step_without_logits(engine_of):
     inputs = b.step([("a", [3, 4, 5, 6])])
     inputs["logits_indices"] = inputs["logits_indices"][:0]
     out = engine.run(inputs)
-    assert out.shape == (0, engine.model["vocab_size"])
+    assert out.shape == (0, engine.config.model.vocab_size)
     assert inputs["kv_cache"].abs().sum() > 0  # the chunk's keys/values were written

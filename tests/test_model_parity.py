@@ -71,7 +71,7 @@ def kiln_model(path, dtype=torch.float32):
 
 def new_batcher(model, dtype, seed=0) -> PagedBatcher:
     cfg = model.config
-    return PagedBatcher(cfg.num_layers, NUM_BLOCKS, BLOCK_SIZE, cfg.num_kv_heads, cfg.head_dim, dtype=dtype, seed=seed)
+    return PagedBatcher(cfg, NUM_BLOCKS, BLOCK_SIZE, dtype=dtype, seed=seed)
 
 
 def run_step(model, batcher, entries, all_logits):

@@ -314,7 +314,7 @@ def contract_inputs(model, plan, num_blocks, block_size, seed, extra_logits=()):
     from paged_batch import PagedBatcher
 
     cfg = model.config
-    batcher = PagedBatcher(cfg.num_layers, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim, seed=seed)
+    batcher = PagedBatcher(cfg, num_blocks, block_size, seed=seed)
     rng = random.Random(seed)
     for warmup in plan[:-1]:  # earlier steps fill the cache
         with torch.no_grad():
@@ -329,7 +329,8 @@ def contract_inputs(model, plan, num_blocks, block_size, seed, extra_logits=()):
 def test_model_exports_with_dynamic_shapes(checkpoint_dir, family):
     from torch.export import Dim
 
-    from kiln.model_defs import INPUT_NAMES, load_model
+    from kiln.contract import INPUT_NAMES
+    from kiln.model_defs import load_model
 
     model = load_model(checkpoint_dir(family))
     block_size = 4

@@ -12,8 +12,7 @@ import time
 
 import pytest
 
-from kiln.runtime import LLM, RequestOutput, SamplingParams
-from kiln.runtime.errors import InvalidRequestError
+from kiln.runtime import LLM, InvalidRequestError, RequestOutput, SamplingParams
 from runtime_support import get_engine, hf_greedy, random_prompts
 
 pytestmark = pytest.mark.xdist_group("runtime")   # one worker builds the engines once

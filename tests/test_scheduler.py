@@ -6,7 +6,7 @@ import itertools
 
 import pytest
 
-from kiln.runtime.errors import InvalidRequestError
+from kiln.contract import InvalidRequestError
 from kiln.runtime.kv_cache import KVCacheManager
 from kiln.runtime.request import Request, RequestStatus
 from kiln.runtime.sampling_params import SamplingParams

@@ -14,6 +14,7 @@ from typing import Any
 import torch
 
 from kiln.builder.config import BuildConfig
+from kiln.contract import BuildConfigError, ModelConfig
 from kiln.builder.passes import (
     dead_code,
     fast_linear,
@@ -33,14 +34,14 @@ PASS_NAMES = [p.NAME for p in PASSES]
 @dataclass
 class PassContext:
     build: BuildConfig
-    model: dict[str, Any]
+    model: ModelConfig
     stats: dict[str, Any] = field(default_factory=dict)
 
 
 def check_names(names: list[str]) -> None:
     unknown = [n for n in names if n not in PASS_NAMES]
     if unknown:
-        raise ValueError(f"unknown pass name(s) {unknown}; passes are {PASS_NAMES}")
+        raise BuildConfigError(f"unknown pass name(s) {unknown}; passes are {PASS_NAMES}")
 
 
 def run_passes(gm: torch.fx.GraphModule, ctx: PassContext, disabled: list[str] | tuple[str, ...] = ()) -> dict[str, Any]:

@@ -36,16 +36,13 @@ def linear_bias(node: fx.Node):
     return node.args[2] if len(node.args) > 2 else node.kwargs.get("bias")
 
 
-GEMM_TARGETS: set = {LINEAR}
-
-
-def register_gemm_target(target) -> None:
-    """Passes that introduce new GEMM ops register them so :func:`count_gemms` sees them."""
-    GEMM_TARGETS.add(target)
+# Every GEMM op a graph can hold: aten.linear as traced, the plugins' linears the passes put in its place.
+GEMM_OPS = frozenset({"aten::linear", "kiln::weight_only_linear", "kiln::fp32_linear", "kiln::bf16_linear"})
 
 
 def count_gemms(gm: fx.GraphModule) -> int:
-    return sum(1 for n in gm.graph.nodes if n.op == "call_function" and n.target in GEMM_TARGETS)
+    return sum(1 for n in gm.graph.nodes
+               if n.op == "call_function" and isinstance(n.target, torch._ops.OpOverload) and n.target.name() in GEMM_OPS)
 
 
 def add_weight(gm: fx.GraphModule, name: str, tensor: torch.Tensor, before: fx.Node) -> fx.Node:
@@ -57,10 +54,6 @@ def add_weight(gm: fx.GraphModule, name: str, tensor: torch.Tensor, before: fx.N
     gm.register_buffer(unique, tensor.contiguous(), persistent=True)
     with gm.graph.inserting_before(before):
         return gm.graph.get_attr(unique)
-
-
-def first_node(gm: fx.GraphModule) -> fx.Node:
-    return next(iter(gm.graph.nodes))
 
 
 def prune_unused_attrs(gm: fx.GraphModule) -> int:

@@ -16,7 +16,7 @@ from __future__ import annotations
 from torch import fx
 
 from kiln.builder.passes.common import (
-    add_weight, attr, is_linear, linear_bias, prune_unused_attrs, register_gemm_target,
+    add_weight, attr, is_linear, linear_bias, prune_unused_attrs,
 )
 
 NAME = "fast_linear"
@@ -41,8 +41,6 @@ def run(gm: fx.GraphModule, ctx) -> dict:
     from kiln.plugins import weight_only_linear as wol
 
     ops = {torch.float32: torch.ops.kiln.fp32_linear.default, torch.bfloat16: torch.ops.kiln.bf16_linear.default}
-    for op in ops.values():
-        register_gemm_target(op)
     shared = _shared_weights(gm)
     counts: dict[str, int] = {}
     packed = plain = 0  # GEMMs on packed / plain weights

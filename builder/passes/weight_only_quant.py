@@ -12,7 +12,7 @@ from __future__ import annotations
 from torch import fx
 
 from kiln.builder.passes.common import (
-    add_weight, attr, is_linear, linear_bias, prune_unused_attrs, register_gemm_target, weights_bytes,
+    add_weight, attr, is_linear, linear_bias, prune_unused_attrs, weights_bytes,
 )
 
 NAME = "weight_only_quant"
@@ -24,9 +24,6 @@ def _plugin():
         from kiln.plugins import weight_only_linear as wol
     except ImportError as exc:  # pragma: no cover - the plugin ships with kiln
         raise RuntimeError(f"quantization needs kiln.plugins.weight_only_linear ({exc})") from None
-    import torch
-
-    register_gemm_target(torch.ops.kiln.weight_only_linear.default)
     return wol
 
 

@@ -1,4 +1,8 @@
-"""ModelConfig: the architecture facts kiln needs, mapped from a Hugging Face config.json."""
+"""ModelConfig: the architecture facts an engine is built from and the runtime sizes its KV pool by.
+
+``kiln.model_defs`` maps a Hugging Face config.json onto it; the builder writes it as the ``model``
+section of the engine's config.json; the runtime reads it back from there (never from model_defs).
+"""
 
 from __future__ import annotations
 
@@ -24,7 +28,7 @@ class ModelConfig:
     rope_theta: float = 10000.0
     rope_scaling: dict[str, Any] | None = None
     tie_word_embeddings: bool = False
-    sliding_window: int = 0  # 0 = full attention
+    sliding_window: int = 0  # 0 = full attention; else each token attends to the last sliding_window positions
     attention_bias: bool = False
     attention_out_bias: bool = False
     mlp_bias: bool = False
@@ -35,14 +39,8 @@ class ModelConfig:
         return dataclasses.asdict(self)
 
     @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> "ModelConfig":
-        names = {f.name for f in dataclasses.fields(cls)}
-        unknown = set(data) - names
-        if unknown:
-            raise ValueError(f"unknown ModelConfig fields {sorted(unknown)}")
-        return cls(**data)
+    def from_dict(cls, data: dict[str, Any], where: str = "model") -> "ModelConfig":
+        """Checked: a missing, unknown or mistyped key raises EngineLoadError naming ``where.key``."""
+        from kiln.contract.typed import read_dataclass
 
-    @property
-    def kv_bytes_per_token_per_element(self) -> int:
-        """K and V elements one token occupies across all layers."""
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim
+        return read_dataclass(cls, data, where)

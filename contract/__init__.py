@@ -1,0 +1,65 @@
+"""kiln.contract: what passes between the builder and the runtime, written once.
+
+The engine's I/O contract (input names, dtypes, dynamic dims, the KV pool's shape and bytes per token,
+the one packer of scheduled sequences into inputs), the engine directory format (file names, format
+version, the typed EngineConfig and its compatibility check, the summary both CLIs print) and kiln's
+error family. Every other kiln package may import it; it imports only torch and the standard library.
+"""
+
+from kiln.contract.engine_config import (
+    BACKENDS,
+    CONFIG_FILE,
+    FORMAT_VERSION,
+    QUANTIZATIONS,
+    REPORT_FILE,
+    SUPPORTED_FORMAT_VERSIONS,
+    TOKENIZER_FILES,
+    EngineBounds,
+    EngineConfig,
+    MemorySummary,
+    TokenizerInfo,
+    check_compatible,
+    is_engine_dir,
+    rank_file,
+    read_build_report,
+    read_engine_config,
+)
+from kiln.contract.errors import (
+    BuildConfigError,
+    CheckpointError,
+    ConfigError,
+    EngineBuildError,
+    EngineInputError,
+    EngineLoadError,
+    ExecutorClosedError,
+    InvalidRequestError,
+    KilnError,
+)
+from kiln.contract.io import (
+    DTYPES,
+    INDEX_DTYPES,
+    INPUT_AXES,
+    INPUT_NAMES,
+    OUTPUT_NAME,
+    SeqChunk,
+    check_inputs,
+    dim_ranges,
+    io_spec,
+    kv_bytes_per_token,
+    kv_cache_shape,
+    pack_inputs,
+    torch_dtype,
+)
+from kiln.contract.model import ModelConfig
+from kiln.contract.summary import format_table, human_bytes, summary_rows
+
+__all__ = [
+    "BACKENDS", "CONFIG_FILE", "DTYPES", "FORMAT_VERSION", "INDEX_DTYPES", "INPUT_AXES", "INPUT_NAMES",
+    "OUTPUT_NAME", "QUANTIZATIONS", "REPORT_FILE", "SUPPORTED_FORMAT_VERSIONS", "TOKENIZER_FILES",
+    "BuildConfigError", "CheckpointError", "ConfigError", "EngineBounds", "EngineBuildError", "EngineConfig", "EngineInputError",
+    "EngineLoadError", "ExecutorClosedError", "InvalidRequestError", "KilnError", "MemorySummary", "ModelConfig",
+    "SeqChunk", "TokenizerInfo",
+    "check_compatible", "check_inputs", "dim_ranges", "format_table", "human_bytes", "io_spec", "is_engine_dir",
+    "kv_bytes_per_token", "kv_cache_shape", "pack_inputs", "rank_file", "read_build_report", "read_engine_config",
+    "summary_rows", "torch_dtype",
+]

@@ -1,0 +1,220 @@
+"""The engine directory: file names, format version and the typed ``config.json`` (:class:`EngineConfig`).
+
+An engine directory is the only thing that passes from ``build-engine`` to the runtime::
+
+    config.json          EngineConfig.to_dict(): format, versions, backend, precision, model, bounds,
+                         memory summary, tokenizer, engine files, and the BuildConfig it was built with
+    rank{r}.engine       the compiled graph of tensor-parallel rank r (rank0.engine when tp_size = 1)
+    build_report.json    stage timings, pass statistics, the memory plan (for people; nothing loads it)
+    tokenizer files      copied from the checkpoint
+
+Reading is strict: the format version is checked first (an older or newer layout gets the "rebuild"
+error before anything else is read), then every key of the file against the dataclasses below, so a
+missing or mistyped key raises :class:`EngineLoadError` naming it.
+
+Format history: 1 (until this version) kept the resolved bounds inside ``build`` and an ``io`` block;
+2 splits the BuildConfig knobs (``build``, readable by ``BuildConfig.from_dict``) from the bounds the
+runtime enforces (``bounds``); the I/O description is derived from the contract (``io_spec``).
+Engines of format 1 are refused with the rebuild message.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from kiln.contract.errors import EngineLoadError
+from kiln.contract.io import DTYPES, kv_bytes_per_token
+from kiln.contract.model import ModelConfig
+from kiln.contract.typed import read_dataclass
+
+FORMAT_VERSION = 2
+SUPPORTED_FORMAT_VERSIONS = (FORMAT_VERSION,)
+CONFIG_FILE = "config.json"
+REPORT_FILE = "build_report.json"
+TOKENIZER_FILES = (
+    "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
+    "vocab.json", "merges.txt", "generation_config.json", "added_tokens.json",
+)
+BACKENDS = ("cpu", "cpu-compiled")   # what the builder writes and the runtime loads today
+QUANTIZATIONS = ("none", "int8_weight_only", "int4_weight_only")
+
+
+def rank_file(rank: int) -> str:
+    """The engine file of tensor-parallel rank ``rank``."""
+    return f"rank{rank}.engine"
+
+
+@dataclass(frozen=True)
+class EngineBounds:
+    """The largest step and sequence the engine accepts (resolved by the builder from its BuildConfig)."""
+
+    max_batch_size: int        # sequences per step
+    max_num_tokens: int        # packed tokens per step
+    max_input_len: int         # longest prompt
+    max_seq_len: int           # longest sequence (prompt + generated)
+    tokens_per_block: int      # KV block size
+    max_num_logits: int        # logits rows per step (max_batch_size, or max_num_tokens when all are gathered)
+    max_blocks_per_seq: int    # block table width: ceil(max_seq_len / tokens_per_block)
+
+
+@dataclass(frozen=True)
+class MemorySummary:
+    """What the builder's memory plan found, in bytes (at the largest step the bounds allow)."""
+
+    weights_bytes: int
+    activation_peak_bytes: int          # arena size
+    activation_live_peak_bytes: int     # largest total of buffers live at once (lower bound on any arena)
+    activation_naive_bytes: int         # every buffer its own memory
+    num_buffers: int
+    kv_bytes_per_token: int
+    kv_tokens_per_gib: int
+
+
+@dataclass(frozen=True)
+class TokenizerInfo:
+    files: list[str] = field(default_factory=list)     # copied into the engine directory
+    eos_token_ids: list[int] = field(default_factory=list)
+    bos_token_id: int | None = None
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """The typed ``config.json`` of an engine directory."""
+
+    format_version: int
+    torch_version: str
+    kiln_version: str
+    backend: str
+    dtype: str                  # weights and activations
+    kv_cache_dtype: str
+    quantization: str
+    model: ModelConfig
+    bounds: EngineBounds
+    memory: MemorySummary
+    tokenizer: TokenizerInfo
+    engine_files: list[str]     # rank_file(r) for r in range(tp_size)
+    build: dict[str, Any]       # the builder's BuildConfig.to_dict() (knobs as resolved): rebuild with it
+
+    @property
+    def tp_size(self) -> int:
+        return len(self.engine_files)
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        return kv_bytes_per_token(self.model, self.kv_cache_dtype)
+
+    @property
+    def torch_kv_dtype(self) -> torch.dtype:
+        return DTYPES[self.kv_cache_dtype]
+
+    def problems(self) -> list[str]:
+        """Values that are well typed but impossible (a hand-edited or foreign file)."""
+        out = []
+        for name, allowed in (("dtype", tuple(DTYPES)), ("kv_cache_dtype", tuple(DTYPES)),
+                              ("quantization", QUANTIZATIONS)):
+            if getattr(self, name) not in allowed:
+                out.append(f"{name}={getattr(self, name)!r} is not one of {list(allowed)}")
+        b = self.bounds
+        small = [f"bounds.{f.name}={getattr(b, f.name)}" for f in dataclasses.fields(b) if getattr(b, f.name) < 1]
+        if small:
+            out.append(f"{', '.join(small)}: bounds must be >= 1")
+        if self.engine_files != [rank_file(r) for r in range(len(self.engine_files))] or not self.engine_files:
+            out.append(f"engine_files={self.engine_files} must be rank0.engine .. rank<tp_size-1>.engine")
+        return out
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: Any, source: str = CONFIG_FILE) -> "EngineConfig":
+        """Checked: the format version first, then every key and value; EngineLoadError names the key."""
+        check_format_version(data, source)
+        try:
+            config = read_dataclass(cls, data, "")
+        except EngineLoadError as exc:
+            raise EngineLoadError(f"{source}: {exc}; this is not a valid kiln engine config, rebuild the engine") from None
+        issues = config.problems()
+        if issues:
+            raise EngineLoadError(f"{source}: " + "; ".join(issues) + "; rebuild the engine")
+        return config
+
+    def write(self, directory: str | Path) -> Path:
+        path = Path(directory) / CONFIG_FILE
+        path.write_text(json.dumps(self.to_dict(), indent=2) + "\n")
+        return path
+
+
+def check_format_version(data: Any, source: str = CONFIG_FILE) -> None:
+    """A config.json of a format this kiln reads, else the rebuild error (checked before anything else)."""
+    if not isinstance(data, dict):
+        raise EngineLoadError(f"{source}: not a JSON object; this is not a kiln engine config, rebuild the engine")
+    if "format_version" not in data:
+        raise EngineLoadError(f"{source}: key 'format_version' is missing; this is not a kiln engine config, rebuild it")
+    fmt = data["format_version"]
+    if type(fmt) is not int or fmt not in SUPPORTED_FORMAT_VERSIONS:
+        raise EngineLoadError(
+            f"{source}: engine format version {fmt!r} (built by kiln {data.get('kiln_version', '?')}) is not "
+            f"supported by this kiln, which reads format(s) {list(SUPPORTED_FORMAT_VERSIONS)}; rebuild the "
+            "engine with this kiln's build-engine"
+        )
+
+
+def _torch_release(version: str) -> str:
+    return version.split("+")[0]
+
+
+def check_compatible(config: EngineConfig, source: str, runnable_backends: tuple[str, ...] = BACKENDS) -> None:
+    """EngineLoadError unless this process can run the engine: its backend, and the torch it was built with
+    (an AOTInductor package links against libtorch: the exact release; an ExportedProgram: major.minor)."""
+    if config.backend not in runnable_backends:
+        raise EngineLoadError(f"{source}: backend {config.backend!r} cannot run here; this runtime runs "
+                              f"{list(runnable_backends)}")
+    built, here = _torch_release(config.torch_version), _torch_release(torch.__version__)
+    same = built == here if config.backend == "cpu-compiled" else built.split(".")[:2] == here.split(".")[:2]
+    if not same:
+        raise EngineLoadError(
+            f"{source}: engine built with torch {config.torch_version} ({config.backend} backend) cannot be "
+            f"loaded by torch {torch.__version__}; rebuild the engine with this torch"
+        )
+
+
+def is_engine_dir(path: str | Path) -> bool:
+    """Does ``path`` look like a directory build-engine wrote (a config.json with a format version)?"""
+    cfg = Path(path) / CONFIG_FILE
+    try:
+        return cfg.is_file() and "format_version" in json.loads(cfg.read_text())
+    except (OSError, ValueError):
+        return False
+
+
+def read_engine_config(path: str | Path) -> EngineConfig:
+    """The checked EngineConfig of an engine directory, compatible with this process (no graph is loaded)."""
+    directory = Path(path)
+    if not directory.is_dir():
+        raise EngineLoadError(f"{directory}: not an engine directory (it does not exist or is not a directory)")
+    cfg_path = directory / CONFIG_FILE
+    if not cfg_path.is_file():
+        raise EngineLoadError(f"{cfg_path}: missing; build the engine with `build-engine --checkpoint ... "
+                              f"--output {directory}`")
+    try:
+        data = json.loads(cfg_path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise EngineLoadError(f"{cfg_path}: not valid JSON ({exc}); rebuild the engine") from None
+    config = EngineConfig.from_dict(data, str(cfg_path))
+    check_compatible(config, str(directory))
+    return config
+
+
+def read_build_report(path: str | Path) -> dict[str, Any] | None:
+    """build_report.json of an engine directory (None when absent or unreadable: it is informational)."""
+    report = Path(path) / REPORT_FILE
+    try:
+        return json.loads(report.read_text())
+    except (OSError, ValueError):
+        return None

@@ -1,0 +1,175 @@
+"""The engine's I/O contract: packed tokens of a mixed batch in, float32 logits out.
+
+One forward pass runs context (prefill chunk) sequences and generation sequences together, their
+tokens concatenated with no padding. Every name, dtype, dynamic dim and shape rule of the engine's
+inputs is written here once; :func:`pack_inputs` is the one place that turns scheduled sequences into
+those tensors (the executor, the tracer's example inputs, the tests and the benchmarks all use it).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any, NamedTuple
+
+import torch
+
+from kiln.contract.errors import EngineInputError
+from kiln.contract.model import ModelConfig
+
+if TYPE_CHECKING:
+    from kiln.contract.engine_config import EngineBounds, EngineConfig
+
+INPUT_NAMES = (
+    "input_ids", "position_ids", "seq_lens", "context_lens",
+    "block_tables", "slot_mapping", "logits_indices", "kv_cache",
+)
+OUTPUT_NAME = "logits"
+INDEX_DTYPES = {
+    "input_ids": torch.int64, "position_ids": torch.int64, "seq_lens": torch.int32, "context_lens": torch.int32,
+    "block_tables": torch.int32, "slot_mapping": torch.int64, "logits_indices": torch.int64,
+}
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+# Which dynamic dim each input axis is (one Dim per name: equal-size axes are provably equal).
+INPUT_AXES: dict[str, dict[int, str]] = {
+    "input_ids": {0: "num_tokens"},
+    "position_ids": {0: "num_tokens"},
+    "seq_lens": {0: "num_seqs"},
+    "context_lens": {0: "num_seqs"},
+    "block_tables": {0: "num_seqs", 1: "max_blocks_per_seq"},
+    "slot_mapping": {0: "num_tokens"},
+    "logits_indices": {0: "num_logits"},
+    "kv_cache": {2: "num_blocks"},
+}
+
+
+def dim_ranges(bounds: EngineBounds) -> dict[str, tuple[int, int | None]]:
+    """Name -> (min, max) of each dynamic dim (max None = unbounded: the pool is sized at run time).
+
+    Listed smallest range first where ranges tie (num_seqs <= num_logits <= num_tokens always holds).
+    """
+    return {
+        "num_seqs": (1, bounds.max_batch_size),
+        "num_logits": (0, bounds.max_num_logits),  # 0: a step of non-final prefill chunks needs no logits
+        "num_tokens": (1, bounds.max_num_tokens),
+        "max_blocks_per_seq": (1, bounds.max_blocks_per_seq),
+        "num_blocks": (1, None),
+    }
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    return DTYPES[name]
+
+
+def kv_cache_shape(model: ModelConfig, tokens_per_block: int, num_blocks: int) -> tuple[int, ...]:
+    """The paged KV pool: [num_layers, 2 (K, V), num_blocks, tokens_per_block, num_kv_heads, head_dim]."""
+    return (model.num_layers, 2, num_blocks, tokens_per_block, model.num_kv_heads, model.head_dim)
+
+
+def kv_bytes_per_token(model: ModelConfig, kv_cache_dtype: str) -> int:
+    """Bytes one token's keys and values take in the pool, across all layers."""
+    elem = torch.empty(0, dtype=DTYPES[kv_cache_dtype]).element_size()
+    return 2 * model.num_layers * model.num_kv_heads * model.head_dim * elem
+
+
+class SeqChunk(NamedTuple):
+    """One sequence's part of a step: its new tokens and where they go.
+
+    start: tokens of the sequence already in the pool (the position of the first new token).
+    block_ids: the sequence's block table (position p lives in block ``block_ids[p // tokens_per_block]``).
+    num_logits: logits rows for the last ``num_logits`` new tokens (1: the next token; 0: a prefill chunk
+    that does not reach the end of the prompt; len(token_ids): every position, for checks).
+    """
+
+    token_ids: Sequence[int]
+    start: int
+    block_ids: Sequence[int]
+    num_logits: int = 1
+
+
+def pack_inputs(chunks: Sequence[SeqChunk], kv_cache: torch.Tensor, tokens_per_block: int,
+                block_table_width: int | None = None) -> dict[str, torch.Tensor]:
+    """The contract's inputs for one step: ``chunks`` in order (context sequences before generation
+    ones), block tables padded to the widest (or ``block_table_width``) with block 0, which is never
+    read past a sequence's context length."""
+    bs = tokens_per_block
+    ids: list[int] = []
+    pos: list[int] = []
+    slots: list[int] = []
+    seq_lens: list[int] = []
+    ctx_lens: list[int] = []
+    logits: list[int] = []
+    tables: list[Sequence[int]] = []
+    for c in chunks:
+        n = len(c.token_ids)
+        end = c.start + n
+        blocks = c.block_ids
+        if len(blocks) * bs < end or not 0 <= c.num_logits <= n:
+            raise EngineInputError(f"a sequence of {end} tokens has {len(blocks)} blocks of {bs} tokens and asks "
+                                   f"for {c.num_logits} logits rows of its {n} new tokens")
+        ids.extend(c.token_ids)
+        r = range(c.start, end)
+        pos.extend(r)
+        slots.extend(blocks[p // bs] * bs + p % bs for p in r)
+        seq_lens.append(n)
+        ctx_lens.append(end)
+        logits.extend(range(len(ids) - c.num_logits, len(ids)))
+        tables.append(blocks)
+    width = block_table_width or max(len(t) for t in tables)
+    return {
+        "input_ids": torch.tensor(ids, dtype=torch.int64),
+        "position_ids": torch.tensor(pos, dtype=torch.int64),
+        "seq_lens": torch.tensor(seq_lens, dtype=torch.int32),
+        "context_lens": torch.tensor(ctx_lens, dtype=torch.int32),
+        "block_tables": torch.tensor([list(t) + [0] * (width - len(t)) for t in tables], dtype=torch.int32),
+        "slot_mapping": torch.tensor(slots, dtype=torch.int64),
+        "logits_indices": torch.tensor(logits, dtype=torch.int64),
+        "kv_cache": kv_cache,
+    }
+
+
+def check_inputs(inputs: dict[str, torch.Tensor], config: EngineConfig) -> None:
+    """Names, dtypes and sizes against the contract and the engine's bounds (EngineInputError naming the
+    input). Cheap (no data is read); a compiled package would not check them itself."""
+    missing = [n for n in INPUT_NAMES if n not in inputs]
+    if missing:
+        raise EngineInputError(f"engine inputs missing {missing}; the contract needs {list(INPUT_NAMES)}")
+    for name, dtype in INDEX_DTYPES.items():
+        if inputs[name].dtype != dtype:
+            raise EngineInputError(f"engine input {name} has dtype {inputs[name].dtype}, the contract says {dtype}")
+    kv, b = inputs["kv_cache"], config.bounds
+    want = kv_cache_shape(config.model, b.tokens_per_block, kv.shape[2] if kv.dim() == 6 else 0)
+    if kv.dtype != DTYPES[config.kv_cache_dtype] or tuple(kv.shape) != want:
+        fixed = ", ".join(map(str, want[3:]))
+        raise EngineInputError(f"kv_cache is {kv.dtype} {list(kv.shape)}; this engine needs {DTYPES[config.kv_cache_dtype]} "
+                               f"[{want[0]}, 2, num_blocks, {fixed}] (allocate_kv_cache)")
+    sizes = {"num_tokens": ("input_ids", 0), "num_seqs": ("seq_lens", 0), "num_logits": ("logits_indices", 0),
+             "max_blocks_per_seq": ("block_tables", 1)}
+    for dim, (lo, hi) in dim_ranges(b).items():
+        if dim in sizes:
+            name, axis = sizes[dim]
+            n = inputs[name].shape[axis]
+            if not lo <= n <= hi:
+                what = "blocks per sequence" if dim == "max_blocks_per_seq" else dim
+                raise EngineInputError(f"{what} ({name}) = {n} is outside this engine's range [{lo}, {hi}]")
+    for name, axes in INPUT_AXES.items():
+        for axis, dim in axes.items():
+            ref = {"num_tokens": "input_ids", "num_seqs": "seq_lens"}.get(dim)
+            if ref and ref != name and inputs[name].shape[axis] != inputs[ref].shape[0]:
+                per = "token" if dim == "num_tokens" else "sequence"
+                raise EngineInputError(f"{name} has {inputs[name].shape[axis]} rows, expected "
+                                       f"{inputs[ref].shape[0]} (one per {per})")
+
+
+def io_spec(config: EngineConfig) -> dict[str, Any]:
+    """Names, dtypes and shapes (dim names or sizes) of the engine's inputs and output, and each dim's range."""
+    kv = list(kv_cache_shape(config.model, config.bounds.tokens_per_block, 0))
+    shapes: dict[str, list[Any]] = {name: [] for name in INPUT_NAMES}
+    for name, axes in INPUT_AXES.items():
+        shapes[name] = [axes[a] for a in sorted(axes)] if name != "kv_cache" else [*kv[:2], "num_blocks", *kv[3:]]
+    dtype = {**{n: str(d).removeprefix("torch.") for n, d in INDEX_DTYPES.items()}, "kv_cache": config.kv_cache_dtype}
+    return {
+        "inputs": [{"name": n, "dtype": dtype[n], "shape": shapes[n]} for n in INPUT_NAMES],
+        "outputs": [{"name": OUTPUT_NAME, "dtype": "float32", "shape": ["num_logits", config.model.vocab_size]}],
+        "dims": {k: [lo, hi] for k, (lo, hi) in dim_ranges(config.bounds).items()},
+    }

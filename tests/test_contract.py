@@ -1,0 +1,211 @@
+"""kiln.contract on its own: no other kiln package behind it, the packer, the typed config.json and its errors."""
+
+from __future__ import annotations
+
+import copy
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from kiln.contract import (
+    FORMAT_VERSION,
+    EngineBounds,
+    EngineConfig,
+    EngineInputError,
+    EngineLoadError,
+    MemorySummary,
+    ModelConfig,
+    SeqChunk,
+    TokenizerInfo,
+    check_inputs,
+    format_table,
+    io_spec,
+    kv_bytes_per_token,
+    kv_cache_shape,
+    pack_inputs,
+    read_engine_config,
+    summary_rows,
+)
+
+MODEL = ModelConfig(architecture="LlamaForCausalLM", vocab_size=512, hidden_size=64, intermediate_size=192,
+                    num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16, max_position_embeddings=256,
+                    rope_scaling={"rope_type": "linear", "factor": 2.0})
+
+
+def make_config(**changes) -> EngineConfig:
+    base = dict(
+        format_version=FORMAT_VERSION, torch_version=torch.__version__, kiln_version="0.1.0", backend="cpu",
+        dtype="float32", kv_cache_dtype="bfloat16", quantization="none", model=MODEL,
+        bounds=EngineBounds(max_batch_size=4, max_num_tokens=64, max_input_len=48, max_seq_len=64,
+                            tokens_per_block=8, max_num_logits=4, max_blocks_per_seq=8),
+        memory=MemorySummary(weights_bytes=1000, activation_peak_bytes=300, activation_live_peak_bytes=200,
+                             activation_naive_bytes=900, num_buffers=12, kv_bytes_per_token=256,
+                             kv_tokens_per_gib=(1 << 30) // 256),
+        tokenizer=TokenizerInfo(files=["tokenizer.json"], eos_token_ids=[2], bos_token_id=1),
+        engine_files=["rank0.engine"], build={"dtype": "float32", "max_batch_size": 4},
+    )
+    return EngineConfig(**{**base, **changes})
+
+
+def test_contract_imports_no_other_kiln_package():
+    code = "import sys, kiln.contract; print(sorted(m for m in sys.modules if m.startswith('kiln')))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    mods = eval(out)  # noqa: S307 - our own subprocess' repr of a list of str
+    assert mods and all(m == "kiln" or m.startswith("kiln.contract") for m in mods), mods
+
+
+def test_engine_config_round_trips_through_json():
+    cfg = make_config()
+    data = json.loads(json.dumps(cfg.to_dict()))
+    assert EngineConfig.from_dict(data) == cfg
+    assert EngineConfig.from_dict(data).to_dict() == data
+    assert cfg.kv_bytes_per_token == kv_bytes_per_token(MODEL, "bfloat16") == 2 * 2 * 2 * 16 * 2 == 256
+    assert cfg.tp_size == 1 and cfg.torch_kv_dtype == torch.bfloat16
+
+
+def test_engine_config_optional_keys_take_their_defaults():
+    data = make_config().to_dict()
+    del data["model"]["sliding_window"], data["tokenizer"]["bos_token_id"]
+    cfg = EngineConfig.from_dict(data)
+    assert cfg.model.sliding_window == 0 and cfg.tokenizer.bos_token_id is None
+
+
+def _edit(data: dict, path: str, value=..., delete: bool = False) -> dict:
+    data = copy.deepcopy(data)
+    *parents, key = path.split(".")
+    node = data
+    for p in parents:
+        node = node[p]
+    if delete:
+        del node[key]
+    else:
+        node[key] = value
+    return data
+
+
+@pytest.mark.parametrize("path, value, message", [
+    ("torch_version", None, "key 'torch_version' is missing"),
+    ("model", None, "key 'model' is missing"),
+    ("model.num_layers", None, "key 'model.num_layers' is missing"),
+    ("bounds.max_seq_len", None, "key 'bounds.max_seq_len' is missing"),
+    ("memory.weights_bytes", None, "key 'memory.weights_bytes' is missing"),
+    ("bounds.max_seq_len", "128", "'bounds.max_seq_len' must be an integer, got '128'"),
+    ("bounds.tokens_per_block", 8.0, "'bounds.tokens_per_block' must be an integer, got 8.0"),
+    ("bounds.max_batch_size", True, "'bounds.max_batch_size' must be an integer, got True"),
+    ("model.vocab_size", [512], "'model.vocab_size' must be an integer"),
+    ("model.norm_eps", "small", "'model.norm_eps' must be a number"),
+    ("model.tie_word_embeddings", 1, "'model.tie_word_embeddings' must be true or false"),
+    ("model.rope_scaling", "linear", "'model.rope_scaling' must be a JSON object"),
+    ("model", [1, 2], "'model' must be a JSON object"),
+    ("tokenizer.eos_token_ids", [2, "3"], "'tokenizer.eos_token_ids[1]' must be an integer"),
+    ("engine_files", "rank0.engine", "'engine_files' must be a list"),
+    ("backend", 3, "'backend' must be a string"),
+    ("bounds.max_tokens", 4, "unknown key(s) ['bounds.max_tokens']"),
+    ("io", {}, "unknown key(s) ['io']"),
+    ("dtype", "fp8", "dtype='fp8' is not one of"),
+    ("quantization", "int3", "quantization='int3' is not one of"),
+    ("bounds.max_seq_len", 0, "bounds.max_seq_len=0: bounds must be >= 1"),
+    ("engine_files", ["engine.pt2"], "engine_files=['engine.pt2'] must be rank0.engine"),
+])
+def test_each_bad_key_is_named(path, value, message):
+    data = _edit(make_config().to_dict(), path, value, delete=value is None)
+    with pytest.raises(EngineLoadError) as exc:
+        EngineConfig.from_dict(data, "eng/config.json")
+    assert message in str(exc.value) and str(exc.value).startswith("eng/config.json: ")
+    assert "rebuild" in str(exc.value)
+
+
+@pytest.mark.parametrize("version", ["2", 2.0, True, None, 1, 3])
+def test_format_version_must_be_a_supported_integer(version):
+    data = make_config().to_dict()
+    data["format_version"] = version
+    with pytest.raises(EngineLoadError, match=r"engine format version .* is not supported.*rebuild the engine"):
+        EngineConfig.from_dict(data)
+
+
+def test_engines_of_format_1_get_the_rebuild_error(tmp_path):
+    """An engine written before the contract (format 1: bounds inside `build`, an `io` block, eos ids at
+    the top level) is refused before any of its keys is read, with the rebuild message."""
+    old = {
+        "format_version": 1, "kiln_version": "0.1.0", "torch_version": torch.__version__, "backend": "cpu",
+        "model": MODEL.to_dict(),
+        "build": {"dtype": "float32", "max_batch_size": 4, "max_num_tokens": 64, "max_seq_len": 64,
+                  "tokens_per_block": 8, "kv_cache_dtype": "float32", "max_blocks_per_seq": 8, "max_num_logits": 4},
+        "eos_token_ids": [2], "bos_token_id": 1, "io": {"inputs": []}, "memory": {"kv_bytes_per_token": 512},
+        "tokenizer_files": [], "engine_files": ["rank0.engine"],
+    }
+    (tmp_path / "config.json").write_text(json.dumps(old))
+    with pytest.raises(EngineLoadError, match=r"format version 1 \(built by kiln 0\.1\.0\).*reads format\(s\) "
+                                              r"\[2\]; rebuild the engine with this kiln's build-engine"):
+        read_engine_config(tmp_path)
+
+
+def test_read_engine_config_checks_the_file_and_compatibility(tmp_path):
+    with pytest.raises(EngineLoadError, match="not an engine directory"):
+        read_engine_config(tmp_path / "nowhere")
+    with pytest.raises(EngineLoadError, match=r"config\.json: missing"):
+        read_engine_config(tmp_path)
+    (tmp_path / "config.json").write_text("[1, 2]")
+    with pytest.raises(EngineLoadError, match="not a JSON object"):
+        read_engine_config(tmp_path)
+    make_config().write(tmp_path)
+    assert read_engine_config(tmp_path) == make_config()
+    make_config(backend="tensorrt").write(tmp_path)
+    with pytest.raises(EngineLoadError, match="backend 'tensorrt' cannot run here"):
+        read_engine_config(tmp_path)
+
+
+def test_kv_pool_shape_and_io_spec():
+    cfg = make_config()
+    assert kv_cache_shape(MODEL, 8, 5) == (2, 2, 5, 8, 2, 16)
+    spec = io_spec(cfg)
+    assert [i["name"] for i in spec["inputs"]][-1] == "kv_cache"
+    assert spec["inputs"][-1] == {"name": "kv_cache", "dtype": "bfloat16", "shape": [2, 2, "num_blocks", 8, 2, 16]}
+    assert spec["dims"] == {"num_seqs": [1, 4], "num_logits": [0, 4], "num_tokens": [1, 64],
+                            "max_blocks_per_seq": [1, 8], "num_blocks": [1, None]}
+    assert spec["outputs"] == [{"name": "logits", "dtype": "float32", "shape": ["num_logits", 512]}]
+
+
+def test_packer_lays_out_a_mixed_step():
+    kv = torch.zeros(kv_cache_shape(MODEL, 4, 10))
+    chunks = [
+        SeqChunk([11, 12, 13, 14, 15], start=3, block_ids=[7, 2], num_logits=1),   # a chunk after 3 cached tokens
+        SeqChunk([21, 22], start=0, block_ids=[5], num_logits=0),                   # a non-final prefill chunk
+        SeqChunk([31], start=8, block_ids=[0, 1, 9], num_logits=1),                 # a decode
+    ]
+    inp = pack_inputs(chunks, kv, tokens_per_block=4)
+    assert inp["input_ids"].tolist() == [11, 12, 13, 14, 15, 21, 22, 31]
+    assert inp["position_ids"].tolist() == [3, 4, 5, 6, 7, 0, 1, 8]
+    assert inp["seq_lens"].tolist() == [5, 2, 1] and inp["context_lens"].tolist() == [8, 2, 9]
+    assert inp["slot_mapping"].tolist() == [7 * 4 + 3, 2 * 4, 2 * 4 + 1, 2 * 4 + 2, 2 * 4 + 3, 5 * 4, 5 * 4 + 1, 9 * 4]
+    assert inp["block_tables"].tolist() == [[7, 2, 0], [5, 0, 0], [0, 1, 9]]
+    assert inp["logits_indices"].tolist() == [4, 7] and inp["kv_cache"] is kv
+    assert pack_inputs(chunks[:1], kv, 4, block_table_width=5)["block_tables"].shape == (1, 5)
+    assert pack_inputs([SeqChunk([1, 2, 3], 0, [4], 3)], kv, 4)["logits_indices"].tolist() == [0, 1, 2]
+    with pytest.raises(EngineInputError, match="has 1 blocks of 4 tokens"):
+        pack_inputs([SeqChunk([1, 2], start=3, block_ids=[4])], kv, 4)
+
+
+def test_check_inputs_names_the_input():
+    cfg = make_config(kv_cache_dtype="float32")
+    kv = torch.zeros(kv_cache_shape(MODEL, 8, 6))
+    ok = pack_inputs([SeqChunk([1, 2, 3], 0, [3])], kv, 8)
+    check_inputs(ok, cfg)
+    with pytest.raises(EngineInputError, match=r"num_tokens \(input_ids\) = 65 is outside this engine's range \[1, 64\]"):
+        check_inputs(pack_inputs([SeqChunk(list(range(65)), 0, list(range(6)) * 2)], kv, 8), cfg)
+    with pytest.raises(EngineInputError, match="slot_mapping has 2 rows, expected 3"):
+        check_inputs({**ok, "slot_mapping": ok["slot_mapping"][:2]}, cfg)
+    with pytest.raises(ValueError, match="kv_cache is torch.bfloat16"):   # EngineInputError is a ValueError
+        check_inputs({**ok, "kv_cache": kv.bfloat16()}, cfg)
+
+
+def test_summary_rows_name_what_both_clis_print():
+    rows = dict(summary_rows(make_config(), {"gemms": {"before_passes": 9, "after_passes": 5}, "timings_s": {"total": 1.5}}))
+    assert rows["model"] == "LlamaForCausalLM (2 layers, hidden 64, vocab 512)"
+    assert rows["KV bytes/token"] == "256 B" and rows["GEMMs before/after passes"] == "9 -> 5"
+    assert rows["format / kiln / torch"].startswith(f"{FORMAT_VERSION} / 0.1.0 / ")
+    table = format_table(list(rows.items())).splitlines()
+    assert table[0] == table[-1] and set(table[0]) == {"-"} and "limits" in table[3]
