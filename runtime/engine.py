@@ -17,6 +17,7 @@ import torch
 import kiln.plugins  # noqa: F401  (registers torch.ops.kiln.* before an engine is loaded)
 from kiln.contract import (
     INPUT_NAMES,
+    ConfigError,
     EngineConfig,
     EngineLoadError,
     check_inputs,
@@ -96,7 +97,7 @@ class Engine:
     def allocate_kv_cache(self, num_blocks: int) -> torch.Tensor:
         """A zeroed KV pool of ``num_blocks`` blocks in the contract's layout (``kv_cache_shape``)."""
         if num_blocks < 1:
-            raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
+            raise ConfigError(f"num_blocks must be >= 1, got {num_blocks}")
         shape = kv_cache_shape(self.config.model, self.config.bounds.tokens_per_block, num_blocks)
         return torch.zeros(shape, dtype=self.kv_dtype)
 

@@ -1,12 +1,13 @@
 """Executor: the step loop. Scheduler + KVCacheManager + Sampler around one engine, on a background thread.
 
-Each step: take new submissions and aborts, schedule, pack the scheduled tokens into the engine contract's
-inputs, run the engine, sample, advance the requests, detokenize, check stop strings, hand outputs to the
-requests' callbacks, record metrics. ``submit`` / ``abort`` / ``stats`` are safe from any thread; invalid
-requests are refused in the caller's thread (``InvalidRequestError``) before anything is queued.
+Each step (:meth:`Executor.step`): the scheduler picks the tokens, the contract's packer turns them into
+the engine's inputs, the engine runs, the sampler picks next tokens, the scheduler advances the requests,
+the stop rules end some of them (through the scheduler), and each changed request's output goes to its
+callback. ``submit`` / ``abort`` / ``stats`` are safe from any thread; invalid requests are refused in the
+caller's thread (``InvalidRequestError``) before anything is queued.
 
-The engine is anything with the ``Engine`` interface (``build``, ``model``, ``eos_token_ids``,
-``kv_bytes_per_token``, ``allocate_kv_cache(num_blocks)``, ``run(inputs) -> logits``).
+The engine is anything with the ``Engine`` interface (``config`` an EngineConfig, ``kv_bytes_per_token``,
+``allocate_kv_cache(num_blocks)``, ``run(inputs) -> logits``).
 """
 
 from __future__ import annotations
@@ -21,56 +22,52 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kiln.runtime.detokenizer import IncrementalDetokenizer
-from kiln.contract import ExecutorClosedError, InvalidRequestError, SeqChunk, pack_inputs
+from kiln.contract import ConfigError, ExecutorClosedError, InvalidRequestError, SeqChunk, pack_inputs
 from kiln.runtime.kv_cache import KVCacheManager, plan_num_blocks
 from kiln.runtime.metrics import RuntimeMetrics, StepRecord
+from kiln.runtime.output_stream import OutputStream
 from kiln.runtime.outputs import RequestOutput
 from kiln.runtime.request import Request, RequestStatus
 from kiln.runtime.sampler import Sampler
 from kiln.runtime.sampling_params import SamplingParams
 from kiln.runtime.scheduler import CAPACITY_POLICIES, Scheduler, SchedulerConfig, SchedulerOutput
+from kiln.runtime.stopping import stop_by_token
 
 logger = logging.getLogger("kiln.runtime")
 
 
 @dataclass
 class ExecutorConfig:
-    """Serving options. ``None`` for a bound means the engine's own.
+    """Serving options (``LLM(engine, **options)``); each field's help says what it does."""
 
-    max_batch_size / max_num_tokens: per-step budgets, at most the engine's build bounds.
-    kv_cache_memory_fraction: share of the memory available after the engine is loaded given to the KV pool.
-    max_kv_cache_tokens: absolute cap on the pool in tokens (the smaller limit wins).
-    capacity_policy: "guaranteed_no_evict" or "max_utilization" (see scheduler.py).
-    enable_prefix_reuse: share KV blocks of common prefixes between requests.
-    seed: seed of the generator used by requests without their own seed.
-    """
-
-    max_batch_size: int | None = None
-    max_num_tokens: int | None = None
-    kv_cache_memory_fraction: float | None = 0.9
-    max_kv_cache_tokens: int | None = None
-    capacity_policy: str = "guaranteed_no_evict"
-    enable_prefix_reuse: bool = True
-    seed: int | None = None
-    metrics_window: int = 4096
+    max_batch_size: int | None = field(default=None, metadata={
+        "help": "Most sequences per step; at most the engine's bound (default: the engine's)."})
+    max_num_tokens: int | None = field(default=None, metadata={
+        "help": "Most tokens per step; at most the engine's bound (default: the engine's)."})
+    kv_cache_memory_fraction: float | None = field(default=0.9, metadata={
+        "help": "Share of the memory available after the engine is loaded given to the KV pool."})
+    max_kv_cache_tokens: int | None = field(default=None, metadata={
+        "help": "Absolute cap on the KV pool in tokens (the smaller limit wins)."})
+    capacity_policy: str = field(default="guaranteed_no_evict", metadata={
+        "choices": CAPACITY_POLICIES,
+        "help": "guaranteed_no_evict: admit a request only when its prompt + max_tokens fit; max_utilization: "
+                "admit greedily, preempt (lowest priority, latest first) when blocks run out."})
+    enable_prefix_reuse: bool = field(default=True, metadata={
+        "help": "Share the KV blocks of common prefixes between requests."})
+    seed: int | None = field(default=None, metadata={
+        "help": "Seed of the generator used by requests without their own seed."})
+    metrics_window: int = field(default=4096, metadata={"help": "Steps kept for the recent-steps summary."})
 
     def __post_init__(self) -> None:
+        problems = []
         if self.capacity_policy not in CAPACITY_POLICIES:
-            raise ValueError(f"capacity_policy must be one of {CAPACITY_POLICIES}, got {self.capacity_policy!r}")
-
-
-@dataclass
-class _Track:
-    """Executor-side state of a request's output stream."""
-
-    callback: Callable[[RequestOutput], None] | None
-    detok: IncrementalDetokenizer | None
-    text: str = ""
-    sent_tokens: int = 0
-    sent_text: int = 0
-    error: str | None = None
-    stop_hold: int = 0          # characters held back while a stop string could still be completing
+            problems.append(f"capacity_policy must be one of {list(CAPACITY_POLICIES)}, got {self.capacity_policy!r}")
+        for name in ("max_batch_size", "max_num_tokens", "max_kv_cache_tokens"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                problems.append(f"{name} must be >= 1 (or None), got {value}")
+        if problems:
+            raise ConfigError("invalid ExecutorConfig: " + "; ".join(problems))
 
 
 class Executor:
@@ -78,34 +75,30 @@ class Executor:
         self.engine = engine
         self.config = config = config or ExecutorConfig()
         self.tokenizer = tokenizer
-        b = engine.config.bounds
+        b, model = engine.config.bounds, engine.config.model
         self.block_size = b.tokens_per_block
-        self.vocab_size = engine.config.model.vocab_size
+        self.vocab_size = model.vocab_size
         self.eos_token_ids = tuple(engine.config.tokenizer.eos_token_ids)
 
         def bound(name: str, value: int | None) -> int:
             limit = getattr(b, name)
-            if value is None:
-                return limit
-            if not 1 <= value <= limit:
-                raise ValueError(f"{name}={value} is outside the engine's bound [1, {limit}] "
-                                 f"(rebuild the engine to raise it)")
-            return int(value)
+            if value is not None and value > limit:
+                raise ConfigError(f"{name}={value} is above the engine's bound {limit} (rebuild the engine to raise it)")
+            return limit if value is None else value
 
-        max_batch_size = bound("max_batch_size", config.max_batch_size)
-        max_num_tokens = bound("max_num_tokens", config.max_num_tokens)
-        max_seq_len, max_input_len = b.max_seq_len, b.max_input_len
+        sched_config = SchedulerConfig(bound("max_batch_size", config.max_batch_size),
+                                       bound("max_num_tokens", config.max_num_tokens),
+                                       b.max_seq_len, b.max_input_len, config.capacity_policy)
         num_blocks, why = plan_num_blocks(
             engine.kv_bytes_per_token, self.block_size, memory_fraction=config.kv_cache_memory_fraction,
-            max_kv_cache_tokens=config.max_kv_cache_tokens, useful_tokens=2 * max_batch_size * max_seq_len,
+            max_kv_cache_tokens=config.max_kv_cache_tokens,
+            useful_tokens=2 * sched_config.max_batch_size * b.max_seq_len,
         )
         logger.info(why)
         self.kv_plan = why
         self.kv_cache = engine.allocate_kv_cache(num_blocks)
-        self.kv = KVCacheManager(num_blocks, self.block_size, config.enable_prefix_reuse)
-        self.scheduler = Scheduler(
-            SchedulerConfig(max_batch_size, max_num_tokens, max_seq_len, max_input_len, config.capacity_policy),
-            self.kv)
+        self.kv = KVCacheManager(num_blocks, self.block_size, config.enable_prefix_reuse, model.sliding_window)
+        self.scheduler = Scheduler(sched_config, self.kv)
         self.sampler = Sampler(self.vocab_size, config.seed)
         self.metrics = RuntimeMetrics(config.metrics_window)
         self.metrics.gauges["kv_blocks_total"] = num_blocks
@@ -115,7 +108,7 @@ class Executor:
         self._incoming: list[Request] = []
         self._aborts: list[str] = []
         self._live: set[str] = set()          # ids submitted and not yet finished (guarded by _cv)
-        self._tracks: dict[str, _Track] = {}
+        self._streams: dict[str, OutputStream] = {}
         self._ids = itertools.count()
         self._seq = itertools.count()
         self._closed = False
@@ -175,10 +168,7 @@ class Executor:
             req = Request(request_id, prompt_token_ids, params, max_tokens, priority=priority,
                           arrival_time=arrival_time, seq=next(self._seq), prompt=prompt,
                           eos_token_ids=self.eos_token_ids)
-            detok = (IncrementalDetokenizer(self.tokenizer, prompt_token_ids, params.skip_special_tokens)
-                     if self.tokenizer is not None else None)
-            hold = max((len(s) for s in params.stop), default=1) - 1
-            self._tracks[request_id] = _Track(callback, detok, stop_hold=hold)
+            self._streams[request_id] = OutputStream.open(req, self.tokenizer, callback)
             self._live.add(request_id)
             self._incoming.append(req)
             self._cv.notify()
@@ -239,59 +229,58 @@ class Executor:
                 closed = self._closed
             for req in incoming:
                 sched.add_request(req)
-            for rid in aborts:
-                req = sched.abort(rid)
-                if req is not None:
-                    self._finish(req)
+            self._end(sched.finish_requests(aborts, RequestStatus.FINISHED_ABORTED))
             if closed:
-                for req in list(sched.waiting) + list(sched.running):
-                    sched.finish(req, RequestStatus.FINISHED_ABORTED)
-                    self._finish(req)
+                self._end(sched.finish_requests(sched.unfinished_ids(), RequestStatus.FINISHED_ABORTED))
                 return
             if not sched.has_unfinished():
                 continue
             try:
                 self.step()
             except BaseException as exc:  # the engine failed: end everything, refuse new work
-                logger.error("step loop failed: %s", traceback.format_exc())
-                with self._cv:
-                    self._error = exc
-                for req in list(sched.waiting) + list(sched.running):
-                    sched.finish(req, RequestStatus.FINISHED_ABORTED)
-                    self._tracks[req.request_id].error = f"{type(exc).__name__}: {exc}"
-                    self._finish(req)
-                with self._cv:
-                    for req in self._incoming:
-                        self._tracks[req.request_id].error = f"{type(exc).__name__}: {exc}"
-                        req.status = RequestStatus.FINISHED_ABORTED
-                        self._finish(req)
-                    self._incoming = []
+                self._fail(exc)
                 return
 
-    def prepare_inputs(self, out: SchedulerOutput) -> tuple[dict[str, torch.Tensor], list[int]]:
-        """Contract inputs for the scheduled tokens; also which scheduled entries produce logits."""
-        chunks = [SeqChunk(s.request.all_token_ids[s.start:s.start + s.num_new_tokens], s.start,
-                           s.request.block_ids, 1 if s.samples else 0) for s in out.scheduled]
-        sampled = [i for i, s in enumerate(out.scheduled) if s.samples]
-        return pack_inputs(chunks, self.kv_cache, self.block_size), sampled
+    def _fail(self, exc: BaseException) -> None:
+        logger.error("step loop failed: %s", traceback.format_exc())
+        error = f"{type(exc).__name__}: {exc}"
+        with self._cv:
+            self._error = exc
+            incoming, self._incoming = self._incoming, []
+        for req in incoming:
+            self.scheduler.add_request(req)
+        for stream in self._streams.values():
+            stream.error = error
+        self._end(self.scheduler.finish_requests(self.scheduler.unfinished_ids(), RequestStatus.FINISHED_ABORTED))
 
     def step(self) -> None:
         t0 = time.perf_counter()
-        sched = self.scheduler
-        out = sched.schedule()
+        out = self.scheduler.schedule()
         if not out:
             time.sleep(0.001)  # nothing fits right now (cannot last: admission checks guarantee progress)
             return
-        inputs, sampled_idx = self.prepare_inputs(out)
+        inputs, rows = self._pack(out)
         t1 = time.perf_counter()
         logits = self.engine.run(inputs)   # num_logits may be 0: a step of non-final prefill chunks
         engine_time = time.perf_counter() - t1
-        reqs = [out.scheduled[i].request for i in sampled_idx]
-        sample = self.sampler(logits, reqs) if reqs else None
-        sampled = {i: sample.token_ids[j] for j, i in enumerate(sampled_idx)} if sample else {}
+        sample = self.sampler(logits, [out.scheduled[i].request for i in rows]) if rows else None
+        sampled = {i: sample.token_ids[j] for j, i in enumerate(rows)} if sample else {}
+        new_tokens = self.scheduler.update_from_output(out, sampled)
+        self._emit_outputs(new_tokens, sample.logprobs if sample else [])
+        self._record_step(out, len(new_tokens), time.perf_counter() - t0, engine_time)
+
+    def _pack(self, out: SchedulerOutput) -> tuple[dict[str, torch.Tensor], list[int]]:
+        """Contract inputs for the scheduled tokens; also which scheduled entries produce logits."""
+        chunks = [SeqChunk(s.request.all_token_ids[s.start:s.start + s.num_new_tokens], s.start,
+                           self.kv.block_table(s.request.request_id), 1 if s.samples else 0) for s in out.scheduled]
+        return pack_inputs(chunks, self.kv_cache, self.block_size), [i for i, s in enumerate(out.scheduled) if s.samples]
+
+    def _emit_outputs(self, new_tokens: list[tuple[Request, int]], logprobs: list) -> None:
+        """Token times, logprobs and text of each new token; the stop rules end requests through the
+        scheduler; every changed request's output goes to its callback."""
         now = time.monotonic()
-        finished = {id(r) for r in sched.update(out, sampled)}
-        for j, req in enumerate(reqs):
+        ended: list[Request] = []
+        for j, (req, token) in enumerate(new_tokens):
             m = req.metrics
             if m.first_token_time is None:
                 m.first_token_time = now
@@ -300,79 +289,34 @@ class Executor:
             m.last_token_time = now
             m.num_generated_tokens = req.num_output_tokens
             if req.logprobs is not None:
-                req.logprobs.append(sample.logprobs[j])
-            track = self._tracks[req.request_id]
-            if track.detok is not None:
-                track.text += track.detok.step([req.output_token_ids[-1]])
-                if req.params.stop and id(req) not in finished and self._check_stop_strings(req, track):
-                    sched.finish(req, RequestStatus.FINISHED_STOPPED)
-                    finished.add(id(req))
-            if id(req) in finished:
-                m.finished_time = now
-                self._finish(req)
+                req.logprobs.append(logprobs[j])
+            stream = self._streams[req.request_id]
+            stop = stop_by_token(req, self.scheduler.config.max_seq_len)
+            stop_string = stream.add_token(token, last=stop is not None)
+            if stop_string is not None:
+                stop = (RequestStatus.FINISHED_STOPPED, stop_string)
+            if stop is not None:
+                ended += self.scheduler.finish_requests(req.request_id, *stop)
             else:
-                self._emit(req, track)
-        step_time = time.perf_counter() - t0
+                stream.send(req)
+        self._end(ended)
+
+    def _end(self, requests: list[Request]) -> None:
+        """Final outputs of requests the scheduler ended."""
+        for req in requests:
+            stream = self._streams.pop(req.request_id)
+            stream.flush()
+            self.metrics.record_request(req.metrics, aborted=req.status is RequestStatus.FINISHED_ABORTED)
+            with self._cv:
+                self._live.discard(req.request_id)
+                self._cv.notify_all()
+            stream.send(req, final=True)
+
+    def _record_step(self, out: SchedulerOutput, sampled: int, step_time: float, engine_time: float) -> None:
+        sched = self.scheduler
         self._kv_stats = self.kv.stats().as_dict()
         self.metrics.record_step(StepRecord(
-            time=now, step_time=step_time, engine_time=engine_time, num_running=len(sched.running),
-            num_waiting=len(sched.waiting), num_preempted=len(out.preempted), batch_size=len(out.scheduled),
-            prefill_tokens=out.num_prefill_tokens, decode_tokens=out.num_decode_tokens, sampled_tokens=len(reqs),
+            time=time.monotonic(), step_time=step_time, engine_time=engine_time, num_running=sched.num_running,
+            num_waiting=sched.num_waiting, num_preempted=len(out.preempted), batch_size=len(out.scheduled),
+            prefill_tokens=out.num_prefill_tokens, decode_tokens=out.num_decode_tokens, sampled_tokens=sampled,
             kv_usage=self.kv.usage, prefix_hit_rate=self._kv_stats["hit_rate"]), self._kv_stats)
-
-    # ---- outputs --------------------------------------------------------------------------------------
-    def _check_stop_strings(self, req: Request, track: _Track) -> bool:
-        text = track.text
-        longest = max(len(s) for s in req.params.stop)
-        lo = max(0, track.sent_text - longest)
-        best = None
-        for s in req.params.stop:
-            k = text.find(s, lo)
-            if k >= 0 and (best is None or k < best[0]):
-                best = (k, s)
-        if best is None:
-            return False
-        k, s = best
-        track.text = text[:k + len(s)] if req.params.include_stop_str_in_output else text[:k]
-        req.stop_reason = s
-        return True
-
-    def _snapshot(self, req: Request, track: _Track, final: bool) -> RequestOutput:
-        text_end = len(track.text) if final else max(track.sent_text, len(track.text) - track.stop_hold)
-        out = RequestOutput(
-            request_id=req.request_id, prompt=req.prompt, prompt_token_ids=req.prompt_token_ids,
-            token_ids=list(req.output_token_ids), text=track.text[:text_end],
-            finish_reason=req.status.value if final else None, metrics=req.metrics,
-            logprobs=list(req.logprobs) if req.logprobs is not None else None,
-            delta_token_ids=req.output_token_ids[track.sent_tokens:],
-            delta_text=track.text[track.sent_text:text_end], stop_reason=req.stop_reason, error=track.error,
-        )
-        track.sent_tokens = req.num_output_tokens
-        track.sent_text = text_end
-        return out
-
-    def _emit(self, req: Request, track: _Track) -> None:
-        if track.callback is not None:
-            try:
-                track.callback(self._snapshot(req, track, final=False))
-            except Exception:
-                logger.exception("output callback of %s failed", req.request_id)
-
-    def _finish(self, req: Request) -> None:
-        track = self._tracks.pop(req.request_id)
-        if track.detok is not None and not isinstance(req.stop_reason, str):
-            track.text += track.detok.flush()
-            if req.params.stop and req.status is not RequestStatus.FINISHED_ABORTED and self._check_stop_strings(req, track):
-                req.status = RequestStatus.FINISHED_STOPPED
-        if req.metrics.finished_time is None:
-            req.metrics.finished_time = time.monotonic()
-        self.metrics.record_request(req.metrics, aborted=req.status is RequestStatus.FINISHED_ABORTED)
-        out = self._snapshot(req, track, final=True)
-        with self._cv:
-            self._live.discard(req.request_id)
-            self._cv.notify_all()
-        if track.callback is not None:
-            try:
-                track.callback(out)
-            except Exception:
-                logger.exception("output callback of %s failed", req.request_id)

@@ -9,8 +9,9 @@ Options (ExecutorConfig): max_batch_size, max_num_tokens (at most the engine's),
 max_kv_cache_tokens, capacity_policy ("guaranteed_no_evict" default, or "max_utilization"),
 enable_prefix_reuse, seed.
 
-Errors: ``InvalidRequestError`` (a ValueError) for requests that can never be served (see errors.py),
-``ValueError`` for invalid SamplingParams or options, ``ExecutorClosedError`` after ``shutdown``.
+Errors (kiln's family, ``kiln.contract``): ``InvalidRequestError`` (a ValueError) for requests that can
+never be served, ``ConfigError`` (a ValueError) for invalid SamplingParams or options,
+``ExecutorClosedError`` (a RuntimeError) after ``shutdown`` or when the step loop failed.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from collections.abc import AsyncIterator, Iterator, Sequence
 from pathlib import Path
 
 from kiln.runtime.detokenizer import load_tokenizer
-from kiln.contract import InvalidRequestError
+from kiln.contract import ExecutorClosedError, InvalidRequestError
 from kiln.runtime.executor import Executor, ExecutorConfig
 from kiln.runtime.outputs import RequestOutput
 from kiln.runtime.sampling_params import SamplingParams
@@ -73,7 +74,7 @@ class LLM:
         params = list(sampling_params) if isinstance(sampling_params, (list, tuple)) else [sampling_params] * n
         prios = list(priority) if isinstance(priority, (list, tuple)) else [priority] * n
         if len(params) != n or len(prios) != n:
-            raise ValueError(f"{n} prompts but {len(params)} sampling params and {len(prios)} priorities")
+            raise InvalidRequestError(f"{n} prompts but {len(params)} sampling params and {len(prios)} priorities")
         encoded = [self.encode(p) for p in prompts]
         for (ids, _), sp in zip(encoded, params):
             self.executor.validate(list(ids), sp if sp is not None else SamplingParams())
@@ -106,7 +107,7 @@ class LLM:
             raise TimeoutError(f"generate did not finish within {timeout} s; its requests were aborted")
         errors = [r.error for r in results if r is not None and r.error]
         if errors:
-            raise RuntimeError(f"the step loop failed: {errors[0]}")
+            raise ExecutorClosedError(f"the step loop failed: {errors[0]}")
         return results if not single else results[:1]
 
     async def generate_async(self, prompt: Prompt, sampling_params: SamplingParams | None = None, *,

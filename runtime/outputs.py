@@ -10,10 +10,12 @@ class RequestMetrics:
     """Wall-clock times (``time.monotonic()`` seconds) of a request's life, and the latencies derived from them.
 
     queue_time = first_scheduled - arrival; ttft = first_token - arrival;
-    mean_tpot = (finish - first_token) / (generated tokens - 1), the mean inter-token latency.
+    mean_tpot = (last_token - first_token) / (generated tokens - 1), the mean inter-token latency.
+    priority is the request's (higher runs first; under max_utilization it may preempt lower ones).
     """
 
     arrival_time: float
+    priority: int = 0
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
     last_token_time: float | None = None
@@ -47,6 +49,7 @@ class RequestMetrics:
             "queue_time": self.queue_time, "ttft": self.ttft, "mean_tpot": self.mean_tpot,
             "e2e_latency": self.e2e_latency, "num_generated_tokens": self.num_generated_tokens,
             "num_cached_tokens": self.num_cached_tokens, "num_preemptions": self.num_preemptions,
+            "priority": self.priority,
         }
 
 

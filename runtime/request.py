@@ -1,4 +1,9 @@
-"""Request: the scheduler's record of one sequence (tokens, progress, KV blocks, status)."""
+"""Request: the record of one sequence (tokens, progress, status) and who writes each of its facts.
+
+The scheduler writes progress (``num_computed_tokens``), ``status``, the generated tokens and the stop
+reason; the KV cache manager extends ``block_hashes`` (its blocks live in the manager, by request id);
+the sampler owns ``generator``; the executor appends ``logprobs``.
+"""
 
 from __future__ import annotations
 
@@ -29,9 +34,8 @@ class Request:
 
     __slots__ = (
         "request_id", "prompt", "prompt_token_ids", "output_token_ids", "all_token_ids", "params", "priority",
-        "arrival_time", "seq", "status", "num_computed_tokens", "block_ids", "block_hashes", "max_tokens",
-        "metrics", "stop_reason", "logprobs", "generator", "detokenizer", "num_prompt_tokens",
-        "num_registered_blocks", "eos_token_ids",
+        "arrival_time", "seq", "status", "num_computed_tokens", "block_hashes", "max_tokens",
+        "metrics", "stop_reason", "logprobs", "generator", "num_prompt_tokens", "eos_token_ids",
     )
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, max_tokens: int,
@@ -50,14 +54,11 @@ class Request:
         self.seq = seq                      # submission order, breaks ties between equal arrivals
         self.status = RequestStatus.WAITING
         self.num_computed_tokens = 0
-        self.block_ids: list[int] = []
         self.block_hashes: list[bytes] = []  # hash chain of this request's full blocks (grows as it generates)
-        self.metrics = RequestMetrics(arrival_time=self.arrival_time)
+        self.metrics = RequestMetrics(arrival_time=self.arrival_time, priority=priority)
         self.stop_reason: str | int | None = None
         self.logprobs: list[dict[int, float]] | None = [] if params.logprobs is not None else None
         self.generator = None
-        self.detokenizer = None
-        self.num_registered_blocks = 0      # leading blocks already offered to the prefix cache
         self.eos_token_ids = eos_token_ids
 
     @property
@@ -83,4 +84,4 @@ class Request:
 
     def __repr__(self) -> str:
         return (f"Request({self.request_id!r}, {self.status.value}, tokens={self.num_tokens}, "
-                f"computed={self.num_computed_tokens}, blocks={len(self.block_ids)})")
+                f"computed={self.num_computed_tokens})")

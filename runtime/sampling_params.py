@@ -15,10 +15,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from kiln.contract import ConfigError
+
 
 @dataclass
 class SamplingParams:
-    """Per-request options. Invalid values raise ``ValueError`` at construction.
+    """Per-request options. Invalid values raise ``ConfigError`` (a ValueError) at construction.
 
     max_tokens: tokens to generate at most (``None``: up to the engine's max_seq_len).
     min_tokens: EOS / stop tokens are suppressed until this many tokens are generated.
@@ -82,11 +84,7 @@ class SamplingParams:
         if any(not s for s in self.stop):
             problems.append("stop strings must be non-empty")
         if problems:
-            raise ValueError("invalid SamplingParams: " + "; ".join(problems))
-
-    @property
-    def greedy(self) -> bool:
-        return self.temperature == 0.0
+            raise ConfigError("invalid SamplingParams: " + "; ".join(problems))
 
     @property
     def needs_penalties(self) -> bool:

@@ -5,6 +5,10 @@ There are no phase flags. A request has ``num_tokens`` (prompt + generated) and 
 tokens. A full prompt, a prefill chunk, a recompute after preemption and a decode step are the same thing
 with different counts, and prefix reuse simply starts ``num_computed_tokens`` further on.
 
+The scheduler is the only writer of a request's progress, status and finish time: it admits, advances
+(:meth:`update_from_output`), preempts and ends requests (:meth:`finish_requests`, also for aborts and
+stop strings). The KV cache manager holds the blocks.
+
 Per step, within ``max_batch_size`` sequences and ``max_num_tokens`` tokens:
 
 1. running requests, decodes first (then unfinished prefills), higher priority / earlier arrival first;
@@ -17,9 +21,13 @@ Capacity policies:
 
 * ``guaranteed_no_evict``: a request is admitted only if the pool can hold its prompt + max_tokens on top
   of what every running request may still need, so a running request never runs out of blocks.
-* ``max_utilization``: admit whenever the next chunk fits; when a running request needs a block and none is
+  Priorities order admission only.
+* ``max_utilization``: admit whenever the next chunk fits. When a running request needs a block and none is
   free, preempt the lowest-priority, latest-arrived running request not yet scheduled in this step (possibly
-  itself): its blocks are freed and it waits to be recomputed (its prefix may still be cached).
+  itself). When the next waiting request cannot be admitted (no block or no seat), preempt running requests
+  of lower priority than it, lowest priority and latest arrival first, until it fits; running requests of
+  lower priority than it are served after it in the step, so they are still preemptable. A preempted
+  request's blocks are freed and it waits to be recomputed (its prefix may still be cached).
 """
 
 from __future__ import annotations
@@ -27,6 +35,7 @@ from __future__ import annotations
 import bisect
 import logging
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from kiln.contract import InvalidRequestError
@@ -40,17 +49,13 @@ CAPACITY_POLICIES = ("guaranteed_no_evict", "max_utilization")
 
 @dataclass
 class SchedulerConfig:
+    """Per-step budgets and sequence bounds, already checked against the engine (ExecutorConfig)."""
+
     max_batch_size: int
     max_num_tokens: int
     max_seq_len: int
     max_input_len: int
     capacity_policy: str = "guaranteed_no_evict"
-
-    def __post_init__(self) -> None:
-        if self.capacity_policy not in CAPACITY_POLICIES:
-            raise ValueError(f"capacity_policy must be one of {CAPACITY_POLICIES}, got {self.capacity_policy!r}")
-        if self.max_batch_size < 1 or self.max_num_tokens < 1:
-            raise ValueError("max_batch_size and max_num_tokens must be >= 1")
 
 
 @dataclass
@@ -80,6 +85,17 @@ class SchedulerOutput:
         return bool(self.scheduled)
 
 
+@dataclass
+class _Step:
+    """What is left of one step's budget while it is being filled."""
+
+    tokens: int
+    seats: int
+    out: SchedulerOutput
+    scheduled: set[str] = field(default_factory=set)   # request ids given tokens in this step
+    now: float = 0.0
+
+
 class Scheduler:
     def __init__(self, config: SchedulerConfig, kv: KVCacheManager):
         self.config = config
@@ -87,9 +103,8 @@ class Scheduler:
         self.block_size = kv.block_size
         self.waiting: list[Request] = []     # sorted by order_key
         self.running: list[Request] = []
-        self.requests: dict[str, Request] = {}
+        self.requests: dict[str, Request] = {}   # every unfinished request
         self.num_preemptions = 0
-        self.num_finished = 0
 
     # ---- admission checks -----------------------------------------------------------------------------
     def resolve_max_tokens(self, num_prompt_tokens: int, max_tokens: int | None) -> int:
@@ -120,10 +135,10 @@ class Scheduler:
         return max_tokens
 
     def blocks_for_request(self, num_prompt_tokens: int, max_tokens: int) -> int:
-        """Blocks a request holds at its longest (the last generated token is never fed back)."""
+        """Blocks a request's table spans at its longest (the last generated token is never fed back)."""
         return cdiv(num_prompt_tokens + max_tokens - 1, self.block_size)
 
-    # ---- queue management -----------------------------------------------------------------------------
+    # ---- queues -----------------------------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
         if request.request_id in self.requests:
             raise InvalidRequestError(f"request id {request.request_id!r} is already in use")
@@ -135,42 +150,53 @@ class Scheduler:
         self.waiting.insert(bisect.bisect_right(keys, request.order_key), request)
 
     def has_unfinished(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.requests)
 
-    def finish(self, request: Request, status: RequestStatus) -> None:
-        """End a request (any state): free its blocks and forget it."""
-        if request.is_finished:
-            return
-        if request in self.running:
-            self.running.remove(request)
-        elif request in self.waiting:
-            self.waiting.remove(request)
-        self.kv.free(request)
-        request.status = status
-        request.metrics.finished_time = time.monotonic()
-        self.requests.pop(request.request_id, None)
-        self.num_finished += 1
+    def unfinished_ids(self) -> list[str]:
+        return list(self.requests)
 
-    def abort(self, request_id: str) -> Request | None:
-        req = self.requests.get(request_id)
-        if req is not None:
-            self.finish(req, RequestStatus.FINISHED_ABORTED)
-        return req
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
 
-    def _preempt(self, request: Request) -> None:
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    def finish_requests(self, request_ids: str | Iterable[str], status: RequestStatus,
+                        stop_reason: str | int | None = None) -> list[Request]:
+        """End requests in any state (aborts, stops): free their blocks, set their status, stop reason and
+        finish time, forget them. Ids that are unknown or already finished are skipped; returns the ended."""
+        ids = [request_ids] if isinstance(request_ids, str) else list(request_ids)
+        now = time.monotonic()
+        ended = []
+        for rid in ids:
+            req = self.requests.pop(rid, None)
+            if req is None:
+                continue
+            (self.running if req.status is RequestStatus.RUNNING else self.waiting).remove(req)
+            self.kv.free(req)
+            req.status = status
+            req.stop_reason = stop_reason
+            req.metrics.finished_time = now
+            ended.append(req)
+        return ended
+
+    def _preempt(self, request: Request, out: SchedulerOutput) -> None:
         self.running.remove(request)
         self.kv.free(request)
         request.num_computed_tokens = 0
         request.status = RequestStatus.PREEMPTED
         request.metrics.num_preemptions += 1
         self.num_preemptions += 1
+        out.preempted.append(request)
         self._enqueue(request)
         logger.debug("preempted %s", request.request_id)
 
     def _reserved_blocks(self) -> int:
         """Blocks running requests may still claim (guaranteed_no_evict's promise to them)."""
-        return sum(max(0, self.blocks_for_request(r.num_prompt_tokens, r.max_tokens) - len(r.block_ids))
-                   for r in self.running)
+        return sum(max(0, self.blocks_for_request(r.num_prompt_tokens, r.max_tokens)
+                       - len(self.kv.block_table(r.request_id))) for r in self.running)
 
     def _chunk(self, start: int, num_tokens: int, budget: int) -> int:
         remaining = num_tokens - start
@@ -181,65 +207,19 @@ class Scheduler:
 
     # ---- one step -------------------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
-        c, kv = self.config, self.kv
-        out = SchedulerOutput()
-        budget, seats = c.max_num_tokens, c.max_batch_size
-        scheduled: set[int] = set()
-        now = time.monotonic()
+        c = self.config
+        step = _Step(c.max_num_tokens, c.max_batch_size, SchedulerOutput(), now=time.monotonic())
+        first, later = self.running, []
+        if c.capacity_policy == "max_utilization" and self.waiting:
+            head = self.waiting[0].priority   # lower-priority running requests come after the waiting head
+            first = [r for r in self.running if r.priority >= head]
+            later = [r for r in self.running if r.priority < head]
+        self._schedule_running(first, step)
+        if not step.out.preempted:
+            self._admit_waiting(step)
+        self._schedule_running(later, step)
 
-        order = sorted(self.running, key=lambda r: (r.num_tokens - r.num_computed_tokens > 1, r.order_key))
-        for req in order:
-            if req.status is not RequestStatus.RUNNING:
-                continue  # preempted earlier in this loop
-            if budget <= 0 or seats <= 0:
-                break
-            n = self._chunk(req.num_computed_tokens, req.num_tokens, budget)
-            if n == 0:
-                continue
-            while not kv.allocate_slots(req, n):
-                if c.capacity_policy != "max_utilization":
-                    logger.warning("guaranteed_no_evict: %s found no free block; it waits a step", req.request_id)
-                    break
-                candidates = [r for r in self.running if id(r) not in scheduled]
-                victim = max(candidates, key=lambda r: r.order_key)
-                self._preempt(victim)
-                out.preempted.append(victim)
-                if victim is req:
-                    break
-            else:
-                scheduled.add(id(req))
-                out.scheduled.append(ScheduledRequest(req, req.num_computed_tokens, n))
-                budget -= n
-                seats -= 1
-
-        if not out.preempted:
-            while self.waiting and budget > 0 and len(self.running) < c.max_batch_size:
-                req = self.waiting[0]
-                hits = kv.find_cached_prefix(req)
-                start = len(hits) * self.block_size
-                n = self._chunk(start, req.num_tokens, budget)
-                if n == 0:
-                    break
-                new_blocks = cdiv(start + n, self.block_size) - len(hits)
-                taken = kv.num_evictable_in(hits)
-                if c.capacity_policy == "guaranteed_no_evict":
-                    need = self.blocks_for_request(req.num_prompt_tokens, req.max_tokens) - len(hits)
-                    if need > kv.num_free_blocks - taken - self._reserved_blocks():
-                        break
-                elif new_blocks > kv.num_free_blocks - taken:
-                    break
-                self.waiting.pop(0)
-                kv.acquire_prefix(req, hits)
-                ok = kv.allocate_slots(req, n)
-                assert ok, "admission check and allocation disagree"
-                req.status = RequestStatus.RUNNING
-                if req.metrics.first_scheduled_time is None:
-                    req.metrics.first_scheduled_time = now
-                    req.metrics.num_cached_tokens = start
-                self.running.append(req)
-                out.scheduled.append(ScheduledRequest(req, start, n))
-                budget -= n
-
+        out = step.out
         out.scheduled.sort(key=lambda s: s.num_new_tokens == 1)  # context chunks first (stable)
         for s in out.scheduled:
             if s.num_new_tokens == 1 and s.samples and s.request.num_output_tokens > 0:
@@ -248,11 +228,70 @@ class Scheduler:
                 out.num_prefill_tokens += s.num_new_tokens
         return out
 
+    def _schedule_running(self, requests: list[Request], step: _Step) -> None:
+        order = sorted(requests, key=lambda r: (r.num_tokens - r.num_computed_tokens > 1, r.order_key))
+        for req in order:
+            if req.status is not RequestStatus.RUNNING or req.request_id in step.scheduled:
+                continue  # preempted, or preempted and admitted again, earlier in this step
+            if step.tokens <= 0 or step.seats <= 0:
+                break
+            n = self._chunk(req.num_computed_tokens, req.num_tokens, step.tokens)
+            if n == 0:
+                continue
+            while not self.kv.allocate_slots(req, n):
+                if self.config.capacity_policy != "max_utilization":
+                    logger.warning("guaranteed_no_evict: %s found no free block; it waits a step", req.request_id)
+                    break
+                victim = max((r for r in self.running if r.request_id not in step.scheduled), key=lambda r: r.order_key)
+                self._preempt(victim, step.out)
+                if victim is req:
+                    break
+            else:
+                self._take(req, req.num_computed_tokens, n, step)
+
+    def _admit_waiting(self, step: _Step) -> None:
+        c, kv, bs = self.config, self.kv, self.block_size
+        while self.waiting and step.tokens > 0:
+            req = self.waiting[0]
+            if req.status is RequestStatus.PREEMPTED and req in step.out.preempted:
+                break  # it made room in this step; it comes back in a later one
+            hits = kv.get_computed_blocks(req)
+            start = len(hits) * bs
+            n = self._chunk(start, req.num_tokens, step.tokens)
+            if n == 0:
+                break  # no budget left for a block-aligned chunk: preempting would not help
+            keep_free = 0
+            if c.capacity_policy == "guaranteed_no_evict":
+                # the pool must also hold the rest of this request and what running requests may claim
+                rest = self.blocks_for_request(req.num_prompt_tokens, req.max_tokens) - cdiv(start + n, bs)
+                keep_free = self._reserved_blocks() + rest
+            if not (len(self.running) < c.max_batch_size and kv.allocate_slots(req, n, hits, keep_free)):
+                victims = [r for r in self.running if r.priority < req.priority and r.request_id not in step.scheduled]
+                if c.capacity_policy != "max_utilization" or not victims:
+                    break
+                self._preempt(max(victims, key=lambda r: r.order_key), step.out)
+                continue
+            self.waiting.pop(0)
+            req.status = RequestStatus.RUNNING
+            req.num_computed_tokens = start
+            if req.metrics.first_scheduled_time is None:
+                req.metrics.first_scheduled_time = step.now
+                req.metrics.num_cached_tokens = start
+            self.running.append(req)
+            self._take(req, start, n, step)
+
+    def _take(self, req: Request, start: int, n: int, step: _Step) -> None:
+        step.out.scheduled.append(ScheduledRequest(req, start, n))
+        step.scheduled.add(req.request_id)
+        step.tokens -= n
+        step.seats -= 1
+
     # ---- after the forward ----------------------------------------------------------------------------
-    def update(self, out: SchedulerOutput, sampled: dict[int, int]) -> list[Request]:
-        """Advance progress; append sampled tokens (``sampled``: index in ``out.scheduled`` -> token id);
-        finish requests on EOS, stop token ids, max_tokens or max_seq_len. Returns the finished ones."""
-        finished = []
+    def update_from_output(self, out: SchedulerOutput, sampled: dict[int, int]) -> list[tuple[Request, int]]:
+        """Advance the scheduled requests' progress and append the sampled tokens (``sampled``: index in
+        ``out.scheduled`` -> token id). Returns (request, token) for each new token; the stop rules
+        (``stopping``) decide which of them end, through :meth:`finish_requests`."""
+        new = []
         for i, s in enumerate(out.scheduled):
             req = s.request
             if req.status is not RequestStatus.RUNNING:
@@ -260,23 +299,7 @@ class Scheduler:
             req.num_computed_tokens += s.num_new_tokens
             self.kv.cache_blocks(req)
             token = sampled.get(i)
-            if token is None:
-                continue
-            req.append_token(token)
-            status = self.check_stop(req, token)
-            if status is not None:
-                self.finish(req, status)
-                finished.append(req)
-        return finished
-
-    def check_stop(self, req: Request, token: int) -> RequestStatus | None:
-        p = req.params
-        if req.num_output_tokens > p.min_tokens:  # at least min_tokens tokens come before a stop token
-            if not p.ignore_eos and token in req.eos_token_ids:
-                return RequestStatus.FINISHED_STOPPED
-            if token in p.stop_token_ids:
-                req.stop_reason = token
-                return RequestStatus.FINISHED_STOPPED
-        if req.num_output_tokens >= req.max_tokens or req.num_tokens >= self.config.max_seq_len:
-            return RequestStatus.FINISHED_LENGTH
-        return None
+            if token is not None:
+                req.append_token(token)
+                new.append((req, token))
+        return new

@@ -37,9 +37,13 @@ def get_engine(ckpt: Path, **build_overrides):
     return _ENGINES[key]
 
 
-def hf_greedy(ckpt: Path, prompt: list[int], max_new_tokens: int, eos_token_id: int = 2) -> list[int]:
-    """Tokens transformers generates greedily for ``prompt`` alone (stops at EOS, like kiln)."""
-    key = (str(ckpt), tuple(prompt))
+def hf_greedy(ckpt: Path, prompt: list[int], max_new_tokens: int, eos_token_id: int = 2,
+              ignore_eos: bool = False) -> list[int]:
+    """Tokens transformers generates greedily for ``prompt`` alone (stops at EOS, like kiln, unless
+    ``ignore_eos``: then it runs on past it, as kiln does with SamplingParams(ignore_eos=True))."""
+    if ignore_eos:
+        eos_token_id = 1 << 30   # no token has this id: nothing stops the generation
+    key = (str(ckpt), tuple(prompt), ignore_eos)
     cached = _HF_CACHE.get(key)
     if cached is None or (len(cached) < max_new_tokens and (not cached or cached[-1] != eos_token_id)):
         from transformers import AutoModelForCausalLM

@@ -11,6 +11,7 @@ from kiln.runtime.kv_cache import KVCacheManager
 from kiln.runtime.request import Request, RequestStatus
 from kiln.runtime.sampling_params import SamplingParams
 from kiln.runtime.scheduler import Scheduler, SchedulerConfig
+from kiln.runtime.stopping import stop_by_token
 
 _seq = itertools.count()
 
@@ -30,11 +31,18 @@ def add(s: Scheduler, n_prompt: int, max_tokens: int, rid: str, priority: int = 
 
 
 def step(s: Scheduler, token: int = 7):
+    """One step as the executor runs it, without an engine: every sampled token is ``token``."""
     out = s.schedule()
     assert out.num_tokens <= s.config.max_num_tokens
     assert len(out.scheduled) <= s.config.max_batch_size
     sampled = {i: token for i, x in enumerate(out.scheduled) if x.samples}
-    return out, s.update(out, sampled)
+    finished = []
+    for req, _ in s.update_from_output(out, sampled):
+        stop = stop_by_token(req, s.config.max_seq_len)
+        if stop is not None:
+            finished += s.finish_requests(req.request_id, *stop)
+    s.kv.check_consistency()
+    return out, finished
 
 
 def drain(s: Scheduler, limit: int = 1000):
@@ -151,8 +159,7 @@ def test_abort_frees_blocks_any_state():
     b = add(s, 4, 5, "b")
     step(s)
     assert a.status is RequestStatus.RUNNING and a.num_computed_tokens == 8
-    s.abort("a")
-    s.abort("b")
+    s.finish_requests(["a", "b", "unknown"], RequestStatus.FINISHED_ABORTED)
     assert a.status is RequestStatus.FINISHED_ABORTED and b.status is RequestStatus.FINISHED_ABORTED
     assert not s.has_unfinished() and s.kv.num_used_blocks == 0
 
@@ -176,3 +183,49 @@ def test_stop_conditions():
     s.add_request(r3)
     drain_tokens = [step(s, token=2) for _ in range(3)]
     assert r3.status is RequestStatus.FINISHED_LENGTH and r3.output_token_ids == [2, 2, 2]
+
+
+def test_higher_priority_arrival_preempts_lowest_priority_latest_first():
+    s = make(num_blocks=10, bs=4, batch=8, tokens=64, policy="max_utilization", max_in=48)
+    a = add(s, 8, 12, "a", priority=0, arrival=1.0)
+    b = add(s, 8, 12, "b", priority=1, arrival=2.0)
+    c = add(s, 8, 12, "c", priority=0, arrival=3.0)
+    step(s)                                            # a, b, c hold 2 blocks each (8 prompt tokens)
+    assert s.kv.num_free_blocks == 4
+    hi = add(s, 28, 4, "hi", priority=5, arrival=4.0, first=500)  # needs 7 blocks: two low ones must go
+    out, _ = step(s)
+    assert [r.request_id for r in out.preempted] == ["c", "a"]   # lowest priority, latest arrival first
+    assert hi.status is RequestStatus.RUNNING and b.status is RequestStatus.RUNNING
+    assert ("hi", 28) in [(x.request.request_id, x.num_new_tokens) for x in out.scheduled]
+    finished = drain(s)
+    assert {r.request_id for r in finished} == {"a", "b", "c", "hi"}
+    assert all(r.num_output_tokens == r.max_tokens for r in (a, b, c, hi))
+    assert hi.metrics.num_preemptions == 0 and hi.metrics.priority == 5 and c.metrics.num_preemptions >= 1
+    assert s.kv.num_used_blocks == 0
+
+
+def test_higher_priority_arrival_takes_a_seat_and_equal_priority_never_preempts():
+    s = make(num_blocks=64, bs=4, batch=2, tokens=64, policy="max_utilization")
+    low = add(s, 4, 8, "low", priority=0, arrival=1.0)
+    mid = add(s, 4, 8, "mid", priority=3, arrival=2.0)
+    step(s)
+    same = add(s, 4, 2, "same", priority=3, arrival=3.0)   # no seat: "low" (below it) gives up its own
+    out, _ = step(s)
+    assert [r.request_id for r in out.preempted] == ["low"] and same.status is RequestStatus.RUNNING
+    peer = add(s, 4, 2, "peer", priority=3, arrival=4.0)   # only equal priorities run: it waits
+    out, _ = step(s)
+    assert not out.preempted and peer.status is RequestStatus.WAITING
+    drain(s)
+    assert mid.metrics.num_preemptions == 0 and low.metrics.num_preemptions == 1
+
+
+def test_guaranteed_no_evict_orders_by_priority_but_never_preempts():
+    s = make(num_blocks=10, bs=4, batch=8, tokens=64)
+    for i in range(2):
+        add(s, 8, 12, f"low{i}", priority=0, arrival=float(i))
+    step(s)
+    hi = add(s, 20, 4, "hi", priority=5, arrival=9.0)
+    out, _ = step(s)
+    assert not out.preempted and hi.status is RequestStatus.WAITING
+    drain(s)
+    assert s.num_preemptions == 0 and hi.num_output_tokens == 4
