@@ -9,14 +9,9 @@ from pathlib import Path
 import click
 
 from kiln.builder.build import STAGES, build_engine
-from kiln.builder.config import BACKENDS, DTYPES, KV_DTYPES, QUANTIZATIONS, BuildConfig
+from kiln.builder.config import BuildConfig
+from kiln.clikit import dataclass_options, given
 from kiln.contract import KilnError, format_table, read_build_report, read_engine_config, summary_rows
-
-# CLI flag -> BuildConfig field (flags override the YAML)
-_OVERRIDES = (
-    "dtype", "backend", "quantization", "group_size", "max_batch_size", "max_input_len", "max_seq_len",
-    "max_num_tokens", "opt_num_tokens", "tokens_per_block", "kv_cache_dtype", "gather_all_logits",
-)
 
 
 def _list_passes(ctx: click.Context, _param, value: bool) -> None:
@@ -33,33 +28,21 @@ def _list_passes(ctx: click.Context, _param, value: bool) -> None:
 @click.option("--checkpoint", type=click.Path(path_type=Path), help="Hugging Face checkpoint directory.")
 @click.option("--output", type=click.Path(path_type=Path), help="Engine directory to write (replaced if it exists).")
 @click.option("--config", "config_path", type=click.Path(path_type=Path), help="BuildConfig YAML (flags override it).")
-@click.option("--dtype", type=click.Choice(DTYPES))
-@click.option("--backend", type=click.Choice(BACKENDS))
-@click.option("--quantization", type=click.Choice(QUANTIZATIONS))
-@click.option("--group-size", type=int, help="int4 group size.")
-@click.option("--max-batch-size", type=int)
-@click.option("--max-input-len", type=int)
-@click.option("--max-seq-len", type=int)
-@click.option("--max-num-tokens", type=int)
-@click.option("--opt-num-tokens", type=int)
-@click.option("--tokens-per-block", type=int)
-@click.option("--kv-cache-dtype", type=click.Choice(KV_DTYPES))
-@click.option("--gather-all-logits/--no-gather-all-logits", default=None)
-@click.option("--disable-pass", "disabled", multiple=True, metavar="NAME", help="Skip a pass (repeatable).")
+@dataclass_options(BuildConfig, exclude=("disabled_passes",))
+@click.option("--disable-pass", "disabled", multiple=True, metavar="NAME",
+              help="Skip a pass (repeatable; added to the YAML's disabled_passes).")
 @click.option("--passes", is_flag=True, expose_value=False, is_eager=True, callback=_list_passes,
               help="List the passes and exit.")
 def build_engine_cmd(checkpoint, output, config_path, disabled, **flags) -> None:
     """Build a kiln engine from a Hugging Face checkpoint."""
     if checkpoint is None or output is None:
         raise click.UsageError("--checkpoint and --output are required")
-    from kiln.builder.passes import PASS_NAMES
+    from kiln.builder.passes import check_names
 
-    unknown = [d for d in disabled if d not in PASS_NAMES]
-    if unknown:
-        raise click.BadParameter(f"unknown pass(es) {unknown}; see --passes: {PASS_NAMES}", param_hint="--disable-pass")
     try:
+        check_names(list(disabled))
         base = BuildConfig.from_yaml(config_path) if config_path else BuildConfig()
-        changes = {k: v for k, v in flags.items() if k in _OVERRIDES and v is not None}
+        changes = given(BuildConfig, flags)
         if disabled:
             changes["disabled_passes"] = sorted(set(base.disabled_passes) | set(disabled))
         build = base.replace(**changes) if changes else base

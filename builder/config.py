@@ -25,22 +25,31 @@ LOGITS_DTYPES = ("float32",)
 __all__ = ["BACKENDS", "DTYPES", "KV_DTYPES", "LOGITS_DTYPES", "QUANTIZATIONS", "BuildConfig", "BuildConfigError"]
 
 
+def _knob(default: Any, help: str, choices: tuple[str, ...] | None = None) -> Any:
+    """A BuildConfig field: its help text and accepted values also make its build-engine option."""
+    return field(default=default, metadata={"help": help, **({"choices": choices} if choices else {})})
+
+
 @dataclass
 class BuildConfig:
-    dtype: str = "float32"
-    backend: str = "cpu"
-    max_batch_size: int = 8
-    max_input_len: int = 512
-    max_seq_len: int = 1024
-    max_num_tokens: int = 1024
-    opt_num_tokens: int | None = None
-    tokens_per_block: int = 16
-    kv_cache_dtype: str = "auto"
-    quantization: str = "none"
-    group_size: int = 128
-    logits_dtype: str = "float32"
-    gather_all_logits: bool = False
-    disabled_passes: list[str] = field(default_factory=list)
+    dtype: str = _knob("float32", "Engine dtype of weights and activations.", DTYPES)
+    backend: str = _knob("cpu", "cpu: a serialized torch.export program; cpu-compiled: an AOTInductor package.",
+                         BACKENDS)
+    max_batch_size: int = _knob(8, "Most sequences in one step (context and generation together).")
+    max_input_len: int = _knob(512, "Longest prompt accepted.")
+    max_seq_len: int = _knob(1024, "Longest sequence (prompt + generated); at most the model's positions.")
+    max_num_tokens: int = _knob(1024, "Most packed tokens in one step (prefill chunks + one per decoding sequence).")
+    opt_num_tokens: int | None = _knob(None, "Tokens per step the engine is tuned for (default: "
+                                             "min(max_num_tokens, 128)).")
+    tokens_per_block: int = _knob(16, "KV block size in tokens.")
+    kv_cache_dtype: str = _knob("auto", "KV pool dtype (auto: the engine dtype).", KV_DTYPES)
+    quantization: str = _knob("none", "Weight-only quantization of the GEMMs.", QUANTIZATIONS)
+    group_size: int = _knob(128, "int4 group size (weights per scale along the input).")
+    logits_dtype: str = _knob("float32", "Dtype of the logits (the engine contract returns float32).",
+                              LOGITS_DTYPES)
+    gather_all_logits: bool = _knob(False, "Logits for every token of a step, not only each sequence's last.")
+    disabled_passes: list[str] = field(default_factory=list, metadata={
+        "help": "Graph passes to skip (build-engine --passes lists them)."})
 
     def __post_init__(self) -> None:
         self.validate()
@@ -109,7 +118,7 @@ class BuildConfig:
             )
         return out
 
-    def validate(self) -> "BuildConfig":
+    def validate(self) -> BuildConfig:
         issues = self.problems()
         if issues:
             raise BuildConfigError("invalid build config:\n  - " + "\n  - ".join(issues))
@@ -165,7 +174,7 @@ class BuildConfig:
             max_blocks_per_seq=self.max_blocks_per_seq,
         )
 
-    def resolved(self) -> "BuildConfig":
+    def resolved(self) -> BuildConfig:
         """This config with its documented sentinels replaced by what they mean (``kv_cache_dtype: auto``,
         ``opt_num_tokens: null``): what config.json records, and what rebuilds the same engine."""
         return self.replace(kv_cache_dtype=self.resolved_kv_cache_dtype, opt_num_tokens=self.resolved_opt_num_tokens)
@@ -177,7 +186,7 @@ class BuildConfig:
         return d
 
     @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> "BuildConfig":
+    def from_dict(cls, data: dict[str, Any]) -> BuildConfig:
         if not isinstance(data, dict):
             raise BuildConfigError(f"a build config must be a mapping, got {type(data).__name__}")
         names = [f.name for f in dataclasses.fields(cls)]
@@ -187,7 +196,7 @@ class BuildConfig:
         return cls(**data)
 
     @classmethod
-    def from_yaml(cls, path: str | Path) -> "BuildConfig":
+    def from_yaml(cls, path: str | Path) -> BuildConfig:
         import yaml
 
         path = Path(path)
@@ -202,6 +211,6 @@ class BuildConfig:
         except BuildConfigError as exc:
             raise BuildConfigError(f"{path}: {exc}") from None
 
-    def replace(self, **changes: Any) -> "BuildConfig":
+    def replace(self, **changes: Any) -> BuildConfig:
         """A copy with ``changes`` applied (validated again)."""
         return BuildConfig.from_dict({**self.to_dict(), **changes})

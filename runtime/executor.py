@@ -83,7 +83,8 @@ class Executor:
         def bound(name: str, value: int | None) -> int:
             limit = getattr(b, name)
             if value is not None and value > limit:
-                raise ConfigError(f"{name}={value} is above the engine's bound {limit} (rebuild the engine to raise it)")
+                raise ConfigError(f"{name}={value} is above the engine's bound {limit} "
+                                  "(rebuild the engine to raise it)")
             return limit if value is None else value
 
         sched_config = SchedulerConfig(bound("max_batch_size", config.max_batch_size),
@@ -273,7 +274,8 @@ class Executor:
         """Contract inputs for the scheduled tokens; also which scheduled entries produce logits."""
         chunks = [SeqChunk(s.request.all_token_ids[s.start:s.start + s.num_new_tokens], s.start,
                            self.kv.block_table(s.request.request_id), 1 if s.samples else 0) for s in out.scheduled]
-        return pack_inputs(chunks, self.kv_cache, self.block_size), [i for i, s in enumerate(out.scheduled) if s.samples]
+        rows = [i for i, s in enumerate(out.scheduled) if s.samples]
+        return pack_inputs(chunks, self.kv_cache, self.block_size), rows
 
     def _emit_outputs(self, new_tokens: list[tuple[Request, int]], logprobs: list) -> None:
         """Token times, logprobs and text of each new token; the stop rules end requests through the

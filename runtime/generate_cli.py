@@ -1,4 +1,8 @@
-"""``kiln generate``: run prompts through an engine with in-flight batching and print outputs and metrics."""
+"""``kiln generate``: run prompts through an engine with in-flight batching and print outputs and metrics.
+
+Its sampling and serving options are the fields of ``SamplingParams`` and ``ExecutorConfig`` (see
+``kiln.clikit``): the same names, defaults and checks as the Python API.
+"""
 
 from __future__ import annotations
 
@@ -9,38 +13,29 @@ from pathlib import Path
 
 import click
 
+from kiln.clikit import dataclass_options, given
+from kiln.runtime.executor import ExecutorConfig
+from kiln.runtime.sampling_params import SamplingParams
+
+# ExecutorConfig.seed (the default generator's) would clash with the per-request --seed of SamplingParams
+_EXECUTOR_EXCLUDE = ("seed", "metrics_window")
+
 
 @click.command()
 @click.option("--engine", "engine_dir", required=True, type=click.Path(path_type=Path, exists=True, file_okay=False),
               help="Engine directory written by build-engine.")
 @click.option("--prompt", "prompts", multiple=True, help="A prompt (repeat for several, run concurrently).")
 @click.option("--prompt-file", type=click.File("r"), help="One prompt per line ('-' for stdin).")
-@click.option("--max-tokens", type=int, default=64, show_default=True)
-@click.option("--min-tokens", type=int, default=0, show_default=True)
-@click.option("--temperature", type=float, default=0.0, show_default=True, help="0 = greedy.")
-@click.option("--top-k", type=int, default=0, show_default=True)
-@click.option("--top-p", type=float, default=1.0, show_default=True)
-@click.option("--min-p", type=float, default=0.0, show_default=True)
-@click.option("--repetition-penalty", type=float, default=1.0, show_default=True)
-@click.option("--seed", type=int, default=None, help="Per-request seed (reproducible sampling).")
-@click.option("--stop", multiple=True, help="Stop string (repeatable); trimmed from the output.")
-@click.option("--ignore-eos", is_flag=True)
-@click.option("--max-batch-size", type=int, default=None, help="Default: the engine's.")
-@click.option("--max-num-tokens", type=int, default=None, help="Tokens per step; default: the engine's.")
-@click.option("--kv-cache-memory-fraction", type=float, default=0.9, show_default=True)
-@click.option("--max-kv-cache-tokens", type=int, default=None)
-@click.option("--capacity-policy", type=click.Choice(["guaranteed_no_evict", "max_utilization"]),
-              default="guaranteed_no_evict", show_default=True)
-@click.option("--no-prefix-reuse", is_flag=True, help="Disable KV prefix reuse.")
+@dataclass_options(SamplingParams)
+@dataclass_options(ExecutorConfig, exclude=_EXECUTOR_EXCLUDE)
 @click.option("--stream", is_flag=True, help="Print text as it is generated (one prompt).")
 @click.option("--json", "as_json", is_flag=True, help="One JSON object per output.")
 @click.option("--quiet-metrics", is_flag=True, help="Do not print the metrics summary.")
-def generate(engine_dir, prompts, prompt_file, max_tokens, min_tokens, temperature, top_k, top_p, min_p,
-             repetition_penalty, seed, stop, ignore_eos, max_batch_size, max_num_tokens, kv_cache_memory_fraction,
-             max_kv_cache_tokens, capacity_policy, no_prefix_reuse, stream, as_json, quiet_metrics):
+def generate(engine_dir: Path, prompts: tuple[str, ...], prompt_file, stream: bool, as_json: bool,
+             quiet_metrics: bool, **options) -> None:
     """Generate for PROMPTs concurrently (in-flight batching over a paged KV cache)."""
-    from kiln.runtime import LLM, SamplingParams
-    from kiln.runtime.engine import EngineLoadError
+    from kiln.contract import KilnError
+    from kiln.runtime import LLM
 
     prompts = list(prompts)
     if prompt_file is not None:
@@ -48,16 +43,10 @@ def generate(engine_dir, prompts, prompt_file, max_tokens, min_tokens, temperatu
     if not prompts:
         raise click.UsageError("give at least one --prompt or a --prompt-file")
     try:
-        params = SamplingParams(max_tokens=max_tokens, min_tokens=min_tokens, temperature=temperature, top_k=top_k,
-                                top_p=top_p, min_p=min_p, repetition_penalty=repetition_penalty, seed=seed,
-                                stop=list(stop), ignore_eos=ignore_eos)
-    except ValueError as exc:
-        raise click.BadParameter(str(exc)) from None
-    try:
-        llm = LLM(engine_dir, max_batch_size=max_batch_size, max_num_tokens=max_num_tokens,
-                  kv_cache_memory_fraction=kv_cache_memory_fraction, max_kv_cache_tokens=max_kv_cache_tokens,
-                  capacity_policy=capacity_policy, enable_prefix_reuse=not no_prefix_reuse)
-    except (EngineLoadError, ValueError) as exc:
+        params = SamplingParams(**given(SamplingParams, options))
+        config = ExecutorConfig(**given(ExecutorConfig, options, exclude=_EXECUTOR_EXCLUDE))
+        llm = LLM(engine_dir, config=config)
+    except KilnError as exc:
         raise click.ClickException(str(exc)) from None
     try:
         if stream and len(prompts) == 1 and not as_json:
@@ -88,7 +77,7 @@ def generate(engine_dir, prompts, prompt_file, max_tokens, min_tokens, temperatu
         if not quiet_metrics and not as_json:
             click.echo("--- metrics")
             click.echo(llm.metrics_summary())
-    except ValueError as exc:  # InvalidRequestError included: say why the request cannot run
+    except KilnError as exc:  # InvalidRequestError included: say why the request cannot run
         raise click.ClickException(str(exc)) from None
     finally:
         llm.shutdown()

@@ -22,8 +22,8 @@ import threading
 from collections.abc import AsyncIterator, Iterator, Sequence
 from pathlib import Path
 
+from kiln.contract import ConfigError, ExecutorClosedError, InvalidRequestError
 from kiln.runtime.detokenizer import load_tokenizer
-from kiln.contract import ExecutorClosedError, InvalidRequestError
 from kiln.runtime.executor import Executor, ExecutorConfig
 from kiln.runtime.outputs import RequestOutput
 from kiln.runtime.sampling_params import SamplingParams
@@ -32,15 +32,19 @@ Prompt = str | Sequence[int]
 
 
 class LLM:
-    def __init__(self, engine, tokenizer=None, **options):
-        """``engine``: an engine directory, or an already loaded ``Engine`` (shared, e.g. by tests)."""
+    def __init__(self, engine, tokenizer=None, *, config: ExecutorConfig | None = None, **options):
+        """``engine``: an engine directory, or an already loaded ``Engine`` (shared, e.g. by tests).
+        Serving options: an ``ExecutorConfig`` as ``config``, or its fields as keywords."""
+        if config is not None and options:
+            raise ConfigError(f"give either config or its fields as keywords, not both ({sorted(options)})")
+        config = config if config is not None else ExecutorConfig(**options)
         if isinstance(engine, (str, Path)):
             from kiln.runtime.engine import Engine
 
             engine = Engine.from_dir(engine)
         self.engine = engine
         self.tokenizer = tokenizer if tokenizer is not None else load_tokenizer(engine.directory)
-        self.executor = Executor(engine, ExecutorConfig(**options), tokenizer=self.tokenizer)
+        self.executor = Executor(engine, config, tokenizer=self.tokenizer)
 
     # ---- helpers --------------------------------------------------------------------------------------
     def encode(self, prompt: Prompt) -> tuple[list[int], str | None]:
@@ -60,7 +64,8 @@ class LLM:
         return self.executor.submit(ids, params, request_id=request_id, priority=priority, prompt=text,
                                     callback=callback)
 
-    def generate(self, prompts: Prompt | Sequence[Prompt], sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+    def generate(self, prompts: Prompt | Sequence[Prompt],
+                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
                  *, priority: int | Sequence[int] = 0, timeout: float | None = None) -> list[RequestOutput]:
         """Run every prompt concurrently; the final RequestOutputs in input order.
 
@@ -96,7 +101,8 @@ class LLM:
         ids_submitted = []
         try:
             for i, ((ids, text), sp) in enumerate(zip(encoded, params)):
-                ids_submitted.append(self.executor.submit(ids, sp, priority=prios[i], prompt=text, callback=on_output(i)))
+                ids_submitted.append(self.executor.submit(ids, sp, priority=prios[i], prompt=text,
+                                                          callback=on_output(i)))
         except BaseException:
             for rid in ids_submitted:
                 self.executor.abort(rid)
@@ -166,7 +172,7 @@ class LLM:
     def shutdown(self) -> None:
         self.executor.close()
 
-    def __enter__(self) -> "LLM":
+    def __enter__(self) -> LLM:
         return self
 
     def __exit__(self, *exc) -> None:

@@ -20,36 +20,38 @@ from kiln.contract import ConfigError
 
 @dataclass
 class SamplingParams:
-    """Per-request options. Invalid values raise ``ConfigError`` (a ValueError) at construction.
+    """Per-request options (each field's help says what it does). Invalid values raise ``ConfigError``
+    (a ValueError) at construction."""
 
-    max_tokens: tokens to generate at most (``None``: up to the engine's max_seq_len).
-    min_tokens: EOS / stop tokens are suppressed until this many tokens are generated.
-    temperature: 0 means greedy. top_k: 0 or -1 disables. top_p: 1.0 disables. min_p: 0 disables.
-    repetition_penalty: 1.0 disables. presence_penalty / frequency_penalty: 0 disables.
-    seed: a per-request generator; the same seed gives the same tokens whatever else is in the batch.
-    stop: strings that end generation when they appear in the text; the text is trimmed before them
-    (``include_stop_str_in_output`` keeps them). stop_token_ids: extra token ids that end generation.
-    ignore_eos: keep generating past EOS. logprobs: return the log-probability of each sampled token
-    plus the ``logprobs`` most likely ones (0: sampled token only, None: no logprobs).
-    skip_special_tokens: drop special tokens from the text.
-    """
-
-    max_tokens: int | None = 16
-    min_tokens: int = 0
-    temperature: float = 1.0
-    top_k: int = 0
-    top_p: float = 1.0
-    min_p: float = 0.0
-    repetition_penalty: float = 1.0
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    seed: int | None = None
-    stop: list[str] | str | None = None
-    stop_token_ids: list[int] = field(default_factory=list)
-    include_stop_str_in_output: bool = False
-    ignore_eos: bool = False
-    logprobs: int | None = None
-    skip_special_tokens: bool = True
+    max_tokens: int | None = field(default=16, metadata={
+        "help": "Tokens to generate at most (Python API: None = up to the engine's max_seq_len)."})
+    min_tokens: int = field(default=0, metadata={
+        "help": "EOS and stop token ids are suppressed until this many tokens are generated."})
+    temperature: float = field(default=1.0, metadata={"help": "0 means greedy."})
+    top_k: int = field(default=0, metadata={"help": "Keep the k most likely tokens (0 or -1: all)."})
+    top_p: float = field(default=1.0, metadata={
+        "help": "Keep the smallest set of tokens whose probability reaches top_p (1.0: all)."})
+    min_p: float = field(default=0.0, metadata={
+        "help": "Drop tokens less likely than min_p x the most likely one (0: none)."})
+    repetition_penalty: float = field(default=1.0, metadata={
+        "help": "Penalty on tokens of the prompt and output (HF semantics; 1.0: none)."})
+    presence_penalty: float = field(default=0.0, metadata={
+        "help": "Subtracted from tokens already generated (OpenAI semantics; 0: none)."})
+    frequency_penalty: float = field(default=0.0, metadata={
+        "help": "Subtracted per occurrence in the output (OpenAI semantics; 0: none)."})
+    seed: int | None = field(default=None, metadata={
+        "help": "Per-request seed: the same seed gives the same tokens whatever else is in the batch."})
+    stop: list[str] | str | None = field(default=None, metadata={
+        "help": "Stop string (repeatable): generation ends when it appears; the text is cut before it."})
+    stop_token_ids: list[int] = field(default_factory=list, metadata={
+        "help": "Token id that ends generation (repeatable)."})
+    include_stop_str_in_output: bool = field(default=False, metadata={
+        "help": "Keep the stop string at the end of the text."})
+    ignore_eos: bool = field(default=False, metadata={"help": "Keep generating past EOS."})
+    logprobs: int | None = field(default=None, metadata={
+        "help": "Return the log-probability of each sampled token and of the N most likely ones "
+                "(0: the sampled token only)."})
+    skip_special_tokens: bool = field(default=True, metadata={"help": "Drop special tokens from the text."})
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
