@@ -1,11 +1,12 @@
-# kiln: `make demo` sets up and runs the main job; `make test` sets up and runs the tests.
+# kiln: `make demo` sets up and runs the main job; `make test` sets up, lints and runs every test (CI's command);
+# `make test-fast` runs the engine-free tests (marked in tests/conftest.py) in under a minute.
 # Setup is idempotent: the venv is rebuilt only when pyproject.toml changes.
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.kiln-installed
 
-.PHONY: setup demo test bench clean
+.PHONY: setup demo test test-fast lint bench clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -19,8 +20,14 @@ setup: $(STAMP)
 demo: setup
 	$(PY) scripts/demo.py
 
-test: setup
+lint: setup
+	$(PY) -m ruff check .
+
+test: setup lint
 	$(PY) -m pytest -q -n 2 --dist loadgroup
+
+test-fast: setup
+	$(PY) -m pytest -q -n 2 -m fast
 
 clean:
 	rm -rf $(VENV) work .pytest_cache .hypothesis

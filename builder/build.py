@@ -10,10 +10,11 @@ import dataclasses
 import json
 import shutil
 import time
+from collections.abc import Callable
 from contextlib import contextmanager
 from importlib import metadata
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 

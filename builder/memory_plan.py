@@ -10,8 +10,9 @@ overlap a buffer live at the same time.
 from __future__ import annotations
 
 import operator
+from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Any, Iterable
+from typing import Any
 
 import torch
 from torch import fx
@@ -169,7 +170,8 @@ def plan(ep: torch.export.ExportedProgram) -> dict[str, Any]:
         "naive_bytes": sum(b.size for b in buffers),
         "unsized": unsized,
         "buffers": [
-            {"name": p.buffer.name, "offset": p.offset, "size": p.buffer.size, "start": p.buffer.start, "end": p.buffer.end}
+            {"name": p.buffer.name, "offset": p.offset, "size": p.buffer.size, "start": p.buffer.start,
+             "end": p.buffer.end}
             for p in sorted(placements, key=lambda p: (p.buffer.start, p.buffer.name))
         ],
     }

@@ -132,13 +132,14 @@ class EngineConfig:
         return dataclasses.asdict(self)
 
     @classmethod
-    def from_dict(cls, data: Any, source: str = CONFIG_FILE) -> "EngineConfig":
+    def from_dict(cls, data: Any, source: str = CONFIG_FILE) -> EngineConfig:
         """Checked: the format version first, then every key and value; EngineLoadError names the key."""
         check_format_version(data, source)
         try:
             config = read_dataclass(cls, data, "")
         except EngineLoadError as exc:
-            raise EngineLoadError(f"{source}: {exc}; this is not a valid kiln engine config, rebuild the engine") from None
+            raise EngineLoadError(f"{source}: {exc}; this is not a valid kiln engine config, rebuild the engine") \
+                from None
         issues = config.problems()
         if issues:
             raise EngineLoadError(f"{source}: " + "; ".join(issues) + "; rebuild the engine")
@@ -155,7 +156,8 @@ def check_format_version(data: Any, source: str = CONFIG_FILE) -> None:
     if not isinstance(data, dict):
         raise EngineLoadError(f"{source}: not a JSON object; this is not a kiln engine config, rebuild the engine")
     if "format_version" not in data:
-        raise EngineLoadError(f"{source}: key 'format_version' is missing; this is not a kiln engine config, rebuild it")
+        raise EngineLoadError(f"{source}: key 'format_version' is missing; this is not a kiln engine config, "
+                              "rebuild it")
     fmt = data["format_version"]
     if type(fmt) is not int or fmt not in SUPPORTED_FORMAT_VERSIONS:
         raise EngineLoadError(

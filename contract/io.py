@@ -141,8 +141,9 @@ def check_inputs(inputs: dict[str, torch.Tensor], config: EngineConfig) -> None:
     want = kv_cache_shape(config.model, b.tokens_per_block, kv.shape[2] if kv.dim() == 6 else 0)
     if kv.dtype != DTYPES[config.kv_cache_dtype] or tuple(kv.shape) != want:
         fixed = ", ".join(map(str, want[3:]))
-        raise EngineInputError(f"kv_cache is {kv.dtype} {list(kv.shape)}; this engine needs {DTYPES[config.kv_cache_dtype]} "
-                               f"[{want[0]}, 2, num_blocks, {fixed}] (allocate_kv_cache)")
+        raise EngineInputError(f"kv_cache is {kv.dtype} {list(kv.shape)}; this engine needs "
+                               f"{DTYPES[config.kv_cache_dtype]} [{want[0]}, 2, num_blocks, {fixed}] "
+                               "(allocate_kv_cache)")
     sizes = {"num_tokens": ("input_ids", 0), "num_seqs": ("seq_lens", 0), "num_logits": ("logits_indices", 0),
              "max_blocks_per_seq": ("block_tables", 1)}
     for dim, (lo, hi) in dim_ranges(b).items():

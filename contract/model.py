@@ -39,7 +39,7 @@ class ModelConfig:
         return dataclasses.asdict(self)
 
     @classmethod
-    def from_dict(cls, data: dict[str, Any], where: str = "model") -> "ModelConfig":
+    def from_dict(cls, data: dict[str, Any], where: str = "model") -> ModelConfig:
         """Checked: a missing, unknown or mistyped key raises EngineLoadError naming ``where.key``."""
         from kiln.contract.typed import read_dataclass
 

@@ -91,7 +91,8 @@ def weight_files(ckpt_dir: Path) -> list[Path]:
     raise CheckpointError(f"{ckpt_dir}: no model.safetensors or model.safetensors.index.json")
 
 
-def load_checkpoint(ckpt_dir: str | Path, dtype: torch.dtype | str = torch.float32) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+def load_checkpoint(ckpt_dir: str | Path,
+                    dtype: torch.dtype | str = torch.float32) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
     """Read config and weights, check each tensor against the family's layout, convert to ``dtype``."""
     ckpt_dir = Path(ckpt_dir)
     dtype = DTYPES[dtype] if isinstance(dtype, str) else dtype
@@ -106,7 +107,8 @@ def load_checkpoint(ckpt_dir: str | Path, dtype: torch.dtype | str = torch.float
             handle = safe_open(str(path), framework="pt")
             names = list(handle.keys())
         except Exception as exc:  # safetensors raises its own error types for corrupt headers
-            raise CheckpointError(f"{path}: cannot read safetensors file ({exc}); the file is corrupt or truncated") from None
+            raise CheckpointError(f"{path}: cannot read safetensors file ({exc}); the file is corrupt or "
+                                  "truncated") from None
         for raw_name in names:
             name = normalize(raw_name)
             if name.endswith(family.IGNORED_HF_SUFFIXES):
@@ -124,14 +126,16 @@ def load_checkpoint(ckpt_dir: str | Path, dtype: torch.dtype | str = torch.float
             try:
                 tensor = handle.get_tensor(raw_name)
             except Exception as exc:
-                raise CheckpointError(f"{path}: cannot read tensor {raw_name!r} ({exc}); the file is corrupt or truncated") from None
+                raise CheckpointError(f"{path}: cannot read tensor {raw_name!r} ({exc}); the file is corrupt or "
+                                      "truncated") from None
             if tuple(tensor.shape) != tuple(spec.shape):
                 raise CheckpointError(
                     f"{path}: tensor {raw_name!r} has shape {list(tensor.shape)}, expected {list(spec.shape)} "
                     "from config.json"
                 )
             if not tensor.is_floating_point():
-                raise CheckpointError(f"{path}: tensor {raw_name!r} has dtype {tensor.dtype}, expected a floating-point weight")
+                raise CheckpointError(f"{path}: tensor {raw_name!r} has dtype {tensor.dtype}, "
+                                      "expected a floating-point weight")
             seen[name] = path
             for kiln_name, value in spec.convert(tensor).items():
                 weights[kiln_name] = value.to(dtype)

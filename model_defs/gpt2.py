@@ -25,7 +25,8 @@ IGNORED_HF_SUFFIXES = (".attn.bias", ".attn.masked_bias")
 def config_from_hf(hf: dict[str, Any]) -> ModelConfig:
     act = hf.get("activation_function", "gelu_new")
     if act not in _ACTIVATIONS:
-        raise UnsupportedConfigError(f"activation_function {act!r} is not supported; expected one of {sorted(_ACTIVATIONS)}")
+        raise UnsupportedConfigError(f"activation_function {act!r} is not supported; "
+                                     f"expected one of {sorted(_ACTIVATIONS)}")
     if hf.get("scale_attn_by_inverse_layer_idx"):
         raise UnsupportedConfigError("scale_attn_by_inverse_layer_idx=true is not supported")
     if not hf.get("scale_attn_weights", True):

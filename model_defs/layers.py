@@ -11,7 +11,6 @@ from __future__ import annotations
 from typing import NamedTuple
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 import kiln.plugins  # noqa: F401  (registers torch.ops.kiln.*)
@@ -103,7 +102,8 @@ class GeluMLP(nn.Module):
 class DecoderLayer(nn.Module):
     """Pre-norm block: x + attn(norm(x)), then x + mlp(norm(x))."""
 
-    def __init__(self, input_layernorm: nn.Module, self_attn: Attention, post_attention_layernorm: nn.Module, mlp: nn.Module):
+    def __init__(self, input_layernorm: nn.Module, self_attn: Attention, post_attention_layernorm: nn.Module,
+                 mlp: nn.Module):
         super().__init__()
         self.input_layernorm = input_layernorm
         self.self_attn = self_attn

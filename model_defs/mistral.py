@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from kiln.model_defs import llama
 from kiln.contract import ModelConfig
+from kiln.model_defs import llama
 
 ARCHITECTURES = ("MistralForCausalLM",)
 create = llama.create

@@ -21,8 +21,6 @@ Shapes (packed tokens, see DESIGN.md):
 
 from __future__ import annotations
 
-import math
-
 import torch
 import torch.nn.functional as F
 
@@ -255,7 +253,3 @@ def paged_attention_reference(
                 out[t + i, h] = (weights @ vh).to(q.dtype)
         t += n
     return out
-
-
-def default_scale(head_dim: int) -> float:
-    return 1.0 / math.sqrt(head_dim)

@@ -60,9 +60,11 @@ def inspect(engine_dir: Path, as_json: bool, show_io: bool, load: bool) -> None:
     report = read_build_report(engine_dir)
     click.echo(format_table(summary_rows(config, report)))
     if report and report.get("passes"):
-        click.echo("passes: " + ", ".join(
-            f"{k} ({'off' if v == 'disabled' else ', '.join(f'{a}={b}' for a, b in v.items() if not isinstance(b, (dict, list)))})"
-            for k, v in report["passes"].items()))
+        def stats(v) -> str:
+            return "off" if v == "disabled" else ", ".join(f"{a}={b}" for a, b in v.items()
+                                                           if not isinstance(b, (dict, list)))
+
+        click.echo("passes: " + ", ".join(f"{k} ({stats(v)})" for k, v in report["passes"].items()))
     if show_io:
         spec = io_spec(config)
         dims = spec["dims"]

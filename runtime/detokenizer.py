@@ -2,9 +2,10 @@
 
 A byte-level BPE token can end in the middle of a multi-byte UTF-8 character (an emoji, CJK); decoding it
 alone gives U+FFFD. The detokenizer decodes a short window of recent tokens and only releases text once the
-window decodes cleanly (or 4 tokens have passed: then the bytes are invalid, not incomplete), so the concatenated deltas equal the decode of all tokens at once. A few prompt
-tokens seed the window, so tokenizers that strip a leading space from the first token (SentencePiece's
-"▁") still give the first generated token its space.
+window decodes cleanly (or 4 tokens have passed: then the bytes are invalid, not incomplete), so the
+concatenated deltas equal the decode of all tokens at once. A few prompt tokens seed the window, so
+tokenizers that strip a leading space from the first token (SentencePiece's "▁") still give the first
+generated token its space.
 """
 
 from __future__ import annotations

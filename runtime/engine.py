@@ -63,7 +63,7 @@ class Engine:
         return read_engine_config(path)
 
     @classmethod
-    def from_dir(cls, path: str | Path) -> "Engine":
+    def from_dir(cls, path: str | Path) -> Engine:
         directory = Path(path)
         config = read_engine_config(directory)
         if config.tp_size != 1:

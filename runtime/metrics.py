@@ -1,7 +1,7 @@
 """Runtime metrics: per-step records, counters and latency histograms.
 
-The executor updates one :class:`RuntimeMetrics` from its step loop; readers (``LLM.stats()``, the HTTP
-``/metrics`` endpoint, the benchmark) take :meth:`RuntimeMetrics.snapshot` or
+The executor updates one :class:`RuntimeMetrics` from its step loop; readers (``LLM.stats()``, the
+benchmarks, a server's metrics endpoint) take :meth:`RuntimeMetrics.snapshot` or
 :meth:`RuntimeMetrics.prometheus`, which are safe to call from any thread.
 """
 

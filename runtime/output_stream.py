@@ -28,7 +28,7 @@ class OutputStream:
     error: str | None = None
 
     @classmethod
-    def open(cls, req: Request, tokenizer, callback: Callable[[RequestOutput], None] | None) -> "OutputStream":
+    def open(cls, req: Request, tokenizer, callback: Callable[[RequestOutput], None] | None) -> OutputStream:
         detok = (IncrementalDetokenizer(tokenizer, req.prompt_token_ids, req.params.skip_special_tokens)
                  if tokenizer is not None else None)
         return cls(req.params, callback, detok, hold=stop_hold(req.params))

@@ -3,7 +3,8 @@
     .venv/bin/python scripts/bench_build.py [--variants fp32,bf16,int8,int4] [--steps 20] [--threads 2] [--size 300m]
 
 A ~300M-parameter random Llama (``work/bench/llama-300m``, created once, shared with the serving bench;
-``--size 246m``: 16 layers instead of 22) is built into four engines (fp32, bf16, int8 and int4 weight-only), each build printing its stages.
+``--size 246m``: 16 layers instead of 22) is built into four engines (fp32, bf16, int8 and int4 weight-only),
+each build printing its stages.
 Memory bandwidth is measured in the same run (sum and copy of a 1 GiB tensor, a 2-thread fp32 GEMV
 that streams a 90 MB matrix, and the plugin's multi-stream read loop). Then each engine runs decode
 steps at batch 1 and 16 (every sequence with 128 tokens of context), each step followed by a 256 MiB

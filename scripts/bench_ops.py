@@ -92,6 +92,7 @@ def engine_step_ms(variant: str, batch: int, steps: int) -> float:
     sys.path.insert(0, str(ROOT / "scripts"))
     import bench_build as bb
     from bench_common import engine_is_current
+
     from kiln.runtime import Engine
 
     path = bb.engine_dir(variant)
@@ -161,7 +162,8 @@ def main() -> None:
         res.update(json.loads(out.strip().splitlines()[-1]))
     res.update(measure(args, ["native", "torch"]))
     modes = [m for m in ("baseline", "torch", "native") if m in res]
-    print(f"per-call time (us), {args.threads} threads" + (f"; baseline = plugins/ of {args.baseline}" if args.baseline else ""))
+    baseline = f"; baseline = plugins/ of {args.baseline}" if args.baseline else ""
+    print(f"per-call time (us), {args.threads} threads{baseline}")
     print(f"{'op':<34}" + "".join(f"{m:>10}" for m in modes) + (f"{'speedup':>9}" if "baseline" in res else ""))
     for key in res["native"]["ops"]:
         row = f"{key:<34}" + "".join(f"{res[m]['ops'][key]:>10.1f}" for m in modes)

@@ -27,7 +27,6 @@ import torch
 from bench_common import BENCH, CKPT, engine_is_current, ensure_checkpoint, log  # noqa: E402
 
 
-
 def ensure_engine(dtype: str, max_batch_size: int, max_num_tokens: int, backend: str) -> Path:
     from kiln.builder import BuildConfig, build_engine
 
@@ -220,8 +219,9 @@ def main() -> int:
     print(f"{'':40} {'req/s':>7} {'out tok/s':>10} {'TTFT p50':>9} {'TTFT p95':>9} {'TPOT p50':>9} {'TPOT p95':>9} "
           f"{'e2e p50':>8} {'span':>7}")
     for r in results:
-        print(f"{r['name']:40} {r['req_per_s']:7.3f} {r['out_tok_per_s']:10.1f} {r['ttft_p50']:8.2f}s {r['ttft_p95']:8.2f}s "
-              f"{r['tpot_p50'] * 1e3:7.1f}ms {r['tpot_p95'] * 1e3:7.1f}ms {r['e2e_p50']:7.1f}s {r['span']:6.1f}s")
+        print(f"{r['name']:40} {r['req_per_s']:7.3f} {r['out_tok_per_s']:10.1f} {r['ttft_p50']:8.2f}s "
+              f"{r['ttft_p95']:8.2f}s {r['tpot_p50'] * 1e3:7.1f}ms {r['tpot_p95'] * 1e3:7.1f}ms "
+              f"{r['e2e_p50']:7.1f}s {r['span']:6.1f}s")
     if len(results) == 2:
         k, h = results
         print(f"kiln / transformers: output tokens/s x{k['out_tok_per_s'] / h['out_tok_per_s']:.2f} (target >= 2), "

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import sys
 from pathlib import Path
 
@@ -13,6 +12,22 @@ torch.set_num_threads(1)  # tests run on 2 cores with 2 xdist workers
 sys.path.insert(0, str(Path(__file__).parent))
 
 from kiln.model_defs.synthetic import make_checkpoint  # noqa: E402
+
+# `make test-fast` (pytest -m fast): the modules that build no engine and run no end-to-end generation:
+# scheduler, KV manager, sampler, configs, the contract, CLI options, detokenizer, checkpoint loading and
+# the plugins against their references. Under a minute on 2 cores; `make test` runs everything.
+FAST_MODULES = {
+    "test_scheduler", "test_kv_cache", "test_sampler", "test_builder_config", "test_contract", "test_clikit",
+    "test_runtime_detokenizer", "test_checkpoint_errors", "test_plugins", "test_plugin_ops_native",
+    "test_weight_only_linear",
+}
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if item.module.__name__ in FAST_MODULES:
+            item.add_marker(pytest.mark.fast)
+
 
 FAMILIES = ["llama", "mistral", "qwen2", "gpt2"]
 # Per family: what makes its test checkpoint exercise the family's special features.

@@ -46,6 +46,10 @@ def test_build_with_yaml_and_flag_overrides_then_inspect(checkpoint_dir, tmp_pat
     assert "GPT2LMHeadModel" in inspected.output and "merge_qkv (off)" in inspected.output
     as_json = CliRunner().invoke(kiln_main, ["inspect", str(out), "--json"])
     assert json.loads(as_json.output)["build"]["max_batch_size"] == 2
+    io = CliRunner().invoke(kiln_main, ["inspect", str(out), "--io"]).output   # the I/O contract of this engine
+    assert "input  input_ids       int64    [num_tokens [1, 64]]" in io
+    assert "input  block_tables    int32    [num_seqs [1, 2], max_blocks_per_seq [1, 16]]" in io
+    assert "output logits          float32  [num_logits [0, 2], 512]" in io
 
 
 @pytest.mark.parametrize("args, message", [

@@ -55,7 +55,8 @@ def test_every_problem_is_reported_at_once():
 
 def test_nothing_is_adjusted_silently():
     cfg = BuildConfig(max_batch_size=3, max_num_tokens=17, tokens_per_block=5, max_input_len=7, max_seq_len=11)
-    assert (cfg.max_batch_size, cfg.max_num_tokens, cfg.tokens_per_block, cfg.max_input_len, cfg.max_seq_len) == (3, 17, 5, 7, 11)
+    got = (cfg.max_batch_size, cfg.max_num_tokens, cfg.tokens_per_block, cfg.max_input_len, cfg.max_seq_len)
+    assert got == (3, 17, 5, 7, 11)
     assert cfg.max_blocks_per_seq == 3  # ceil(11 / 5): derived, not a changed input
     assert cfg.opt_num_tokens is None and cfg.resolved_opt_num_tokens == 17
     assert cfg.kv_cache_dtype == "auto" and cfg.resolved_kv_cache_dtype == "float32"
@@ -68,8 +69,10 @@ def test_model_checks():
     with pytest.raises(BuildConfigError, match=r"max_seq_len=512 > the model's max_position_embeddings=256"):
         BuildConfig(max_seq_len=512, max_input_len=128).check_model(MODEL)
     with pytest.raises(BuildConfigError, match=r"group_size=128 does not divide .*\[64, 192\]"):
-        BuildConfig(max_seq_len=256, max_input_len=128, quantization="int4_weight_only", group_size=128).check_model(MODEL)
-    BuildConfig(max_seq_len=256, max_input_len=128, quantization="int4_weight_only", group_size=32).check_model(MODEL.to_dict())
+        BuildConfig(max_seq_len=256, max_input_len=128, quantization="int4_weight_only",
+                    group_size=128).check_model(MODEL)
+    BuildConfig(max_seq_len=256, max_input_len=128, quantization="int4_weight_only",
+                group_size=32).check_model(MODEL.to_dict())
 
 
 def test_from_dict_rejects_unknown_keys():
@@ -83,7 +86,8 @@ def test_yaml(tmp_path):
     path = tmp_path / "b.yaml"
     path.write_text("dtype: bfloat16\nmax_batch_size: 2\nmax_num_tokens: 32\nquantization: int8_weight_only\n")
     cfg = BuildConfig.from_yaml(path)
-    assert (cfg.dtype, cfg.max_batch_size, cfg.max_num_tokens, cfg.quantization) == ("bfloat16", 2, 32, "int8_weight_only")
+    got = (cfg.dtype, cfg.max_batch_size, cfg.max_num_tokens, cfg.quantization)
+    assert got == ("bfloat16", 2, 32, "int8_weight_only")
     path.write_text("max_input_len: 4096\nmax_seq_len: 1024\n")
     with pytest.raises(BuildConfigError, match=r"(?s)b\.yaml.*max_input_len=4096"):
         BuildConfig.from_yaml(path)

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import pytest
-import torch
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from kiln.builder import BuildConfig, memory_plan, trace
 from kiln.builder.memory_plan import Buffer, arena_size, live_peak, plan_arena

@@ -12,11 +12,11 @@ import shutil
 
 import pytest
 import torch
+from paged_batch import PagedBatcher
 
 from kiln.builder import BuildConfig, build_engine
 from kiln.contract import FORMAT_VERSION, EngineConfig, EngineLoadError, io_spec
 from kiln.runtime import Engine
-from paged_batch import PagedBatcher
 
 FAMILIES = ["llama", "mistral", "qwen2", "gpt2"]
 BUILD = BuildConfig(max_batch_size=4, max_input_len=96, max_seq_len=128, max_num_tokens=256,
@@ -140,7 +140,8 @@ def test_engine_directory_contents(engine_of, checkpoint_dir):
     assert io["dims"]["num_tokens"] == [1, 256] and io["dims"]["max_blocks_per_seq"] == [1, 32]
     mem = cfg["memory"]
     m = cfg["model"]
-    assert mem["kv_bytes_per_token"] == engine.kv_bytes_per_token == 2 * m["num_layers"] * m["num_kv_heads"] * m["head_dim"] * 4
+    assert mem["kv_bytes_per_token"] == engine.kv_bytes_per_token == (
+        2 * m["num_layers"] * m["num_kv_heads"] * m["head_dim"] * 4)
     assert mem["kv_tokens_per_gib"] == (1 << 30) // mem["kv_bytes_per_token"]
     assert 0 < mem["activation_live_peak_bytes"] <= mem["activation_peak_bytes"] <= mem["activation_naive_bytes"]
     assert engine.weights_bytes == mem["weights_bytes"] > 0

@@ -19,9 +19,9 @@ import random
 
 import pytest
 import torch
-
-from kiln.model_defs import load_checkpoint, build_model
 from paged_batch import PagedBatcher
+
+from kiln.model_defs import build_model, load_checkpoint
 
 BLOCK_SIZE = 4
 NUM_BLOCKS = 96
@@ -279,5 +279,6 @@ def test_greedy_generation_matches_transformers(case):
         ref = hf_greedy(path, prompt)
         assert len(ref) == GEN_TOKENS
         refs.append(ref)
-        assert mine == ref, f"{name}: prompt of {len(prompt)} tokens diverges at {next(i for i, (a, b) in enumerate(zip(mine, ref)) if a != b)}"
+        first = next((i for i, (a, b) in enumerate(zip(mine, ref)) if a != b), None)
+        assert mine == ref, f"{name}: prompt of {len(prompt)} tokens diverges at {first}"
     assert len({t for ref in refs for t in ref}) >= 10, "degenerate references: the comparison would be weak"

@@ -3,6 +3,7 @@ math), op registration checks, and a whole model through torch.export with dynam
 
 from __future__ import annotations
 
+import importlib
 import random
 
 import pytest
@@ -10,8 +11,6 @@ import torch
 import torch.nn.functional as F
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
-
-import importlib
 
 import kiln.plugins  # noqa: F401  (registers torch.ops.kiln.*)
 from kiln.plugins.activations import gelu_reference, silu_mul_reference
@@ -42,7 +41,8 @@ def build_case(block_size, head_dim, num_kv_heads, group, seqs, sliding_window, 
     free = list(range(num_blocks))
     rng.shuffle(free)
     width = max(need)
-    kv_cache = (torch.rand(num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim, generator=g) * 200 - 100).to(dtype)
+    shape = (num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim)
+    kv_cache = (torch.rand(shape, generator=g) * 200 - 100).to(dtype)
     if nan_garbage:
         kv_cache.fill_(float("nan"))
     tables, slots = [], []
@@ -340,7 +340,8 @@ def test_model_exports_with_dynamic_shapes(checkpoint_dir, family):
                              num_blocks=37, block_size=block_size, seed=0, extra_logits=(0, 3))
     assert [traced["input_ids"].shape[0], traced["seq_lens"].shape[0], traced["logits_indices"].shape[0],
             traced["block_tables"].shape[1], traced["kv_cache"].shape[2]] == [12, 5, 7, 6, 37]
-    tokens, seqs, logits = Dim("num_tokens", min=1, max=4096), Dim("num_seqs", min=1, max=256), Dim("num_logits", min=1, max=4096)
+    tokens, seqs = Dim("num_tokens", min=1, max=4096), Dim("num_seqs", min=1, max=256)
+    logits = Dim("num_logits", min=1, max=4096)
     blocks_per_seq, num_blocks = Dim("max_blocks_per_seq", min=1, max=512), Dim("num_blocks", min=1, max=65536)
     dynamic = {
         "input_ids": {0: tokens}, "position_ids": {0: tokens}, "slot_mapping": {0: tokens},

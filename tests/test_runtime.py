@@ -11,9 +11,9 @@ import threading
 import time
 
 import pytest
+from runtime_support import get_engine, hf_greedy, random_prompts
 
 from kiln.runtime import LLM, InvalidRequestError, RequestOutput, SamplingParams
-from runtime_support import get_engine, hf_greedy, random_prompts
 
 pytestmark = pytest.mark.xdist_group("runtime")   # one worker builds the engines once
 
@@ -177,7 +177,7 @@ def test_multi_turn_replay_ttft_with_and_without_reuse(engines, capsys):
             results.setdefault("first_turn", list(history))
             ttfts, computed = [], []
             user = random.Random(7)
-            for turn in range(4):
+            for _turn in range(4):
                 before = llm.stats()["counters"]["prefill_tokens_computed"]
                 (out,) = llm.generate([history], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
                 ref = hf_greedy(ckpt, history, 8)
@@ -227,7 +227,8 @@ def test_stop_strings_are_trimmed(engines):
             if "\ufffd" in stop:
                 continue
             k = text.index(stop)
-            (cut,) = llm.generate([p], SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, stop=[stop, "\x00"]))
+            (cut,) = llm.generate([p], SamplingParams(temperature=0, max_tokens=24, ignore_eos=True,
+                                                      stop=[stop, "\x00"]))
             assert cut.finish_reason == "stop" and cut.stop_reason == stop
             assert cut.text == text[:k] and stop not in cut.text
             assert len(cut.token_ids) < len(f.token_ids)
@@ -264,12 +265,12 @@ def test_abort_mid_stream_frees_blocks(engines):
         assert_no_leak(llm)
 
         async def early_exit():   # leaving the stream early aborts the request too
-            async for out in llm.generate_async(prompt, SamplingParams(temperature=0, max_tokens=80, ignore_eos=True)):
+            async for _ in llm.generate_async(prompt, SamplingParams(temperature=0, max_tokens=80, ignore_eos=True)):
                 break
 
         asyncio.run(early_exit())
         assert_no_leak(llm)
-        for i, out in enumerate(llm.stream(prompt, SamplingParams(temperature=0, max_tokens=80, ignore_eos=True))):
+        for i, _ in enumerate(llm.stream(prompt, SamplingParams(temperature=0, max_tokens=80, ignore_eos=True))):
             if i == 2:
                 break                      # the blocking stream aborts on exit too
         assert_no_leak(llm)

@@ -142,7 +142,8 @@ def test_logprobs_top_n():
     ref = torch.log_softmax(logits[0], 0)
     assert list(lp) == [1, 2]                    # sampled token first, then the top-2 (1 already there)
     assert lp[1] == pytest.approx(float(ref[1])) and lp[2] == pytest.approx(float(ref[2]))
-    out = s(logits.repeat(2, 1), [mkreq(SamplingParams(temperature=0, logprobs=0)), mkreq(SamplingParams(temperature=0))])
+    reqs = [mkreq(SamplingParams(temperature=0, logprobs=0)), mkreq(SamplingParams(temperature=0))]
+    out = s(logits.repeat(2, 1), reqs)
     assert list(out.logprobs[0]) == [1] and out.logprobs[1] is None
 
 

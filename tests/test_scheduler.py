@@ -69,10 +69,10 @@ def test_budgets_and_block_aligned_chunks():
 
 def test_decodes_first_then_waiting_fcfs():
     s = make(bs=4, tokens=12, batch=8)
-    a = add(s, 4, 5, "a")
+    add(s, 4, 5, "a")
     step(s)                                   # a prefilled, has 1 token
-    b = add(s, 20, 5, "b")
-    c = add(s, 3, 5, "c")
+    add(s, 20, 5, "b")
+    add(s, 3, 5, "c")
     out, _ = step(s)
     # a's decode took its token first; b gets a block-aligned chunk of the other 11, c its whole prompt;
     # in the forward, context chunks come before decodes
@@ -87,9 +87,9 @@ def test_decodes_first_then_waiting_fcfs():
 
 def test_priorities_higher_first_fcfs_within():
     s = make(batch=1)
-    low = add(s, 4, 1, "low", priority=0, arrival=1.0)
-    hi2 = add(s, 4, 1, "hi2", priority=5, arrival=3.0)
-    hi1 = add(s, 4, 1, "hi1", priority=5, arrival=2.0)
+    add(s, 4, 1, "low", priority=0, arrival=1.0)
+    add(s, 4, 1, "hi2", priority=5, arrival=3.0)
+    add(s, 4, 1, "hi1", priority=5, arrival=2.0)
     order = [r.request_id for r in drain(s)]
     assert order == ["hi1", "hi2", "low"]
 
@@ -143,7 +143,7 @@ def test_max_utilization_preempts_lowest_priority_latest_and_recomputes():
 
 def test_prefix_hit_skips_computed_tokens():
     s = make(bs=4, tokens=64)
-    a = add(s, 13, 1, "a", first=100)
+    add(s, 13, 1, "a", first=100)
     drain(s)
     b = add(s, 15, 1, "b", first=100)                    # same first 13 tokens
     out, _ = step(s)
@@ -181,7 +181,8 @@ def test_stop_conditions():
     assert r2.status is RequestStatus.FINISHED_STOPPED and r2.stop_reason == 9
     r3 = Request("i", [5, 6], SamplingParams(max_tokens=3, ignore_eos=True), 3, eos_token_ids=(2,))
     s.add_request(r3)
-    drain_tokens = [step(s, token=2) for _ in range(3)]
+    for _ in range(3):
+        step(s, token=2)
     assert r3.status is RequestStatus.FINISHED_LENGTH and r3.output_token_ids == [2, 2, 2]
 
 

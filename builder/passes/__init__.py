@@ -14,7 +14,6 @@ from typing import Any
 import torch
 
 from kiln.builder.config import BuildConfig
-from kiln.contract import BuildConfigError, ModelConfig
 from kiln.builder.passes import (
     dead_code,
     fast_linear,
@@ -24,6 +23,7 @@ from kiln.builder.passes import (
     merge_qkv,
     weight_only_quant,
 )
+from kiln.contract import BuildConfigError, ModelConfig
 
 PASSES: list[ModuleType] = [
     merge_qkv, merge_gate_up, fuse_add_norm, weight_only_quant, fast_linear, inline_plugins, dead_code,
@@ -44,7 +44,8 @@ def check_names(names: list[str]) -> None:
         raise BuildConfigError(f"unknown pass name(s) {unknown}; passes are {PASS_NAMES}")
 
 
-def run_passes(gm: torch.fx.GraphModule, ctx: PassContext, disabled: list[str] | tuple[str, ...] = ()) -> dict[str, Any]:
+def run_passes(gm: torch.fx.GraphModule, ctx: PassContext,
+               disabled: list[str] | tuple[str, ...] = ()) -> dict[str, Any]:
     """Run every enabled pass in order; returns {pass name: stats} ('disabled' for skipped ones)."""
     from kiln.builder.passes.common import prune_unused_attrs
 

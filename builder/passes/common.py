@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import re
-from typing import Callable, Iterable
+from collections.abc import Callable, Iterable
 
 import torch
 from torch import fx
@@ -41,8 +41,8 @@ GEMM_OPS = frozenset({"aten::linear", "kiln::weight_only_linear", "kiln::fp32_li
 
 
 def count_gemms(gm: fx.GraphModule) -> int:
-    return sum(1 for n in gm.graph.nodes
-               if n.op == "call_function" and isinstance(n.target, torch._ops.OpOverload) and n.target.name() in GEMM_OPS)
+    return sum(1 for n in gm.graph.nodes if n.op == "call_function"
+               and isinstance(n.target, torch._ops.OpOverload) and n.target.name() in GEMM_OPS)
 
 
 def add_weight(gm: fx.GraphModule, name: str, tensor: torch.Tensor, before: fx.Node) -> fx.Node:
@@ -64,7 +64,8 @@ def prune_unused_attrs(gm: fx.GraphModule) -> int:
     used = {n.target for n in gm.graph.nodes if n.op == "get_attr"}
     freed = 0
     seen: set[int] = set()
-    for name, tensor in list(gm.named_parameters(remove_duplicate=False)) + list(gm.named_buffers(remove_duplicate=False)):
+    named = list(gm.named_parameters(remove_duplicate=False)) + list(gm.named_buffers(remove_duplicate=False))
+    for name, tensor in named:
         if name in used:
             continue
         owner_path, _, leaf = name.rpartition(".")

@@ -1,14 +1,15 @@
 """Remaining float GEMMs -> the plugin's streaming-GEMV linears: ``kiln.fp32_linear`` / ``kiln.bf16_linear``.
 
 Decode is a GEMV per weight matrix: its speed is the rate at which the weights stream from
-memory. torch's fp32 GEMV reads one weight stream per core (~70% of the bandwidth on the AVX2
-machines), and its bf16 GEMV is slower than fp32 per byte; the plugin's kernels stream the weights
-and switch to a GEMM for large M (prefill), so the same op serves both.
+memory. torch's fp32 GEMV reads one weight stream per core, short of the bandwidth on the AVX2
+machines, and its bf16 GEMV is slower than fp32 per byte; the plugin's kernels stream the weights
+and switch to a GEMM for large M (prefill), so the same op serves both (``scripts/bench_kernels.py``
+measures both against torch).
 
 Weights are stored packed (``pack_rows``: tiles of 8 rows, [out/8, in/16, 8, 16]) where the shape
-allows, so that each tile the kernel reads is one sequential stream (bf16 GEMVs of a 311M Llama
-from memory: 22-24 GB/s packed vs 18-19 plain). A weight that another op also reads (an lm_head
-tied to the embedding table) stays plain: packing it would store it twice.
+allows, so that each tile the kernel reads is one sequential stream instead of 8 rows that share
+cache sets and split the hardware prefetcher's attention. A weight that another op also reads (an
+lm_head tied to the embedding table) stays plain: packing it would store it twice.
 """
 
 from __future__ import annotations
@@ -16,7 +17,11 @@ from __future__ import annotations
 from torch import fx
 
 from kiln.builder.passes.common import (
-    add_weight, attr, is_linear, linear_bias, prune_unused_attrs,
+    add_weight,
+    attr,
+    is_linear,
+    linear_bias,
+    prune_unused_attrs,
 )
 
 NAME = "fast_linear"

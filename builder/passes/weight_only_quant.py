@@ -3,8 +3,8 @@
 Weights are quantized at build time (int8: per output channel; int4: group-wise along the input,
 ``group_size`` weights per scale) by the plugin's ``quantize_int8`` / ``quantize_int4``; activations
 stay in the engine dtype. The lm_head is quantized too (it is the largest single GEMM at decode).
-int8 weights are stored in 8-row tiles where the shape allows (``pack_rows``; batch-1 GEMVs of a
-311M Llama from memory: 13-15 -> 17-20 GB/s).
+int8 weights are stored in 8-row tiles where the shape allows (``pack_rows``: each tile one sequential
+stream, as in ``fast_linear``).
 """
 
 from __future__ import annotations
@@ -12,7 +12,12 @@ from __future__ import annotations
 from torch import fx
 
 from kiln.builder.passes.common import (
-    add_weight, attr, is_linear, linear_bias, prune_unused_attrs, weights_bytes,
+    add_weight,
+    attr,
+    is_linear,
+    linear_bias,
+    prune_unused_attrs,
+    weights_bytes,
 )
 
 NAME = "weight_only_quant"
