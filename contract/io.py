@@ -144,22 +144,23 @@ def check_inputs(inputs: dict[str, torch.Tensor], config: EngineConfig) -> None:
         raise EngineInputError(f"kv_cache is {kv.dtype} {list(kv.shape)}; this engine needs "
                                f"{DTYPES[config.kv_cache_dtype]} [{want[0]}, 2, num_blocks, {fixed}] "
                                "(allocate_kv_cache)")
-    sizes = {"num_tokens": ("input_ids", 0), "num_seqs": ("seq_lens", 0), "num_logits": ("logits_indices", 0),
-             "max_blocks_per_seq": ("block_tables", 1)}
-    for dim, (lo, hi) in dim_ranges(b).items():
-        if dim in sizes:
-            name, axis = sizes[dim]
-            n = inputs[name].shape[axis]
-            if not lo <= n <= hi:
-                what = "blocks per sequence" if dim == "max_blocks_per_seq" else dim
-                raise EngineInputError(f"{what} ({name}) = {n} is outside this engine's range [{lo}, {hi}]")
+    first = {}   # dim -> the input axis that defines its size (the first one listed)
     for name, axes in INPUT_AXES.items():
         for axis, dim in axes.items():
-            ref = {"num_tokens": "input_ids", "num_seqs": "seq_lens"}.get(dim)
-            if ref and ref != name and inputs[name].shape[axis] != inputs[ref].shape[0]:
-                per = "token" if dim == "num_tokens" else "sequence"
-                raise EngineInputError(f"{name} has {inputs[name].shape[axis]} rows, expected "
-                                       f"{inputs[ref].shape[0]} (one per {per})")
+            first.setdefault(dim, (name, axis))
+    for dim, (lo, hi) in dim_ranges(b).items():
+        name, axis = first[dim]
+        n = inputs[name].shape[axis]
+        if hi is not None and not lo <= n <= hi:
+            what = "blocks per sequence" if dim == "max_blocks_per_seq" else dim
+            raise EngineInputError(f"{what} ({name}) = {n} is outside this engine's range [{lo}, {hi}]")
+    for name, axes in INPUT_AXES.items():
+        for axis, dim in axes.items():
+            ref, ref_axis = first[dim]
+            n, want = inputs[name].shape[axis], inputs[ref].shape[ref_axis]
+            if n != want:
+                per = {"num_tokens": "token", "num_seqs": "sequence"}[dim]
+                raise EngineInputError(f"{name} has {n} rows, expected {want} (one per {per})")
 
 
 def io_spec(config: EngineConfig) -> dict[str, Any]:
