@@ -90,10 +90,10 @@ def op_cases(batch: int, dtype):
 
 def engine_step_ms(variant: str, batch: int, steps: int) -> float:
     sys.path.insert(0, str(ROOT / "scripts"))
+    from kiln.runtime import Engine
+
     import bench_build as bb
     from bench_common import engine_is_current
-
-    from kiln.runtime import Engine
 
     path = bb.engine_dir(variant)
     if not engine_is_current(path, bb.build_config(variant).to_dict()):

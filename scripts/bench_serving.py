@@ -24,6 +24,7 @@ import time
 from pathlib import Path
 
 import torch
+
 from bench_common import BENCH, CKPT, engine_is_current, ensure_checkpoint, log  # noqa: E402
 
 

@@ -6,7 +6,6 @@ import copy
 
 import pytest
 import torch
-from paged_batch import PagedBatcher
 
 from kiln.builder import BuildConfig, trace
 from kiln.builder.passes import (
@@ -21,6 +20,8 @@ from kiln.builder.passes import (
 )
 from kiln.builder.passes.common import attr, count_gemms, weights_bytes
 from kiln.model_defs import build_model, load_checkpoint
+
+from paged_batch import PagedBatcher
 
 BUILD = BuildConfig(max_batch_size=4, max_num_tokens=64, max_input_len=32, max_seq_len=64, tokens_per_block=4,
                     gather_all_logits=True)

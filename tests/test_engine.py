@@ -12,11 +12,12 @@ import shutil
 
 import pytest
 import torch
-from paged_batch import PagedBatcher
 
 from kiln.builder import BuildConfig, build_engine
 from kiln.contract import FORMAT_VERSION, EngineConfig, EngineLoadError, io_spec
 from kiln.runtime import Engine
+
+from paged_batch import PagedBatcher
 
 FAMILIES = ["llama", "mistral", "qwen2", "gpt2"]
 BUILD = BuildConfig(max_batch_size=4, max_input_len=96, max_seq_len=128, max_num_tokens=256,

@@ -19,9 +19,10 @@ import random
 
 import pytest
 import torch
-from paged_batch import PagedBatcher
 
 from kiln.model_defs import build_model, load_checkpoint
+
+from paged_batch import PagedBatcher
 
 BLOCK_SIZE = 4
 NUM_BLOCKS = 96

@@ -11,9 +11,10 @@ import threading
 import time
 
 import pytest
-from runtime_support import get_engine, hf_greedy, random_prompts
 
 from kiln.runtime import LLM, InvalidRequestError, RequestOutput, SamplingParams
+
+from runtime_support import get_engine, hf_greedy, random_prompts
 
 pytestmark = pytest.mark.xdist_group("runtime")   # one worker builds the engines once
 

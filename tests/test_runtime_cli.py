@@ -6,9 +6,10 @@ import json
 
 import pytest
 from click.testing import CliRunner
-from runtime_support import get_engine
 
 from kiln.runtime.cli import main
+
+from runtime_support import get_engine
 
 pytestmark = pytest.mark.xdist_group("runtime")
 
