@@ -196,6 +196,19 @@ class Executor:
         }
         return snap
 
+    @property
+    def failure(self) -> str | None:
+        """Why the step loop no longer serves (closed, or the error that stopped it); None while it serves.
+        Health checks read this."""
+        with self._cv:
+            if self._error is not None:
+                return f"the step loop failed: {type(self._error).__name__}: {self._error}"
+            if self._closed:
+                return "the executor is closed"
+        if self._thread is None or not self._thread.is_alive():
+            return "the step loop is not running"
+        return None
+
     def is_idle(self) -> bool:
         with self._cv:
             return not self._live
@@ -231,6 +244,9 @@ class Executor:
             for req in incoming:
                 sched.add_request(req)
             self._end(sched.finish_requests(aborts, RequestStatus.FINISHED_ABORTED))
+            if aborts:  # freed blocks show in stats() now, not only after the next step (which may never come)
+                self._kv_stats = self.kv.stats().as_dict()
+                self.metrics.set_gauges(sched.num_running, sched.num_waiting, self._kv_stats)
             if closed:
                 self._end(sched.finish_requests(sched.unfinished_ids(), RequestStatus.FINISHED_ABORTED))
                 return
@@ -308,7 +324,7 @@ class Executor:
         for req in requests:
             stream = self._streams.pop(req.request_id)
             stream.flush()
-            self.metrics.record_request(req.metrics, aborted=req.status is RequestStatus.FINISHED_ABORTED)
+            self.metrics.record_request(req.metrics, "error" if stream.error else req.status.value)
             with self._cv:
                 self._live.discard(req.request_id)
                 self._cv.notify_all()

@@ -1,8 +1,9 @@
 """Runtime metrics: per-step records, counters and latency histograms.
 
 The executor updates one :class:`RuntimeMetrics` from its step loop; readers (``LLM.stats()``, the
-benchmarks, a server's metrics endpoint) take :meth:`RuntimeMetrics.snapshot` or
-:meth:`RuntimeMetrics.prometheus`, which are safe to call from any thread.
+benchmark, the HTTP server's Prometheus collector in ``kiln.serving``) take :meth:`RuntimeMetrics.snapshot`,
+which is safe to call from any thread and carries the histograms' cumulative buckets and sums. The runtime
+keeps the numbers; exposition formats belong to the servers.
 """
 
 from __future__ import annotations
@@ -44,14 +45,15 @@ class Histogram:
 
     def summary(self) -> dict:
         return {
-            "count": self.count, "mean": self.sum / self.count if self.count else None,
+            "count": self.count, "sum": self.sum, "mean": self.sum / self.count if self.count else None,
             "p50": self.percentile(50), "p90": self.percentile(90), "p95": self.percentile(95),
-            "p99": self.percentile(99),
+            "p99": self.percentile(99), "buckets": self.cumulative(),
         }
 
-    def cumulative(self) -> list[tuple[str, int]]:
+    def cumulative(self) -> list[tuple[float, int]]:
+        """(upper bound, observations <= bound) per bucket, the last bound being +inf (Prometheus semantics)."""
         out, acc = [], 0
-        for b, c in zip([*map(str, self.buckets), "+Inf"], self.counts):
+        for b, c in zip([*self.buckets, math.inf], self.counts):
             acc += c
             out.append((b, acc))
         return out
@@ -78,6 +80,8 @@ class StepRecord:
 
 
 HISTOGRAMS = ("ttft", "tpot", "queue_time", "e2e_latency", "step_time", "inter_token_latency")
+# How requests end: the RequestOutput finish reasons, plus "error" for those the step loop failed.
+OUTCOMES = ("stop", "length", "abort", "error")
 
 
 class RuntimeMetrics:
@@ -93,6 +97,7 @@ class RuntimeMetrics:
         }
         self.gauges = {"running": 0, "waiting": 0, "kv_usage": 0.0, "kv_blocks_total": 0, "kv_blocks_used": 0,
                        "kv_blocks_cached": 0, "prefix_hit_rate": 0.0, "kv_evictions": 0}
+        self.outcomes = dict.fromkeys(OUTCOMES, 0)
 
     def incr(self, name: str, value: float = 1) -> None:
         with self.lock:
@@ -111,15 +116,21 @@ class RuntimeMetrics:
             c["step_time"] += rec.step_time
             self.hist["step_time"].observe(rec.step_time)
             self.hist["batch_size"].observe(rec.batch_size)
-            self.gauges.update(running=rec.num_running, waiting=rec.num_waiting, kv_usage=rec.kv_usage,
+        self.set_gauges(rec.num_running, rec.num_waiting, kv_stats)
+
+    def set_gauges(self, running: int, waiting: int, kv_stats: dict) -> None:
+        """The scheduler's queue lengths and the KV pool's state (a KVCacheStats dict) as of now."""
+        with self.lock:
+            self.gauges.update(running=running, waiting=waiting, kv_usage=kv_stats["usage"],
                                kv_blocks_total=kv_stats["num_blocks"], kv_blocks_used=kv_stats["used_blocks"],
                                kv_blocks_cached=kv_stats["cached_blocks"], prefix_hit_rate=kv_stats["hit_rate"],
                                kv_evictions=kv_stats["evictions"])
 
-    def record_request(self, metrics, aborted: bool) -> None:
-        """Histograms of a finished request (a RequestMetrics)."""
+    def record_request(self, metrics, outcome: str) -> None:
+        """Histograms of a finished request (a RequestMetrics) and how it ended (one of OUTCOMES)."""
         with self.lock:
-            self.counters["requests_aborted" if aborted else "requests_finished"] += 1
+            self.counters["requests_aborted" if outcome in ("abort", "error") else "requests_finished"] += 1
+            self.outcomes[outcome] += 1
             for name, value in (("ttft", metrics.ttft), ("tpot", metrics.mean_tpot),
                                 ("queue_time", metrics.queue_time), ("e2e_latency", metrics.e2e_latency)):
                 if value is not None:
@@ -134,7 +145,7 @@ class RuntimeMetrics:
             steps = list(self.steps)
             c = dict(self.counters)
             out = {
-                "counters": c, "gauges": dict(self.gauges),
+                "counters": c, "gauges": dict(self.gauges), "outcomes": dict(self.outcomes),
                 "histograms": {k: h.summary() for k, h in self.hist.items()},
             }
         if steps:
@@ -147,22 +158,6 @@ class RuntimeMetrics:
                 "overhead_fraction": sum(s.overhead for s in steps) / st if st else 0.0,
             }
         return out
-
-    def prometheus(self, prefix: str = "kiln") -> str:
-        """Text exposition format (version 0.0.4)."""
-        lines = []
-        with self.lock:
-            for k, v in self.counters.items():
-                lines += [f"# TYPE {prefix}_{k}_total counter", f"{prefix}_{k}_total {v}"]
-            for k, v in self.gauges.items():
-                lines += [f"# TYPE {prefix}_{k} gauge", f"{prefix}_{k} {v}"]
-            for k, h in self.hist.items():
-                name = f"{prefix}_{k}" + ("" if k == "batch_size" else "_seconds")
-                lines.append(f"# TYPE {name} histogram")
-                for le, n in h.cumulative():
-                    lines.append(f'{name}_bucket{{le="{le}"}} {n}')
-                lines += [f"{name}_sum {h.sum}", f"{name}_count {h.count}"]
-        return "\n".join(lines) + "\n"
 
     def summary_text(self) -> str:
         s = self.snapshot()

@@ -264,6 +264,8 @@ def test_abort_mid_stream_frees_blocks(engines):
         assert seen["used"] > 0
         assert outs[-1].finish_reason == "abort" and 3 <= len(outs[-1].token_ids) < 80
         assert_no_leak(llm)
+        # no step follows the abort: the gauges must show the freed blocks anyway
+        assert llm.stats()["gauges"]["kv_blocks_used"] == 0 and llm.stats()["gauges"]["running"] == 0
 
         async def early_exit():   # leaving the stream early aborts the request too
             async for _ in llm.generate_async(prompt, SamplingParams(temperature=0, max_tokens=80, ignore_eos=True)):
@@ -275,7 +277,9 @@ def test_abort_mid_stream_frees_blocks(engines):
             if i == 2:
                 break                      # the blocking stream aborts on exit too
         assert_no_leak(llm)
-        assert llm.stats()["counters"]["requests_aborted"] == 3
+        assert llm.stats()["counters"]["requests_aborted"] == 3 and llm.stats()["outcomes"]["abort"] == 3
+        assert llm.executor.failure is None
+    assert llm.executor.failure == "the executor is closed"
 
 
 def test_invalid_requests_raise_while_others_finish(engines):
