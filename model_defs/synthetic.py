@@ -35,6 +35,14 @@ Numbers: 0 1 2 3 4 5 6 7 8 9 10 100 1000 3.14159 2.71828.
 """
 
 
+# The test and demo checkpoints' chat template (Zephyr-style turns; </s> ends each turn), so that chat
+# endpoints work on them as on a real instruction-tuned checkpoint.
+CHAT_TEMPLATE = (
+    "{{ bos_token }}{% for message in messages %}{{ '<|' + message['role'] + '|>\\n' + message['content'] + eos_token + '\\n' }}"
+    "{% endfor %}{% if add_generation_prompt %}{{ '<|assistant|>\\n' }}{% endif %}"
+)
+
+
 def hf_config(family: str, size: str = "tiny", **overrides: Any):
     """A transformers config object for ``family`` (llama, mistral, qwen2, gpt2) at a preset size."""
     from transformers import GPT2Config, LlamaConfig, MistralConfig, Qwen2Config
@@ -118,6 +126,7 @@ def make_checkpoint(
     tok.save(str(out / "tokenizer.json"))
     (out / "tokenizer_config.json").write_text(json.dumps({
         "tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>",
+        "chat_template": CHAT_TEMPLATE,
     }, indent=1))
     return out
 

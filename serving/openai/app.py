@@ -1,0 +1,229 @@
+"""The FastAPI application: routes, request parsing with OpenAI-shaped errors, API key, drain gate, metrics.
+
+Bodies are read and validated here (``Model.model_validate_json``), not by FastAPI's parameter binding, so
+that every malformed request (bad JSON included) gets OpenAI's error object with ``param`` naming the field.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import secrets
+import time
+from importlib import metadata
+
+from fastapi import FastAPI
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, generate_latest
+from pydantic import BaseModel, ValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from kiln.serving.chat_template import ChatTemplate
+from kiln.serving.metrics import RuntimeCollector
+from kiln.serving.openai.chat import create_chat_completion
+from kiln.serving.openai.completions import create_completion
+from kiln.serving.openai.generation import ClientGone, Overloaded, ServingState, ShuttingDown
+from kiln.serving.openai.protocol import ChatCompletionRequest, CompletionRequest, FieldError, ModelCard, ModelList
+from kiln.serving.openai.responses import error_response
+
+logger = logging.getLogger("kiln.serving")
+
+MAX_BODY_BYTES = 16 << 20
+ROUTES = ("/v1/models", "/v1/completions", "/v1/chat/completions", "/health", "/metrics", "/version")
+
+
+def kiln_version() -> str:
+    try:
+        return metadata.version("kiln-llm")
+    except metadata.PackageNotFoundError:
+        return "unknown"
+
+
+def _loc(loc: tuple) -> str | None:
+    out = ""
+    for part in loc:
+        out += f"[{part}]" if isinstance(part, int) else (f".{part}" if out else str(part))
+    return out or None
+
+
+def _short(value) -> str:
+    text = json.dumps(value, ensure_ascii=False, default=str) if not isinstance(value, str) else repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def describe_validation_error(exc: ValidationError) -> tuple[str | None, str]:
+    """(param, message) of the first problem, in OpenAI's terms."""
+    errors = exc.errors(include_url=False)
+    e = errors[0]
+    more = f" (and {len(errors) - 1} more problem{'s' if len(errors) > 2 else ''})" if len(errors) > 1 else ""
+    if e["type"] == "json_invalid":
+        return None, f"the request body is not valid JSON: {e['msg'].removeprefix('Invalid JSON: ')}"
+    param = _loc(e["loc"])
+    if param is None:
+        return None, f"the request body must be a JSON object, got {_short(e.get('input'))}"
+    if e["type"] == "missing":
+        return param, f"{param} is required{more}"
+    if e["type"] == "extra_forbidden":
+        return param, f"{param} is not a field of this endpoint (or kiln does not support it){more}"
+    msg = e["msg"].removeprefix("Value error, ")
+    return param, f"{param}: {msg}, got {_short(e.get('input'))}{more}"
+
+
+async def read_body(request: Request, model: type[BaseModel]):
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > MAX_BODY_BYTES:
+            raise FieldError(None, f"the request body is larger than {MAX_BODY_BYTES >> 20} MiB")
+        chunks.append(chunk)
+    try:
+        body = model.model_validate_json(b"".join(chunks))
+    except ValidationError as exc:
+        raise FieldError(*describe_validation_error(exc)) from None
+    body.check_combinations()
+    return body
+
+
+class Gate:
+    """Pure ASGI middleware (it must not buffer streams or hide disconnects): counts HTTP requests by endpoint
+    and status, checks the API key on /v1, and refuses /v1 requests with 503 while the server drains."""
+
+    def __init__(self, app: ASGIApp, state: ServingState, api_key: str | None, requests: Counter):
+        self.app, self.state, self.api_key, self.requests = app, state, api_key, requests
+
+    def _authorized(self, scope: Scope) -> bool:
+        for name, value in scope["headers"]:
+            if name == b"authorization":
+                return secrets.compare_digest(value, f"Bearer {self.api_key}".encode())
+        return False
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        path = scope["path"]
+        status = [500]
+
+        async def send_and_count(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                status[0] = message["status"]
+            await send(message)
+
+        try:
+            if path.startswith("/v1/") and self.api_key is not None and not self._authorized(scope):
+                await error_response(401, "missing or wrong API key: send 'Authorization: Bearer <key>'",
+                                     code="invalid_api_key")(scope, receive, send_and_count)
+            elif path.startswith("/v1/") and not self.state.accepting:
+                await error_response(503, "the server is shutting down; send the request to another replica",
+                                     )(scope, receive, send_and_count)
+            else:
+                await self.app(scope, receive, send_and_count)
+        finally:
+            endpoint = path if path in ROUTES else ("/v1/models/{model}" if path.startswith("/v1/models/") else "other")
+            self.requests.labels(endpoint=endpoint, status=str(status[0])).inc()
+
+
+def create_app(llm, *, model_name: str, api_key: str | None = None, max_waiting: int = 256,
+               chat_template: ChatTemplate | None = None) -> FastAPI:
+    """The OpenAI-compatible app over one ``LLM`` (which the caller starts and shuts down)."""
+    state = ServingState(llm, max_waiting)
+    created = int(time.time())
+    version = kiln_version()
+    engine_config = llm.engine.config
+    fingerprint = "fp_kiln_" + hashlib.sha256(
+        (version + json.dumps(engine_config, sort_keys=True, default=str)).encode()).hexdigest()[:12]
+
+    registry = CollectorRegistry()
+    registry.register(RuntimeCollector(llm))
+    http_requests = Counter("kiln_http_requests", "HTTP requests by endpoint and status.", ["endpoint", "status"],
+                            registry=registry)
+    Gauge("kiln_server_requests_waiting", "Requests admitted by the HTTP server that have no output yet "
+          "(what --max-waiting bounds).", registry=registry).set_function(state.num_waiting)
+
+    app = FastAPI(title="kiln (OpenAI-compatible)", version=version, docs_url="/docs", redoc_url=None)
+    app.state.serving = state
+    app.add_middleware(Gate, state=state, api_key=api_key, requests=http_requests)
+
+    @app.exception_handler(FieldError)
+    async def _field_error(request: Request, exc: FieldError):
+        return error_response(400, str(exc), param=exc.param)
+
+    @app.exception_handler(Overloaded)
+    async def _overloaded(request: Request, exc: Overloaded):
+        return error_response(429, str(exc), code="rate_limit_exceeded", headers={"Retry-After": "1"})
+
+    @app.exception_handler(ShuttingDown)
+    async def _shutting_down(request: Request, exc: ShuttingDown):
+        return error_response(503, str(exc))
+
+    @app.exception_handler(ClientGone)
+    async def _client_gone(request: Request, exc: ClientGone):
+        return Response(status_code=499)   # nginx's "client closed request"; nobody reads it
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, exc: StarletteHTTPException):
+        return error_response(exc.status_code, str(exc.detail), headers=getattr(exc, "headers", None))
+
+    @app.exception_handler(Exception)
+    async def _internal(request: Request, exc: Exception):
+        logger.exception("unexpected error serving %s", request.url.path)
+        return error_response(500, f"internal server error ({type(exc).__name__}); see the server log")
+
+    def check_model(name: str | None) -> None:
+        if name is not None and name != model_name:
+            raise _ModelNotFound(name)
+
+    class _ModelNotFound(Exception):
+        pass
+
+    @app.exception_handler(_ModelNotFound)
+    async def _model_not_found(request: Request, exc: _ModelNotFound):
+        return error_response(404, f"the model {exc.args[0]!r} does not exist here; this server serves "
+                                   f"{model_name!r} (GET /v1/models)", param="model", code="model_not_found")
+
+    card = ModelCard(id=model_name, created=created, max_model_len=state.limits.max_seq_len)
+
+    @app.get("/v1/models")
+    async def list_models() -> JSONResponse:
+        return JSONResponse(ModelList(data=[card]).model_dump())
+
+    @app.get("/v1/models/{model_id:path}")
+    async def get_model(model_id: str) -> JSONResponse:
+        check_model(model_id)
+        return JSONResponse(card.model_dump())
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        body = await read_body(request, CompletionRequest)
+        check_model(body.model)
+        return await create_completion(body, request, state, model_name, fingerprint)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        body = await read_body(request, ChatCompletionRequest)
+        check_model(body.model)
+        return await create_chat_completion(body, request, state, model_name, fingerprint, chat_template)
+
+    @app.get("/health")
+    async def health() -> JSONResponse:
+        failure = llm.executor.failure
+        if failure is not None:
+            return JSONResponse({"status": "failed", "detail": failure}, status_code=503)
+        if not state.accepting:
+            return JSONResponse({"status": "draining"}, status_code=503)
+        return JSONResponse({"status": "ok"})
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/version")
+    async def version_info() -> JSONResponse:
+        return JSONResponse({"version": version, "engine": {
+            k: engine_config.get(k) for k in ("format_version", "backend", "kiln_version", "torch_version")}
+            | {"dtype": engine_config["build"].get("dtype"), "architecture": engine_config["model"].get("architecture")}})
+
+    return app

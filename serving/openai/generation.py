@@ -1,0 +1,252 @@
+"""The bridge between HTTP handlers and ``LLM``: prompts checked against the engine, the runtime requests of
+one HTTP request as one asyncio stream, backpressure, and aborts on disconnect or shutdown.
+
+Backpressure counts *waiting* requests: runtime requests admitted by this server that have not produced
+their first output yet (queued, or in prefill). When ``max_waiting`` of them are waiting, new HTTP
+requests are refused (429) instead of queueing without bound; accepted requests are never dropped.
+
+Seeds: with ``n`` choices and a request seed ``s``, choice ``i`` samples with seed ``(s + i) mod 2**63``, so
+choice 0 reproduces a single request with seed ``s`` and the whole set is reproducible.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Awaitable
+from dataclasses import dataclass
+from functools import lru_cache
+from typing import TypeVar
+
+from starlette.requests import Request
+
+from kiln.runtime import LLM, RequestOutput, SamplingParams
+from kiln.runtime.outputs import RequestMetrics
+from kiln.serving.openai.protocol import SEED_MAX, FieldError
+
+T = TypeVar("T")
+
+
+class Overloaded(Exception):
+    """Too many requests are waiting (429)."""
+
+
+class ShuttingDown(Exception):
+    """The server is draining or its step loop stopped (503)."""
+
+
+class ClientGone(Exception):
+    """The client disconnected before the answer was ready."""
+
+
+def choice_seed(seed: int | None, index: int) -> int | None:
+    return None if seed is None else (seed + index) % (SEED_MAX + 1)
+
+
+@dataclass(frozen=True)
+class EngineLimits:
+    vocab_size: int
+    max_input_len: int
+    max_seq_len: int
+
+    @classmethod
+    def of(cls, llm: LLM) -> "EngineLimits":
+        b = llm.engine.build
+        return cls(int(llm.engine.model["vocab_size"]), int(b["max_input_len"]), int(b["max_seq_len"]))
+
+    def check_prompt(self, ids: list[int], param: str) -> None:
+        """FieldError naming ``param`` for a prompt this engine can never take."""
+        if not ids:
+            raise FieldError(param, "the prompt is empty (it has no tokens)")
+        bad = [t for t in ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise FieldError(param, f"token ids {bad[:5]} are outside the vocabulary [0, {self.vocab_size})")
+        if len(ids) > self.max_input_len:
+            raise FieldError(param, f"the prompt has {len(ids)} tokens, more than this engine's max_input_len "
+                                    f"{self.max_input_len}; shorten it")
+
+    def check_max_tokens(self, num_prompt: int, max_tokens: int | None, param: str) -> None:
+        if max_tokens is not None and num_prompt + max_tokens > self.max_seq_len:
+            raise FieldError(param, f"the prompt ({num_prompt} tokens) + {param} ({max_tokens}) exceeds this "
+                                    f"engine's max_seq_len {self.max_seq_len}; ask for at most "
+                                    f"{max(self.max_seq_len - num_prompt, 0)} tokens")
+
+
+class TokenText:
+    """Per-token strings for logprobs (cached: the same ids recur)."""
+
+    def __init__(self, tokenizer):
+        self._decode = lru_cache(maxsize=1 << 16)(lambda t: tokenizer.decode([t], skip_special_tokens=False))
+
+    def __call__(self, token_id: int) -> str:
+        return self._decode(token_id)
+
+
+class ServingState:
+    """What the handlers share: the LLM, admission (backpressure, draining) and the open streams."""
+
+    def __init__(self, llm: LLM, max_waiting: int):
+        self.llm = llm
+        self.max_waiting = max_waiting
+        self.limits = EngineLimits.of(llm)
+        self.token_text = TokenText(llm.tokenizer) if llm.tokenizer is not None else None
+        config = llm.stats()["config"]
+        self.prefix_reuse, self.block_size = bool(config["enable_prefix_reuse"]), int(config["tokens_per_block"])
+        self.accepting = True
+        self.streams: set[ChoiceStream] = set()
+        self._idle = asyncio.Event()
+        self._idle.set()
+
+    def num_waiting(self) -> int:
+        return sum(len(s.waiting) for s in self.streams)
+
+    def open_stream(self) -> "ChoiceStream":
+        if not self.accepting:
+            raise ShuttingDown("the server is shutting down; send the request to another replica")
+        failure = self.llm.executor.failure
+        if failure is not None:
+            raise ShuttingDown(f"the engine is not serving: {failure}")
+        if self.num_waiting() >= self.max_waiting:
+            raise Overloaded(f"{self.max_waiting} requests are already waiting for their first token "
+                             "(--max-waiting); retry later")
+        stream = ChoiceStream(self)
+        self.streams.add(stream)
+        self._idle.clear()
+        return stream
+
+    def _closed(self, stream: "ChoiceStream") -> None:
+        self.streams.discard(stream)
+        if not self.streams:
+            self._idle.set()
+
+    async def wait_idle(self, timeout: float) -> bool:
+        """True once no stream is open (within ``timeout`` seconds)."""
+        try:
+            await asyncio.wait_for(self._idle.wait(), timeout)
+            return True
+        except asyncio.TimeoutError:   # not the builtin TimeoutError before Python 3.11
+            return False
+
+    def abort_all(self) -> None:
+        for stream in list(self.streams):
+            stream.abort()
+
+
+class ChoiceStream:
+    """The runtime requests behind one HTTP request (n per prompt) and their outputs, as one async stream
+    of ``(choice index, RequestOutput)``. ``close`` aborts whatever has not finished.
+
+    The n choices of a prompt share its KV blocks through the prefix cache, but only blocks already computed
+    can be shared: choices submitted together would each prefill the whole prompt. So choice 0 goes first
+    and the others follow when it produces its first output (one step later), when its prompt's full blocks
+    are cached; they then prefill only the last, partial block.
+    """
+
+    def __init__(self, state: ServingState):
+        self.state = state
+        self.loop = asyncio.get_running_loop()
+        self.queue: asyncio.Queue[tuple[int, RequestOutput]] = asyncio.Queue()
+        self.request_ids: dict[int, str] = {}     # submitted choices
+        self.num_choices = 0
+        self.unfinished: set[int] = set()
+        self.waiting: set[int] = set()
+        self.deferred: dict[int, list[tuple[int, list[int], SamplingParams, int, str]]] = {}
+        self.closed = False
+
+    def add_prompt(self, prompt_ids: list[int], params: list[SamplingParams], priority: int, request_id: str) -> None:
+        """Queue ``len(params)`` choices over one prompt (InvalidRequestError / ExecutorClosedError pass through)."""
+        first = self.num_choices
+        self.num_choices += len(params)
+        choices = [(first + i, prompt_ids, sp, priority, f"{request_id}-{first + i}") for i, sp in enumerate(params)]
+        for index, *_ in choices:
+            self.unfinished.add(index)
+            self.waiting.add(index)
+        share = len(params) > 1 and self.state.prefix_reuse and len(prompt_ids) > self.state.block_size
+        if share:
+            self.deferred[first] = choices[1:]
+            choices = choices[:1]
+        for choice in choices:
+            self._submit(*choice)
+
+    def _submit(self, index: int, prompt_ids: list[int], params: SamplingParams, priority: int, request_id: str) -> None:
+        def deliver(out: RequestOutput) -> None:   # on the step-loop thread
+            try:
+                self.loop.call_soon_threadsafe(self._arrived, index, out)
+            except RuntimeError:   # the event loop is gone (server stopping): nobody is listening
+                pass
+
+        self.state.llm.submit(prompt_ids, params, request_id=request_id, priority=priority, callback=deliver)
+        self.request_ids[index] = request_id
+
+    def _submit_deferred(self, first: int) -> None:
+        for index, ids, params, priority, request_id in self.deferred.pop(first, []):
+            try:
+                self._submit(index, ids, params, priority, request_id)
+            except Exception as exc:   # the step loop stopped meanwhile: the choice fails like its sibling would
+                self._arrived(index, RequestOutput(request_id, None, ids, [], "", "abort",
+                                                   RequestMetrics(arrival_time=time.monotonic()), error=str(exc)))
+
+    def _arrived(self, index: int, out: RequestOutput) -> None:
+        self.waiting.discard(index)
+        if out.finished:
+            self.unfinished.discard(index)
+        self.queue.put_nowait((index, out))
+        if index in self.deferred and not self.closed:
+            self._submit_deferred(index)
+
+    @property
+    def done(self) -> bool:
+        return not self.unfinished and self.queue.empty()
+
+    async def next_batch(self) -> list[tuple[int, RequestOutput]]:
+        """Every output that has arrived (waiting for at least one): a slow reader gets merged deltas."""
+        items = [await self.queue.get()]
+        while not self.queue.empty():
+            items.append(self.queue.get_nowait())
+        return items
+
+    async def finals(self) -> dict[int, RequestOutput]:
+        """The final output of every choice."""
+        out: dict[int, RequestOutput] = {}
+        while len(out) < self.num_choices:
+            for index, o in await self.next_batch():
+                if o.finished:
+                    out[index] = o
+        return out
+
+    def abort(self) -> None:
+        for index in self.unfinished:
+            if index in self.request_ids:
+                self.state.llm.abort(self.request_ids[index])
+
+    def close(self) -> None:
+        if not self.closed:
+            self.closed = True
+            self.deferred.clear()
+            self.abort()
+            self.state._closed(self)
+
+
+async def _disconnected(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+async def until_disconnect(request: Request, work: Awaitable[T]) -> T:
+    """``await work``, unless the client disconnects first: then ``work`` is cancelled and ClientGone raised.
+    (The body must have been read: afterwards the ASGI receive channel only reports the disconnect.)"""
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(_disconnected(request))
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+        if not task.done():
+            task.cancel()
+    if task.done() and not task.cancelled():
+        return task.result()
+    raise ClientGone()
+
+
+def created_now() -> int:
+    return int(time.time())

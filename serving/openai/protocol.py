@@ -1,0 +1,285 @@
+"""OpenAI request and response bodies (pydantic), checked field by field at the HTTP boundary.
+
+Nothing malformed reaches the runtime: types are strict (no "5" for 5, no 1.5 or true for an integer),
+floats are finite, every sampling value lies in the range the runtime accepts, integers fit the runtime's
+tensors, text is valid Unicode, and unknown fields are refused (a field kiln ignored silently would change
+results behind the client's back). Bounds that depend on the engine (vocabulary, max_input_len,
+max_seq_len) are checked where prompts are tokenized (``generation.py``).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
+
+INT32_MAX = 2**31 - 1
+SEED_MAX = 2**63 - 1
+MAX_N = 128
+MAX_STOP = 16
+MAX_PROMPTS = 256
+MAX_CHOICES = 256      # prompts x n in one request
+
+
+class FieldError(ValueError):
+    """A request that is well-typed but inconsistent; ``param`` names the field to change."""
+
+    def __init__(self, param: str | None, message: str):
+        super().__init__(message)
+        self.param = param
+
+
+class RequestModel(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
+
+    def check_combinations(self) -> None:
+        """Rules between fields (FieldError); the field types and ranges are checked by pydantic."""
+
+
+def _one_or_list(value: Any) -> Any:
+    return [value] if isinstance(value, str) else value
+
+
+def _text_parts(value: Any) -> Any:
+    """OpenAI message content: a string, or a list of {"type": "text", "text": ...} parts (joined by newlines)."""
+    if isinstance(value, list):
+        texts = []
+        for i, part in enumerate(value):
+            if not (isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str)
+                    and set(part) <= {"type", "text"}):
+                kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+                raise ValueError(f"content part {i} is {kind!r}: only text parts ({{'type': 'text', 'text': ...}}) "
+                                 "are supported")
+            texts.append(part["text"])
+        return "\n".join(texts)
+    return value
+
+
+StopList = Annotated[list[Annotated[str, Field(min_length=1, max_length=512)]] | None,
+                     BeforeValidator(_one_or_list), Field(max_length=MAX_STOP)]
+
+
+class StreamOptions(RequestModel):
+    include_usage: bool = False
+
+
+class SamplingFields(RequestModel):
+    """Fields both endpoints share: OpenAI's sampling options and kiln's extra ones."""
+
+    model: Annotated[str, Field(max_length=256)] | None = None
+    n: Annotated[int, Field(ge=1, le=MAX_N)] = 1
+    temperature: Annotated[float, Field(ge=0.0, le=2.0)] | None = None
+    top_p: Annotated[float, Field(gt=0.0, le=1.0)] | None = None
+    stop: StopList = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    seed: Annotated[int, Field(ge=0, le=SEED_MAX)] | None = None
+    presence_penalty: Annotated[float, Field(ge=-2.0, le=2.0)] | None = None
+    frequency_penalty: Annotated[float, Field(ge=-2.0, le=2.0)] | None = None
+    user: Annotated[str, Field(max_length=256)] | None = None
+    # kiln's extras (vLLM's names)
+    top_k: Annotated[int, Field(ge=-1, le=INT32_MAX)] | None = None
+    min_p: Annotated[float, Field(ge=0.0, le=1.0)] | None = None
+    repetition_penalty: Annotated[float, Field(gt=0.0, le=100.0)] | None = None
+    min_tokens: Annotated[int, Field(ge=0, le=INT32_MAX)] = 0
+    ignore_eos: bool = False
+    priority: Annotated[int, Field(ge=-INT32_MAX, le=INT32_MAX)] = 0
+
+    def check_combinations(self) -> None:
+        if self.stream_options is not None and not self.stream:
+            raise FieldError("stream_options", "stream_options is only allowed when stream is true")
+
+    def sampling_kwargs(self, max_tokens: int | None) -> dict[str, Any]:
+        """SamplingParams keyword arguments (OpenAI defaults where the request left a field out)."""
+        if max_tokens is not None and self.min_tokens > max_tokens:
+            raise FieldError("min_tokens", f"min_tokens ({self.min_tokens}) exceeds max_tokens ({max_tokens})")
+        return dict(
+            max_tokens=max_tokens, min_tokens=self.min_tokens,
+            temperature=1.0 if self.temperature is None else self.temperature,
+            top_p=1.0 if self.top_p is None else self.top_p, top_k=self.top_k or 0,
+            min_p=self.min_p or 0.0, repetition_penalty=self.repetition_penalty or 1.0,
+            presence_penalty=self.presence_penalty or 0.0, frequency_penalty=self.frequency_penalty or 0.0,
+            stop=list(self.stop or []), ignore_eos=self.ignore_eos,
+        )
+
+
+def _check_prompt(value: Any) -> Any:
+    """A string, a list of strings, a list of token ids, or a list of lists of token ids (ints, not bools)."""
+    def ids(x: Any) -> bool:
+        return isinstance(x, list) and all(type(t) is int for t in x)
+
+    if isinstance(value, str):
+        return value
+    if isinstance(value, list) and value:
+        if all(isinstance(p, str) for p in value) or ids(value) or all(ids(p) for p in value):
+            if len(value) > MAX_PROMPTS and not ids(value):
+                raise ValueError(f"at most {MAX_PROMPTS} prompts per request, got {len(value)}")
+            return value
+    if isinstance(value, list) and not value:
+        raise ValueError("the prompt is empty")
+    raise ValueError("must be a string, a list of strings, a list of token ids (integers) or a list of such lists")
+
+
+class CompletionRequest(SamplingFields):
+    prompt: Annotated[Any, BeforeValidator(_check_prompt)]
+    max_tokens: Annotated[int, Field(ge=1, le=INT32_MAX)] | None = 16
+    echo: bool = False
+    logprobs: Annotated[int, Field(ge=0, le=5)] | None = None
+
+    def check_combinations(self) -> None:
+        super().check_combinations()
+        if self.echo and self.logprobs is not None:
+            raise FieldError("echo", "echo with logprobs needs the prompt's log-probabilities, which kiln does not "
+                                     "compute; drop echo or logprobs")
+
+    def prompts(self) -> list[str | list[int]]:
+        p = self.prompt
+        if isinstance(p, str) or (p and isinstance(p[0], int)):
+            return [p]
+        return list(p)
+
+
+class ChatMessage(RequestModel):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: Annotated[str, BeforeValidator(_text_parts)]
+    name: Annotated[str, Field(max_length=256)] | None = None
+
+
+class ChatCompletionRequest(SamplingFields):
+    messages: Annotated[list[ChatMessage], Field(min_length=1)]
+    max_tokens: Annotated[int, Field(ge=1, le=INT32_MAX)] | None = None
+    max_completion_tokens: Annotated[int, Field(ge=1, le=INT32_MAX)] | None = None
+    logprobs: bool = False
+    top_logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
+    add_generation_prompt: bool = True   # kiln/vLLM extra: False continues the last message instead
+
+    def check_combinations(self) -> None:
+        super().check_combinations()
+        if self.top_logprobs is not None and not self.logprobs:
+            raise FieldError("top_logprobs", "top_logprobs is only allowed when logprobs is true")
+
+    @property
+    def max_tokens_field(self) -> str:
+        return "max_completion_tokens" if self.max_completion_tokens is not None else "max_tokens"
+
+    @property
+    def effective_max_tokens(self) -> int | None:
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+
+# ---- responses ---------------------------------------------------------------------------------------------
+class ResponseModel(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class Usage(ResponseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+class CompletionLogprobs(ResponseModel):
+    tokens: list[str]
+    token_logprobs: list[float]
+    top_logprobs: list[dict[str, float]]
+    text_offset: list[int]
+
+
+class CompletionChoice(ResponseModel):
+    index: int
+    text: str
+    logprobs: CompletionLogprobs | None = None
+    finish_reason: Literal["stop", "length"] | None = None
+
+
+class Completion(ResponseModel):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    system_fingerprint: str
+    choices: list[CompletionChoice]
+    usage: Usage | None = None
+
+
+class TopLogprob(ResponseModel):
+    token: str
+    logprob: float
+    bytes: list[int]
+
+
+class TokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob]
+
+
+class ChatLogprobs(ResponseModel):
+    content: list[TokenLogprob]
+
+
+class AssistantMessage(ResponseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str
+
+
+class ChatChoice(ResponseModel):
+    index: int
+    message: AssistantMessage
+    logprobs: ChatLogprobs | None = None
+    finish_reason: Literal["stop", "length"]
+
+
+class ChatCompletion(ResponseModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    system_fingerprint: str
+    choices: list[ChatChoice]
+    usage: Usage
+
+
+class ChatDelta(ResponseModel):
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+
+
+class ChatChunkChoice(ResponseModel):
+    index: int
+    delta: ChatDelta
+    logprobs: ChatLogprobs | None = None
+    finish_reason: Literal["stop", "length"] | None = None
+
+
+class ChatCompletionChunk(ResponseModel):
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int
+    model: str
+    system_fingerprint: str
+    choices: list[ChatChunkChoice]
+    usage: Usage | None = None
+
+
+class ModelCard(ResponseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int
+    owned_by: str = "kiln"
+    max_model_len: int
+
+
+class ModelList(ResponseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+class ErrorBody(ResponseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | int | None = None
+
+
+class ErrorResponse(ResponseModel):
+    error: ErrorBody

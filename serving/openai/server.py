@@ -1,0 +1,138 @@
+"""Run the OpenAI-compatible server: load the LLM, bind, serve with uvicorn, drain on SIGTERM/SIGINT.
+
+uvicorn's own signal handling is switched off (it would stop at once and re-raise the signal after
+``serve`` returns, so the process would die by SIGTERM instead of exiting 0). Here the first SIGTERM or
+SIGINT stops accepting (/v1 and /health answer 503), lets in-flight requests finish for up to
+``--shutdown-timeout`` seconds, aborts the rest (their clients get a 503 or an error event), then stops
+uvicorn and the step loop; the process exits 0. A second signal skips the wait.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import signal
+import socket
+from collections.abc import Iterator
+from pathlib import Path
+
+import click
+import uvicorn
+
+from kiln.serving.settings import ServeSettings
+
+logger = logging.getLogger("kiln.serving")
+
+
+class _Server(uvicorn.Server):
+    """uvicorn without its signal handlers: kiln's drain decides when it stops."""
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        yield
+
+
+def _bind(host: str, port: int) -> socket.socket:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as exc:
+        sock.close()
+        raise click.ClickException(f"cannot listen on {host}:{port}: {exc.strerror}") from None
+    sock.set_inheritable(True)
+    return sock
+
+
+def _print_summary(llm, engine_dir: Path) -> None:
+    from kiln.runtime.cli import engine_summary
+
+    report = engine_dir / "build_report.json"
+    import json
+
+    rows = engine_summary(llm.engine.config, json.loads(report.read_text()) if report.is_file() else None)
+    width = max(len(k) for k, _ in rows)
+    for k, v in rows:
+        click.echo(f"  {k:<{width}} | {v}")
+    click.echo(f"  {'KV pool':<{width}} | {llm.executor.kv_plan}")
+
+
+async def _serve(server: _Server, sock: socket.socket, state, shutdown_timeout: float, url: str) -> None:
+    loop = asyncio.get_running_loop()
+    drain: asyncio.Task | None = None
+
+    async def drain_then_stop(sig: str) -> None:
+        state.accepting = False
+        busy = len(state.streams)
+        click.echo(f"kiln serve: {sig}: no new requests; waiting up to {shutdown_timeout:g} s for {busy} in flight",
+                   err=True)
+        if not await state.wait_idle(shutdown_timeout):
+            click.echo(f"kiln serve: aborting {len(state.streams)} requests still running", err=True)
+            state.abort_all()
+            await state.wait_idle(10.0)
+        server.should_exit = True
+
+    def on_signal(sig: signal.Signals) -> None:
+        nonlocal drain
+        if drain is None:
+            drain = loop.create_task(drain_then_stop(sig.name))
+        else:   # a second signal: stop waiting
+            state.abort_all()
+
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, on_signal, sig)
+
+    async def announce() -> None:
+        while not server.started:
+            if server.should_exit:
+                return
+            await asyncio.sleep(0.02)
+        click.echo(f"kiln serve: listening on {url} (OpenAI API at {url}/v1)", err=False)
+
+    announcer = loop.create_task(announce())
+    try:
+        await server.serve(sockets=[sock])
+    finally:
+        announcer.cancel()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.remove_signal_handler(sig)
+
+
+def run(engine_dir: Path, settings: ServeSettings, executor_options: dict) -> int:
+    """``kiln serve --frontend openai``: returns the process exit code."""
+    from kiln.runtime import LLM
+    from kiln.runtime.engine import EngineLoadError
+    from kiln.serving.chat_template import ChatTemplateError, load_chat_template
+    from kiln.serving.openai.app import create_app
+
+    logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        template = load_chat_template(engine_dir, settings.chat_template)
+    except ChatTemplateError as exc:
+        raise click.ClickException(str(exc)) from None
+    click.echo(f"kiln serve: loading {engine_dir}")
+    try:
+        llm = LLM(engine_dir, **executor_options)
+    except (EngineLoadError, ValueError) as exc:
+        raise click.ClickException(str(exc)) from None
+    try:
+        _print_summary(llm, engine_dir)
+        if template is None:
+            click.echo("  chat template    | none: /v1/chat/completions answers 400 (see --chat-template)")
+        name = settings.served_model_name or engine_dir.resolve().name
+        app = create_app(llm, model_name=name, api_key=settings.api_key, max_waiting=settings.max_waiting,
+                         chat_template=template)
+        sock = _bind(settings.host, settings.port)
+        host, port = sock.getsockname()[:2]
+        url = f"http://{f'[{host}]' if ':' in host else host}:{port}"
+        config = uvicorn.Config(app, log_level=settings.log_level, lifespan="off", timeout_graceful_shutdown=10,
+                                timeout_keep_alive=5)
+        server = _Server(config)
+        asyncio.run(_serve(server, sock, app.state.serving, settings.shutdown_timeout, url))
+        sock.close()
+    finally:
+        llm.shutdown()
+    click.echo("kiln serve: stopped")
+    return 0
