@@ -12,10 +12,11 @@ choice 0 reproduces a single request with seed ``s`` and the whole set is reprod
 from __future__ import annotations
 
 import asyncio
+import functools
+import threading
 import time
 from collections.abc import Awaitable
 from dataclasses import dataclass
-from functools import lru_cache
 from typing import TypeVar
 
 from starlette.requests import Request
@@ -76,10 +77,38 @@ class TokenText:
     """Per-token strings for logprobs (cached: the same ids recur)."""
 
     def __init__(self, tokenizer):
-        self._decode = lru_cache(maxsize=1 << 16)(lambda t: tokenizer.decode([t], skip_special_tokens=False))
+        self._decode = functools.lru_cache(maxsize=1 << 16)(lambda t: tokenizer.decode([t], skip_special_tokens=False))
 
     def __call__(self, token_id: int) -> str:
         return self._decode(token_id)
+
+
+class Inbox:
+    """Hands runtime outputs from the step-loop thread to the event loop with one wake-up per burst: a step
+    emits one output per running request, and waking the loop for each costs more than handling it."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop):
+        self.loop = loop
+        self.items: list[tuple[ChoiceStream, int, RequestOutput]] = []
+        self.lock = threading.Lock()
+        self.scheduled = False
+
+    def put(self, stream: "ChoiceStream", index: int, out: RequestOutput) -> None:   # any thread
+        with self.lock:
+            self.items.append((stream, index, out))
+            if self.scheduled:
+                return
+            self.scheduled = True
+        try:
+            self.loop.call_soon_threadsafe(self._drain)
+        except RuntimeError:   # the event loop is gone (server stopping): nobody is listening
+            pass
+
+    def _drain(self) -> None:   # event loop
+        with self.lock:
+            items, self.items, self.scheduled = self.items, [], False
+        for stream, index, out in items:
+            stream._arrived(index, out)
 
 
 class ServingState:
@@ -94,8 +123,15 @@ class ServingState:
         self.prefix_reuse, self.block_size = bool(config["enable_prefix_reuse"]), int(config["tokens_per_block"])
         self.accepting = True
         self.streams: set[ChoiceStream] = set()
+        self._inboxes: dict[asyncio.AbstractEventLoop, Inbox] = {}
         self._idle = asyncio.Event()
         self._idle.set()
+
+    def inbox(self) -> Inbox:
+        loop = asyncio.get_running_loop()
+        if loop not in self._inboxes:
+            self._inboxes[loop] = Inbox(loop)
+        return self._inboxes[loop]
 
     def num_waiting(self) -> int:
         return sum(len(s.waiting) for s in self.streams)
@@ -144,7 +180,7 @@ class ChoiceStream:
 
     def __init__(self, state: ServingState):
         self.state = state
-        self.loop = asyncio.get_running_loop()
+        self.inbox = state.inbox()
         self.queue: asyncio.Queue[tuple[int, RequestOutput]] = asyncio.Queue()
         self.request_ids: dict[int, str] = {}     # submitted choices
         self.num_choices = 0
@@ -169,13 +205,8 @@ class ChoiceStream:
             self._submit(*choice)
 
     def _submit(self, index: int, prompt_ids: list[int], params: SamplingParams, priority: int, request_id: str) -> None:
-        def deliver(out: RequestOutput) -> None:   # on the step-loop thread
-            try:
-                self.loop.call_soon_threadsafe(self._arrived, index, out)
-            except RuntimeError:   # the event loop is gone (server stopping): nobody is listening
-                pass
-
-        self.state.llm.submit(prompt_ids, params, request_id=request_id, priority=priority, callback=deliver)
+        self.state.llm.submit(prompt_ids, params, request_id=request_id, priority=priority,
+                              callback=functools.partial(self.inbox.put, self, index))
         self.request_ids[index] = request_id
 
     def _submit_deferred(self, first: int) -> None:
