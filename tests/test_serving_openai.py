@@ -6,6 +6,7 @@ disconnects, invalid requests, backpressure, metrics, SIGTERM drain, and a step-
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import os
 import random
@@ -129,6 +130,24 @@ def greedy(llm: LLM, prompt, max_tokens: int, **kw):
 def chat_ids(hf_tokenizer, messages, template=None) -> list[int]:
     ids = hf_tokenizer.apply_chat_template(messages, chat_template=template, add_generation_prompt=True, tokenize=True)
     return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+
+
+# ---- command line ----------------------------------------------------------------------------------------
+def test_serve_flags_are_executor_config_fields(engine):
+    from click.testing import CliRunner
+
+    from kiln.runtime.cli import main
+    from kiln.runtime.executor import ExecutorConfig
+    from kiln.serving.cli import frontend_command
+
+    options = {p.name: p for p in frontend_command("openai").params}
+    for field in dataclasses.fields(ExecutorConfig):
+        assert field.name in options and options[field.name].default == field.default, field.name
+    assert "--max-kv-cache-tokens" in CliRunner().invoke(main, ["serve", "--help"]).output
+    r = CliRunner().invoke(main, ["serve", str(engine.directory), "--capacity-policy", "fastest"])
+    assert r.exit_code == 1 and "capacity_policy" in r.output and "Traceback" not in r.output
+    r = CliRunner().invoke(main, ["serve", "--frontend", "nope", str(engine.directory)])
+    assert r.exit_code == 2 and "'nope' is not" in r.output
 
 
 # ---- endpoints -------------------------------------------------------------------------------------------

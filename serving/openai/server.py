@@ -11,18 +11,32 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 import signal
 import socket
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import click
 import uvicorn
 
-from kiln.serving.settings import ServeSettings
+from kiln.runtime.cli import engine_summary
 
 logger = logging.getLogger("kiln.serving")
+
+
+@dataclass(frozen=True)
+class ServeSettings:
+    host: str = "127.0.0.1"
+    port: int = 8000                        # 0: any free port (the URL printed at startup says which)
+    served_model_name: str | None = None    # default: the engine directory's name
+    api_key: str | None = None
+    max_waiting: int = 256
+    chat_template: Path | None = None
+    shutdown_timeout: float = 30.0
+    log_level: str = "info"
 
 
 class _Server(uvicorn.Server):
@@ -49,11 +63,8 @@ def _bind(host: str, port: int) -> socket.socket:
 
 
 def _print_summary(llm, engine_dir: Path) -> None:
-    from kiln.runtime.cli import engine_summary
-
+    """The engine summary `kiln inspect` prints, and the KV pool plan."""
     report = engine_dir / "build_report.json"
-    import json
-
     rows = engine_summary(llm.engine.config, json.loads(report.read_text()) if report.is_file() else None)
     width = max(len(k) for k, _ in rows)
     for k, v in rows:
@@ -91,7 +102,7 @@ async def _serve(server: _Server, sock: socket.socket, state, shutdown_timeout: 
             if server.should_exit:
                 return
             await asyncio.sleep(0.02)
-        click.echo(f"kiln serve: listening on {url} (OpenAI API at {url}/v1)", err=False)
+        click.echo(f"kiln serve: listening on {url} (OpenAI API at {url}/v1)")
 
     announcer = loop.create_task(announce())
     try:
@@ -103,16 +114,18 @@ async def _serve(server: _Server, sock: socket.socket, state, shutdown_timeout: 
 
 
 def run(engine_dir: Path, settings: ServeSettings, executor_options: dict) -> int:
-    """``kiln serve --frontend openai``: returns the process exit code."""
+    """Serve until SIGTERM/SIGINT; the process exit code. ``executor_options``: ExecutorConfig's fields."""
     from kiln.runtime import LLM
     from kiln.runtime.engine import EngineLoadError
+    from kiln.runtime.executor import ExecutorConfig
     from kiln.serving.chat_template import ChatTemplateError, load_chat_template
     from kiln.serving.openai.app import create_app
 
     logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
+        ExecutorConfig(**executor_options)   # option errors before the engine takes seconds to load
         template = load_chat_template(engine_dir, settings.chat_template)
-    except ChatTemplateError as exc:
+    except (ValueError, ChatTemplateError) as exc:
         raise click.ClickException(str(exc)) from None
     click.echo(f"kiln serve: loading {engine_dir}")
     try:

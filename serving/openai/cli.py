@@ -1,0 +1,40 @@
+"""``kiln serve --frontend openai ENGINE_DIR``: the OpenAI-compatible HTTP server's command line."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import click
+
+from kiln.serving.executor_options import executor_options, split_executor_options
+
+LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
+
+
+@click.command(context_settings={"help_option_names": ["-h", "--help"]})
+@click.argument("engine_dir", type=click.Path(path_type=Path, exists=True, file_okay=False))
+@click.option("--host", default="127.0.0.1", show_default=True, help="Address to listen on.")
+@click.option("--port", type=click.IntRange(0, 65535), default=8000, show_default=True,
+              help="Port to listen on; 0 picks a free one (the URL printed at startup says which).")
+@click.option("--served-model-name", default=None, help="The model id clients send; default: the engine directory's name.")
+@click.option("--api-key", envvar="KILN_API_KEY", default=None, show_envvar=True,
+              help="Require 'Authorization: Bearer KEY' on /v1 endpoints.")
+@click.option("--max-waiting", type=click.IntRange(min=1), default=256, show_default=True,
+              help="Requests waiting for their first token beyond which new ones get 429 with Retry-After.")
+@click.option("--chat-template", type=click.Path(path_type=Path, exists=True, dir_okay=False), default=None,
+              help="A jinja2 chat template file (as for transformers' apply_chat_template); default: the one "
+                   "in the engine directory's tokenizer_config.json.")
+@click.option("--shutdown-timeout", type=click.FloatRange(min=0), default=30.0, show_default=True,
+              help="On SIGTERM/SIGINT, seconds to let in-flight requests finish before aborting them.")
+@click.option("--log-level", type=click.Choice(LOG_LEVELS), default="info", show_default=True)
+@executor_options
+def serve(engine_dir: Path, **options) -> None:
+    """Serve ENGINE_DIR (written by build-engine) with an OpenAI-compatible HTTP API, one LLM per server.
+
+    Runtime options (--max-batch-size ... --seed) are kiln.runtime.ExecutorConfig's fields. Other
+    frontends: kiln serve --frontend NAME --help.
+    """
+    from kiln.serving.openai.server import ServeSettings, run
+
+    runtime, rest = split_executor_options(options)
+    raise SystemExit(run(engine_dir, ServeSettings(**rest), runtime))
