@@ -23,6 +23,8 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from prometheus_client.parser import text_string_to_metric_families
 
 from kiln.runtime import LLM, SamplingParams
@@ -442,6 +444,41 @@ def test_invalid_requests_get_openai_errors_naming_the_field(server, client):
     assert after['kiln_http_requests_total{endpoint="/v1/completions",status="400"}'] >= 40
     assert httpx.get(f"{server.url}/health").status_code == 200
     assert client.completions.create(model=MODEL, prompt="x", max_tokens=2).usage.completion_tokens >= 1
+
+
+JSON_VALUES = st.recursive(
+    st.none() | st.booleans() | st.integers(min_value=-(2**80), max_value=2**80) | st.floats(allow_nan=False)
+    | st.text(max_size=12) | st.sampled_from([0, 1, 2, 5, 16, 0.5, 1.0, "x", [1, 2], [], {}]),
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner, max_size=3),
+    max_leaves=8)
+FIELDS = ["prompt", "max_tokens", "temperature", "top_p", "n", "stop", "stream", "stream_options", "logprobs", "echo",
+          "seed", "presence_penalty", "frequency_penalty", "user", "top_k", "min_p", "repetition_penalty",
+          "min_tokens", "ignore_eos", "priority", "model", "best_of"]
+
+
+@settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture],
+          derandomize=True)
+@given(body=st.dictionaries(st.sampled_from(FIELDS), JSON_VALUES, max_size=6),
+       prompt=st.sampled_from(["The kiln", [5, 6, 7], ["a", "b"]]))
+def test_arbitrary_field_values_get_a_400_or_an_answer(server, body, prompt):
+    """Whatever JSON lands in whichever fields: a 400 naming one of them (404 for an unknown model), or an
+    answer; never a 5xx, and the runtime keeps serving."""
+    body = {"prompt": prompt, "max_tokens": 4, **body}
+    r = httpx.post(f"{server.url}{CMPL}", json=body, headers=AUTH, timeout=60)
+    if r.status_code == 200:
+        return
+    assert r.status_code in (400, 404), (body, r.text)
+    param = r.json()["error"]["param"]
+    assert param is None or re.split(r"[.\[]", param)[0] in body, (body, r.json())
+
+
+def test_after_the_fuzzing_the_server_is_healthy_and_holds_no_blocks(server, client, ref):
+    assert httpx.get(f"{server.url}/health").status_code == 200
+    wait_for(lambda: server.metrics()["kiln_kv_cache_blocks_used"] == 0, what="every KV block to be free")
+    metrics = server.metrics()
+    assert not any(k.startswith("kiln_http_requests_total") and 'status="5' in k for k in metrics)
+    assert client.completions.create(model=MODEL, prompt="The kiln", max_tokens=6, temperature=0).choices[0].text \
+        == greedy(ref, "The kiln", 6).text
 
 
 # ---- metrics ---------------------------------------------------------------------------------------------

@@ -87,6 +87,10 @@ async def read_body(request: Request, model: type[BaseModel]):
     return body
 
 
+class ModelNotFound(Exception):
+    """The request names a model this server does not serve (404)."""
+
+
 class Gate:
     """Pure ASGI middleware (it must not buffer streams or hide disconnects): counts HTTP requests by endpoint
     and status, checks the API key on /v1, and refuses /v1 requests with 503 while the server drains."""
@@ -174,13 +178,10 @@ def create_app(llm, *, model_name: str, api_key: str | None = None, max_waiting:
 
     def check_model(name: str | None) -> None:
         if name is not None and name != model_name:
-            raise _ModelNotFound(name)
+            raise ModelNotFound(name)
 
-    class _ModelNotFound(Exception):
-        pass
-
-    @app.exception_handler(_ModelNotFound)
-    async def _model_not_found(request: Request, exc: _ModelNotFound):
+    @app.exception_handler(ModelNotFound)
+    async def _model_not_found(request: Request, exc: ModelNotFound):
         return error_response(404, f"the model {exc.args[0]!r} does not exist here; this server serves "
                                    f"{model_name!r} (GET /v1/models)", param="model", code="model_not_found")
 
