@@ -7,6 +7,7 @@ the HTTP overhead relative to in-process. Every request generates exactly ``--ma
 (``ignore_eos``), so both modes do the same work. The HTTP clients are httpx streams in this process.
 
     .venv/bin/python scripts/bench_http_overhead.py                  # small Llama, built on first run
+    .venv/bin/python scripts/bench_http_overhead.py --size 246m --requests 16 --max-tokens 32
     .venv/bin/python scripts/bench_http_overhead.py --engine DIR --concurrency 16 --requests 64
 """
 
@@ -32,13 +33,13 @@ from bench_common import BENCH, engine_is_current, ensure_checkpoint, log
 BUILD = dict(max_batch_size=16, max_input_len=256, max_seq_len=512, max_num_tokens=512, tokens_per_block=16)
 
 
-def ensure_engine(backend: str) -> Path:
+def ensure_engine(size: str, dtype: str, backend: str) -> Path:
     from kiln.builder import BuildConfig, build_engine
 
-    engine_dir = BENCH / f"llama-small-{backend}-engine"
-    build = {**BUILD, "backend": backend}
+    engine_dir = BENCH / f"llama-{size}-{dtype}-{backend}-http-engine"
+    build = {**BUILD, "backend": backend, "dtype": dtype}
     if not engine_is_current(engine_dir, build):
-        ckpt = ensure_checkpoint("small")
+        ckpt = ensure_checkpoint(size)
         log(f"building {engine_dir.name} ...")
         build_engine(ckpt, engine_dir, BuildConfig(**build))
     return engine_dir
@@ -101,11 +102,17 @@ async def run_http(url: str, prompts: list[list[int]], max_tokens: int, concurre
         return await asyncio.gather(*(one(http, p) for p in prompts))
 
 
-def start_server(engine_dir: Path, options: list[str]) -> tuple[subprocess.Popen, str]:
+def thread_cpu_seconds(pid: int, tid: int) -> float:
+    """CPU time (user + system) of one thread of a process, from /proc (Linux)."""
+    fields = Path(f"/proc/{pid}/task/{tid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def start_server(engine_dir: Path, options: list[str], threads: int) -> tuple[subprocess.Popen, str]:
     cmd = [sys.executable, "-m", "kiln.runtime.cli", "serve", str(engine_dir), "--port", "0", "--log-level", "warning",
            *options]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
+                            env={**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": str(threads)})
     for line in proc.stdout:
         if m := re.search(r"listening on (http://\S+) ", line):
             return proc, m.group(1)
@@ -115,17 +122,26 @@ def start_server(engine_dir: Path, options: list[str]) -> tuple[subprocess.Popen
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--engine", type=Path, help="engine directory (default: a small Llama built on first run)")
+    ap.add_argument("--size", default="small", choices=["small", "246m", "300m"], help="model_defs.synthetic preset")
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     ap.add_argument("--backend", default="cpu", choices=["cpu", "cpu-compiled"])
     ap.add_argument("--requests", type=int, default=32)
     ap.add_argument("--concurrency", type=int, default=8)
     ap.add_argument("--prompt-len", type=int, default=128)
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=3, help="rounds of (in-process, HTTP)")
+    ap.add_argument("--threads", type=int, default=None, help="torch threads of both (default: torch's, the cores)")
     args = ap.parse_args()
+
+    import torch
 
     from kiln.runtime import LLM
 
-    engine_dir = args.engine or ensure_engine(args.backend)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    threads = torch.get_num_threads()
+
+    engine_dir = args.engine or ensure_engine(args.size, args.dtype, args.backend)
     config = json.loads((engine_dir / "config.json").read_text())
     vocab = config["model"]["vocab_size"]
     rng = random.Random(0)
@@ -133,20 +149,29 @@ def main() -> None:
     # distinct prompts: no prefix reuse between requests; the same runtime options in both modes
     options = {"max_batch_size": args.concurrency}
     log(f"engine {engine_dir} ({config['model']['architecture']}, {config['backend']}); {args.requests} requests, "
-        f"concurrency {args.concurrency}, prompt {args.prompt_len}, {args.max_tokens} tokens each")
+        f"concurrency {args.concurrency}, prompt {args.prompt_len}, {args.max_tokens} tokens each, {threads} torch threads")
     llm = LLM(engine_dir, **options)
-    proc, url = start_server(engine_dir, ["--max-batch-size", str(args.concurrency)])
+    proc, url = start_server(engine_dir, ["--max-batch-size", str(args.concurrency)], threads)
     results: dict[str, list[tuple[float, float]]] = {"in-process": [], "HTTP (kiln serve)": []}
+    # CPU time of the threads that move tokens to clients: the in-process consumer (this thread) and the
+    # server's event loop (its main thread); the machine's load moves latencies, much less these
+    cpu = {"consumer": 0.0, "server loop": 0.0, "http client": 0.0}
     try:
         warm = prompts[: args.concurrency]
         asyncio.run(run_inprocess(llm, warm, 8, args.concurrency))
         asyncio.run(run_http(url, warm, 8, args.concurrency))
         for r in range(args.repeats):
-            t0 = time.perf_counter()
-            results["in-process"] += asyncio.run(run_inprocess(llm, prompts, args.max_tokens, args.concurrency))
-            t1 = time.perf_counter()
-            results["HTTP (kiln serve)"] += asyncio.run(run_http(url, prompts, args.max_tokens, args.concurrency))
-            log(f"round {r + 1}/{args.repeats}: in-process {t1 - t0:.2f} s, HTTP {time.perf_counter() - t1:.2f} s")
+            c0 = time.thread_time()
+            local = asyncio.run(run_inprocess(llm, prompts, args.max_tokens, args.concurrency))
+            c1, s1 = time.thread_time(), thread_cpu_seconds(proc.pid, proc.pid)
+            remote = asyncio.run(run_http(url, prompts, args.max_tokens, args.concurrency))
+            cpu["consumer"] += c1 - c0
+            cpu["http client"] += time.thread_time() - c1
+            cpu["server loop"] += thread_cpu_seconds(proc.pid, proc.pid) - s1
+            results["in-process"] += local
+            results["HTTP (kiln serve)"] += remote
+            log(f"round {r + 1}/{args.repeats}: TPOT p50 in-process {percentile([x[1] for x in local], 50) * 1e3:.2f} ms, "
+                f"HTTP {percentile([x[1] for x in remote], 50) * 1e3:.2f} ms")
     finally:
         llm.shutdown()
         proc.send_signal(signal.SIGTERM)
@@ -163,6 +188,10 @@ def main() -> None:
     print("HTTP overhead:     " + ", ".join(f"{n} {100 * (h / b - 1):+.1f}%" for n, b, h in zip(names, base, http)))
     print(f"(TPOT p50 target: within 5% -> {'met' if http[2] <= 1.05 * base[2] else 'NOT met'}; "
           f"mean TPOT in-process {statistics.mean(r[1] for r in results['in-process']) * 1e3:.2f} ms)")
+    tokens = args.repeats * args.requests * args.max_tokens
+    print("CPU per generated token: " + ", ".join(f"{k} {v / tokens * 1e6:.0f} us" for k, v in cpu.items()) +
+          f" (server loop = HTTP parsing, SSE chunks, sends; a step of {args.concurrency} sequences emits "
+          f"{args.concurrency} tokens)")
 
 
 if __name__ == "__main__":
