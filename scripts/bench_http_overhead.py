@@ -157,9 +157,9 @@ def main() -> None:
     # server's event loop (its main thread); the machine's load moves latencies, much less these
     cpu = {"consumer": 0.0, "server loop": 0.0, "http client": 0.0}
     try:
-        warm = prompts[: args.concurrency]
-        asyncio.run(run_inprocess(llm, warm, 8, args.concurrency))
-        asyncio.run(run_http(url, warm, 8, args.concurrency))
+        # warm-up: each process meets every shape of the workload once (first runs of a shape are slow)
+        asyncio.run(run_inprocess(llm, prompts, args.max_tokens, args.concurrency))
+        asyncio.run(run_http(url, prompts, args.max_tokens, args.concurrency))
         for r in range(args.repeats):
             c0 = time.thread_time()
             local = asyncio.run(run_inprocess(llm, prompts, args.max_tokens, args.concurrency))
