@@ -181,6 +181,13 @@ def test_completions_equal_llm_generate(server, client, ref):
         assert got.usage.prompt_tokens == len(want.prompt_token_ids)
         assert got.usage.completion_tokens == len(want.token_ids) == got.usage.total_tokens - got.usage.prompt_tokens
         assert got.model == MODEL and got.object == "text_completion" and got.system_fingerprint.startswith("fp_kiln_")
+    # logprobs=2: the legacy shape, the chosen token's logprob first among the top ones (greedy)
+    want = ref.generate(["The kiln"], SamplingParams(temperature=0, max_tokens=6, logprobs=2))[0]
+    lp = client.completions.create(model=MODEL, prompt="The kiln", max_tokens=6, temperature=0, logprobs=2).choices[0].logprobs
+    assert lp.token_logprobs == pytest.approx([d[t] for t, d in zip(want.token_ids, want.logprobs)], abs=1e-4)
+    assert all(len(top) <= 2 and max(top.values()) == pytest.approx(chosen, abs=1e-6)
+               for top, chosen in zip(lp.top_logprobs, lp.token_logprobs))
+    assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(len(lp.tokens))]
     # several prompts in one request: one choice each, in order, usage summed
     batch = ["The kiln", "Tokens", "Memory is the wall:"]
     got = client.completions.create(model=MODEL, prompt=batch, max_tokens=6, temperature=0)
