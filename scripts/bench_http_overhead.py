@@ -135,21 +135,22 @@ def main() -> None:
 
     import torch
 
-    from kiln.runtime import LLM
+    from kiln.runtime import LLM, Engine
 
     if args.threads:
         torch.set_num_threads(args.threads)
     threads = torch.get_num_threads()
 
     engine_dir = args.engine or ensure_engine(args.size, args.dtype, args.backend)
-    config = json.loads((engine_dir / "config.json").read_text())
-    vocab = config["model"]["vocab_size"]
+    config = Engine.read_config(engine_dir)
+    vocab = config.model.vocab_size
     rng = random.Random(0)
     prompts = [[rng.randrange(3, vocab) for _ in range(args.prompt_len)] for _ in range(args.requests)]
     # distinct prompts: no prefix reuse between requests; the same runtime options in both modes
     options = {"max_batch_size": args.concurrency}
-    log(f"engine {engine_dir} ({config['model']['architecture']}, {config['backend']}); {args.requests} requests, "
-        f"concurrency {args.concurrency}, prompt {args.prompt_len}, {args.max_tokens} tokens each, {threads} torch threads")
+    log(f"engine {engine_dir} ({config.model.architecture}, {config.backend}, {config.dtype}); "
+        f"{args.requests} requests, concurrency {args.concurrency}, prompt {args.prompt_len}, "
+        f"{args.max_tokens} tokens each, {threads} torch threads")
     llm = LLM(engine_dir, **options)
     proc, url = start_server(engine_dir, ["--max-batch-size", str(args.concurrency)], threads)
     results: dict[str, list[tuple[float, float]]] = {"in-process": [], "HTTP (kiln serve)": []}
@@ -170,19 +171,20 @@ def main() -> None:
             cpu["server loop"] += thread_cpu_seconds(proc.pid, proc.pid) - s1
             results["in-process"] += local
             results["HTTP (kiln serve)"] += remote
-            log(f"round {r + 1}/{args.repeats}: TPOT p50 in-process {percentile([x[1] for x in local], 50) * 1e3:.2f} ms, "
-                f"HTTP {percentile([x[1] for x in remote], 50) * 1e3:.2f} ms")
+            tpot_local, tpot_remote = (percentile([x[1] for x in rows], 50) * 1e3 for rows in (local, remote))
+            log(f"round {r + 1}/{args.repeats}: TPOT p50 in-process {tpot_local:.2f} ms, HTTP {tpot_remote:.2f} ms")
     finally:
         llm.shutdown()
         proc.send_signal(signal.SIGTERM)
         proc.wait(60)
 
-    print(f"\n{'mode':<18} {'TTFT p50':>9} {'TTFT p95':>9} {'TPOT p50':>9} {'TPOT p95':>9}   (ms, {len(results['in-process'])} requests each)")
+    header = "".join(f"{h:>10}" for h in ("TTFT p50", "TTFT p95", "TPOT p50", "TPOT p95"))
+    print(f"\n{'mode':<18}{header}   (ms, {len(results['in-process'])} requests each)")
     table = {}
     for mode, rows in results.items():
         ttft, tpot = [r[0] * 1e3 for r in rows], [r[1] * 1e3 for r in rows]
         table[mode] = (percentile(ttft, 50), percentile(ttft, 95), percentile(tpot, 50), percentile(tpot, 95))
-        print(f"{mode:<18} " + " ".join(f"{v:9.2f}" for v in table[mode]))
+        print(f"{mode:<18}" + "".join(f"{v:10.2f}" for v in table[mode]))
     base, http = table["in-process"], table["HTTP (kiln serve)"]
     names = ("TTFT p50", "TTFT p95", "TPOT p50", "TPOT p95")
     print("HTTP overhead:     " + ", ".join(f"{n} {100 * (h / b - 1):+.1f}%" for n, b, h in zip(names, base, http)))

@@ -26,7 +26,8 @@ HISTOGRAMS = {
 COUNTERS = {
     "prompt_tokens": ("prompt_tokens", "Prompt tokens of submitted requests."),
     "generation_tokens": ("generation_tokens", "Generated tokens."),
-    "prefill_tokens_computed": ("prefill_tokens_computed", "Prompt tokens run through the engine (not from the prefix cache)."),
+    "prefill_tokens_computed": ("prefill_tokens_computed",
+                                "Prompt tokens run through the engine (not taken from the prefix cache)."),
     "requests_submitted": ("requests_submitted", "Requests accepted by the runtime."),
     "requests_rejected": ("requests_rejected", "Requests the runtime refused at submission."),
     "preemptions": ("preemptions", "Requests preempted to free KV blocks (recomputed later)."),

@@ -70,7 +70,7 @@ QWEN25 = """{%- if tools %}
 {%- if add_generation_prompt %}
     {{- '<|im_start|>assistant\\n' }}
 {%- endif %}
-"""
+"""  # noqa: E501  (the template as Qwen2.5 ships it)
 
 MISTRAL = (
     "{{ bos_token }}{% for message in messages %}{% if (message['role'] == 'user') != (loop.index0 % 2 == 0) %}"
@@ -84,10 +84,12 @@ CHATS = [
     [{"role": "user", "content": "Hello there"}],
     [{"role": "system", "content": "  You fire clay.  "}, {"role": "user", "content": "Héllo 東京 🙂\nline two"},
      {"role": "assistant", "content": "It is hot."}, {"role": "user", "content": "How hot?"}],
-    [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b", "name": None}, {"role": "user", "content": ""}],
+    [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b", "name": None},
+     {"role": "user", "content": ""}],
 ]
-TOOLS = [{"type": "function", "function": {"name": "kiln_temp", "description": "Température du four",
-                                           "parameters": {"type": "object", "properties": {"unit": {"type": "string"}}}}}]
+TOOLS = [{"type": "function", "function": {
+    "name": "kiln_temp", "description": "Température du four",
+    "parameters": {"type": "object", "properties": {"unit": {"type": "string"}}}}}]
 TOOL_CHAT = [{"role": "user", "content": "Temperature?"},
              {"role": "assistant", "content": "",
               "tool_calls": [{"type": "function", "function": {"name": "kiln_temp", "arguments": {"unit": "°C"}}}]},
@@ -112,7 +114,8 @@ def kiln_template(ckpt, tmp_path, source: str) -> ChatTemplate:
     return load_chat_template(ckpt, path)   # special tokens from the checkpoint's tokenizer_config.json
 
 
-@pytest.mark.parametrize("source", [LLAMA3, QWEN25, MISTRAL, CHAT_TEMPLATE], ids=["llama3", "qwen2.5", "mistral", "kiln-synthetic"])
+@pytest.mark.parametrize("source", [LLAMA3, QWEN25, MISTRAL, CHAT_TEMPLATE],
+                         ids=["llama3", "qwen2.5", "mistral", "kiln-synthetic"])
 @pytest.mark.parametrize("add_generation_prompt", [True, False])
 def test_renders_like_transformers(ckpt, hf_tokenizer, tmp_path, source, add_generation_prompt):
     template = kiln_template(ckpt, tmp_path, source)

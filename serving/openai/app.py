@@ -138,7 +138,7 @@ def create_app(llm, *, model_name: str, api_key: str | None = None, max_waiting:
     version = kiln_version()
     engine_config = llm.engine.config
     fingerprint = "fp_kiln_" + hashlib.sha256(
-        (version + json.dumps(engine_config, sort_keys=True, default=str)).encode()).hexdigest()[:12]
+        (version + json.dumps(engine_config.to_dict(), sort_keys=True, default=str)).encode()).hexdigest()[:12]
 
     registry = CollectorRegistry()
     registry.register(RuntimeCollector(llm))
@@ -223,8 +223,10 @@ def create_app(llm, *, model_name: str, api_key: str | None = None, max_waiting:
 
     @app.get("/version")
     async def version_info() -> JSONResponse:
+        c = engine_config
         return JSONResponse({"version": version, "engine": {
-            k: engine_config.get(k) for k in ("format_version", "backend", "kiln_version", "torch_version")}
-            | {"dtype": engine_config["build"].get("dtype"), "architecture": engine_config["model"].get("architecture")}})
+            "format_version": c.format_version, "backend": c.backend, "dtype": c.dtype,
+            "quantization": c.quantization, "architecture": c.model.architecture, "kiln_version": c.kiln_version,
+            "torch_version": c.torch_version}})
 
     return app

@@ -8,18 +8,38 @@ from starlette.responses import JSONResponse, Response
 from kiln.runtime import RequestOutput
 from kiln.serving.chat_template import ChatTemplate, ChatTemplateError
 from kiln.serving.openai.generation import ServingState, TokenText, created_now
-from kiln.serving.openai.handlers import (ChoiceDelta, choice_params, failure_response, first_batch_or_response,
-                                          new_id, sse_stream, submit_choices, usage, wait_finals)
-from kiln.serving.openai.protocol import (AssistantMessage, ChatChoice, ChatChunkChoice, ChatCompletion,
-                                          ChatCompletionChunk, ChatCompletionRequest, ChatDelta, ChatLogprobs,
-                                          FieldError, TokenLogprob, TopLogprob)
+from kiln.serving.openai.handlers import (
+    ChoiceDelta,
+    choice_params,
+    failure_response,
+    first_batch_or_response,
+    new_id,
+    sse_stream,
+    submit_choices,
+    usage,
+    wait_finals,
+)
+from kiln.serving.openai.protocol import (
+    AssistantMessage,
+    ChatChoice,
+    ChatChunkChoice,
+    ChatCompletion,
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    ChatDelta,
+    ChatLogprobs,
+    FieldError,
+    TokenLogprob,
+    TopLogprob,
+)
 
 NO_TEMPLATE = ("this model has no chat template: the engine directory's tokenizer_config.json has no "
                "'chat_template'. Restart kiln serve with --chat-template FILE (a jinja2 template written for "
                "transformers' apply_chat_template), or use /v1/completions with a formatted prompt")
 
 
-def chat_logprobs(token_text: TokenText, token_ids: list[int], logprobs: list[dict[int, float]], top: int) -> ChatLogprobs:
+def chat_logprobs(token_text: TokenText, token_ids: list[int], logprobs: list[dict[int, float]],
+                  top: int) -> ChatLogprobs:
     def entry(t: int, v: float) -> TopLogprob:
         s = token_text(t)
         return TopLogprob(token=s, logprob=v, bytes=list(s.encode("utf-8")))

@@ -6,7 +6,8 @@ from pathlib import Path
 
 import click
 
-from kiln.serving.executor_options import executor_options, split_executor_options
+from kiln.clikit import dataclass_options, given
+from kiln.runtime import ExecutorConfig
 
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
 
@@ -16,7 +17,8 @@ LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
 @click.option("--host", default="127.0.0.1", show_default=True, help="Address to listen on.")
 @click.option("--port", type=click.IntRange(0, 65535), default=8000, show_default=True,
               help="Port to listen on; 0 picks a free one (the URL printed at startup says which).")
-@click.option("--served-model-name", default=None, help="The model id clients send; default: the engine directory's name.")
+@click.option("--served-model-name", default=None,
+              help="The model id clients send; default: the engine directory's name.")
 @click.option("--api-key", envvar="KILN_API_KEY", default=None, show_envvar=True,
               help="Require 'Authorization: Bearer KEY' on /v1 endpoints.")
 @click.option("--max-waiting", type=click.IntRange(min=1), default=256, show_default=True,
@@ -27,7 +29,7 @@ LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
 @click.option("--shutdown-timeout", type=click.FloatRange(min=0), default=30.0, show_default=True,
               help="On SIGTERM/SIGINT, seconds to let in-flight requests finish before aborting them.")
 @click.option("--log-level", type=click.Choice(LOG_LEVELS), default="info", show_default=True)
-@executor_options
+@dataclass_options(ExecutorConfig)
 def serve(engine_dir: Path, **options) -> None:
     """Serve ENGINE_DIR (written by build-engine) with an OpenAI-compatible HTTP API, one LLM per server.
 
@@ -36,5 +38,5 @@ def serve(engine_dir: Path, **options) -> None:
     """
     from kiln.serving.openai.server import ServeSettings, run
 
-    runtime, rest = split_executor_options(options)
-    raise SystemExit(run(engine_dir, ServeSettings(**rest), runtime))
+    runtime = given(ExecutorConfig, options)   # what the user gave; ExecutorConfig applies its defaults
+    raise SystemExit(run(engine_dir, ServeSettings(**options), runtime))

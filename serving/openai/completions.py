@@ -7,10 +7,25 @@ from starlette.responses import JSONResponse, Response
 
 from kiln.runtime import InvalidRequestError, RequestOutput
 from kiln.serving.openai.generation import ServingState, TokenText, created_now
-from kiln.serving.openai.handlers import (ChoiceDelta, choice_params, failure_response, first_batch_or_response,
-                                          new_id, sse_stream, submit_choices, usage, wait_finals)
-from kiln.serving.openai.protocol import (MAX_CHOICES, Completion, CompletionChoice, CompletionLogprobs,
-                                          CompletionRequest, FieldError)
+from kiln.serving.openai.handlers import (
+    ChoiceDelta,
+    choice_params,
+    failure_response,
+    first_batch_or_response,
+    new_id,
+    sse_stream,
+    submit_choices,
+    usage,
+    wait_finals,
+)
+from kiln.serving.openai.protocol import (
+    MAX_CHOICES,
+    Completion,
+    CompletionChoice,
+    CompletionLogprobs,
+    CompletionRequest,
+    FieldError,
+)
 
 
 def completion_logprobs(token_text: TokenText, token_ids: list[int], logprobs: list[dict[int, float]], top: int,
@@ -23,7 +38,8 @@ def completion_logprobs(token_text: TokenText, token_ids: list[int], logprobs: l
         offset += len(tok)
     return CompletionLogprobs(
         tokens=tokens, token_logprobs=[lp[t] for t, lp in zip(token_ids, logprobs)],
-        top_logprobs=[{token_text(t): v for t, v in sorted(lp.items(), key=lambda kv: -kv[1])[:top]} for lp in logprobs],
+        top_logprobs=[{token_text(t): v for t, v in sorted(lp.items(), key=lambda kv: -kv[1])[:top]}
+                      for lp in logprobs],
         text_offset=offsets)
 
 

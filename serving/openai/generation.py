@@ -51,9 +51,9 @@ class EngineLimits:
     max_seq_len: int
 
     @classmethod
-    def of(cls, llm: LLM) -> "EngineLimits":
-        b = llm.engine.build
-        return cls(int(llm.engine.model["vocab_size"]), int(b["max_input_len"]), int(b["max_seq_len"]))
+    def of(cls, llm: LLM) -> EngineLimits:
+        config = llm.engine.config
+        return cls(config.model.vocab_size, config.bounds.max_input_len, config.bounds.max_seq_len)
 
     def check_prompt(self, ids: list[int], param: str) -> None:
         """FieldError naming ``param`` for a prompt this engine can never take."""
@@ -93,7 +93,7 @@ class Inbox:
         self.lock = threading.Lock()
         self.scheduled = False
 
-    def put(self, stream: "ChoiceStream", index: int, out: RequestOutput) -> None:   # any thread
+    def put(self, stream: ChoiceStream, index: int, out: RequestOutput) -> None:   # any thread
         with self.lock:
             self.items.append((stream, index, out))
             if self.scheduled:
@@ -136,7 +136,7 @@ class ServingState:
     def num_waiting(self) -> int:
         return sum(len(s.waiting) for s in self.streams)
 
-    def open_stream(self) -> "ChoiceStream":
+    def open_stream(self) -> ChoiceStream:
         if not self.accepting:
             raise ShuttingDown("the server is shutting down; send the request to another replica")
         failure = self.llm.executor.failure
@@ -150,7 +150,7 @@ class ServingState:
         self._idle.clear()
         return stream
 
-    def _closed(self, stream: "ChoiceStream") -> None:
+    def _closed(self, stream: ChoiceStream) -> None:
         self.streams.discard(stream)
         if not self.streams:
             self._idle.set()
@@ -204,7 +204,8 @@ class ChoiceStream:
         for choice in choices:
             self._submit(*choice)
 
-    def _submit(self, index: int, prompt_ids: list[int], params: SamplingParams, priority: int, request_id: str) -> None:
+    def _submit(self, index: int, prompt_ids: list[int], params: SamplingParams, priority: int,
+                request_id: str) -> None:
         self.state.llm.submit(prompt_ids, params, request_id=request_id, priority=priority,
                               callback=functools.partial(self.inbox.put, self, index))
         self.request_ids[index] = request_id

@@ -10,8 +10,7 @@ from dataclasses import dataclass, field
 from starlette.requests import Request
 from starlette.responses import JSONResponse
 
-from kiln.runtime import InvalidRequestError, RequestOutput, SamplingParams
-from kiln.runtime.errors import ExecutorClosedError
+from kiln.runtime import ExecutorClosedError, InvalidRequestError, RequestOutput, SamplingParams
 from kiln.serving.openai.generation import ChoiceStream, ServingState, ShuttingDown, choice_seed, until_disconnect
 from kiln.serving.openai.protocol import FieldError, SamplingFields, Usage
 from kiln.serving.openai.responses import SSEResponse, error_response, sse_error, sse_event

@@ -22,7 +22,7 @@ from pathlib import Path
 import click
 import uvicorn
 
-from kiln.runtime.cli import engine_summary
+from kiln.contract.summary import format_table, summary_rows
 
 logger = logging.getLogger("kiln.serving")
 
@@ -62,14 +62,14 @@ def _bind(host: str, port: int) -> socket.socket:
     return sock
 
 
-def _print_summary(llm, engine_dir: Path) -> None:
-    """The engine summary `kiln inspect` prints, and the KV pool plan."""
+def _print_summary(llm, engine_dir: Path, chat_template: bool) -> None:
+    """The engine summary `kiln inspect` prints, the KV pool plan and whether chat has a template."""
     report = engine_dir / "build_report.json"
-    rows = engine_summary(llm.engine.config, json.loads(report.read_text()) if report.is_file() else None)
-    width = max(len(k) for k, _ in rows)
-    for k, v in rows:
-        click.echo(f"  {k:<{width}} | {v}")
-    click.echo(f"  {'KV pool':<{width}} | {llm.executor.kv_plan}")
+    rows = summary_rows(llm.engine.config, json.loads(report.read_text()) if report.is_file() else None)
+    rows.append(("KV pool", llm.executor.kv_plan))
+    rows.append(("chat template",
+                 "yes" if chat_template else "none: /v1/chat/completions answers 400 (see --chat-template)"))
+    click.echo(format_table(rows))
 
 
 async def _serve(server: _Server, sock: socket.socket, state, shutdown_timeout: float, url: str) -> None:
@@ -115,27 +115,23 @@ async def _serve(server: _Server, sock: socket.socket, state, shutdown_timeout: 
 
 def run(engine_dir: Path, settings: ServeSettings, executor_options: dict) -> int:
     """Serve until SIGTERM/SIGINT; the process exit code. ``executor_options``: ExecutorConfig's fields."""
-    from kiln.runtime import LLM
-    from kiln.runtime.engine import EngineLoadError
-    from kiln.runtime.executor import ExecutorConfig
+    from kiln.runtime import LLM, ConfigError, EngineLoadError, ExecutorConfig
     from kiln.serving.chat_template import ChatTemplateError, load_chat_template
     from kiln.serving.openai.app import create_app
 
     logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
-        ExecutorConfig(**executor_options)   # option errors before the engine takes seconds to load
+        config = ExecutorConfig(**executor_options)   # option errors before the engine takes seconds to load
         template = load_chat_template(engine_dir, settings.chat_template)
-    except (ValueError, ChatTemplateError) as exc:
+    except (ConfigError, ChatTemplateError) as exc:
         raise click.ClickException(str(exc)) from None
     click.echo(f"kiln serve: loading {engine_dir}")
     try:
-        llm = LLM(engine_dir, **executor_options)
-    except (EngineLoadError, ValueError) as exc:
+        llm = LLM(engine_dir, config=config)
+    except (EngineLoadError, ConfigError) as exc:
         raise click.ClickException(str(exc)) from None
     try:
-        _print_summary(llm, engine_dir)
-        if template is None:
-            click.echo("  chat template    | none: /v1/chat/completions answers 400 (see --chat-template)")
+        _print_summary(llm, engine_dir, template is not None)
         name = settings.served_model_name or engine_dir.resolve().name
         app = create_app(llm, model_name=name, api_key=settings.api_key, max_waiting=settings.max_waiting,
                          chat_template=template)
