@@ -66,10 +66,10 @@ def _print_summary(llm, engine_dir: Path, chat_template: bool) -> None:
     """The engine summary `kiln inspect` prints, the KV pool plan and whether chat has a template."""
     report = engine_dir / "build_report.json"
     rows = summary_rows(llm.engine.config, json.loads(report.read_text()) if report.is_file() else None)
-    rows.append(("KV pool", llm.executor.kv_plan))
     rows.append(("chat template",
                  "yes" if chat_template else "none: /v1/chat/completions answers 400 (see --chat-template)"))
     click.echo(format_table(rows))
+    click.echo(llm.executor.kv_plan)
 
 
 async def _serve(server: _Server, sock: socket.socket, state, shutdown_timeout: float, url: str) -> None:
