@@ -22,8 +22,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kiln.contract import ConfigError, ExecutorClosedError, InvalidRequestError, SeqChunk, pack_inputs
-from kiln.runtime.kv_cache import KVCacheManager, plan_num_blocks
+from kiln.contract import ConfigError, EngineBounds, ExecutorClosedError, InvalidRequestError, SeqChunk, pack_inputs
+from kiln.runtime.kv_cache import KVCacheManager, available_memory_bytes, plan_num_blocks
 from kiln.runtime.metrics import RuntimeMetrics, StepRecord
 from kiln.runtime.output_stream import OutputStream
 from kiln.runtime.outputs import RequestOutput
@@ -70,6 +70,49 @@ class ExecutorConfig:
             raise ConfigError("invalid ExecutorConfig: " + "; ".join(problems))
 
 
+@dataclass(frozen=True)
+class ServingLimits:
+    """What an executor runs with: per-step budgets (the engine's bounds or lower) and the KV pool.
+
+    available_bytes: the memory kv_cache_memory_fraction applied to (None when no fraction was set).
+    """
+
+    max_batch_size: int
+    max_num_tokens: int
+    num_blocks: int
+    kv_plan: str
+    available_bytes: int | None
+
+
+def resolve_serving_limits(bounds: EngineBounds, kv_bytes_per_token: int, config: ExecutorConfig,
+                           available_bytes: int | None = None) -> ServingLimits:
+    """Per-step budgets and KV pool size for an engine's bounds and serving options.
+
+    The executor calls this with the memory available now; the capacity planner (``kiln plan``) calls it
+    with the memory a device will have left after the weights, so both size the pool the same way.
+    """
+
+    def bound(name: str, value: int | None) -> int:
+        limit = getattr(bounds, name)
+        if value is not None and value > limit:
+            raise ConfigError(f"{name}={value} is above the engine's bound {limit} "
+                              "(rebuild the engine to raise it)")
+        return limit if value is None else value
+
+    max_batch_size = bound("max_batch_size", config.max_batch_size)
+    max_num_tokens = bound("max_num_tokens", config.max_num_tokens)
+    if config.kv_cache_memory_fraction is None:
+        available_bytes = None
+    elif available_bytes is None:
+        available_bytes = available_memory_bytes()
+    num_blocks, why = plan_num_blocks(
+        kv_bytes_per_token, bounds.tokens_per_block, memory_fraction=config.kv_cache_memory_fraction,
+        max_kv_cache_tokens=config.max_kv_cache_tokens, useful_tokens=2 * max_batch_size * bounds.max_seq_len,
+        available_bytes=available_bytes,
+    )
+    return ServingLimits(max_batch_size, max_num_tokens, num_blocks, why, available_bytes)
+
+
 class Executor:
     def __init__(self, engine, config: ExecutorConfig | None = None, tokenizer=None, start: bool = True):
         self.engine = engine
@@ -80,23 +123,12 @@ class Executor:
         self.vocab_size = model.vocab_size
         self.eos_token_ids = tuple(engine.config.tokenizer.eos_token_ids)
 
-        def bound(name: str, value: int | None) -> int:
-            limit = getattr(b, name)
-            if value is not None and value > limit:
-                raise ConfigError(f"{name}={value} is above the engine's bound {limit} "
-                                  "(rebuild the engine to raise it)")
-            return limit if value is None else value
-
-        sched_config = SchedulerConfig(bound("max_batch_size", config.max_batch_size),
-                                       bound("max_num_tokens", config.max_num_tokens),
-                                       b.max_seq_len, b.max_input_len, config.capacity_policy)
-        num_blocks, why = plan_num_blocks(
-            engine.kv_bytes_per_token, self.block_size, memory_fraction=config.kv_cache_memory_fraction,
-            max_kv_cache_tokens=config.max_kv_cache_tokens,
-            useful_tokens=2 * sched_config.max_batch_size * b.max_seq_len,
-        )
-        logger.info(why)
-        self.kv_plan = why
+        self.limits = limits = resolve_serving_limits(b, engine.kv_bytes_per_token, config)
+        sched_config = SchedulerConfig(limits.max_batch_size, limits.max_num_tokens, b.max_seq_len, b.max_input_len,
+                                       config.capacity_policy)
+        num_blocks = limits.num_blocks
+        logger.info(limits.kv_plan)
+        self.kv_plan = limits.kv_plan
         self.kv_cache = engine.allocate_kv_cache(num_blocks)
         self.kv = KVCacheManager(num_blocks, self.block_size, config.enable_prefix_reuse, model.sliding_window)
         self.scheduler = Scheduler(sched_config, self.kv)

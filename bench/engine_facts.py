@@ -1,0 +1,163 @@
+"""The engine facts bench and plan need (sizes, bounds, shapes), read in ONE place.
+
+``engine_facts(dir)`` reads a built engine's config.json; ``hf_facts(config.json, ...)`` estimates the same
+facts for a Hugging Face model that has not been built yet. Everything else in kiln.bench takes an
+:class:`EngineFacts`, so when the engine format gains a typed owner (kiln.contract's EngineConfig) only
+these two functions change.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+_DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+_QUANT_BYTES = {"none": None, "int8_weight_only": 1.0, "int4_weight_only": 0.5}
+
+
+class FactsError(ValueError):
+    """The engine directory or model config cannot be read; the message says which file and why."""
+
+
+@dataclass
+class EngineFacts:
+    """Sizes and bounds of one engine (or of a model sized as if it were built).
+
+    weights_bytes: all weights as stored. streamed_weight_bytes: what one step reads (weights minus the
+    embedding table, of which a step gathers only a few rows). matmul_params: weights multiplied per token
+    (2 FLOPs each); lm_head_params: multiplied once per sampled sequence. origin: where each number came from.
+    """
+
+    name: str
+    architecture: str
+    num_layers: int
+    hidden_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    vocab_size: int
+    dtype: str
+    quantization: str
+    weights_bytes: int
+    streamed_weight_bytes: int
+    kv_bytes_per_token: int
+    activation_peak_bytes: int
+    matmul_params: int
+    lm_head_params: int
+    build: dict = field(default_factory=dict)   # max_batch_size, max_num_tokens, max_seq_len, max_input_len, tokens_per_block
+    origin: dict = field(default_factory=dict)
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+def _layer_params(m: dict) -> int:
+    """Weights of one decoder layer's GEMMs (attention projections + MLP)."""
+    h, hd = m["hidden_size"], m["head_dim"]
+    attn = h * m["num_heads"] * hd * 2 + h * m["num_kv_heads"] * hd * 2
+    gated = m.get("architecture", "") != "GPT2LMHeadModel"
+    mlp = (3 if gated else 2) * h * m["intermediate_size"]
+    return attn + mlp
+
+
+def _read_json(path: Path) -> dict:
+    try:
+        return json.loads(path.read_text())
+    except FileNotFoundError:
+        raise FactsError(f"{path}: missing") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise FactsError(f"{path}: not valid JSON ({exc})") from None
+
+
+def engine_facts(engine_dir: str | Path) -> EngineFacts:
+    """Facts of a built engine, from its config.json (memory plan written by the builder)."""
+    path = Path(engine_dir) / "config.json"
+    cfg = _read_json(path)
+    try:
+        m, b, mem = cfg["model"], cfg["build"], cfg.get("memory", {})
+        elem = _DTYPE_BYTES[b["kv_cache_dtype"]]
+        kv = int(mem.get("kv_bytes_per_token") or 2 * m["num_layers"] * m["num_kv_heads"] * m["head_dim"] * elem)
+        weights = int(mem["weights_bytes"])
+        embed = 0 if m.get("tie_word_embeddings") else m["vocab_size"] * m["hidden_size"] * _DTYPE_BYTES[b["dtype"]]
+        facts = EngineFacts(
+            name=str(engine_dir), architecture=m["architecture"], num_layers=m["num_layers"],
+            hidden_size=m["hidden_size"], num_heads=m["num_heads"], num_kv_heads=m["num_kv_heads"],
+            head_dim=m["head_dim"], vocab_size=m["vocab_size"], dtype=b["dtype"], quantization=b["quantization"],
+            weights_bytes=weights, streamed_weight_bytes=max(weights - embed, 0), kv_bytes_per_token=kv,
+            activation_peak_bytes=int(mem.get("activation_peak_bytes", 0)),
+            matmul_params=m["num_layers"] * _layer_params(m), lm_head_params=m["vocab_size"] * m["hidden_size"],
+            build={k: int(b[k]) for k in ("max_batch_size", "max_num_tokens", "max_seq_len", "max_input_len",
+                                          "tokens_per_block")},
+        )
+    except KeyError as exc:
+        raise FactsError(f"{path}: key {exc} is missing; is this a kiln engine directory?") from None
+    src = f"engine {path}"
+    facts.origin = {
+        "weights_bytes": f"{src} memory.weights_bytes (builder's memory plan)",
+        "streamed_weight_bytes": "weights_bytes minus the untied embedding table (vocab x hidden x dtype)",
+        "kv_bytes_per_token": f"{src} memory.kv_bytes_per_token",
+        "activation_peak_bytes": f"{src} memory.activation_peak_bytes (arena at the max profile)",
+        "bounds": f"{src} build",
+        "matmul_params": "decoder layers' GEMM weights, from the model shape in config.json",
+    }
+    return facts
+
+
+def hf_facts(config_path: str | Path, dtype: str = "bfloat16", quantization: str = "none", *,
+             max_batch_size: int = 64, max_num_tokens: int = 4096, max_seq_len: int | None = None,
+             max_input_len: int | None = None, tokens_per_block: int = 16) -> EngineFacts:
+    """Facts of a Hugging Face model not built yet: sizes from its config.json, dtype and quantization.
+
+    Estimates (said so in ``origin``): weights = GEMM weights at the quantized width + embeddings and norms
+    at dtype; activation peak = the largest step's hidden states and MLP intermediates plus the logits.
+    """
+    path = Path(config_path)
+    if path.is_dir():
+        path = path / "config.json"
+    hf = _read_json(path)
+    if dtype not in _DTYPE_BYTES:
+        raise FactsError(f"dtype {dtype!r} is not one of {list(_DTYPE_BYTES)}")
+    if quantization not in _QUANT_BYTES:
+        raise FactsError(f"quantization {quantization!r} is not one of {list(_QUANT_BYTES)}")
+    try:
+        arch = (hf.get("architectures") or ["?"])[0]
+        h = hf.get("hidden_size") or hf["n_embd"]
+        layers = hf.get("num_hidden_layers") or hf["n_layer"]
+        heads = hf.get("num_attention_heads") or hf["n_head"]
+        kv_heads = hf.get("num_key_value_heads") or heads
+        head_dim = hf.get("head_dim") or h // heads
+        inter = hf.get("intermediate_size") or hf.get("n_inner") or 4 * h
+        vocab = hf["vocab_size"]
+        max_pos = hf.get("max_position_embeddings") or hf.get("n_positions") or 2048
+    except KeyError as exc:
+        raise FactsError(f"{path}: key {exc} is missing; is this a Hugging Face decoder config?") from None
+    m = dict(architecture=arch, hidden_size=h, num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim,
+             intermediate_size=inter)
+    elem = _DTYPE_BYTES[dtype]
+    gemm_elem = _QUANT_BYTES[quantization] or elem
+    tied = bool(hf.get("tie_word_embeddings", False))
+    layer_params = _layer_params(m)
+    embed = vocab * h * elem
+    lm_head = 0 if tied else vocab * h * gemm_elem
+    weights = int(layers * layer_params * gemm_elem + embed + lm_head + (2 * layers + 1) * h * elem)
+    max_seq_len = max_seq_len or max_pos
+    facts = EngineFacts(
+        name=str(path), architecture=arch, num_layers=layers, hidden_size=h, num_heads=heads, num_kv_heads=kv_heads,
+        head_dim=head_dim, vocab_size=vocab, dtype=dtype, quantization=quantization, weights_bytes=weights,
+        streamed_weight_bytes=weights - (0 if tied else embed), kv_bytes_per_token=2 * layers * kv_heads * head_dim * elem,
+        activation_peak_bytes=int(max_num_tokens * (4 * h + 2 * inter) * elem + max_batch_size * vocab * 4),
+        matmul_params=layers * layer_params, lm_head_params=vocab * h,
+        build=dict(max_batch_size=max_batch_size, max_num_tokens=max_num_tokens, max_seq_len=max_seq_len,
+                   max_input_len=max_input_len or max_seq_len, tokens_per_block=tokens_per_block),
+    )
+    facts.origin = {
+        "weights_bytes": f"estimated from {path} (GEMMs at {quantization}, embeddings/norms at {dtype})",
+        "streamed_weight_bytes": "weights_bytes minus the untied embedding table",
+        "kv_bytes_per_token": f"2 x layers x kv_heads x head_dim x {elem} B ({dtype}), from {path}",
+        "activation_peak_bytes": "estimated: max_num_tokens x (4 x hidden + 2 x intermediate) x dtype + logits "
+                                 "(build the engine for the builder's exact plan)",
+        "bounds": "planner options (no engine built)",
+        "matmul_params": f"decoder layers' GEMM weights, from {path}",
+    }
+    return facts

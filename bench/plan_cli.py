@@ -1,0 +1,138 @@
+"""``kiln plan``: how many sequences an engine serves on a device, with which settings, and how many instances.
+
+    kiln plan --engine DIR --device h100-80gb --trace trace.csv --rate 20 --ttft-p95 2s --tpot-p95 50ms
+    kiln plan --hf-config llama-8b/config.json --dtype bfloat16 --device h200 --tp 2 --context-p95 8000 --output-p95 500
+    kiln plan --engine DIR --device cpu:24 --calibration bench-out/result.json --trace trace.csv --prompt-scale 0.03
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import click
+
+from kiln.bench.cli import _duration
+
+
+@click.command(context_settings={"help_option_names": ["-h", "--help"]})
+@click.option("--engine", "engine_dir", type=click.Path(path_type=Path, exists=True, file_okay=False),
+              help="A built engine (sizes from its memory plan).")
+@click.option("--hf-config", type=click.Path(path_type=Path, exists=True),
+              help="A Hugging Face config.json (or its directory) for a model not built yet.")
+@click.option("--dtype", default="bfloat16", show_default=True, help="With --hf-config.")
+@click.option("--quantization", default="none", show_default=True, help="With --hf-config: none, int8_weight_only, int4_weight_only.")
+@click.option("--max-seq-len", type=int, help="With --hf-config: the engine's max_seq_len (default: the model's).")
+@click.option("--tokens-per-block", type=int, default=16, show_default=True, help="With --hf-config.")
+@click.option("--device", help="h100-80gb, h200, a100-80gb, l4 or cpu:<GiB>.")
+@click.option("--memory", help="Memory per device instead of the table's (e.g. 80GiB).")
+@click.option("--bandwidth", type=float, help="Memory bandwidth in GB/s (overrides the device's).")
+@click.option("--flops", type=float, help="Peak TFLOP/s (overrides the device's).")
+@click.option("--tp", type=int, default=1, show_default=True, help="Tensor parallel: devices per instance.")
+@click.option("--trace", type=click.Path(path_type=Path, dir_okay=False), help="Workload lengths from a trace file.")
+@click.option("--window", help="START:END seconds of the trace.")
+@click.option("--max-requests", type=int, help="The first N requests of the trace (window).")
+@click.option("--length-scale", type=float, help="Multiply trace lengths by F (as kiln bench).")
+@click.option("--prompt-scale", type=float)
+@click.option("--output-scale", type=float)
+@click.option("--clip-to-engine", is_flag=True, help="Clip trace lengths to the engine's bounds (as kiln bench).")
+@click.option("--context-p95", type=int, help="Prompt length p95 (without --trace).")
+@click.option("--output-p95", type=int, help="Output length p95 (without --trace).")
+@click.option("--context-mean", type=float, help="Prompt length mean (default: the p95).")
+@click.option("--output-mean", type=float, help="Output length mean (default: the p95).")
+@click.option("--rate", type=float, help="Requests/s to serve in total (for the instance count).")
+@click.option("--ttft-p95", help="SLO: p95 time to first token (e.g. 2s).")
+@click.option("--tpot-p95", help="SLO: p95 time per output token (e.g. 50ms).")
+@click.option("--max-batch-size", type=int, help="Serving option, as LLM(...) takes it.")
+@click.option("--max-num-tokens", type=int, help="Serving option, as LLM(...) takes it.")
+@click.option("--kv-cache-memory-fraction", type=float, help="Serving option (default: the recommended one).")
+@click.option("--max-kv-cache-tokens", type=int, help="Serving option, as LLM(...) takes it.")
+@click.option("--headroom", type=float, default=0.10, show_default=True, help="Memory kept free for the recommended fraction.")
+@click.option("--percentile", type=click.Choice(["50", "90", "95"]), default="95", show_default=True,
+              help="Lengths the concurrency limit is planned for.")
+@click.option("--calibration", type=click.Path(path_type=Path, dir_okay=False),
+              help="A kiln bench result.json of this engine: measured bandwidth and FLOP/s replace the roofline's.")
+@click.option("--output", "out_path", type=click.Path(path_type=Path, dir_okay=False), help="Write the plan as JSON.")
+def plan(engine_dir, hf_config, dtype, quantization, max_seq_len, tokens_per_block, device, memory, bandwidth, flops,
+         tp, trace, window, max_requests, length_scale, prompt_scale, output_scale, clip_to_engine, context_p95,
+         output_p95, context_mean, output_mean, rate, ttft_p95, tpot_p95, max_batch_size, max_num_tokens,
+         kv_cache_memory_fraction, max_kv_cache_tokens, headroom, percentile, calibration, out_path):
+    """Capacity plan: KV pool, concurrency limits, settings, step time and instances (every number with its source)."""
+    from dataclasses import replace
+
+    from kiln.bench import workload as wl
+    from kiln.bench.cli import _window
+    from kiln.bench.devices import Device, get_device, parse_bytes
+    from kiln.bench.engine_facts import FactsError, engine_facts, hf_facts
+    from kiln.bench.planner import PlanError, WorkloadStats, format_plan
+    from kiln.bench.planner import plan as make_plan
+    from kiln.bench.report import ResultError, read_result
+
+    if (engine_dir is None) == (hf_config is None):
+        raise click.UsageError("give one of --engine DIR or --hf-config PATH")
+    try:
+        if engine_dir is not None:
+            facts = engine_facts(engine_dir)
+        else:
+            facts = hf_facts(hf_config, dtype, quantization, max_batch_size=max_batch_size or 256,
+                             max_num_tokens=max_num_tokens or 8192, max_seq_len=max_seq_len,
+                             tokens_per_block=tokens_per_block)
+    except FactsError as exc:
+        raise click.ClickException(str(exc)) from None
+    try:
+        if device is None and memory is None:
+            raise click.UsageError("give --device NAME or --memory SIZE")
+        dev = get_device(device) if device else Device("custom", 0, 0.0, {"float32": 0.0}, None, "--memory")
+        if memory:
+            dev = replace(dev, memory_bytes=parse_bytes(memory), source=f"{dev.source}; memory from --memory {memory}")
+    except ValueError as exc:
+        raise click.BadParameter(str(exc)) from None
+    if bandwidth:
+        dev = replace(dev, bandwidth=bandwidth * 1e9, source=f"{dev.source}; bandwidth from --bandwidth")
+    if flops:
+        dev = replace(dev, flops={k: flops * 1e12 for k in ("float32", "bfloat16", "float16")},
+                      source=f"{dev.source}; FLOP/s from --flops")
+    if not dev.bandwidth and calibration is None:
+        raise click.UsageError("a device given only by --memory needs --bandwidth and --flops (or --calibration)")
+
+    if trace is not None:
+        try:
+            rows = wl.read_trace(trace)
+            p_s = prompt_scale if prompt_scale is not None else (length_scale or 1.0)
+            o_s = output_scale if output_scale is not None else (length_scale or 1.0)
+            work = wl.trace_workload(rows, window=_window(window), max_requests=max_requests, prompt_scale=p_s,
+                                     output_scale=o_s, source=str(trace))
+            if clip_to_engine:
+                work = wl.clip_to_bounds(work, facts.build["max_input_len"], facts.build["max_seq_len"])
+        except (wl.TraceError, ValueError) as exc:
+            raise click.ClickException(str(exc)) from None
+        src = f"trace {trace}: {len(work.requests)} requests, prompt x{p_s:g}, output x{o_s:g}" + (
+            ", clipped to the engine" if clip_to_engine else "")
+        stats = WorkloadStats.from_lengths([r.prompt_len for r in work.requests],
+                                           [r.output_len for r in work.requests], src)
+    elif context_p95 is not None and output_p95 is not None:
+        stats = WorkloadStats.from_percentiles(context_p95, output_p95, context_mean, output_mean)
+    else:
+        raise click.UsageError("give --trace FILE or --context-p95 N --output-p95 N")
+
+    cal = None
+    if calibration is not None:
+        try:
+            cal = read_result(calibration).get("calibration")
+        except ResultError as exc:
+            raise click.ClickException(str(exc)) from None
+        if not cal or "bandwidth_bytes_per_s" not in cal:
+            raise click.ClickException(f"{calibration}: the result has no step-time fit of an engine (run kiln bench "
+                                       "with --engine DIR, or against kiln serve with --engine DIR for the facts)")
+    try:
+        result = make_plan(facts, dev, stats, tp=tp, max_batch_size=max_batch_size, max_num_tokens=max_num_tokens,
+                           kv_cache_memory_fraction=kv_cache_memory_fraction, max_kv_cache_tokens=max_kv_cache_tokens,
+                           headroom=headroom, percentile=int(percentile), calibration=cal, rate=rate,
+                           slo_ttft_p95=_duration(ttft_p95), slo_tpot_p95=_duration(tpot_p95))
+    except PlanError as exc:
+        raise click.ClickException(str(exc)) from None
+    click.echo(format_plan(result))
+    if out_path is not None:
+        out_path.parent.mkdir(parents=True, exist_ok=True)
+        out_path.write_text(json.dumps({"kiln_plan": 1, "engine": facts.as_dict(), "plan": result}, indent=1))
+        click.echo(f"plan: {out_path}")

@@ -1,0 +1,301 @@
+"""Capacity planner: KV pool, concurrency, step time and instances for an engine, a device and a workload.
+
+Memory. ``available`` = device memory - weights / tp (what the runtime's ``kv_cache_memory_fraction``
+applies to: the memory free once the engine is loaded). The pool is sized by
+``kiln.runtime.executor.resolve_serving_limits``, the function the executor itself calls, so the planner's
+block count is the runtime's for the same options (tests/test_bench_plan.py checks it against ``LLM``).
+
+Concurrency. A request holds ``ceil((prompt + output - 1) / tokens_per_block)`` blocks at its longest
+(the scheduler's ``blocks_for_request``); at a percentile's lengths the pool holds ``num_blocks // that``
+sequences, and ``min(that, max_batch_size)`` run at once: past it requests queue (guaranteed_no_evict)
+or get preempted (max_utilization).
+
+Step time (per device, additive: the memory and compute phases of kiln's kernels do not overlap much,
+and ``a + b x tokens`` is what ``--calibration`` fits):
+    t_step = (streamed weights / tp + KV bytes read / tp) / bandwidth
+           + (2 x matmul params / tp x tokens + 2 x lm_head params / tp x sequences + attention FLOPs / tp) / FLOP/s
+           + t_allreduce
+    t_allreduce = layers x 2 x [2 (tp - 1) / tp x tokens x hidden x activation bytes / link bandwidth
+                                + 2 (tp - 1) x 5 us]       (two ring all-reduces of the hidden state per layer)
+    attention FLOPs = 4 x layers x heads x head_dim x context, per token.
+The pure roofline ``max(bytes / bandwidth, FLOPs / peak)`` is printed too (a lower bound).
+
+Load (a mean-value model, steady state at rate L per instance): every step carries the decodes of the
+requests in flight and a share of prefill tokens, so t_step = A / (1 - L x K), with A the fixed cost of a
+step and K the engine time each request adds (its prompt and output tokens, KV reads and attention).
+1 / K is the saturation rate. TPOT ~ t_step; TTFT(P) ~ t_step / 2 + ceil(P / chunk) x t_step + P x per-token
+cost; concurrency by Little's law N = L x (TTFT + (output - 1) x TPOT). Queueing starts at the rate where
+N reaches the concurrency limit; the SLO rate is the highest rate below it with TTFT(P95 prompt) and TPOT
+within the SLO; instances = ceil(rate / SLO rate).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+from kiln.bench.devices import Device
+from kiln.bench.engine_facts import EngineFacts
+from kiln.runtime.executor import ExecutorConfig, resolve_serving_limits
+from kiln.runtime.kv_cache import cdiv
+
+ALLREDUCE_HOP_S = 5e-6
+_ELEM = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+
+class PlanError(ValueError):
+    """The engine cannot be served as planned (e.g. the weights do not fit); the message says why."""
+
+
+@dataclass
+class WorkloadStats:
+    """Prompt and output lengths at the percentiles the planner uses, and where they came from."""
+
+    prompt: dict           # mean, p50, p90, p95
+    output: dict
+    total: dict            # of prompt + output per request
+    prompt_sq_mean: float  # E[prompt^2], for prefill attention
+    source: str
+
+    @classmethod
+    def from_lengths(cls, prompts, outputs, source: str) -> "WorkloadStats":
+        p, o = np.asarray(prompts, dtype=float), np.asarray(outputs, dtype=float)
+
+        def stats(x):
+            return {"mean": float(x.mean()), **{f"p{q}": float(np.percentile(x, q)) for q in (50, 90, 95)}}
+
+        return cls(stats(p), stats(o), stats(p + o), float((p**2).mean()), source)
+
+    @classmethod
+    def from_percentiles(cls, context_p95: int, output_p95: int, context_mean: float | None = None,
+                         output_mean: float | None = None) -> "WorkloadStats":
+        pm = context_mean if context_mean is not None else context_p95
+        om = output_mean if output_mean is not None else output_p95
+        p = {"mean": pm, "p50": pm, "p90": context_p95, "p95": context_p95}
+        o = {"mean": om, "p50": om, "p90": output_p95, "p95": output_p95}
+        t = {k: p[k] + o[k] for k in p}
+        src = f"--context-p95 {context_p95} --output-p95 {output_p95}" + (
+            "" if context_mean is not None else " (means taken = p95: conservative)")
+        return cls(p, o, t, float(pm**2), src)
+
+
+def _v(value, source: str, unit: str = "") -> dict:
+    return {"value": value, "unit": unit, "source": source}
+
+
+def plan(facts: EngineFacts, device: Device, workload: WorkloadStats, *, tp: int = 1,
+         max_batch_size: int | None = None, max_num_tokens: int | None = None,
+         kv_cache_memory_fraction: float | None = None, max_kv_cache_tokens: int | None = None,
+         available_bytes: int | None = None, headroom: float = 0.10, percentile: int = 95,
+         calibration: dict | None = None, rate: float | None = None, slo_ttft_p95: float | None = None,
+         slo_tpot_p95: float | None = None) -> dict:
+    """The plan: every number as {"value", "unit", "source"} under a few headings."""
+    if tp < 1:
+        raise PlanError(f"--tp must be >= 1, got {tp}")
+    if tp > 1 and facts.num_kv_heads % tp:
+        raise PlanError(f"{facts.num_kv_heads} KV heads cannot be split over tp={tp} devices evenly")
+    b = facts.build
+    block = b["tokens_per_block"]
+    weights_dev = facts.weights_bytes / tp
+    kv_dev = facts.kv_bytes_per_token // tp
+    out: dict = {"inputs": {}, "memory": {}, "concurrency": {}, "settings": {}, "step_time": {}, "load": {}}
+    inp = out["inputs"]
+    inp["engine"] = _v(facts.name, "--engine / --hf-config")
+    inp["device"] = _v(device.name, device.source)
+    inp["tp"] = _v(tp, "--tp")
+    inp["workload"] = _v({"prompt": workload.prompt, "output": workload.output}, workload.source, "tokens")
+
+    mem = out["memory"]
+    if available_bytes is None:
+        available_bytes = int(device.memory_bytes - weights_dev)
+        avail_src = f"device memory {device.memory_bytes / 2**30:.2f} GiB ({device.source}) - weights / tp"
+    else:
+        avail_src = "given (memory free after the engine is loaded)"
+    mem["device_memory"] = _v(device.memory_bytes, device.source, "B")
+    mem["weights_per_device"] = _v(int(weights_dev), facts.origin.get("weights_bytes", "") + (f" / tp {tp}" if tp > 1 else ""), "B")
+    mem["activation_peak"] = _v(facts.activation_peak_bytes, facts.origin.get("activation_peak_bytes", "")
+                                + (" (not divided by tp: hidden states are replicated)" if tp > 1 else ""), "B")
+    mem["available_after_weights"] = _v(available_bytes, avail_src, "B")
+    if available_bytes <= facts.activation_peak_bytes:
+        raise PlanError(f"the weights ({weights_dev / 2**30:.2f} GiB per device) leave {available_bytes / 2**30:.2f} GiB: "
+                        f"not even the activations ({facts.activation_peak_bytes / 2**30:.2f} GiB) fit; use a larger "
+                        "device, quantize the weights or raise --tp")
+    recommended_fraction = math.floor(100 * (available_bytes * (1 - headroom) - facts.activation_peak_bytes)
+                                      / available_bytes) / 100
+    if kv_cache_memory_fraction is None and max_kv_cache_tokens is None:
+        fraction, frac_src = recommended_fraction, (f"recommended: (available x (1 - {headroom:g} headroom) - "
+                                                    "activation peak) / available, rounded down")
+    else:
+        fraction, frac_src = kv_cache_memory_fraction, "given"
+    cfg = ExecutorConfig(max_batch_size=max_batch_size, max_num_tokens=max_num_tokens,
+                         kv_cache_memory_fraction=fraction, max_kv_cache_tokens=max_kv_cache_tokens)
+    try:
+        limits = resolve_serving_limits(b, kv_dev, cfg, available_bytes=available_bytes)
+    except ValueError as exc:
+        raise PlanError(str(exc)) from None
+    pool_src = "kiln.runtime.executor.resolve_serving_limits (the executor's own sizing): " + limits.kv_plan
+    mem["kv_cache_memory_fraction"] = _v(fraction, frac_src)
+    mem["kv_bytes_per_token_per_device"] = _v(kv_dev, facts.origin.get("kv_bytes_per_token", "") + (f" / tp {tp}" if tp > 1 else ""), "B")
+    mem["kv_pool_blocks"] = _v(limits.num_blocks, pool_src, "blocks")
+    mem["kv_pool_tokens"] = _v(limits.num_blocks * block, f"blocks x tokens_per_block {block}", "tokens")
+    mem["kv_pool_bytes"] = _v(limits.num_blocks * block * kv_dev, "tokens x KV bytes per token per device", "B")
+    if fraction is not None and available_bytes * (1 - fraction) < facts.activation_peak_bytes:
+        mem["warning"] = _v(f"kv_cache_memory_fraction {fraction} leaves {available_bytes * (1 - fraction) / 2**20:.0f} MiB, "
+                            f"less than the activation peak {facts.activation_peak_bytes / 2**20:.0f} MiB: "
+                            f"use <= {recommended_fraction}", "memory check")
+
+    conc = out["concurrency"]
+    per_q = {}
+    for q in ("p50", "p90", "p95"):
+        p, o = workload.prompt[q], workload.output[q]
+        blocks = cdiv(int(math.ceil(p + o)) - 1, block)
+        seqs = limits.num_blocks // max(blocks, 1)
+        per_q[q] = min(seqs, limits.max_batch_size)
+        conc[f"kv_sequences_at_{q}"] = _v(seqs, f"pool blocks {limits.num_blocks} // ceil(({p:g} prompt + {o:g} output "
+                                                f"- 1) / {block}) = {blocks} blocks per sequence", "sequences")
+    key = f"p{percentile}"
+    limit = per_q[key]
+    conc["max_concurrent_sequences"] = _v(limit, f"min(KV sequences at {key} lengths, max_batch_size "
+                                                 f"{limits.max_batch_size}): beyond it requests queue or are preempted",
+                                          "sequences")
+    conc["limited_by"] = _v("KV cache" if limit < limits.max_batch_size else "max_batch_size", "the smaller of the two")
+
+    st = out["settings"]
+    rec_batch = max(1, min(b["max_batch_size"], limits.num_blocks // max(cdiv(int(math.ceil(workload.total[key])) - 1, block), 1)))
+    st["max_batch_size"] = _v(rec_batch, f"sequences the pool holds at {key} prompt + output (no preemption at those "
+                                         f"lengths), at most the engine's {b['max_batch_size']}")
+    rec_tokens = min(b["max_num_tokens"], cdiv(int(workload.prompt[key]) + rec_batch, block) * block)
+    st["max_num_tokens"] = _v(rec_tokens, f"a {key} prompt + one decode token per running sequence in one step, "
+                                          f"block-aligned, at most the engine's {b['max_num_tokens']}")
+    st["kv_cache_memory_fraction"] = _v(recommended_fraction, f"leaves {headroom:.0%} headroom + the activation peak")
+
+    # ---- step time model
+    if calibration:
+        bw = calibration["bandwidth_bytes_per_s"]
+        fl = calibration["flops_per_s"]
+        rate_src = (f"measured by kiln bench ({calibration.get('source')}; fit {calibration['step_fixed_s'] * 1e3:.2f} ms/step "
+                    f"+ {calibration['per_token_s'] * 1e3:.3f} ms/token, R^2 {calibration['r2']:.2f})")
+        bw_src = fl_src = rate_src
+    else:
+        bw, fl = device.bandwidth, device.flops_for(facts.dtype)
+        bw_src = fl_src = f"roofline: {device.source}"
+    elem = _ELEM.get(facts.dtype, 4)
+    link = device.link_bandwidth
+    hd = facts.num_heads * facts.head_dim
+
+    def allreduce(tokens: float) -> float:
+        if tp == 1:
+            return 0.0
+        if link is None:
+            raise PlanError(f"device {device.name} has no interconnect figure for --tp {tp}")
+        per = 2 * (tp - 1) / tp * tokens * facts.hidden_size * elem / link + 2 * (tp - 1) * ALLREDUCE_HOP_S
+        return facts.num_layers * 2 * per
+
+    def t_mem(kv_tokens: float) -> float:
+        return (facts.streamed_weight_bytes / tp + kv_tokens * kv_dev) / bw
+
+    def t_compute(tokens: float, seqs: float, ctx_tokens: float) -> float:
+        flops = 2 * facts.matmul_params * tokens + 2 * facts.lm_head_params * seqs + 4 * facts.num_layers * hd * ctx_tokens
+        return flops / tp / fl
+
+    stime = out["step_time"]
+    stime["bandwidth"] = _v(bw, bw_src, "B/s")
+    stime["flops"] = _v(fl, fl_src, "FLOP/s")
+    ctx_mean = workload.prompt["mean"] + workload.output["mean"] / 2
+    for batch in sorted({1, limit}):
+        kv_tok = batch * ctx_mean
+        m, c, a = t_mem(kv_tok), t_compute(batch, batch, kv_tok), allreduce(batch)
+        stime[f"decode_step_batch_{batch}"] = _v(m + c + a, f"weights {facts.streamed_weight_bytes / tp / 1e6:.0f} MB + KV "
+                                                            f"{kv_tok * kv_dev / 1e6:.1f} MB read: {m * 1e3:.2f} ms; FLOPs: "
+                                                            f"{c * 1e3:.2f} ms; all-reduce {a * 1e3:.2f} ms (mean context "
+                                                            f"{ctx_mean:.0f} tokens)", "s")
+        stime[f"decode_step_batch_{batch}_roofline_max"] = _v(max(m, c) + a, "max(memory, compute) + all-reduce", "s")
+    # ---- load model
+    A = t_mem(0) + allreduce(0)
+    per_token = t_compute(1, 0, 0) + (allreduce(1) - allreduce(0))
+    Pm, Om = workload.prompt["mean"], workload.output["mean"]
+    K = (Om * (per_token + t_compute(0, 1, ctx_mean) + ctx_mean * kv_dev / bw)  # decode tokens: GEMMs, lm_head, KV read + attention
+         + Pm * per_token + t_compute(0, 0, workload.prompt_sq_mean / 2))     # prefill tokens + causal attention
+    lam_sat = 1.0 / K
+    chunk_budget = limits.max_num_tokens
+
+    def step(lam):
+        return math.inf if lam >= lam_sat else A / (1 - lam * K)
+
+    def ttft(lam, prompt):
+        s = step(lam)
+        chunks = max(1, math.ceil(prompt / max(chunk_budget - lam * Om * s, block)))
+        return s / 2 + chunks * s + prompt * per_token
+
+    def concurrency(lam):
+        s = step(lam)
+        return lam * (ttft(lam, Pm) + max(Om - 1, 0) * s)
+
+    def bisect(ok, hi) -> float:
+        lo = 0.0
+        for _ in range(100):
+            mid = (lo + hi) / 2
+            lo, hi = (mid, hi) if ok(mid) else (lo, mid)
+        return lo
+
+    lam_q = bisect(lambda x: concurrency(x) < limit, lam_sat)
+    load = out["load"]
+    load["fixed_step_cost"] = _v(A, "streamed weights / bandwidth (+ all-reduce latency)", "s")
+    load["engine_time_per_request"] = _v(K, f"mean prompt {Pm:.0f} + output {Om:.0f} tokens: GEMMs, lm_head, KV reads, "
+                                            "attention (see module docstring)", "s")
+    load["saturation_rate"] = _v(lam_sat, "1 / engine time per request: beyond it steps grow without bound", "req/s")
+    load["queueing_onset_rate"] = _v(lam_q, f"rate where Little's law concurrency reaches {limit} "
+                                            f"(max concurrent sequences)", "req/s")
+    load["queueing_onset_concurrency"] = _v(limit, "max_concurrent_sequences", "sequences")
+    load["tpot_at_onset"] = _v(step(lam_q), "t_step = A / (1 - rate x K)", "s")
+    load["ttft_p95_at_onset"] = _v(ttft(lam_q, workload.prompt["p95"]), "TTFT of the p95 prompt at that rate", "s")
+    if slo_ttft_p95 is not None or slo_tpot_p95 is not None:
+        def meets(lam):
+            return ((slo_ttft_p95 is None or ttft(lam, workload.prompt["p95"]) <= slo_ttft_p95)
+                    and (slo_tpot_p95 is None or step(lam) <= slo_tpot_p95))
+
+        lam_slo = bisect(meets, lam_q) if meets(1e-9) else 0.0
+        load["slo_rate_per_instance"] = _v(lam_slo, f"highest rate <= queueing onset with TTFT(p95 prompt) <= "
+                                                    f"{slo_ttft_p95} s and TPOT <= {slo_tpot_p95} s", "req/s")
+        if rate is not None:
+            load["instances"] = _v(math.ceil(rate / lam_slo) if lam_slo > 0 else None,
+                                   f"ceil(rate {rate:g} / SLO rate per instance)" if lam_slo > 0 else
+                                   "the SLO cannot be met on this device at any rate", "instances")
+    elif rate is not None:
+        load["instances"] = _v(math.ceil(rate / lam_q), f"ceil(rate {rate:g} / queueing onset rate) (no SLO given)",
+                               "instances")
+    return out
+
+
+def format_plan(p: dict) -> str:
+    rows = []
+    for section, items in p.items():
+        for name, v in items.items():
+            val = v["value"]
+            if isinstance(val, float):
+                val = _fmt(val, v["unit"])
+            elif isinstance(val, int) and v["unit"] == "B":
+                val = (f"{val / 2**30:.3f} GiB" if val >= 2**30 else f"{val / 2**20:.1f} MiB" if val >= 2**20
+                       else f"{val} B")
+            elif isinstance(val, dict):
+                val = "; ".join(f"{k} " + ", ".join(f"{q} {x:.0f}" for q, x in d.items()) for k, d in val.items())
+            rows.append((section, name, f"{val} {v['unit'] if v['unit'] not in ('B', 's', 'B/s', 'FLOP/s') else ''}".strip(),
+                         v["source"]))
+    w0 = max(len(r[0]) for r in rows)
+    w1 = max(len(r[1]) for r in rows)
+    w2 = min(max(len(r[2]) for r in rows), 40)
+    return "\n".join(f"{a:<{w0}}  {b:<{w1}}  {c:>{w2}}  {d}" for a, b, c, d in rows)
+
+
+def _fmt(x: float, unit: str) -> str:
+    if unit == "s":
+        return f"{x * 1e3:.2f} ms"
+    if unit == "B/s":
+        return f"{x / 1e9:.1f} GB/s"
+    if unit == "FLOP/s":
+        return f"{x / 1e9:.1f} GFLOP/s"
+    if unit == "B":
+        return f"{x / 2**30:.3f} GiB"
+    return f"{x:.3g}"

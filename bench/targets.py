@@ -1,0 +1,294 @@
+"""What a benchmark sends requests to: an in-process ``LLM`` or an OpenAI-compatible HTTP endpoint.
+
+Both are measured from the client side: a request's clock starts when the client sends it, its first
+token is the first streamed output that carries text or tokens, its last token the last such output.
+Each request ends in exactly one outcome: completed, failed (with a kind), rejected (HTTP 429, a full
+queue) or aborted (the client gave up, or the server ended it with finish_reason "abort").
+
+Metrics: ``metrics_text()`` returns the target's Prometheus exposition (kiln's ``/metrics`` families,
+or the in-process runtime's own ``RuntimeMetrics.prometheus()``), or None when it has none.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import time
+from dataclasses import asdict, dataclass, field
+
+COMPLETED, FAILED, REJECTED, ABORTED = "completed", "failed", "rejected", "aborted"
+OUTCOMES = (COMPLETED, FAILED, REJECTED, ABORTED)
+
+
+@dataclass
+class RequestRecord:
+    """One request as the client saw it; times in ``time.perf_counter()`` seconds while it runs, then
+    seconds from the start of the run (``shift``)."""
+
+    index: int
+    scheduled: float                 # when the schedule said to send it
+    prompt_len: int
+    output_len: int                  # tokens asked for (forced with ignore_eos / min_tokens)
+    sent: float | None = None        # when it was actually sent (sent - scheduled = the client's lag)
+    first_token: float | None = None
+    last_token: float | None = None
+    done: float | None = None
+    output_tokens: int = 0
+    token_times: list[float] = field(default_factory=list)   # arrival of each streamed chunk with output
+    outcome: str | None = None
+    error_kind: str | None = None
+    error: str | None = None
+    finish_reason: str | None = None
+    queue_time: float | None = None  # the server's own queue time, when it reports one per request
+    cached_tokens: int | None = None
+    preemptions: int | None = None
+
+    @property
+    def ttft(self) -> float | None:
+        return None if self.first_token is None or self.sent is None else self.first_token - self.sent
+
+    @property
+    def tpot(self) -> float | None:
+        if self.first_token is None or self.last_token is None or self.output_tokens < 2:
+            return None
+        return (self.last_token - self.first_token) / (self.output_tokens - 1)
+
+    @property
+    def e2e(self) -> float | None:
+        return None if self.done is None or self.sent is None else self.done - self.sent
+
+    @property
+    def itl(self) -> list[float]:
+        t = self.token_times
+        return [b - a for a, b in zip(t, t[1:])]
+
+    def shift(self, origin: float) -> None:
+        """Make every time relative to ``origin``."""
+        for name in ("scheduled", "sent", "first_token", "last_token", "done"):
+            v = getattr(self, name)
+            if v is not None:
+                setattr(self, name, v - origin)
+        self.token_times = [t - origin for t in self.token_times]
+
+    def as_dict(self) -> dict:
+        d = asdict(self)
+        d.pop("token_times")
+        d.update(ttft=self.ttft, tpot=self.tpot, e2e=self.e2e)
+        return d
+
+
+class InProcessTarget:
+    """An ``LLM`` in this process (``--engine DIR``); per-request queue time comes from the runtime."""
+
+    kind = "in-process"
+
+    def __init__(self, llm):
+        self.llm = llm
+
+    def describe(self) -> dict:
+        return {"kind": self.kind, "engine": str(self.llm.engine.directory), "limits": asdict(self.llm.executor.limits),
+                "capacity_policy": self.llm.executor.scheduler.config.capacity_policy,
+                "prefix_reuse": self.llm.executor.kv.enable_prefix_reuse}
+
+    def metrics_text(self) -> str | None:
+        return self.llm.executor.metrics.prometheus()
+
+    def steps(self) -> list:
+        return list(self.llm.executor.metrics.steps)
+
+    async def send(self, rec: RequestRecord, prompt: list[int]) -> None:
+        from kiln.runtime import SamplingParams
+        from kiln.runtime.errors import ExecutorClosedError, InvalidRequestError
+
+        loop = asyncio.get_running_loop()
+        q: asyncio.Queue = asyncio.Queue()
+
+        def cb(out) -> None:
+            loop.call_soon_threadsafe(q.put_nowait, (time.perf_counter(), out))
+
+        params = SamplingParams(max_tokens=rec.output_len, min_tokens=rec.output_len, ignore_eos=True, temperature=0)
+        rec.sent = time.perf_counter()
+        try:
+            rid = self.llm.executor.submit(prompt, params, callback=cb)
+        except InvalidRequestError as exc:
+            rec.done, rec.outcome, rec.error_kind, rec.error = time.perf_counter(), FAILED, "invalid_request", str(exc)
+            return
+        except ExecutorClosedError as exc:
+            rec.done, rec.outcome, rec.error_kind, rec.error = time.perf_counter(), FAILED, "engine_closed", str(exc)
+            return
+        try:
+            while True:
+                t, out = await q.get()
+                if out.delta_token_ids:
+                    rec.first_token = t if rec.first_token is None else rec.first_token
+                    rec.last_token = t
+                    rec.token_times.append(t)
+                if out.finished:
+                    rec.done = t
+                    rec.output_tokens = len(out.token_ids)
+                    rec.finish_reason = out.finish_reason
+                    rec.queue_time = out.metrics.queue_time
+                    rec.cached_tokens = out.metrics.num_cached_tokens
+                    rec.preemptions = out.metrics.num_preemptions
+                    if out.error:
+                        rec.outcome, rec.error_kind, rec.error = FAILED, "engine_error", out.error
+                    elif out.finish_reason == "abort":
+                        rec.outcome, rec.error_kind = ABORTED, "server_abort"
+                    else:
+                        rec.outcome = COMPLETED
+                    return
+        except asyncio.CancelledError:
+            self.llm.executor.abort(rid)
+            rec.done, rec.outcome, rec.error_kind = time.perf_counter(), ABORTED, "client_timeout"
+            raise
+
+    async def close(self) -> None:
+        pass
+
+
+class OpenAITarget:
+    """An OpenAI-compatible server: streaming ``POST /v1/completions`` with a token-id prompt.
+
+    Lengths are forced with ``ignore_eos`` and ``min_tokens`` (extensions kiln and vLLM accept); a server
+    that ignores them may stop early at EOS, which shows as ``short_outputs`` in the report. The output
+    token count is the server's ``usage.completion_tokens`` (asked for with ``stream_options``) or, when it
+    sends no usage, the number of streamed chunks with text.
+    """
+
+    kind = "openai"
+
+    def __init__(self, base_url: str, *, model: str | None = None, metrics_url: str | None = "auto",
+                 api_key: str | None = None, request_timeout: float | None = None, force_lengths: bool = True):
+        import httpx
+
+        self.base_url = base_url.rstrip("/")
+        self.model = model
+        self.metrics_url = f"{self.base_url}/metrics" if metrics_url == "auto" else metrics_url
+        self.force_lengths = force_lengths
+        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self.client = httpx.AsyncClient(timeout=httpx.Timeout(request_timeout, connect=30.0), headers=headers,
+                                        limits=httpx.Limits(max_connections=None, max_keepalive_connections=256))
+        self._metrics_client = httpx.Client(timeout=5.0, headers=headers)
+        self.usage_reported = 0
+
+    def describe(self) -> dict:
+        return {"kind": self.kind, "endpoint": self.base_url, "model": self.model, "metrics_url": self.metrics_url,
+                "lengths_forced_with": "ignore_eos + min_tokens" if self.force_lengths else "max_tokens only"}
+
+    async def resolve_model(self) -> None:
+        """The first model the server lists, when none was given."""
+        if self.model:
+            return
+        try:
+            r = await self.client.get(f"{self.base_url}/v1/models")
+            r.raise_for_status()
+            self.model = r.json()["data"][0]["id"]
+        except Exception as exc:  # noqa: BLE001 - any failure means the same thing here
+            raise ConnectionError(f"{self.base_url}/v1/models did not name a model ({type(exc).__name__}: {exc}); "
+                                  "pass --model NAME") from None
+
+    def metrics_text(self) -> str | None:
+        if not self.metrics_url:
+            return None
+        try:
+            r = self._metrics_client.get(self.metrics_url)
+            return r.text if r.status_code == 200 else None
+        except Exception:  # noqa: BLE001 - a server without /metrics is measured from the client only
+            return None
+
+    def steps(self) -> list:
+        return []
+
+    async def send(self, rec: RequestRecord, prompt: list[int]) -> None:
+        import httpx
+
+        body = {"model": self.model, "prompt": prompt, "max_tokens": rec.output_len, "temperature": 0,
+                "stream": True, "stream_options": {"include_usage": True}}
+        if self.force_lengths:
+            body.update(ignore_eos=True, min_tokens=rec.output_len)
+        rec.sent = time.perf_counter()
+        chunks = 0
+        usage = None
+        try:
+            async with self.client.stream("POST", f"{self.base_url}/v1/completions", json=body) as resp:
+                if resp.status_code != 200:
+                    text = (await resp.aread()).decode(errors="replace")[:300]
+                    rec.done = time.perf_counter()
+                    rec.outcome = REJECTED if resp.status_code == 429 else FAILED
+                    rec.error_kind, rec.error = f"http_{resp.status_code}", text
+                    return
+                async for line in resp.aiter_lines():
+                    if not line.startswith("data:"):
+                        continue
+                    data = line[5:].strip()
+                    if data == "[DONE]":
+                        break
+                    t = time.perf_counter()
+                    try:
+                        obj = json.loads(data)
+                    except json.JSONDecodeError:
+                        rec.done, rec.outcome, rec.error_kind = t, FAILED, "bad_stream"
+                        rec.error = f"not JSON: {data[:200]}"
+                        return
+                    if "error" in obj:
+                        rec.done, rec.outcome, rec.error_kind = t, FAILED, "stream_error"
+                        rec.error = json.dumps(obj["error"])[:300]
+                        return
+                    usage = obj.get("usage") or usage
+                    for choice in obj.get("choices") or []:
+                        if choice.get("text"):
+                            chunks += 1
+                            rec.first_token = t if rec.first_token is None else rec.first_token
+                            rec.last_token = t
+                            rec.token_times.append(t)
+                        if choice.get("finish_reason"):
+                            rec.finish_reason = choice["finish_reason"]
+        except asyncio.CancelledError:
+            rec.done, rec.outcome, rec.error_kind = time.perf_counter(), ABORTED, "client_timeout"
+            raise
+        except httpx.HTTPError as exc:
+            rec.done, rec.outcome, rec.error_kind = time.perf_counter(), FAILED, f"connection_{type(exc).__name__}"
+            rec.error = str(exc)[:300]
+            return
+        rec.done = time.perf_counter()
+        if usage and usage.get("completion_tokens") is not None:
+            rec.output_tokens = int(usage["completion_tokens"])
+            self.usage_reported += 1
+        else:
+            rec.output_tokens = chunks
+        if rec.finish_reason == "abort":
+            rec.outcome, rec.error_kind = ABORTED, "server_abort"
+        elif rec.finish_reason is None:
+            rec.outcome, rec.error_kind, rec.error = FAILED, "truncated_stream", "the stream ended without a finish_reason"
+        else:
+            rec.outcome = COMPLETED
+
+    async def close(self) -> None:
+        await self.client.aclose()
+        self._metrics_client.close()
+
+
+def parse_prometheus(text: str | None) -> dict[str, float]:
+    """Flat {sample name (with labels): value} of a Prometheus exposition; {} for None."""
+    if not text:
+        return {}
+    from prometheus_client.parser import text_string_to_metric_families
+
+    out: dict[str, float] = {}
+    for fam in text_string_to_metric_families(text):
+        for s in fam.samples:
+            key = s.name + ("{" + ",".join(f'{k}="{v}"' for k, v in sorted(s.labels.items())) + "}" if s.labels else "")
+            out[key] = float(s.value)
+    return out
+
+
+def histogram_buckets(samples: dict[str, float], name: str) -> list[tuple[float, float]]:
+    """Cumulative (le, count) of histogram ``name`` from parsed samples."""
+    out = []
+    prefix = f'{name}_bucket{{le="'
+    for k, v in samples.items():
+        if k.startswith(prefix):
+            le = k[len(prefix):-2]
+            out.append((math.inf if le in ("+Inf", "Inf") else float(le), v))
+    return sorted(out)
