@@ -109,8 +109,8 @@ def hf_facts(config_path: str | Path, dtype: str = "bfloat16", quantization: str
              max_input_len: int | None = None, tokens_per_block: int = 16) -> EngineFacts:
     """Facts of a Hugging Face model not built yet: sizes from its config.json, dtype and quantization.
 
-    Estimates (said so in ``origin``): weights = GEMM weights at the quantized width + embeddings and norms
-    at dtype; activation peak = the largest step's hidden states and MLP intermediates plus the logits.
+    Estimates (said so in ``origin``): weights = GEMM weights at the quantized width + embeddings, norms and
+    position tables at dtype (the rotary table in fp32); activation peak = the largest step's hidden states and MLP intermediates plus the logits.
     """
     path = Path(config_path)
     if path.is_dir():
@@ -140,7 +140,9 @@ def hf_facts(config_path: str | Path, dtype: str = "bfloat16", quantization: str
     layer_params = _layer_params(m)
     embed = vocab * h * elem
     lm_head = 0 if tied else vocab * h * gemm_elem
-    weights = int(layers * layer_params * gemm_elem + embed + lm_head + (2 * layers + 1) * h * elem)
+    # position tables: GPT-2's learned embeddings, or the rotary cos/sin table (fp32) the Llama family keeps
+    positions = max_pos * h * elem if arch == "GPT2LMHeadModel" else max_pos * head_dim * 4
+    weights = int(layers * layer_params * gemm_elem + embed + lm_head + (2 * layers + 1) * h * elem + positions)
     max_seq_len = max_seq_len or max_pos
     facts = EngineFacts(
         name=str(path), architecture=arch, num_layers=layers, hidden_size=h, num_heads=heads, num_kv_heads=kv_heads,

@@ -125,8 +125,9 @@ def plan(engine_dir, hf_config, dtype, quantization, max_seq_len, tokens_per_blo
             raise click.ClickException(f"{calibration}: the result has no step-time fit of an engine (run kiln bench "
                                        "with --engine DIR, or against kiln serve with --engine DIR for the facts)")
     try:
+        fraction = "recommended" if kv_cache_memory_fraction is None else kv_cache_memory_fraction
         result = make_plan(facts, dev, stats, tp=tp, max_batch_size=max_batch_size, max_num_tokens=max_num_tokens,
-                           kv_cache_memory_fraction=kv_cache_memory_fraction, max_kv_cache_tokens=max_kv_cache_tokens,
+                           kv_cache_memory_fraction=fraction, max_kv_cache_tokens=max_kv_cache_tokens,
                            headroom=headroom, percentile=int(percentile), calibration=cal, rate=rate,
                            slo_ttft_p95=_duration(ttft_p95), slo_tpot_p95=_duration(tpot_p95))
     except PlanError as exc:

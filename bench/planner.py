@@ -85,13 +85,27 @@ def _v(value, source: str, unit: str = "") -> dict:
     return {"value": value, "unit": unit, "source": source}
 
 
+def allreduce_seconds(layers: int, hidden: int, elem_bytes: int, tokens: float, tp: int, link_bandwidth: float) -> float:
+    """Tensor-parallel communication of one step: 2 ring all-reduces of the [tokens, hidden] activations per
+    layer (after attention and after the MLP); a ring moves 2 (tp - 1) / tp of the data through each link
+    and takes 2 (tp - 1) hops of latency ALLREDUCE_HOP_S."""
+    if tp == 1:
+        return 0.0
+    per = 2 * (tp - 1) / tp * tokens * hidden * elem_bytes / link_bandwidth + 2 * (tp - 1) * ALLREDUCE_HOP_S
+    return layers * 2 * per
+
+
 def plan(facts: EngineFacts, device: Device, workload: WorkloadStats, *, tp: int = 1,
          max_batch_size: int | None = None, max_num_tokens: int | None = None,
-         kv_cache_memory_fraction: float | None = None, max_kv_cache_tokens: int | None = None,
+         kv_cache_memory_fraction: float | None | str = "recommended", max_kv_cache_tokens: int | None = None,
          available_bytes: int | None = None, headroom: float = 0.10, percentile: int = 95,
          calibration: dict | None = None, rate: float | None = None, slo_ttft_p95: float | None = None,
          slo_tpot_p95: float | None = None) -> dict:
-    """The plan: every number as {"value", "unit", "source"} under a few headings."""
+    """The plan: every number as {"value", "unit", "source"} under a few headings.
+
+    Serving options mean what they mean to ``LLM(...)``, except ``kv_cache_memory_fraction``, which defaults
+    to the recommended fraction instead of the runtime's 0.9 (None: no memory limit, as in ExecutorConfig).
+    """
     if tp < 1:
         raise PlanError(f"--tp must be >= 1, got {tp}")
     if tp > 1 and facts.num_kv_heads % tp:
@@ -124,11 +138,11 @@ def plan(facts: EngineFacts, device: Device, workload: WorkloadStats, *, tp: int
                         "device, quantize the weights or raise --tp")
     recommended_fraction = math.floor(100 * (available_bytes * (1 - headroom) - facts.activation_peak_bytes)
                                       / available_bytes) / 100
-    if kv_cache_memory_fraction is None and max_kv_cache_tokens is None:
+    if kv_cache_memory_fraction == "recommended":
         fraction, frac_src = recommended_fraction, (f"recommended: (available x (1 - {headroom:g} headroom) - "
                                                     "activation peak) / available, rounded down")
     else:
-        fraction, frac_src = kv_cache_memory_fraction, "given"
+        fraction, frac_src = kv_cache_memory_fraction, "given" if kv_cache_memory_fraction is not None else "none given"
     cfg = ExecutorConfig(max_batch_size=max_batch_size, max_num_tokens=max_num_tokens,
                          kv_cache_memory_fraction=fraction, max_kv_cache_tokens=max_kv_cache_tokens)
     try:
@@ -186,12 +200,9 @@ def plan(facts: EngineFacts, device: Device, workload: WorkloadStats, *, tp: int
     hd = facts.num_heads * facts.head_dim
 
     def allreduce(tokens: float) -> float:
-        if tp == 1:
-            return 0.0
-        if link is None:
+        if tp > 1 and link is None:
             raise PlanError(f"device {device.name} has no interconnect figure for --tp {tp}")
-        per = 2 * (tp - 1) / tp * tokens * facts.hidden_size * elem / link + 2 * (tp - 1) * ALLREDUCE_HOP_S
-        return facts.num_layers * 2 * per
+        return allreduce_seconds(facts.num_layers, facts.hidden_size, elem, tokens, tp, link or 0.0)
 
     def t_mem(kv_tokens: float) -> float:
         return (facts.streamed_weight_bytes / tp + kv_tokens * kv_dev) / bw

@@ -63,12 +63,14 @@ def rate_rows(result: dict) -> list[list[str]]:
             _f(run["server"].get("preemptions"), ".0f"), _f(run["server"].get("kv_usage_max"), ".0%"),
             ("yes" if run["slo_met"] else "no"), _ms(run["client"]["send_lag_s"]["p99"])
             + ("!" if run["client"]["behind_schedule"] else ""),
+            _f(run["machine"]["loadavg_1m_after"], ".1f"), _f(run["machine"].get("process_cpu_per_wall_s"), ".2f"),
         ])
     return rows
 
 
 HEADER = ["rate", "ok/fail/429/abort", "req/s", "out tok/s", "goodput", "TTFT p50", "TTFT p95", "TPOT p50",
-          "TPOT p95", "e2e p95", "queue p95", "running", "waiting", "preempt", "KV max", "SLO", "lag p99"]
+          "TPOT p95", "e2e p95", "queue p95", "running", "waiting", "preempt", "KV max", "SLO", "lag p99",
+          "load", "cpu/s"]
 
 
 def format_table(header: list[str], rows: list[list[str]]) -> str:
@@ -84,7 +86,8 @@ def format_result(result: dict) -> str:
              "workload: " + ", ".join(f"{k}={v}" for k, v in w.items() if k not in ("rate", "time_scale")),
              f"SLO: p95 TTFT <= {_ms(cfg['slo']['ttft_p95_s'])} ms, p95 TPOT <= {_ms(cfg['slo']['tpot_p95_s'])} ms "
              "(latencies in ms; requests completed/failed/rejected 429/aborted; 'running' = mean sequences running, "
-             "'waiting' = share of time with requests waiting for admission; '!' = client behind schedule)",
+             "'waiting' = share of time with requests waiting for admission; '!' = client behind schedule; "
+             "'load' = 1-min load average at the end of the rate, 'cpu/s' = CPU seconds this process got per second)",
              format_table(HEADER, rate_rows(result))]
     onset = summ.get("queueing_onset")
     lines.append(f"knee (highest rate meeting the SLO): {_f(summ['knee_rate'], 'g')} req/s; throughput stops following "

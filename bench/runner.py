@@ -108,6 +108,7 @@ async def run_rate(target, workload: Workload, synth: PromptSynthesizer, *, slo:
     bar = tqdm(total=len(specs), desc=f"rate {workload.description.get('rate')}", unit="req", disable=not progress,
                leave=False, dynamic_ncols=True)
     load_before = os.getloadavg()
+    cpu_before = time.process_time()
     origin = time.perf_counter() + 0.05
     origin_mono = time.monotonic() + (origin - time.perf_counter())
     for r in records:
@@ -152,7 +153,11 @@ async def run_rate(target, workload: Workload, synth: PromptSynthesizer, *, slo:
             r.outcome, r.error_kind = FAILED, "unaccounted"
     if _has_steps(target):
         series = _step_series(target.steps(), origin_mono, t_end)
-    return _rate_result(workload, records, series, before, after, slo, t_end, load_before)
+    result = _rate_result(workload, records, series, before, after, slo, t_end, load_before)
+    # CPU time this process got (the in-process engine's step loop included) per second of the run: on a
+    # shared machine a low share next to a busy engine means other work took the cores
+    result["machine"]["process_cpu_per_wall_s"] = (time.process_time() - cpu_before) / max(t_end, 1e-9)
+    return result
 
 
 def _has_steps(target) -> bool:

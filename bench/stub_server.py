@@ -1,7 +1,8 @@
 """A zero-latency OpenAI-compatible completions server, to measure the benchmark client itself.
 
 It answers ``POST /v1/completions`` (streaming) at once with ``max_tokens`` SSE chunks of one token each
-and a usage chunk, and ``GET /v1/models``; it does no inference. ``kiln bench --dry-run`` replays the
+and a usage chunk, and ``GET /v1/models``; it does no inference. ``--reject-every N`` answers every Nth
+completion with HTTP 429 (the tests check that the client counts rejections). ``kiln bench --dry-run`` replays the
 workload against it: whatever latency and rate limits show there are the client's own.
 
     python -m kiln.bench.stub_server --port 8011
@@ -18,11 +19,12 @@ from collections.abc import Iterator
 MODEL = "kiln-stub"
 
 
-def make_app():
+def make_app(reject_every: int = 0):
     from fastapi import FastAPI, Request
     from fastapi.responses import JSONResponse, StreamingResponse
 
     app = FastAPI(title="kiln bench zero-latency stub")
+    seen = [0]
 
     @app.get("/v1/models")
     async def models():
@@ -30,6 +32,9 @@ def make_app():
 
     @app.post("/v1/completions")
     async def completions(request: Request):
+        seen[0] += 1
+        if reject_every and seen[0] % reject_every == 0:
+            return JSONResponse({"error": {"message": "queue full", "type": "rate_limit"}}, status_code=429)
         body = await request.json()
         n = body.get("max_tokens")
         prompt = body.get("prompt")
@@ -82,11 +87,12 @@ def wait_ready(url: str, proc: subprocess.Popen | None = None, timeout: float = 
 
 
 @contextlib.contextmanager
-def running_stub(port: int | None = None) -> Iterator[str]:
+def running_stub(port: int | None = None, reject_every: int = 0) -> Iterator[str]:
     """Start the stub in a subprocess (its own interpreter, so it does not share the client's GIL); yield
     its base URL; always stop it."""
     port = port or free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "kiln.bench.stub_server", "--port", str(port)],
+    proc = subprocess.Popen([sys.executable, "-m", "kiln.bench.stub_server", "--port", str(port),
+                             "--reject-every", str(reject_every)],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     try:
         url = f"http://127.0.0.1:{port}"
@@ -109,8 +115,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--host", default="127.0.0.1")
     ap.add_argument("--port", type=int, default=8011)
+    ap.add_argument("--reject-every", type=int, default=0, help="answer every Nth completion with HTTP 429")
     args = ap.parse_args()
-    uvicorn.run(make_app(), host=args.host, port=args.port, log_level="warning", access_log=False)
+    uvicorn.run(make_app(args.reject_every), host=args.host, port=args.port, log_level="warning", access_log=False)
 
 
 if __name__ == "__main__":

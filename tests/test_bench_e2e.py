@@ -1,0 +1,133 @@
+"""kiln bench end to end: a short in-process sweep of a tiny engine, the client against the zero-latency stub,
+rejections (429) and failures accounted for, compare, and the result files and plots."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from click.testing import CliRunner
+
+from kiln.bench.cli import bench
+from kiln.bench.stub_server import free_port, running_stub
+from runtime_support import get_engine
+
+pytestmark = pytest.mark.xdist_group("tiny-engine")
+
+
+def check_accounting(result: dict, n: int) -> None:
+    for run in result["runs"]:
+        req = run["requests"]
+        assert req["scheduled"] == req["sent"] == n == len(run["per_request"])
+        assert req["completed"] + req["failed"] + req["rejected"] + req["aborted"] == n
+        assert sum(req["errors_by_kind"].values()) == n - req["completed"]
+        assert {p["outcome"] for p in run["per_request"]} <= {"completed", "failed", "rejected", "aborted"}
+
+
+def check_png(path) -> None:
+    import matplotlib.image as mpimg
+
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    img = mpimg.imread(path)
+    assert img.ndim == 3 and img.shape[0] > 100 and img.shape[1] > 100
+
+
+@pytest.fixture(scope="module")
+def tiny_engine_dir(checkpoint_dir):
+    return get_engine(checkpoint_dir("llama")).directory
+
+
+@pytest.fixture(scope="module")
+def inprocess_result(tiny_engine_dir, tmp_path_factory):
+    out = tmp_path_factory.mktemp("bench-inproc")
+    # prompts up to 110 tokens: those over the engine's max_input_len (96) must fail as invalid, and be counted
+    r = CliRunner().invoke(bench, ["--engine", str(tiny_engine_dir), "--rates", "20,60", "--num-requests", "20",
+                                   "--prompt-len", "8:110", "--output-len", "4:12", "--max-batch-size", "4",
+                                   "--max-kv-cache-tokens", "256", "--capacity-policy", "max_utilization",
+                                   "--slo-ttft-p95", "2s", "--slo-tpot-p95", "500ms", "--seed", "3",
+                                   "--no-progress", "--output", str(out)])
+    assert r.exit_code == 0, r.output
+    return out, json.loads((out / "result.json").read_text()), r.output
+
+
+def test_inprocess_sweep_accounts_for_every_request(inprocess_result):
+    out, result, printed = inprocess_result
+    check_accounting(result, 20)
+    assert [run["rate"] for run in result["runs"]] == [20.0, 60.0]
+    prompts = result["config"]["workload"]
+    assert prompts["kind"] == "synthetic" and prompts["prompt_len"] == "8:110"
+    for run in result["runs"]:
+        req = run["requests"]
+        too_long = sum(p["prompt_len"] > 96 for p in run["per_request"])
+        assert too_long > 0 and req["failed"] == too_long == req["errors_by_kind"]["invalid_request"]
+        assert req["completed"] == 20 - too_long and req["short_outputs"] == 0
+        done = [p for p in run["per_request"] if p["outcome"] == "completed"]
+        assert all(p["output_tokens"] == p["output_len"] for p in done)       # ignore_eos + min_tokens forced lengths
+        assert all(p["ttft"] > 0 and p["e2e"] >= p["ttft"] for p in done)
+        assert run["latency_s"]["queue"]["source"] == "per request, from the runtime"
+        assert run["server"]["kv_blocks_total"] == 32                          # 256 tokens / 8 per block
+        assert run["timeseries"] and 0 < run["server"]["kv_usage_max"] <= 1
+    assert result["versions"]["torch"] and result["versions"]["kiln"]
+    assert result["engine"]["build"]["max_input_len"] == 96
+    assert "knee" in printed and "ok/fail/429/abort" in printed
+    cal = result["calibration"]
+    assert cal is None or (cal["step_fixed_s"] > 0 and cal["per_token_s"] > 0)
+    for name in ("latency_vs_rate.png", "throughput_vs_rate.png", "latency_cdf.png", "kv_usage.png"):
+        check_png(out / name)
+
+
+def test_client_against_zero_latency_stub_keeps_a_fast_schedule(tmp_path):
+    """The dry run: at 40 req/s (10-100x what a CPU engine serves) the client sends on time and every
+    request completes; its own latency is what the stub adds, i.e. almost nothing."""
+    r = CliRunner().invoke(bench, ["--dry-run", "--rates", "40", "--num-requests", "80", "--prompt-len", "32",
+                                   "--output-len", "8", "--no-progress", "--no-plots", "--output", str(tmp_path)])
+    assert r.exit_code == 0, r.output
+    result = json.loads((tmp_path / "result.json").read_text())
+    check_accounting(result, 80)
+    run = result["runs"][0]
+    assert run["requests"]["completed"] == 80
+    assert run["client"]["send_rate"] > 0.8 * 40
+    assert run["latency_s"]["ttft"]["p50"] < 0.1
+    assert run["client"]["send_lag_s"]["count"] == 80
+    assert result["config"]["target"]["kind"] == "openai"
+
+
+def test_rejections_and_unreachable_servers_are_counted(tmp_path):
+    with running_stub(reject_every=4) as url:
+        r = CliRunner().invoke(bench, ["--endpoint", url, "--vocab-size", "100", "--warmup", "0", "--rate", "50",
+                                       "--num-requests", "20", "--output-len", "3", "--prompt-len", "5",
+                                       "--no-progress", "--no-plots", "--output", str(tmp_path / "a")])
+    assert r.exit_code == 0, r.output
+    result = json.loads((tmp_path / "a" / "result.json").read_text())
+    check_accounting(result, 20)
+    req = result["runs"][0]["requests"]
+    assert req["rejected"] == 5 and req["errors_by_kind"] == {"http_429": 5} and req["completed"] == 15
+
+    dead = f"http://127.0.0.1:{free_port()}"
+    r = CliRunner().invoke(bench, ["--endpoint", dead, "--model", "m", "--vocab-size", "100", "--rate", "5",
+                                   "--num-requests", "3", "--no-progress", "--output", str(tmp_path / "b")])
+    assert r.exit_code != 0 and "warm-up request failed (connection_ConnectError" in r.output
+    r = CliRunner().invoke(bench, ["--endpoint", dead, "--model", "m", "--vocab-size", "100", "--warmup", "0",
+                                   "--rate", "50", "--num-requests", "3", "--no-progress", "--no-plots",
+                                   "--output", str(tmp_path / "c")])
+    assert r.exit_code == 0, r.output
+    result = json.loads((tmp_path / "c" / "result.json").read_text())
+    check_accounting(result, 3)
+    assert result["runs"][0]["requests"]["errors_by_kind"] == {"connection_ConnectError": 3}
+
+
+def test_compare_and_bad_inputs(inprocess_result, tmp_path):
+    out, _, _ = inprocess_result
+    r = CliRunner().invoke(bench, ["compare", str(out / "result.json"), str(out / "result.json")])
+    assert r.exit_code == 0, r.output
+    assert "x1.00" in r.output and "TTFT p95 ms" in r.output
+    bogus = tmp_path / "x.json"
+    bogus.write_text("{}")
+    r = CliRunner().invoke(bench, ["compare", str(out / "result.json"), str(bogus)])
+    assert r.exit_code != 0 and "not a kiln bench result" in r.output
+    bad_trace = tmp_path / "t.csv"
+    bad_trace.write_text("timestamp,prompt_len,output_len\n0,5,1\n1,five,2\n")
+    r = CliRunner().invoke(bench, ["--dry-run", "--trace", str(bad_trace), "--output", str(tmp_path / "o")])
+    assert r.exit_code != 0 and "t.csv line 3: prompt_len 'five' is not an integer" in r.output
+    r = CliRunner().invoke(bench, ["--dry-run", "--rate", "1", "--rates", "1,2"])
+    assert r.exit_code != 0 and "choose one of --rate" in r.output

@@ -1,0 +1,135 @@
+"""kiln plan: the planner's KV pool is the runtime's, its memory arithmetic, TP terms, errors and CLI."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from click.testing import CliRunner
+
+from kiln.bench.devices import GB, GiB, get_device, parse_bytes
+from kiln.bench.engine_facts import engine_facts, hf_facts
+from kiln.bench.plan_cli import plan as plan_cmd
+from kiln.bench.planner import ALLREDUCE_HOP_S, PlanError, WorkloadStats, allreduce_seconds, plan
+from runtime_support import get_engine
+
+pytestmark = pytest.mark.xdist_group("tiny-engine")
+
+LLAMA_8B = dict(architectures=["LlamaForCausalLM"], hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                num_attention_heads=32, num_key_value_heads=8, vocab_size=128256, max_position_embeddings=8192,
+                tie_word_embeddings=False)
+
+
+@pytest.fixture(scope="module")
+def tiny(checkpoint_dir):
+    return get_engine(checkpoint_dir("llama"))
+
+
+@pytest.mark.parametrize("options", [
+    dict(max_batch_size=4, kv_cache_memory_fraction=2e-5),          # limited by memory
+    dict(kv_cache_memory_fraction=0.5),                             # limited by what the bounds can use
+    dict(max_kv_cache_tokens=200, kv_cache_memory_fraction=None),   # limited by the token cap
+    dict(max_batch_size=2, max_num_tokens=64, max_kv_cache_tokens=10**6, kv_cache_memory_fraction=0.9),
+])
+def test_planner_pool_equals_what_llm_allocates(tiny, options):
+    from kiln.runtime import LLM
+
+    llm = LLM(tiny, **options)
+    try:
+        ex = llm.executor
+        p = plan(engine_facts(tiny.directory), get_device("cpu:24"), WorkloadStats.from_percentiles(40, 20),
+                 available_bytes=ex.limits.available_bytes if ex.limits.available_bytes is not None else 10**12,
+                 **options)
+        mem = p["memory"]
+        assert mem["kv_pool_blocks"]["value"] == ex.kv.num_blocks == ex.kv_cache.shape[2]
+        assert mem["kv_pool_tokens"]["value"] == ex.kv.num_blocks * ex.block_size
+        assert mem["kv_pool_bytes"]["value"] == ex.kv_cache.numel() * ex.kv_cache.element_size()
+        assert mem["kv_pool_blocks"]["source"].endswith(ex.kv_plan)
+        assert min(ex.limits.max_batch_size, p["concurrency"]["kv_sequences_at_p95"]["value"]) == \
+            p["concurrency"]["max_concurrent_sequences"]["value"]
+    finally:
+        llm.shutdown()
+
+
+def test_memory_arithmetic_and_recommended_fraction(tiny):
+    facts = engine_facts(tiny.directory)
+    dev = get_device("cpu:1")
+    p = plan(facts, dev, WorkloadStats.from_percentiles(40, 20))
+    avail = 1 * GiB - facts.weights_bytes
+    assert p["memory"]["available_after_weights"]["value"] == avail
+    rec = p["memory"]["kv_cache_memory_fraction"]["value"]
+    assert rec == int(100 * (avail * 0.9 - facts.activation_peak_bytes) / avail) / 100
+    # a fraction that leaves less than the activation peak is flagged
+    tight = plan(facts, get_device("cpu:1"), WorkloadStats.from_percentiles(40, 20), kv_cache_memory_fraction=1.0)
+    assert "activation peak" in tight["memory"]["warning"]["value"]
+
+
+def test_hf_config_estimate_matches_known_sizes(tmp_path, tiny, checkpoint_dir):
+    cfg = tmp_path / "config.json"
+    cfg.write_text(json.dumps(LLAMA_8B))
+    f = hf_facts(cfg, "bfloat16")
+    assert f.kv_bytes_per_token == 128 * 1024                    # 2 x 32 layers x 8 heads x 128 dims x 2 B
+    assert f.weights_bytes / 2 == pytest.approx(8.03e9, rel=0.01)  # Llama-3-8B: 8.03B parameters
+    assert hf_facts(cfg, "bfloat16", "int8_weight_only").weights_bytes < 0.6 * f.weights_bytes
+    # the estimate of a model we did build agrees with the builder's numbers
+    built = engine_facts(tiny.directory)
+    est = hf_facts(checkpoint_dir("llama"), "float32")
+    assert est.kv_bytes_per_token == built.kv_bytes_per_token
+    assert est.matmul_params == built.matmul_params
+    assert est.weights_bytes == pytest.approx(built.weights_bytes, rel=0.05)
+
+
+def test_tensor_parallel_divides_memory_and_adds_allreduce(tmp_path):
+    cfg = tmp_path / "config.json"
+    cfg.write_text(json.dumps(LLAMA_8B))
+    f = hf_facts(cfg, "bfloat16", max_batch_size=64, max_seq_len=8192)
+    w = WorkloadStats.from_percentiles(4000, 500, context_mean=1500, output_mean=200)
+    one = plan(f, get_device("h100-80gb"), w)
+    two = plan(f, get_device("h100-80gb"), w, tp=2)
+    assert two["memory"]["weights_per_device"]["value"] == f.weights_bytes // 2
+    assert two["memory"]["kv_bytes_per_token_per_device"]["value"] == f.kv_bytes_per_token // 2
+    assert two["memory"]["kv_pool_blocks"]["value"] > 2 * one["memory"]["kv_pool_blocks"]["value"] * 0.99
+    assert "all-reduce 0.00 ms" in one["step_time"]["decode_step_batch_1"]["source"]
+    assert "all-reduce 0.00 ms" not in two["step_time"]["decode_step_batch_1"]["source"]
+    # 2 all-reduces of hidden x 2 B per token per layer, ring over 2 devices, 5 us per hop
+    expect = 32 * 2 * (2 * 1 / 2 * 16 * 4096 * 2 / 450e9 + 2 * 1 * ALLREDUCE_HOP_S)
+    assert allreduce_seconds(32, 4096, 2, 16, 2, 450e9) == pytest.approx(expect)
+    assert allreduce_seconds(32, 4096, 2, 16, 1, 450e9) == 0.0
+    with pytest.raises(PlanError, match="cannot be split"):
+        plan(f, get_device("h100-80gb"), w, tp=3)
+
+
+def test_weights_that_do_not_fit_are_refused(tmp_path):
+    cfg = tmp_path / "config.json"
+    cfg.write_text(json.dumps(dict(LLAMA_8B, hidden_size=8192, intermediate_size=28672, num_hidden_layers=80,
+                                   num_attention_heads=64)))
+    with pytest.raises(PlanError, match="quantize the weights or raise --tp"):
+        plan(hf_facts(cfg, "bfloat16"), get_device("a100-80gb"), WorkloadStats.from_percentiles(1000, 100))
+
+
+def test_devices_and_sizes():
+    assert parse_bytes("80GiB") == 80 * GiB and parse_bytes("80GB") == 80 * GB and parse_bytes("24G") == 24 * GiB
+    assert parse_bytes("512") == 512
+    assert get_device("cpu:24").memory_bytes == 24 * GiB
+    assert get_device("H200").memory_bytes == 141 * GB
+    with pytest.raises(ValueError, match="unknown device 'tpu'"):
+        get_device("tpu")
+    with pytest.raises(ValueError, match="memory size"):
+        parse_bytes("lots")
+
+
+def test_plan_cli_writes_json_with_a_source_for_every_number(tiny, tmp_path):
+    out = tmp_path / "plan.json"
+    r = CliRunner().invoke(plan_cmd, ["--engine", str(tiny.directory), "--device", "cpu:24", "--context-p95", "60",
+                                      "--output-p95", "30", "--rate", "50", "--ttft-p95", "500ms", "--output", str(out)])
+    assert r.exit_code == 0, r.output
+    assert "max_concurrent_sequences" in r.output and "instances" in r.output
+    data = json.loads(out.read_text())
+    for section in data["plan"].values():
+        for name, v in section.items():
+            assert v["source"], name
+    r = CliRunner().invoke(plan_cmd, ["--engine", str(tiny.directory), "--context-p95", "60", "--output-p95", "30"])
+    assert r.exit_code != 0 and "--device NAME or --memory SIZE" in r.output
+    r = CliRunner().invoke(plan_cmd, ["--engine", str(tiny.directory), "--device", "cpu:24", "--context-p95", "60",
+                                      "--output-p95", "30", "--calibration", str(out)])
+    assert r.exit_code != 0 and "not a kiln bench result" in r.output
