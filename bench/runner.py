@@ -194,6 +194,9 @@ def _rate_result(workload: Workload, records: list[RequestRecord], series: list[
     server = {k: _delta(after, before, k) for k in _COUNTERS}
     kv = [r["kv_usage"] for r in series if r.get("kv_usage") is not None]
     hit = [r["prefix_hit_rate"] for r in series if r.get("prefix_hit_rate") is not None]
+    st = sum(r.get("step_time", 0.0) for r in series)
+    if st > 0:  # in-process only: the step loop's own time (scheduling, packing, sampling) beside engine.run
+        server["step_loop_overhead_fraction"] = (st - sum(r["engine_time"] for r in series)) / st
     server.update(kv_usage_max=max(kv) if kv else None, kv_usage_mean=sum(kv) / len(kv) if kv else None,
                   prefix_hit_rate_end=hit[-1] if hit else None,
                   kv_blocks_total=after.get("kiln_kv_blocks_total"))
