@@ -11,7 +11,6 @@ from __future__ import annotations
 import asyncio
 import math
 import os
-import sys
 import time
 from pathlib import Path
 
@@ -86,10 +85,7 @@ def _vocab_and_specials(engine_dir: Path | None, tokenizer: Path | None, vocab_s
         facts = engine_facts(engine_dir)
         size = min(size, facts.vocab_size) if size else facts.vocab_size
         source = source or f"engine {engine_dir}"
-        import json
-
-        cfg = json.loads((engine_dir / "config.json").read_text())
-        specials |= set(cfg.get("eos_token_ids") or []) | ({cfg["bos_token_id"]} if cfg.get("bos_token_id") is not None else set())
+        specials |= set(facts.special_token_ids)
     if vocab_size is not None:
         size, source = vocab_size, "--vocab-size"
     if size is None:
@@ -232,7 +228,8 @@ def bench(ctx, engine_dir, endpoint, api, model, metrics_url, no_force_lengths, 
 
         torch.set_num_threads(threads)
     config = {
-        "command": "kiln bench " + " ".join(sys.argv[2:] if sys.argv[1:2] == ["bench"] else sys.argv[1:]), "workload": work.description, "slo": slo.as_dict(),
+        "options": {k: (str(v) if isinstance(v, Path) else v) for k, v in ctx.params.items()},
+        "workload": work.description, "slo": slo.as_dict(),
         "rates": plan if plan == "auto" else [("max" if math.isinf(r) else r) for r in plan],
         "prompts": {"vocab_size": vocab, "vocab_source": vocab_source, "special_ids_avoided": len(specials),
                     "seed": seed, "sent_as": "token ids"},
@@ -242,13 +239,15 @@ def bench(ctx, engine_dir, endpoint, api, model, metrics_url, no_force_lengths, 
     async def main(target) -> list[dict]:
         from kiln.bench.runner import run_sweep
 
-        if _is_openai(target):
-            await target.resolve_model()
-        config["target"] = target.describe()
-        await _warm(target, warmup, synth)
         try:
+            if _is_openai(target):
+                await target.resolve_model()
+            config["target"] = target.describe()
+            await _warm(target, warmup, synth)
             return await run_sweep(target, work, synth, plan, slo=slo, progress=not no_progress, timeout=run_timeout,
                                    start_rate=start_rate, log=lambda m: click.echo(m, err=True))
+        except ConnectionError as exc:
+            raise click.ClickException(str(exc)) from None
         finally:
             await target.close()
 
@@ -258,7 +257,7 @@ def bench(ctx, engine_dir, endpoint, api, model, metrics_url, no_force_lengths, 
         from kiln.bench.stub_server import running_stub
 
         with running_stub() as url:
-            runs = asyncio.run(main(_OpenAI(url, model=None, metrics_url=None, request_timeout=request_timeout)))
+            runs = asyncio.run(main(_OpenAI(url, model=None, request_timeout=request_timeout)))
     elif endpoint:
         mu = None if metrics_url == "none" else (metrics_url or "auto")
         runs = asyncio.run(main(_OpenAI(endpoint, model=model, metrics_url=mu, request_timeout=request_timeout,

@@ -45,6 +45,7 @@ class EngineFacts:
     activation_peak_bytes: int
     matmul_params: int
     lm_head_params: int
+    special_token_ids: list[int] = field(default_factory=list)   # eos / bos: kept out of synthetic prompts
     build: dict = field(default_factory=dict)   # max_batch_size, max_num_tokens, max_seq_len, max_input_len, tokens_per_block
     origin: dict = field(default_factory=dict)
 
@@ -87,6 +88,8 @@ def engine_facts(engine_dir: str | Path) -> EngineFacts:
             weights_bytes=weights, streamed_weight_bytes=max(weights - embed, 0), kv_bytes_per_token=kv,
             activation_peak_bytes=int(mem.get("activation_peak_bytes", 0)),
             matmul_params=m["num_layers"] * _layer_params(m), lm_head_params=m["vocab_size"] * m["hidden_size"],
+            special_token_ids=sorted(set(cfg.get("eos_token_ids") or [])
+                                     | ({cfg["bos_token_id"]} if cfg.get("bos_token_id") is not None else set())),
             build={k: int(b[k]) for k in ("max_batch_size", "max_num_tokens", "max_seq_len", "max_input_len",
                                           "tokens_per_block")},
         )

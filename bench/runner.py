@@ -14,7 +14,7 @@ import time
 from collections import Counter
 
 from kiln.bench.stats import SLO, fit_step_time, goodput, knee, saturation_rate, summary
-from kiln.bench.targets import ABORTED, COMPLETED, FAILED, OUTCOMES, REJECTED, RequestRecord, histogram_buckets, parse_prometheus
+from kiln.bench.targets import ABORTED, COMPLETED, FAILED, OUTCOMES, REJECTED, RequestRecord
 from kiln.bench.workload import PromptSynthesizer, Workload
 
 # The client is "behind schedule" when its p99 send lag exceeds this (seconds).
@@ -22,31 +22,25 @@ LAG_LIMIT_S = 0.010
 # A request "queued" when it waited longer than this many median step times before its first step.
 QUEUED_STEPS = 2.0
 
-_COUNTERS = ("preemptions", "steps", "prefill_tokens_computed", "decode_tokens_computed", "engine_time",
-             "step_time", "generation_tokens", "requests_finished", "requests_aborted", "requests_rejected")
-
-
-def _counter(samples: dict, name: str) -> float | None:
-    return samples.get(f"kiln_{name}_total")
+_COUNTERS = ("preemptions", "steps", "prefill_tokens", "generation_tokens", "step_time_sum", "engine_time_sum")
 
 
 def _delta(after: dict, before: dict, name: str) -> float | None:
-    a, b = _counter(after, name), _counter(before, name)
+    a, b = after.get(name), before.get(name)
     return None if a is None or b is None else a - b
 
 
 async def _poll_metrics(target, origin: float, interval: float, out: list, stop: asyncio.Event) -> None:
     base = None
     while not stop.is_set():
-        text = await asyncio.to_thread(target.metrics_text)
-        s = parse_prometheus(text)
+        s = await asyncio.to_thread(target.metrics)
         if s:
-            pre = _counter(s, "preemptions") or 0.0
+            pre = s.get("preemptions") or 0.0
             base = pre if base is None else base
-            out.append({"t": time.perf_counter() - origin, "running": s.get("kiln_running"),
-                        "waiting": s.get("kiln_waiting"), "kv_usage": s.get("kiln_kv_usage"),
-                        "kv_blocks_used": s.get("kiln_kv_blocks_used"), "kv_blocks_total": s.get("kiln_kv_blocks_total"),
-                        "prefix_hit_rate": s.get("kiln_prefix_hit_rate"), "preemptions": pre - base})
+            out.append({"t": time.perf_counter() - origin, "running": s.get("running"), "waiting": s.get("waiting"),
+                        "kv_usage": s.get("kv_usage"), "kv_blocks_used": s.get("kv_blocks_used"),
+                        "kv_blocks_total": s.get("kv_blocks_total"), "prefix_hit_rate": s.get("prefix_hit_rate"),
+                        "preemptions": pre - base})
         try:
             await asyncio.wait_for(stop.wait(), interval)
         except asyncio.TimeoutError:
@@ -103,7 +97,7 @@ async def run_rate(target, workload: Workload, synth: PromptSynthesizer, *, slo:
 
     specs = workload.requests
     prompts = [synth.prompt(s, run_index) for s in specs]
-    before = parse_prometheus(await asyncio.to_thread(target.metrics_text))
+    before = await asyncio.to_thread(target.metrics)
     records = [RequestRecord(s.index, s.arrival, s.prompt_len, s.output_len) for s in specs]
     bar = tqdm(total=len(specs), desc=f"rate {workload.description.get('rate')}", unit="req", disable=not progress,
                leave=False, dynamic_ncols=True)
@@ -146,7 +140,7 @@ async def run_rate(target, workload: Workload, synth: PromptSynthesizer, *, slo:
     if poller is not None:
         await poller
     bar.close()
-    after = parse_prometheus(await asyncio.to_thread(target.metrics_text))
+    after = await asyncio.to_thread(target.metrics)
     for r in records:
         r.shift(origin)
         if r.outcome is None:  # cannot happen, but an unaccounted request must show
@@ -179,16 +173,14 @@ def _rate_result(workload: Workload, records: list[RequestRecord], series: list[
     ttft_s, tpot_s = summary(r.ttft for r in done), summary(r.tpot for r in done)
     queue = summary(r.queue_time for r in records if r.queue_time is not None)
     queue_source = "per request, from the runtime" if queue["count"] else None
-    if not queue["count"] and "kiln_queue_time_seconds_count" in after:
-        n = after["kiln_queue_time_seconds_count"] - before.get("kiln_queue_time_seconds_count", 0.0)
+    if not queue["count"] and "queue_count" in after:
+        n = after["queue_count"] - before.get("queue_count", 0.0)
         if n > 0:
             from kiln.bench.stats import histogram_quantile
 
-            b_after = dict(histogram_buckets(after, "kiln_queue_time_seconds"))
-            b_before = dict(histogram_buckets(before, "kiln_queue_time_seconds"))
-            buckets = [(le, v - b_before.get(le, 0.0)) for le, v in b_after.items()]
-            queue = {"count": int(n), "mean": (after["kiln_queue_time_seconds_sum"]
-                                                - before.get("kiln_queue_time_seconds_sum", 0.0)) / n,
+            b_before = dict(before.get("queue_buckets", []))
+            buckets = [(le, v - b_before.get(le, 0.0)) for le, v in after["queue_buckets"]]
+            queue = {"count": int(n), "mean": (after["queue_sum"] - before.get("queue_sum", 0.0)) / n,
                      **{f"p{q}": histogram_quantile(buckets, q / 100) for q in (50, 90, 95, 99)}}
             queue_source = "server /metrics histogram (bucket interpolation)"
     server = {k: _delta(after, before, k) for k in _COUNTERS}
@@ -199,7 +191,7 @@ def _rate_result(workload: Workload, records: list[RequestRecord], series: list[
         server["step_loop_overhead_fraction"] = (st - sum(r["engine_time"] for r in series)) / st
     server.update(kv_usage_max=max(kv) if kv else None, kv_usage_mean=sum(kv) / len(kv) if kv else None,
                   prefix_hit_rate_end=hit[-1] if hit else None,
-                  kv_blocks_total=after.get("kiln_kv_blocks_total"))
+                  kv_blocks_total=after.get("kv_blocks_total"))
     errors = Counter(r.error_kind for r in records if r.outcome != COMPLETED)
     first_errors = {}
     for r in records:
@@ -267,10 +259,10 @@ def calibration(runs: list[dict], facts) -> dict | None:
     if not rows:
         for r in runs:
             sv = r["server"]
-            if sv.get("steps") and sv.get("engine_time") is not None:
-                rows.append((sv["steps"], (sv["prefill_tokens_computed"] or 0) + (sv["decode_tokens_computed"] or 0),
-                             sv["engine_time"]))
-        source = "per-rate /metrics counters (kiln_steps, kiln_*_tokens_computed, kiln_engine_time)"
+            if sv.get("steps") and sv.get("step_time_sum") is not None and sv.get("prefill_tokens") is not None:
+                rows.append((sv["steps"], sv["prefill_tokens"] + (sv.get("generation_tokens") or 0), sv["step_time_sum"]))
+        source = ("per-rate /metrics deltas: step time sum = a x steps + b x (prefill tokens computed + "
+                  "generated tokens)")
     fit = fit_step_time(rows)
     if fit is None or fit["step_fixed_s"] <= 0 or fit["per_token_s"] <= 0:
         return None

@@ -1,9 +1,11 @@
 """A zero-latency OpenAI-compatible completions server, to measure the benchmark client itself.
 
 It answers ``POST /v1/completions`` (streaming) at once with ``max_tokens`` SSE chunks of one token each
-and a usage chunk, and ``GET /v1/models``; it does no inference. ``--reject-every N`` answers every Nth
-completion with HTTP 429 (the tests check that the client counts rejections). ``kiln bench --dry-run`` replays the
+and a usage chunk, and ``GET /v1/models``; it does no inference. ``kiln bench --dry-run`` replays the
 workload against it: whatever latency and rate limits show there are the client's own.
+``--reject-every N`` answers every Nth completion with HTTP 429 (the tests check that the client counts
+rejections); ``GET /metrics`` exposes the streams open now as ``kiln_num_requests_running`` (kiln
+serve's name), so the client's polling of a server's metrics is exercised too.
 
     python -m kiln.bench.stub_server --port 8011
 """
@@ -23,8 +25,17 @@ def make_app(reject_every: int = 0):
     from fastapi import FastAPI, Request
     from fastapi.responses import JSONResponse, StreamingResponse
 
+    from fastapi.responses import PlainTextResponse
+
     app = FastAPI(title="kiln bench zero-latency stub")
     seen = [0]
+    open_streams = [0]
+
+    @app.get("/metrics")
+    async def metrics():
+        return PlainTextResponse("# TYPE kiln_num_requests_running gauge\n"
+                                 f"kiln_num_requests_running {open_streams[0]}\n"
+                                 "# TYPE kiln_num_requests_waiting gauge\nkiln_num_requests_waiting 0\n")
 
     @app.get("/v1/models")
     async def models():
@@ -50,6 +61,13 @@ def make_app(reject_every: int = 0):
                                                                        "finish_reason": finish}]}) + "\n\n"
 
         def stream() -> Iterator[str]:
+            open_streams[0] += 1
+            try:
+                yield from body_chunks()
+            finally:
+                open_streams[0] -= 1
+
+        def body_chunks() -> Iterator[str]:
             for i in range(n):
                 yield chunk(" t", "length" if i == n - 1 else None)
             usage = {"prompt_tokens": prompt_tokens, "completion_tokens": n, "total_tokens": prompt_tokens + n}

@@ -5,8 +5,9 @@ token is the first streamed output that carries text or tokens, its last token t
 Each request ends in exactly one outcome: completed, failed (with a kind), rejected (HTTP 429, a full
 queue) or aborted (the client gave up, or the server ended it with finish_reason "abort").
 
-Metrics: ``metrics_text()`` returns the target's Prometheus exposition (kiln's ``/metrics`` families,
-or the in-process runtime's own ``RuntimeMetrics.prometheus()``), or None when it has none.
+Metrics: ``metrics()`` returns the target's server-side numbers under the canonical names of
+:data:`METRIC_NAMES` (from ``LLM.stats()`` in-process, from the server's Prometheus ``/metrics`` otherwise),
+or {} when it has none.
 """
 
 from __future__ import annotations
@@ -91,8 +92,17 @@ class InProcessTarget:
                 "capacity_policy": self.llm.executor.scheduler.config.capacity_policy,
                 "prefix_reuse": self.llm.executor.kv.enable_prefix_reuse}
 
-    def metrics_text(self) -> str | None:
-        return self.llm.executor.metrics.prometheus()
+    def metrics(self) -> dict[str, float]:
+        s = self.llm.stats()
+        c, g = s["counters"], s["gauges"]
+        out = {k: float(g[k]) for k in ("running", "waiting", "kv_usage", "kv_blocks_used", "kv_blocks_total",
+                                          "prefix_hit_rate") if k in g}
+        out.update({k: float(c[src]) for k, src in (("preemptions", "preemptions"), ("steps", "steps"),
+                                                    ("prefill_tokens", "prefill_tokens_computed"),
+                                                    ("generation_tokens", "generation_tokens"),
+                                                    ("step_time_sum", "step_time"), ("engine_time_sum", "engine_time"))
+                    if src in c})
+        return out
 
     def steps(self) -> list:
         return list(self.llm.executor.metrics.steps)
@@ -188,14 +198,14 @@ class OpenAITarget:
             raise ConnectionError(f"{self.base_url}/v1/models did not name a model ({type(exc).__name__}: {exc}); "
                                   "pass --model NAME") from None
 
-    def metrics_text(self) -> str | None:
+    def metrics(self) -> dict[str, float]:
         if not self.metrics_url:
-            return None
+            return {}
         try:
             r = self._metrics_client.get(self.metrics_url)
-            return r.text if r.status_code == 200 else None
         except Exception:  # noqa: BLE001 - a server without /metrics is measured from the client only
-            return None
+            return {}
+        return canonical_metrics(parse_prometheus(r.text)) if r.status_code == 200 else {}
 
     def steps(self) -> list:
         return []
@@ -280,6 +290,40 @@ def parse_prometheus(text: str | None) -> dict[str, float]:
         for s in fam.samples:
             key = s.name + ("{" + ",".join(f'{k}="{v}"' for k, v in sorted(s.labels.items())) + "}" if s.labels else "")
             out[key] = float(s.value)
+    return out
+
+
+# canonical name -> Prometheus sample names, kiln serve's first (other servers: add their names here)
+METRIC_NAMES = {
+    "running": ("kiln_num_requests_running", "kiln_running", "vllm:num_requests_running"),
+    "waiting": ("kiln_num_requests_waiting", "kiln_waiting", "vllm:num_requests_waiting"),
+    "kv_usage": ("kiln_kv_cache_usage_ratio", "kiln_kv_usage", "vllm:kv_cache_usage_perc"),
+    "kv_blocks_used": ("kiln_kv_cache_blocks_used", "kiln_kv_blocks_used"),
+    "kv_blocks_total": ("kiln_kv_cache_blocks_total", "kiln_kv_blocks_total"),
+    "prefix_hit_rate": ("kiln_prefix_cache_hit_rate", "kiln_prefix_hit_rate"),
+    "preemptions": ("kiln_preemptions_total", "vllm:num_preemptions_total"),
+    "steps": ("kiln_steps_total",),
+    "prefill_tokens": ("kiln_prefill_tokens_computed_total",),
+    "generation_tokens": ("kiln_generation_tokens_total", "vllm:generation_tokens_total"),
+    "step_time_sum": ("kiln_step_time_seconds_sum",),
+}
+QUEUE_HISTOGRAMS = ("kiln_request_queue_time_seconds", "kiln_queue_time_seconds", "vllm:request_queue_time_seconds")
+
+
+def canonical_metrics(samples: dict[str, float]) -> dict:
+    """The numbers kiln bench reads, under canonical names; the queue-time histogram as
+    ``queue_sum`` / ``queue_count`` / ``queue_buckets`` (cumulative (le, count))."""
+    out: dict = {}
+    for key, names in METRIC_NAMES.items():
+        for n in names:
+            if n in samples:
+                out[key] = samples[n]
+                break
+    for h in QUEUE_HISTOGRAMS:
+        if f"{h}_count" in samples:
+            out.update(queue_sum=samples.get(f"{h}_sum", 0.0), queue_count=samples[f"{h}_count"],
+                       queue_buckets=histogram_buckets(samples, h))
+            break
     return out
 
 

@@ -90,6 +90,38 @@ def test_client_against_zero_latency_stub_keeps_a_fast_schedule(tmp_path):
     assert run["latency_s"]["ttft"]["p50"] < 0.1
     assert run["client"]["send_lag_s"]["count"] == 80
     assert result["config"]["target"]["kind"] == "openai"
+    # the stub's /metrics (kiln serve's gauge names) was polled while the run lasted
+    assert run["timeseries"] and all(s["running"] >= 0 and s["waiting"] == 0 for s in run["timeseries"])
+    assert run["queueing"]["source"] == "polled /metrics gauges"
+
+
+def test_kiln_serve_metric_names_map_to_the_canonical_ones():
+    from kiln.bench.targets import canonical_metrics, parse_prometheus
+
+    text = """# TYPE kiln_num_requests_running gauge
+kiln_num_requests_running 3.0
+# TYPE kiln_num_requests_waiting gauge
+kiln_num_requests_waiting 1.0
+# TYPE kiln_kv_cache_usage_ratio gauge
+kiln_kv_cache_usage_ratio 0.25
+# TYPE kiln_kv_cache_blocks_total gauge
+kiln_kv_cache_blocks_total 64.0
+# TYPE kiln_preemptions_total counter
+kiln_preemptions_total 2.0
+# TYPE kiln_steps_total counter
+kiln_steps_total 10.0
+# TYPE kiln_request_queue_time_seconds histogram
+kiln_request_queue_time_seconds_bucket{le="0.1"} 4.0
+kiln_request_queue_time_seconds_bucket{le="1.0"} 6.0
+kiln_request_queue_time_seconds_bucket{le="+Inf"} 6.0
+kiln_request_queue_time_seconds_sum 1.5
+kiln_request_queue_time_seconds_count 6.0
+"""
+    m = canonical_metrics(parse_prometheus(text))
+    assert (m["running"], m["waiting"], m["kv_usage"], m["kv_blocks_total"], m["preemptions"], m["steps"]) == \
+        (3.0, 1.0, 0.25, 64.0, 2.0, 10.0)
+    assert m["queue_count"] == 6.0 and m["queue_sum"] == 1.5
+    assert m["queue_buckets"] == [(0.1, 4.0), (1.0, 6.0), (float("inf"), 6.0)]
 
 
 def test_rejections_and_unreachable_servers_are_counted(tmp_path):
