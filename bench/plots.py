@@ -52,7 +52,9 @@ def write_plots(result: dict, out_dir: Path) -> list[Path]:
         paths.append(_save(fig, plt, out_dir / "latency_vs_rate.png"))
 
         fig, ax = plt.subplots(figsize=(7, 4.2))
-        ax.plot(rates, [r["throughput"]["requests_per_s"] for r in runs], "o-", label="completed req/s")
+        ax.plot(rates, [r["throughput"]["requests_per_s"] for r in runs], "o-", label="completed req/s (whole run)")
+        ax.plot(rates, [r["throughput"].get("completion_rate") or np.nan for r in runs], "x--",
+                label="completion rate (first to last completion)")
         ax.plot(rates, [r["throughput"]["goodput_requests_per_s"] for r in runs], "s-", label="goodput (within SLO) req/s")
         ax.plot(rates, rates, color="gray", ls=":", label="offered")
         if knee_rate is not None:
@@ -91,21 +93,28 @@ def write_plots(result: dict, out_dir: Path) -> list[Path]:
 
     fig, axes = plt.subplots(2, 1, figsize=(10, 6), sharex=True)
     any_series = False
-    for run in result["runs"]:
-        ts = [s for s in run["timeseries"] if s.get("kv_usage") is not None]
+    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    for i, run in enumerate(result["runs"]):
+        ts = [s for s in run["timeseries"] if s.get("kv_usage") is not None or s.get("running") is not None]
         if ts:
             any_series = True
+            c = colors[i % len(colors)]
             t = [s["t"] for s in ts]
-            axes[0].plot(t, [s["kv_usage"] * 100 for s in ts], lw=1, label=f"{run['rate']} req/s")
-            axes[1].plot(t, [s.get("running") or 0 for s in ts], lw=1, label=f"running @ {run['rate']}")
-            axes[1].plot(t, [s.get("waiting") or 0 for s in ts], lw=1, ls=":", label=f"waiting @ {run['rate']}")
+            if any(s.get("kv_usage") is not None for s in ts):
+                axes[0].plot(t, [(s.get("kv_usage") or 0) * 100 for s in ts], lw=1, color=c, drawstyle="steps-post",
+                             label=f"{run['rate']} req/s")
+            axes[1].plot(t, [s.get("running") or 0 for s in ts], lw=1, color=c, drawstyle="steps-post",
+                         label=f"running @ {run['rate']}")
+            axes[1].plot(t, [s.get("waiting") or 0 for s in ts], lw=1, ls=":", color=c, drawstyle="steps-post",
+                         label=f"waiting @ {run['rate']}")
     axes[0].set_ylabel("KV blocks used (%)")
     axes[0].set_title("KV cache usage over time" + ("" if any_series else " (the target exposes no KV metrics)"))
+    axes[1].set_title("running (solid) and waiting (dotted) sequences")
     axes[1].set_ylabel("sequences")
     axes[1].set_xlabel("time since the run started (s)")
     for ax in axes:
         ax.grid(alpha=0.3)
-        if any_series:
+        if ax.get_legend_handles_labels()[0]:
             ax.legend(fontsize=7, ncol=2)
     fig.tight_layout()
     paths.append(_save(fig, plt, out_dir / "kv_usage.png"))

@@ -208,6 +208,7 @@ def _rate_result(workload: Workload, records: list[RequestRecord], series: list[
         "latency_s": {"ttft": ttft_s, "tpot": tpot_s, "itl": summary(x for r in done for x in r.itl),
                       "e2e": summary(r.e2e for r in done), "queue": {**queue, "source": queue_source}},
         "throughput": {"requests_per_s": len(done) / duration, "output_tokens_per_s": out_tokens / duration,
+                       "completion_rate": _completion_rate(done),
                        "total_tokens_per_s": (out_tokens + sum(r.prompt_len for r in done)) / duration,
                        "goodput_requests_per_s": goodput([(r.ttft, r.tpot) for r in done], duration, slo)},
         "slo_met": slo.run_ok(ttft_s, tpot_s) and len(done) == len(records),
@@ -223,6 +224,14 @@ def _rate_result(workload: Workload, records: list[RequestRecord], series: list[
     return result
 
 
+def _completion_rate(done: list[RequestRecord]) -> float | None:
+    """Completions per second between the first and the last completion: the rate the server sustained,
+    free of the run's ramp-up and drain (requests/s over the whole run is below the offered rate by
+    (latency x rate) / n even when the server keeps up)."""
+    t = sorted(r.done for r in done)
+    return (len(t) - 1) / (t[-1] - t[0]) if len(t) > 2 and t[-1] > t[0] else None
+
+
 def shows_queueing(run: dict, min_fraction: float = 0.05) -> bool:
     """A run 'shows queueing' when requests waited for admission for >= 5% of the time or any was preempted."""
     q = run["queueing"]
@@ -236,7 +245,7 @@ def sweep_summary(runs: list[dict], slo: SLO) -> dict:
     onset = next((r for r in sorted(finite, key=lambda r: r["rate"]) if shows_queueing(r)), None)
     return {
         "knee_rate": knee(rates, [r["slo_met"] for r in finite]) if slo.defined else None,
-        "saturation_rate": saturation_rate(rates, [r["throughput"]["requests_per_s"] for r in finite]),
+        "saturation_rate": saturation_rate(rates, [r["throughput"]["completion_rate"] or 0.0 for r in finite]),
         "max_output_tokens_per_s": max((r["throughput"]["output_tokens_per_s"] for r in runs), default=None),
         "queueing_onset": None if onset is None else {
             "rate": onset["rate"], "running_while_waiting": onset["queueing"].get("running_while_waiting"),
@@ -316,7 +325,7 @@ async def run_sweep(target, workload: Workload, synth: PromptSynthesizer, rates:
     rate, good, bad = start_rate, None, None
     while len(runs) < max_runs:
         run = await one(rate)
-        saturated = run["throughput"]["requests_per_s"] < 0.9 * rate
+        saturated = (run["throughput"]["completion_rate"] or 0.0) < 0.9 * rate
         if run["slo_met"] and not saturated:
             good = rate
             rate *= 2
