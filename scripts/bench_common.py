@@ -62,3 +62,17 @@ def engine_is_current(engine_dir: Path, build: dict) -> bool:
     # values left to the builder (None / "auto") are stored resolved: they match whatever it chose
     return (all(config.build.get(k) == v for k, v in build.items() if v not in (None, "auto"))
             and list(report["passes"]) == PASS_NAMES)
+
+
+def ensure_engine(name: str, build: dict, ckpt: Path = CKPT) -> Path:
+    """``work/bench/<name>``: an engine of ``ckpt`` with ``build`` (BuildConfig values), built unless a
+    current one is there."""
+    from kiln.builder import BuildConfig, build_engine
+
+    out = BENCH / name
+    if engine_is_current(out, build):
+        log(f"reusing engine {out}")
+        return out
+    log(f"building engine {out} ...")
+    build_engine(ckpt, out, BuildConfig(**build), progress=lambda stage, msg: log(f"  build {stage}: {msg}"))
+    return out

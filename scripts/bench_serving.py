@@ -28,24 +28,12 @@ import sys
 import time
 from pathlib import Path
 
-from bench_common import BENCH, CKPT, engine_is_current, ensure_checkpoint, log
+from bench_common import BENCH, ensure_checkpoint, ensure_engine, log
 
 ROOT = Path(__file__).resolve().parent.parent
 TRACE = ROOT.parent.parent / "shared" / "traces" / "azure_llm_2023_code.csv"
 BUILD = dict(dtype="float32", quantization="int8_weight_only", backend="cpu", max_batch_size=16, max_input_len=512,
              max_seq_len=640, max_num_tokens=512, tokens_per_block=16)
-
-
-def ensure_engine() -> Path:
-    from kiln.builder import BuildConfig, build_engine
-
-    out = BENCH / "engine-serving-int8-b16"
-    if engine_is_current(out, BUILD):
-        log(f"reusing engine {out}")
-        return out
-    log(f"building an int8 cpu engine into {out} ...")
-    build_engine(CKPT, out, BuildConfig(**BUILD), progress=lambda stage, msg: log(f"  build {stage}: {msg}"))
-    return out
 
 
 def kiln(*args: str) -> None:
@@ -68,7 +56,7 @@ def main() -> int:
     args = ap.parse_args()
 
     ensure_checkpoint()
-    engine = str(ensure_engine())
+    engine = str(ensure_engine("engine-serving-int8-b16", BUILD))
     work = ["--trace", str(args.trace), "--prompt-scale", str(args.prompt_scale), "--output-scale", "1",
             "--clip-to-engine"]
     common = ["--engine", engine, *work, "--threads", str(args.threads), "--no-progress"]

@@ -23,21 +23,13 @@ import time
 from pathlib import Path
 
 import torch
-from bench_common import BENCH, CKPT, engine_is_current, ensure_checkpoint, log
+from bench_common import BENCH, CKPT, ensure_checkpoint, ensure_engine, log
 
 
-def ensure_engine(dtype: str, backend: str) -> Path:
-    from kiln.builder import BuildConfig, build_engine
-
+def serving_engine(dtype: str, backend: str) -> Path:
     build = dict(dtype=dtype, max_batch_size=16, max_input_len=512, max_seq_len=768, max_num_tokens=256,
                  tokens_per_block=16, backend=backend)
-    out = BENCH / f"engine-serving-{dtype}-b16-t256{'' if backend == 'cpu' else '-' + backend}"
-    if engine_is_current(out, build):
-        log(f"reusing engine {out}")
-        return out
-    log(f"building a {dtype} engine into {out} ...")
-    build_engine(CKPT, out, BuildConfig(**build), progress=lambda stage, msg: log(f"  build {stage}: {msg}"))
-    return out
+    return ensure_engine(f"engine-serving-{dtype}-b16-t256{'' if backend == 'cpu' else '-' + backend}", build)
 
 
 def run_transformers(engine_dir: Path, args, out_dir: Path) -> None:
@@ -118,7 +110,7 @@ def main() -> int:
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     ensure_checkpoint()
-    engine = ensure_engine(args.dtype, args.backend)
+    engine = serving_engine(args.dtype, args.backend)
     kiln = str(Path(sys.executable).parent / "kiln")
     cmd = [kiln, "bench", "--engine", str(engine), "--rate", str(args.rate), "--num-requests", str(args.requests),
            "--prompt-len", args.prompt_len, "--output-len", args.output_len, "--seed", str(args.seed),
