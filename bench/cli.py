@@ -157,7 +157,8 @@ def bench(ctx, engine_dir, endpoint, api, model, metrics_url, no_force_lengths, 
         import matplotlib  # noqa: F401
         import tqdm  # noqa: F401
     except ImportError as exc:
-        raise click.ClickException(f"kiln bench needs its extras ({exc.name} is missing): pip install 'kiln-llm[bench]'") from None
+        raise click.ClickException(f"kiln bench needs its extras ({exc.name} is missing): "
+                                   "pip install 'kiln-llm[bench]'") from None
     from kiln.bench import workload as wl
     from kiln.bench.engine_facts import FactsError, engine_facts
 

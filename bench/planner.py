@@ -24,9 +24,10 @@ Load (a mean-value model, steady state at rate L per instance): every step carri
 requests in flight and a share of prefill tokens, so t_step = A / (1 - L x K), with A the fixed cost of a
 step and K the engine time each request adds (its prompt and output tokens, KV reads and attention).
 1 / K is the saturation rate. TPOT ~ t_step; TTFT(P) ~ t_step / 2 + ceil(P / chunk) x t_step + P x per-token
-cost; concurrency by Little's law N = L x (TTFT + (output - 1) x TPOT). Queueing starts at the rate where
-N reaches the concurrency limit; the SLO rate is the highest rate below it with TTFT(P95 prompt) and TPOT
-within the SLO; instances = ceil(rate / SLO rate).
+cost; concurrency by Little's law N = L x (TTFT + (output - 1) x TPOT). Queueing starts at the first of two
+rates: N reaches the concurrency limit, or the tokens arriving per step, L x (prompt + output) x t_step,
+fill max_num_tokens. The SLO rate is the highest rate below the onset with TTFT(P95 prompt) and TPOT
+within the SLO; instances = ceil(rate / SLO rate). Mean values: bursts make real queues appear earlier.
 """
 
 from __future__ import annotations
@@ -251,15 +252,26 @@ def plan(facts: EngineFacts, device: Device, workload: WorkloadStats, *, tp: int
             lo, hi = (mid, hi) if ok(mid) else (lo, mid)
         return lo
 
-    lam_q = bisect(lambda x: concurrency(x) < limit, lam_sat)
+    # queueing starts at the first of: the running sequences reach the limit (seats or KV), or the prompt
+    # and decode tokens arriving per step fill the step's token budget (max_num_tokens)
+    lam_seats = bisect(lambda x: concurrency(x) < limit, lam_sat)
+    budget = limits.max_num_tokens
+    lam_budget = budget / ((Pm + Om) * A + budget * K)     # solves rate x (P + O) x t_step(rate) = budget
+    lam_q = min(lam_seats, lam_budget)
     load = out["load"]
     load["fixed_step_cost"] = _v(A, "streamed weights / bandwidth (+ all-reduce latency)", "s")
     load["engine_time_per_request"] = _v(K, f"mean prompt {Pm:.0f} + output {Om:.0f} tokens: GEMMs, lm_head, KV reads, "
                                             "attention (see module docstring)", "s")
     load["saturation_rate"] = _v(lam_sat, "1 / engine time per request: beyond it steps grow without bound", "req/s")
-    load["queueing_onset_rate"] = _v(lam_q, f"rate where Little's law concurrency reaches {limit} "
-                                            f"(max concurrent sequences)", "req/s")
-    load["queueing_onset_concurrency"] = _v(limit, "max_concurrent_sequences", "sequences")
+    load["seat_limit_rate"] = _v(lam_seats, f"rate where Little's law concurrency reaches {limit} (max concurrent "
+                                            "sequences)", "req/s")
+    load["token_budget_rate"] = _v(lam_budget, f"rate where the tokens arriving per step, rate x (prompt + output) x "
+                                               f"t_step, reach max_num_tokens {budget}", "req/s")
+    load["queueing_onset_rate"] = _v(lam_q, "the lower of the two: " + ("running sequences reach the limit"
+                                                                        if lam_seats <= lam_budget else
+                                                                        "prompts fill the step's token budget"), "req/s")
+    load["queueing_onset_concurrency"] = _v(min(concurrency(lam_q), limit), "Little's law at the onset rate: "
+                                            "rate x (TTFT + (output - 1) x TPOT), at most the limit", "sequences")
     load["tpot_at_onset"] = _v(step(lam_q), "t_step = A / (1 - rate x K)", "s")
     load["ttft_p95_at_onset"] = _v(ttft(lam_q, workload.prompt["p95"]), "TTFT of the p95 prompt at that rate", "s")
     if slo_ttft_p95 is not None or slo_tpot_p95 is not None:

@@ -1,6 +1,6 @@
 """Serving capacity benchmark (not a test): the planner's prediction next to a measured rate sweep.
 
-    .venv/bin/python scripts/bench_serving.py [--rates 0.5,1,1.5,2,2.5,3,3.5] [--requests 80] [--prompt-scale 0.05]
+    .venv/bin/python scripts/bench_serving.py [--rates 0.25,0.5,1,2] [--requests 40] [--prompt-scale 0.05]
 
 A ~300M-parameter random Llama (``work/bench/llama-300m``, shared with the other benchmarks) is built into
 an int8 weight-only ``cpu`` engine (batch 16, prompts <= 512, sequences <= 640 tokens). The Azure code trace
@@ -45,13 +45,14 @@ def kiln(*args: str) -> None:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--trace", type=Path, default=TRACE)
-    ap.add_argument("--rates", default="0.5,1,1.5,2,2.5,3,3.5")
-    ap.add_argument("--requests", type=int, default=80)
+    ap.add_argument("--rates", default="0.25,0.5,1,2")
+    ap.add_argument("--requests", type=int, default=40)
     ap.add_argument("--prompt-scale", type=float, default=0.05)
     ap.add_argument("--slo-ttft-p95", default="4s")
     ap.add_argument("--slo-tpot-p95", default="400ms")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--out", type=Path, default=BENCH / "serving")
+    ap.add_argument("--max-kv-cache-tokens", type=int, help="cap the KV pool (the same option for plan and bench)")
     ap.add_argument("--skip-calibration", action="store_true", help="reuse OUT/calibration/result.json")
     args = ap.parse_args()
 
@@ -59,6 +60,7 @@ def main() -> int:
     engine = str(ensure_engine("engine-serving-int8-b16", BUILD))
     work = ["--trace", str(args.trace), "--prompt-scale", str(args.prompt_scale), "--output-scale", "1",
             "--clip-to-engine"]
+    serving = ["--max-kv-cache-tokens", str(args.max_kv_cache_tokens)] if args.max_kv_cache_tokens else []
     common = ["--engine", engine, *work, "--threads", str(args.threads), "--no-progress"]
     log(f"1-min load average before: {os.getloadavg()[0]:.2f}")
     cal = args.out / "calibration"
@@ -67,14 +69,15 @@ def main() -> int:
     plan_json = args.out / "plan.json"
     kiln("plan", "--engine", engine, "--device", "cpu:24", *work, "--max-requests", str(args.requests),
          "--calibration", str(cal / "result.json"), "--ttft-p95", args.slo_ttft_p95, "--tpot-p95", args.slo_tpot_p95,
-         "--output", str(plan_json))
+         *serving, "--kv-cache-memory-fraction", "0.9", "--output", str(plan_json))
     sweep = args.out / "sweep"
     t0 = time.time()
-    kiln("bench", *common, "--max-requests", str(args.requests), "--rates", args.rates, "--slo-ttft-p95",
+    kiln("bench", *common, *serving, "--max-requests", str(args.requests), "--rates", args.rates, "--slo-ttft-p95",
          args.slo_ttft_p95, "--slo-tpot-p95", args.slo_tpot_p95, "--output", str(sweep))
     log(f"sweep took {time.time() - t0:.0f} s; 1-min load average after: {os.getloadavg()[0]:.2f}")
 
-    plan = json.loads(plan_json.read_text())["plan"]["load"]
+    full_plan = json.loads(plan_json.read_text())["plan"]
+    plan = full_plan["load"]
     res = json.loads((sweep / "result.json").read_text())
     onset = res["summary"]["queueing_onset"]
     print()
@@ -89,6 +92,10 @@ def main() -> int:
           f"requests waited (max {onset['running_max']}), waiting {onset['waiting_time_fraction']:.0%} of the time, "
           f"{onset['preemptions']:.0f} preemptions")
     print(f"concurrency: measured / predicted = {c_meas / c_pred:.2f} (target within 25%)")
+    conc = full_plan["concurrency"]
+    print("planner's KV-limited sequences at P50/P90/P95 lengths: " + ", ".join(
+        f"{conc[f'kv_sequences_at_{q}']['value']}" for q in ("p50", "p90", "p95"))
+        + f"; limited by {conc['limited_by']['value']}")
     rates = [r["rate"] for r in res["runs"]]
     below = [r for r in rates if r < onset["rate"]]
     print(f"onset rate: predicted {plan['queueing_onset_rate']['value']:.3g} req/s; measured between "

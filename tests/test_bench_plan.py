@@ -133,3 +133,18 @@ def test_plan_cli_writes_json_with_a_source_for_every_number(tiny, tmp_path):
     r = CliRunner().invoke(plan_cmd, ["--engine", str(tiny.directory), "--device", "cpu:24", "--context-p95", "60",
                                       "--output-p95", "30", "--calibration", str(out)])
     assert r.exit_code != 0 and "not a kiln bench result" in r.output
+
+
+def test_load_model_onset_is_the_first_limit_reached(tmp_path):
+    cfg = tmp_path / "config.json"
+    cfg.write_text(json.dumps(LLAMA_8B))
+    f = hf_facts(cfg, "bfloat16", max_batch_size=64, max_num_tokens=2048, max_seq_len=8192)
+    w = WorkloadStats.from_percentiles(4000, 500, context_mean=1500, output_mean=200)
+    load = plan(f, get_device("l4"), w)["load"]
+    A, K = load["fixed_step_cost"]["value"], load["engine_time_per_request"]["value"]
+    lam = load["token_budget_rate"]["value"]
+    assert lam * (1500 + 200) * A / (1 - lam * K) == pytest.approx(2048)     # tokens per step = the budget
+    assert load["saturation_rate"]["value"] == pytest.approx(1 / K)
+    assert load["queueing_onset_rate"]["value"] == min(lam, load["seat_limit_rate"]["value"])
+    assert load["queueing_onset_rate"]["value"] < load["saturation_rate"]["value"]
+    assert 0 < load["queueing_onset_concurrency"]["value"] <= 64
