@@ -23,7 +23,8 @@ def _finite_runs(result: dict) -> list[dict]:
 
 
 def write_plots(result: dict, out_dir: Path) -> list[Path]:
-    """latency_vs_rate.png, throughput_vs_rate.png, latency_cdf.png, kv_usage.png; returns the paths written."""
+    """latency_vs_rate.png, throughput_vs_rate.png, latency_cdf.png, kv_usage.png (KV usage, running/waiting
+    sequences and the prefix-cache hit rate over time); returns the paths written."""
     plt = _plt()
     out_dir.mkdir(parents=True, exist_ok=True)
     paths = []
@@ -78,7 +79,7 @@ def write_plots(result: dict, out_dir: Path) -> list[Path]:
         for ax, key in ((axes[0], "ttft"), (axes[1], "tpot")):
             xs = np.sort([p[key] * 1e3 for p in run["per_request"] if p.get(key) is not None])
             if xs.size:
-                ax.plot(xs, np.arange(1, xs.size + 1) / xs.size, label=f"{run['rate']} req/s")
+                ax.plot(xs, np.arange(1, xs.size + 1) / xs.size, drawstyle="steps-post", label=f"{run['rate']} req/s")
     for ax, key, slo_v in ((axes[0], "TTFT", slo["ttft_p95_s"]), (axes[1], "TPOT", slo["tpot_p95_s"])):
         if slo_v is not None:
             ax.axvline(slo_v * 1e3, color="red", lw=1, ls=":", label="SLO")
@@ -91,7 +92,7 @@ def write_plots(result: dict, out_dir: Path) -> list[Path]:
     fig.tight_layout()
     paths.append(_save(fig, plt, out_dir / "latency_cdf.png"))
 
-    fig, axes = plt.subplots(2, 1, figsize=(10, 6), sharex=True)
+    fig, axes = plt.subplots(3, 1, figsize=(10, 8), sharex=True)
     any_series = False
     colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
     for i, run in enumerate(result["runs"]):
@@ -107,11 +108,16 @@ def write_plots(result: dict, out_dir: Path) -> list[Path]:
                          label=f"running @ {run['rate']}")
             axes[1].plot(t, [s.get("waiting") or 0 for s in ts], lw=1, ls=":", color=c, drawstyle="steps-post",
                          label=f"waiting @ {run['rate']}")
+            if any(s.get("prefix_hit_rate") is not None for s in ts):
+                axes[2].plot(t, [(s.get("prefix_hit_rate") or 0) * 100 for s in ts], lw=1, color=c,
+                             drawstyle="steps-post", label=f"{run['rate']} req/s")
     axes[0].set_ylabel("KV blocks used (%)")
     axes[0].set_title("KV cache usage over time" + ("" if any_series else " (the target exposes no KV metrics)"))
     axes[1].set_title("running (solid) and waiting (dotted) sequences")
     axes[1].set_ylabel("sequences")
-    axes[1].set_xlabel("time since the run started (s)")
+    axes[2].set_ylabel("prefix hit rate (%)")
+    axes[2].set_title("prefix-cache hit rate (share of prompt tokens found cached, since the server started)")
+    axes[2].set_xlabel("time since the run started (s)")
     for ax in axes:
         ax.grid(alpha=0.3)
         if ax.get_legend_handles_labels()[0]:
