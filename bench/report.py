@@ -63,7 +63,8 @@ def rate_rows(result: dict) -> list[list[str]]:
             _f(run["server"].get("preemptions"), ".0f"), _f(run["server"].get("kv_usage_max"), ".0%"),
             ("yes" if run["slo_met"] else "no"), _ms(run["client"]["send_lag_s"]["p99"])
             + ("!" if run["client"]["behind_schedule"] else ""),
-            _f(run["machine"]["loadavg_1m_after"], ".1f"), _f(run["machine"].get("process_cpu_per_wall_s"), ".2f"),
+            _f(run["machine"]["loadavg_1m_after"], ".1f"),
+            _f(run["machine"].get("process_cpu_per_busy_s", run["machine"].get("process_cpu_per_wall_s")), ".2f"),
         ])
     return rows
 
@@ -87,7 +88,9 @@ def format_result(result: dict) -> str:
              f"SLO: p95 TTFT <= {_ms(cfg['slo']['ttft_p95_s'])} ms, p95 TPOT <= {_ms(cfg['slo']['tpot_p95_s'])} ms "
              "(latencies in ms; requests completed/failed/rejected 429/aborted; 'running' = mean sequences running, "
              "'waiting' = share of time with requests waiting for admission; '!' = client behind schedule; "
-             "'load' = 1-min load average at the end of the rate, 'cpu/s' = CPU seconds this process got per second)",
+             "'load' = 1-min load average at the end of the rate, 'cpu/s' = CPU seconds this process got per "
+             "second the engine was stepping (in-process; about the torch threads when the cores are free) or "
+             "per second of the run (endpoint))",
              format_table(HEADER, rate_rows(result))]
     onset = summ.get("queueing_onset")
     lines.append(f"knee (highest rate meeting the SLO): {_f(summ['knee_rate'], 'g')} req/s; throughput stops following "

@@ -150,7 +150,11 @@ async def run_rate(target, workload: Workload, synth: PromptSynthesizer, *, slo:
     result = _rate_result(workload, records, series, before, after, slo, t_end, load_before)
     # CPU time this process got (the in-process engine's step loop included) per second of the run: on a
     # shared machine a low share next to a busy engine means other work took the cores
-    result["machine"]["process_cpu_per_wall_s"] = (time.process_time() - cpu_before) / max(t_end, 1e-9)
+    cpu = time.process_time() - cpu_before
+    result["machine"]["process_cpu_per_wall_s"] = cpu / max(t_end, 1e-9)
+    busy = sum(r.get("step_time", 0.0) for r in series)
+    if busy > 0:  # in-process: CPU per second the engine was stepping (~torch threads on a quiet machine)
+        result["machine"]["process_cpu_per_busy_s"] = cpu / busy
     return result
 
 
