@@ -53,6 +53,9 @@ def main() -> int:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--out", type=Path, default=BENCH / "serving")
     ap.add_argument("--max-kv-cache-tokens", type=int, help="cap the KV pool (the same option for plan and bench)")
+    ap.add_argument("--arrivals", choices=["trace", "poisson"], default="trace",
+                    help="trace: the trace's own (bursty) arrivals; poisson: Poisson arrivals with lengths drawn "
+                         "from the whole trace (the planner's mean-value model assumes smooth arrivals)")
     ap.add_argument("--skip-calibration", action="store_true", help="reuse OUT/calibration/result.json")
     args = ap.parse_args()
 
@@ -67,12 +70,15 @@ def main() -> int:
     if not args.skip_calibration:
         kiln("bench", *common, "--max-requests", "24", "--max-throughput", "--output", str(cal), "--no-plots")
     plan_json = args.out / "plan.json"
-    kiln("plan", "--engine", engine, "--device", "cpu:24", *work, "--max-requests", str(args.requests),
+    poisson = args.arrivals == "poisson"
+    lengths = ["--prompt-len", "trace", "--output-len", "trace"] if poisson else []
+    window = [] if poisson else ["--max-requests", str(args.requests)]   # Poisson mode samples the whole trace
+    kiln("plan", "--engine", engine, "--device", "cpu:24", *work, *window,
          "--calibration", str(cal / "result.json"), "--ttft-p95", args.slo_ttft_p95, "--tpot-p95", args.slo_tpot_p95,
          *serving, "--kv-cache-memory-fraction", "0.9", "--output", str(plan_json))
     sweep = args.out / "sweep"
     t0 = time.time()
-    kiln("bench", *common, *serving, "--max-requests", str(args.requests), "--rates", args.rates, "--slo-ttft-p95",
+    kiln("bench", *common, *serving, *lengths, "--max-requests", str(args.requests), "--rates", args.rates, "--slo-ttft-p95",
          args.slo_ttft_p95, "--slo-tpot-p95", args.slo_tpot_p95, "--output", str(sweep))
     log(f"sweep took {time.time() - t0:.0f} s; 1-min load average after: {os.getloadavg()[0]:.2f}")
 
