@@ -47,6 +47,8 @@ from kiln.bench.cli import _duration
 @click.option("--max-num-tokens", type=int, help="Serving option, as LLM(...) takes it.")
 @click.option("--kv-cache-memory-fraction", type=float, help="Serving option (default: the recommended one).")
 @click.option("--max-kv-cache-tokens", type=int, help="Serving option, as LLM(...) takes it.")
+@click.option("--capacity-policy", type=click.Choice(["guaranteed_no_evict", "max_utilization"]),
+              default="guaranteed_no_evict", show_default=True, help="Serving option, as LLM(...) takes it.")
 @click.option("--headroom", type=float, default=0.10, show_default=True, help="Memory kept free for the recommended fraction.")
 @click.option("--percentile", type=click.Choice(["50", "90", "95"]), default="95", show_default=True,
               help="Lengths the concurrency limit is planned for.")
@@ -56,7 +58,7 @@ from kiln.bench.cli import _duration
 def plan(engine_dir, hf_config, dtype, quantization, max_seq_len, tokens_per_block, device, memory, bandwidth, flops,
          tp, trace, window, max_requests, length_scale, prompt_scale, output_scale, clip_to_engine, context_p95,
          output_p95, context_mean, output_mean, rate, ttft_p95, tpot_p95, max_batch_size, max_num_tokens,
-         kv_cache_memory_fraction, max_kv_cache_tokens, headroom, percentile, calibration, out_path):
+         kv_cache_memory_fraction, max_kv_cache_tokens, capacity_policy, headroom, percentile, calibration, out_path):
     """Capacity plan: KV pool, concurrency limits, settings, step time and instances (every number with its source)."""
     from dataclasses import replace
 
@@ -129,7 +131,8 @@ def plan(engine_dir, hf_config, dtype, quantization, max_seq_len, tokens_per_blo
         result = make_plan(facts, dev, stats, tp=tp, max_batch_size=max_batch_size, max_num_tokens=max_num_tokens,
                            kv_cache_memory_fraction=fraction, max_kv_cache_tokens=max_kv_cache_tokens,
                            headroom=headroom, percentile=int(percentile), calibration=cal, rate=rate,
-                           slo_ttft_p95=_duration(ttft_p95), slo_tpot_p95=_duration(tpot_p95))
+                           slo_ttft_p95=_duration(ttft_p95), slo_tpot_p95=_duration(tpot_p95),
+                           capacity_policy=capacity_policy)
     except PlanError as exc:
         raise click.ClickException(str(exc)) from None
     click.echo(format_plan(result))

@@ -7,8 +7,10 @@ block count is the runtime's for the same options (tests/test_bench_plan.py chec
 
 Concurrency. A request holds ``ceil((prompt + output - 1) / tokens_per_block)`` blocks at its longest
 (the scheduler's ``blocks_for_request``); at a percentile's lengths the pool holds ``num_blocks // that``
-sequences, and ``min(that, max_batch_size)`` run at once: past it requests queue (guaranteed_no_evict)
-or get preempted (max_utilization).
+sequences: ``min(that at P95, max_batch_size)`` is what is guaranteed to run at once (the recommended
+max_batch_size). Queues form on average earlier or later than that: at ``min(num_blocks / mean blocks
+per request, max_batch_size)`` running sequences (the reservation under guaranteed_no_evict, about
+prompt + output / 2 under max_utilization, where it shows as preemption).
 
 Step time (per device, additive: the memory and compute phases of kiln's kernels do not overlap much,
 and ``a + b x tokens`` is what ``--calibration`` fits):
@@ -33,7 +35,7 @@ within the SLO; instances = ceil(rate / SLO rate). Mean values: bursts make real
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -59,6 +61,15 @@ class WorkloadStats:
     total: dict            # of prompt + output per request
     prompt_sq_mean: float  # E[prompt^2], for prefill attention
     source: str
+    lengths: list[tuple[float, float]] = field(default_factory=list)   # (prompt, output) per request
+
+    def mean_blocks(self, block: int, capacity_policy: str) -> float:
+        """KV blocks a request holds on average over the workload: its whole reservation
+        ceil((prompt + output - 1) / block) under guaranteed_no_evict; under max_utilization the blocks
+        grow with the output, about ceil((prompt + output / 2) / block) over its life."""
+        if capacity_policy == "max_utilization":
+            return float(np.mean([cdiv(int(math.ceil(p + o / 2)), block) for p, o in self.lengths]))
+        return float(np.mean([cdiv(int(math.ceil(p + o)) - 1, block) for p, o in self.lengths]))
 
     @classmethod
     def from_lengths(cls, prompts, outputs, source: str) -> "WorkloadStats":
@@ -67,7 +78,7 @@ class WorkloadStats:
         def stats(x):
             return {"mean": float(x.mean()), **{f"p{q}": float(np.percentile(x, q)) for q in (50, 90, 95)}}
 
-        return cls(stats(p), stats(o), stats(p + o), float((p**2).mean()), source)
+        return cls(stats(p), stats(o), stats(p + o), float((p**2).mean()), source, list(zip(p.tolist(), o.tolist())))
 
     @classmethod
     def from_percentiles(cls, context_p95: int, output_p95: int, context_mean: float | None = None,
@@ -79,7 +90,7 @@ class WorkloadStats:
         t = {k: p[k] + o[k] for k in p}
         src = f"--context-p95 {context_p95} --output-p95 {output_p95}" + (
             "" if context_mean is not None else " (means taken = p95: conservative)")
-        return cls(p, o, t, float(pm**2), src)
+        return cls(p, o, t, float(pm**2), src, [(pm, om)])
 
 
 def _v(value, source: str, unit: str = "") -> dict:
@@ -101,7 +112,7 @@ def plan(facts: EngineFacts, device: Device, workload: WorkloadStats, *, tp: int
          kv_cache_memory_fraction: float | None | str = "recommended", max_kv_cache_tokens: int | None = None,
          available_bytes: int | None = None, headroom: float = 0.10, percentile: int = 95,
          calibration: dict | None = None, rate: float | None = None, slo_ttft_p95: float | None = None,
-         slo_tpot_p95: float | None = None) -> dict:
+         slo_tpot_p95: float | None = None, capacity_policy: str = "guaranteed_no_evict") -> dict:
     """The plan: every number as {"value", "unit", "source"} under a few headings.
 
     Serving options mean what they mean to ``LLM(...)``, except ``kv_cache_memory_fraction``, which defaults
@@ -176,6 +187,14 @@ def plan(facts: EngineFacts, device: Device, workload: WorkloadStats, *, tp: int
                                                  f"{limits.max_batch_size}): beyond it requests queue or are preempted",
                                           "sequences")
     conc["limited_by"] = _v("KV cache" if limit < limits.max_batch_size else "max_batch_size", "the smaller of the two")
+    mean_blocks = workload.mean_blocks(block, capacity_policy)
+    kv_mean = limits.num_blocks / mean_blocks
+    onset_limit = min(kv_mean, limits.max_batch_size)
+    conc["kv_sequences_at_mean_occupancy"] = _v(kv_mean, f"pool blocks {limits.num_blocks} / {mean_blocks:.2f} blocks a "
+                                                         f"request holds on average ({capacity_policy})", "sequences")
+    conc["queueing_concurrency"] = _v(onset_limit, "min(KV sequences at mean occupancy, max_batch_size): where queues "
+                                                   "form on average (the p-percentile limit above is what is "
+                                                   "guaranteed)", "sequences")
 
     st = out["settings"]
     rec_batch = max(1, min(b["max_batch_size"], limits.num_blocks // max(cdiv(int(math.ceil(workload.total[key])) - 1, block), 1)))
@@ -254,7 +273,7 @@ def plan(facts: EngineFacts, device: Device, workload: WorkloadStats, *, tp: int
 
     # queueing starts at the first of: the running sequences reach the limit (seats or KV), or the prompt
     # and decode tokens arriving per step fill the step's token budget (max_num_tokens)
-    lam_seats = bisect(lambda x: concurrency(x) < limit, lam_sat)
+    lam_seats = bisect(lambda x: concurrency(x) < onset_limit, lam_sat)
     budget = limits.max_num_tokens
     lam_budget = budget / ((Pm + Om) * A + budget * K)     # solves rate x (P + O) x t_step(rate) = budget
     lam_q = min(lam_seats, lam_budget)
@@ -263,15 +282,16 @@ def plan(facts: EngineFacts, device: Device, workload: WorkloadStats, *, tp: int
     load["engine_time_per_request"] = _v(K, f"mean prompt {Pm:.0f} + output {Om:.0f} tokens: GEMMs, lm_head, KV reads, "
                                             "attention (see module docstring)", "s")
     load["saturation_rate"] = _v(lam_sat, "1 / engine time per request: beyond it steps grow without bound", "req/s")
-    load["seat_limit_rate"] = _v(lam_seats, f"rate where Little's law concurrency reaches {limit} (max concurrent "
-                                            "sequences)", "req/s")
+    load["seat_limit_rate"] = _v(lam_seats, f"rate where Little's law concurrency reaches {onset_limit:.1f} "
+                                            "(queueing_concurrency)", "req/s")
     load["token_budget_rate"] = _v(lam_budget, f"rate where the tokens arriving per step, rate x (prompt + output) x "
                                                f"t_step, reach max_num_tokens {budget}", "req/s")
     load["queueing_onset_rate"] = _v(lam_q, "the lower of the two: " + ("running sequences reach the limit"
                                                                         if lam_seats <= lam_budget else
                                                                         "prompts fill the step's token budget"), "req/s")
-    load["queueing_onset_concurrency"] = _v(min(concurrency(lam_q), limit), "Little's law at the onset rate: "
-                                            "rate x (TTFT + (output - 1) x TPOT), at most the limit", "sequences")
+    load["queueing_onset_concurrency"] = _v(min(concurrency(lam_q), onset_limit), "Little's law at the onset rate: "
+                                            "rate x (TTFT + (output - 1) x TPOT), at most queueing_concurrency",
+                                            "sequences")
     load["tpot_at_onset"] = _v(step(lam_q), "t_step = A / (1 - rate x K)", "s")
     load["ttft_p95_at_onset"] = _v(ttft(lam_q, workload.prompt["p95"]), "TTFT of the p95 prompt at that rate", "s")
     if slo_ttft_p95 is not None or slo_tpot_p95 is not None:

@@ -87,7 +87,7 @@ def main() -> int:
     res = json.loads((sweep / "result.json").read_text())
     onset = res["summary"]["queueing_onset"]
     print()
-    print(f"planner: queueing starts at {plan['queueing_onset_concurrency']['value']} concurrent sequences, "
+    print(f"planner: queueing starts at {plan['queueing_onset_concurrency']['value']:.1f} concurrent sequences, "
           f"{plan['queueing_onset_rate']['value']:.3g} req/s (saturation {plan['saturation_rate']['value']:.3g} req/s)")
     if onset is None:
         print("measured: no rate of the sweep showed queueing or preemption; extend --rates")
@@ -101,7 +101,8 @@ def main() -> int:
     conc = full_plan["concurrency"]
     print("planner's KV-limited sequences at P50/P90/P95 lengths: " + ", ".join(
         f"{conc[f'kv_sequences_at_{q}']['value']}" for q in ("p50", "p90", "p95"))
-        + f"; limited by {conc['limited_by']['value']}")
+        + f"; at mean occupancy {conc['kv_sequences_at_mean_occupancy']['value']:.1f}; guaranteed "
+        f"{conc['max_concurrent_sequences']['value']} (limited by {conc['limited_by']['value']})")
     rates = [r["rate"] for r in res["runs"]]
     below = [r for r in rates if r < onset["rate"]]
     print(f"onset rate: predicted {plan['queueing_onset_rate']['value']:.3g} req/s; measured between "
