@@ -9,8 +9,9 @@ Concurrency. A request holds ``ceil((prompt + output - 1) / tokens_per_block)`` 
 (the scheduler's ``blocks_for_request``); at a percentile's lengths the pool holds ``num_blocks // that``
 sequences: ``min(that at P95, max_batch_size)`` is what is guaranteed to run at once (the recommended
 max_batch_size). Queues form on average earlier or later than that: at ``min(num_blocks / mean blocks
-per request, max_batch_size)`` running sequences (the reservation under guaranteed_no_evict, about
-prompt + output / 2 under max_utilization, where it shows as preemption).
+per request - 1, max_batch_size)`` running sequences (blocks: the reservation under guaranteed_no_evict,
+about prompt + output / 2 under max_utilization, where it shows as preemption; - 1: the request at the
+head of the queue needs room for its own blocks).
 
 Step time (per device, additive: the memory and compute phases of kiln's kernels do not overlap much,
 and ``a + b x tokens`` is what ``--calibration`` fits):
@@ -188,10 +189,13 @@ def plan(facts: EngineFacts, device: Device, workload: WorkloadStats, *, tp: int
                                           "sequences")
     conc["limited_by"] = _v("KV cache" if limit < limits.max_batch_size else "max_batch_size", "the smaller of the two")
     mean_blocks = workload.mean_blocks(block, capacity_policy)
-    kv_mean = limits.num_blocks / mean_blocks
+    # admission needs room for the next request's own blocks too: on average queues form once the running
+    # requests hold the pool less one request's worth
+    kv_mean = max(limits.num_blocks / mean_blocks - 1, 1.0)
     onset_limit = min(kv_mean, limits.max_batch_size)
     conc["kv_sequences_at_mean_occupancy"] = _v(kv_mean, f"pool blocks {limits.num_blocks} / {mean_blocks:.2f} blocks a "
-                                                         f"request holds on average ({capacity_policy})", "sequences")
+                                                         f"request holds on average ({capacity_policy}), less the one "
+                                                         "waiting for room", "sequences")
     conc["queueing_concurrency"] = _v(onset_limit, "min(KV sequences at mean occupancy, max_batch_size): where queues "
                                                    "form on average (the p-percentile limit above is what is "
                                                    "guaranteed)", "sequences")
