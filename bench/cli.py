@@ -17,6 +17,13 @@ from pathlib import Path
 import click
 
 from kiln.bench.stats import SLO
+from kiln.clikit import dataclass_options, given
+from kiln.contract import KilnError
+from kiln.runtime.executor import ExecutorConfig
+
+# serving options of the in-process target are ExecutorConfig's fields (as for kiln generate); --seed is the
+# workload's, and the bench keeps every step record
+_EXECUTOR_EXCLUDE = ("seed", "metrics_window")
 
 
 def _duration(text: str | None) -> float | None:
@@ -64,7 +71,8 @@ def _pair(text: str | None, name: str) -> tuple[int, int] | None:
     return n, length
 
 
-def _vocab_and_specials(engine_dir: Path | None, tokenizer: Path | None, vocab_size: int | None) -> tuple[int, set[int], str]:
+def _vocab_and_specials(engine_dir: Path | None, tokenizer: Path | None,
+                        vocab_size: int | None) -> tuple[int, set[int], str]:
     """Vocabulary size and special token ids to avoid in synthetic prompts, and where they came from."""
     specials: set[int] = set()
     tok_path = None
@@ -103,7 +111,8 @@ def _vocab_and_specials(engine_dir: Path | None, tokenizer: Path | None, vocab_s
 @click.option("--metrics-url", help="Prometheus metrics of the target (default: ENDPOINT/metrics; 'none' to skip).")
 @click.option("--no-force-lengths", is_flag=True, help="Do not send ignore_eos/min_tokens (servers that reject them).")
 @click.option("--dry-run", is_flag=True, help="Target a zero-latency stub server: measures the client itself.")
-@click.option("--trace", type=click.Path(path_type=Path, dir_okay=False), help="CSV/JSONL trace: arrival, prompt and output lengths.")
+@click.option("--trace", type=click.Path(path_type=Path, dir_okay=False),
+              help="CSV/JSONL trace: arrival, prompt and output lengths.")
 @click.option("--window", help="START:END seconds of the trace to replay.")
 @click.option("--max-requests", type=int, help="Replay at most N requests (of the window).")
 @click.option("--rate-scale", type=float, default=1.0, show_default=True,
@@ -119,22 +128,18 @@ def _vocab_and_specials(engine_dir: Path | None, tokenizer: Path | None, vocab_s
               help="Synthetic arrivals: gamma shape (1 = Poisson, < 1 burstier).")
 @click.option("--shared-prefix", help="N:L: every prompt starts with one of N system prompts of L tokens.")
 @click.option("--seed", type=int, default=0, show_default=True)
-@click.option("--tokenizer", type=click.Path(path_type=Path, exists=True), help="tokenizer.json (vocabulary for prompts).")
+@click.option("--tokenizer", type=click.Path(path_type=Path, exists=True),
+              help="tokenizer.json (vocabulary for prompts).")
 @click.option("--vocab-size", type=int, help="Vocabulary size for prompts when no tokenizer/engine is given.")
 @click.option("--rate", type=float, help="One run at R req/s.")
 @click.option("--rates", help="A sweep: comma-separated req/s, e.g. 0.5,1,2,4.")
-@click.option("--sweep", type=click.Choice(["auto"]), help="auto: double the rate until the SLO breaks, then bisect once.")
+@click.option("--sweep", type=click.Choice(["auto"]),
+              help="auto: double the rate until the SLO breaks, then bisect once.")
 @click.option("--start-rate", type=float, default=0.5, show_default=True, help="First rate of --sweep auto.")
 @click.option("--max-throughput", is_flag=True, help="Every request at t=0.")
 @click.option("--slo-ttft-p95", help="SLO on p95 time to first token (e.g. 2s, 500ms).")
 @click.option("--slo-tpot-p95", help="SLO on p95 time per output token (e.g. 100ms).")
-@click.option("--max-batch-size", type=int, help="In-process: per-step sequence budget (default: the engine's).")
-@click.option("--max-num-tokens", type=int, help="In-process: per-step token budget (default: the engine's).")
-@click.option("--kv-cache-memory-fraction", type=float, default=0.9, show_default=True)
-@click.option("--max-kv-cache-tokens", type=int, help="In-process: cap the KV pool (tokens).")
-@click.option("--capacity-policy", type=click.Choice(["guaranteed_no_evict", "max_utilization"]),
-              default="guaranteed_no_evict", show_default=True)
-@click.option("--no-prefix-reuse", is_flag=True)
+@dataclass_options(ExecutorConfig, exclude=_EXECUTOR_EXCLUDE)
 @click.option("--threads", type=int, help="In-process: torch threads (default: torch's).")
 @click.option("--warmup", type=int, default=2, show_default=True, help="Unmeasured requests sent first.")
 @click.option("--timeout", "run_timeout", type=float, help="Seconds per rate before the rest is aborted.")
@@ -147,9 +152,8 @@ def _vocab_and_specials(engine_dir: Path | None, tokenizer: Path | None, vocab_s
 def bench(ctx, engine_dir, endpoint, api, model, metrics_url, no_force_lengths, dry_run, trace, window, max_requests,
           rate_scale, length_scale, prompt_scale, output_scale, clip_to_engine, num_requests, prompt_len, output_len,
           burstiness, shared_prefix, seed, tokenizer, vocab_size, rate, rates, sweep, start_rate, max_throughput,
-          slo_ttft_p95, slo_tpot_p95, max_batch_size, max_num_tokens, kv_cache_memory_fraction, max_kv_cache_tokens,
-          capacity_policy, no_prefix_reuse, threads, warmup, run_timeout, request_timeout, out_dir, no_plots,
-          no_progress):
+          slo_ttft_p95, slo_tpot_p95, threads, warmup, run_timeout, request_timeout, out_dir, no_plots, no_progress,
+          **options):
     """Replay load against an engine (--engine) or a server (--endpoint); sweep rates; report and plot."""
     if ctx.invoked_subcommand is not None:
         return
@@ -206,8 +210,9 @@ def bench(ctx, engine_dir, endpoint, api, model, metrics_url, no_force_lengths, 
         work = wl.with_shared_prefix(work, n_p, l_p, seed)
     if clip_to_engine:
         if facts is None:
-            raise click.UsageError("--clip-to-engine needs --engine DIR (with --endpoint: the served engine's directory)")
-        work = wl.clip_to_bounds(work, facts.build["max_input_len"], facts.build["max_seq_len"])
+            raise click.UsageError("--clip-to-engine needs --engine DIR (with --endpoint: the served engine's "
+                                   "directory)")
+        work = wl.clip_to_bounds(work, facts.bounds.max_input_len, facts.bounds.max_seq_len)
     work.description.update(seed=seed, totals=work.totals())
 
     if max_throughput:
@@ -266,14 +271,12 @@ def bench(ctx, engine_dir, endpoint, api, model, metrics_url, no_force_lengths, 
     else:
         from kiln.bench.targets import InProcessTarget
         from kiln.runtime import LLM
-        from kiln.runtime.engine import EngineLoadError
 
         try:
-            llm = LLM(engine_dir, max_batch_size=max_batch_size, max_num_tokens=max_num_tokens,
-                      kv_cache_memory_fraction=kv_cache_memory_fraction, max_kv_cache_tokens=max_kv_cache_tokens,
-                      capacity_policy=capacity_policy, enable_prefix_reuse=not no_prefix_reuse,
-                      metrics_window=1 << 20)
-        except (EngineLoadError, ValueError) as exc:
+            serving = ExecutorConfig(**given(ExecutorConfig, options, exclude=_EXECUTOR_EXCLUDE),
+                                     metrics_window=1 << 20)
+            llm = LLM(engine_dir, config=serving)
+        except KilnError as exc:
             raise click.ClickException(str(exc)) from None
         try:
             runs = asyncio.run(main(InProcessTarget(llm)))

@@ -1,9 +1,8 @@
 """The engine facts bench and plan need (sizes, bounds, shapes), read in ONE place.
 
-``engine_facts(dir)`` reads a built engine's config.json; ``hf_facts(config.json, ...)`` estimates the same
-facts for a Hugging Face model that has not been built yet. Everything else in kiln.bench takes an
-:class:`EngineFacts`, so when the engine format gains a typed owner (kiln.contract's EngineConfig) only
-these two functions change.
+``engine_facts(dir)`` reads a built engine's typed config (``kiln.contract.read_engine_config``);
+``hf_facts(config.json, ...)`` estimates the same facts for a Hugging Face model that has not been built
+yet. Everything else in kiln.bench takes an :class:`EngineFacts`.
 """
 
 from __future__ import annotations
@@ -12,11 +11,13 @@ import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from kiln.contract import EngineBounds, EngineLoadError, KilnError, read_engine_config
+
 _DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 _QUANT_BYTES = {"none": None, "int8_weight_only": 1.0, "int4_weight_only": 0.5}
 
 
-class FactsError(ValueError):
+class FactsError(KilnError, ValueError):
     """The engine directory or model config cannot be read; the message says which file and why."""
 
 
@@ -45,8 +46,8 @@ class EngineFacts:
     activation_peak_bytes: int
     matmul_params: int
     lm_head_params: int
+    bounds: EngineBounds
     special_token_ids: list[int] = field(default_factory=list)   # eos / bos: kept out of synthetic prompts
-    build: dict = field(default_factory=dict)   # max_batch_size, max_num_tokens, max_seq_len, max_input_len, tokens_per_block
     origin: dict = field(default_factory=dict)
 
     def as_dict(self) -> dict:
@@ -72,39 +73,33 @@ def _read_json(path: Path) -> dict:
 
 
 def engine_facts(engine_dir: str | Path) -> EngineFacts:
-    """Facts of a built engine, from its config.json (memory plan written by the builder)."""
-    path = Path(engine_dir) / "config.json"
-    cfg = _read_json(path)
+    """Facts of a built engine, from its config.json (the builder's memory plan and bounds)."""
     try:
-        m, b, mem = cfg["model"], cfg["build"], cfg.get("memory", {})
-        elem = _DTYPE_BYTES[b["kv_cache_dtype"]]
-        kv = int(mem.get("kv_bytes_per_token") or 2 * m["num_layers"] * m["num_kv_heads"] * m["head_dim"] * elem)
-        weights = int(mem["weights_bytes"])
-        embed = 0 if m.get("tie_word_embeddings") else m["vocab_size"] * m["hidden_size"] * _DTYPE_BYTES[b["dtype"]]
-        facts = EngineFacts(
-            name=str(engine_dir), architecture=m["architecture"], num_layers=m["num_layers"],
-            hidden_size=m["hidden_size"], num_heads=m["num_heads"], num_kv_heads=m["num_kv_heads"],
-            head_dim=m["head_dim"], vocab_size=m["vocab_size"], dtype=b["dtype"], quantization=b["quantization"],
-            weights_bytes=weights, streamed_weight_bytes=max(weights - embed, 0), kv_bytes_per_token=kv,
-            activation_peak_bytes=int(mem.get("activation_peak_bytes", 0)),
-            matmul_params=m["num_layers"] * _layer_params(m), lm_head_params=m["vocab_size"] * m["hidden_size"],
-            special_token_ids=sorted(set(cfg.get("eos_token_ids") or [])
-                                     | ({cfg["bos_token_id"]} if cfg.get("bos_token_id") is not None else set())),
-            build={k: int(b[k]) for k in ("max_batch_size", "max_num_tokens", "max_seq_len", "max_input_len",
-                                          "tokens_per_block")},
-        )
-    except KeyError as exc:
-        raise FactsError(f"{path}: key {exc} is missing; is this a kiln engine directory?") from None
-    src = f"engine {path}"
-    facts.origin = {
-        "weights_bytes": f"{src} memory.weights_bytes (builder's memory plan)",
-        "streamed_weight_bytes": "weights_bytes minus the untied embedding table (vocab x hidden x dtype)",
-        "kv_bytes_per_token": f"{src} memory.kv_bytes_per_token",
-        "activation_peak_bytes": f"{src} memory.activation_peak_bytes (arena at the max profile)",
-        "bounds": f"{src} build",
-        "matmul_params": "decoder layers' GEMM weights, from the model shape in config.json",
-    }
-    return facts
+        cfg = read_engine_config(engine_dir)
+    except EngineLoadError as exc:
+        raise FactsError(str(exc)) from None
+    m, mem = cfg.model, cfg.memory
+    embed = 0 if m.tie_word_embeddings else m.vocab_size * m.hidden_size * _DTYPE_BYTES[cfg.dtype]
+    tok = cfg.tokenizer
+    src = f"engine {Path(engine_dir) / 'config.json'}"
+    return EngineFacts(
+        name=str(engine_dir), architecture=m.architecture, num_layers=m.num_layers, hidden_size=m.hidden_size,
+        num_heads=m.num_heads, num_kv_heads=m.num_kv_heads, head_dim=m.head_dim, vocab_size=m.vocab_size,
+        dtype=cfg.dtype, quantization=cfg.quantization, weights_bytes=mem.weights_bytes,
+        streamed_weight_bytes=max(mem.weights_bytes - embed, 0), kv_bytes_per_token=cfg.kv_bytes_per_token,
+        activation_peak_bytes=mem.activation_peak_bytes, matmul_params=m.num_layers * _layer_params(m.to_dict()),
+        lm_head_params=m.vocab_size * m.hidden_size, bounds=cfg.bounds,
+        special_token_ids=sorted(set(tok.eos_token_ids)
+                                 | ({tok.bos_token_id} if tok.bos_token_id is not None else set())),
+        origin={
+            "weights_bytes": f"{src} memory.weights_bytes (builder's memory plan)",
+            "streamed_weight_bytes": "weights_bytes minus the untied embedding table (vocab x hidden x dtype)",
+            "kv_bytes_per_token": f"{src}: 2 x layers x kv_heads x head_dim x kv dtype (kiln.contract)",
+            "activation_peak_bytes": f"{src} memory.activation_peak_bytes (arena at the max profile)",
+            "bounds": f"{src} bounds",
+            "matmul_params": "decoder layers' GEMM weights, from the model shape in config.json",
+        },
+    )
 
 
 def hf_facts(config_path: str | Path, dtype: str = "bfloat16", quantization: str = "none", *,
@@ -113,7 +108,8 @@ def hf_facts(config_path: str | Path, dtype: str = "bfloat16", quantization: str
     """Facts of a Hugging Face model not built yet: sizes from its config.json, dtype and quantization.
 
     Estimates (said so in ``origin``): weights = GEMM weights at the quantized width + embeddings, norms and
-    position tables at dtype (the rotary table in fp32); activation peak = the largest step's hidden states and MLP intermediates plus the logits.
+    position tables at dtype (the rotary table in fp32); activation peak = the largest step's hidden states
+    and MLP intermediates plus the logits.
     """
     path = Path(config_path)
     if path.is_dir():
@@ -150,11 +146,14 @@ def hf_facts(config_path: str | Path, dtype: str = "bfloat16", quantization: str
     facts = EngineFacts(
         name=str(path), architecture=arch, num_layers=layers, hidden_size=h, num_heads=heads, num_kv_heads=kv_heads,
         head_dim=head_dim, vocab_size=vocab, dtype=dtype, quantization=quantization, weights_bytes=weights,
-        streamed_weight_bytes=weights - (0 if tied else embed), kv_bytes_per_token=2 * layers * kv_heads * head_dim * elem,
+        streamed_weight_bytes=weights - (0 if tied else embed),
+        kv_bytes_per_token=2 * layers * kv_heads * head_dim * elem,
         activation_peak_bytes=int(max_num_tokens * (4 * h + 2 * inter) * elem + max_batch_size * vocab * 4),
         matmul_params=layers * layer_params, lm_head_params=vocab * h,
-        build=dict(max_batch_size=max_batch_size, max_num_tokens=max_num_tokens, max_seq_len=max_seq_len,
-                   max_input_len=max_input_len or max_seq_len, tokens_per_block=tokens_per_block),
+        bounds=EngineBounds(max_batch_size=max_batch_size, max_num_tokens=max_num_tokens,
+                            max_input_len=max_input_len or max_seq_len, max_seq_len=max_seq_len,
+                            tokens_per_block=tokens_per_block, max_num_logits=max_batch_size,
+                            max_blocks_per_seq=-(-max_seq_len // tokens_per_block)),
     )
     facts.origin = {
         "weights_bytes": f"estimated from {path} (GEMMs at {quantization}, embeddings/norms at {dtype})",

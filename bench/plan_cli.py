@@ -13,6 +13,13 @@ from pathlib import Path
 import click
 
 from kiln.bench.cli import _duration
+from kiln.clikit import dataclass_options, given
+from kiln.contract import ConfigError
+from kiln.runtime.executor import ExecutorConfig
+
+# the serving options the plan depends on are ExecutorConfig's fields (as for LLM(...)); the fraction is
+# declared below with the planner's own default
+_EXCLUDE = ("seed", "metrics_window", "enable_prefix_reuse", "kv_cache_memory_fraction")
 
 
 @click.command(context_settings={"help_option_names": ["-h", "--help"]})
@@ -21,7 +28,8 @@ from kiln.bench.cli import _duration
 @click.option("--hf-config", type=click.Path(path_type=Path, exists=True),
               help="A Hugging Face config.json (or its directory) for a model not built yet.")
 @click.option("--dtype", default="bfloat16", show_default=True, help="With --hf-config.")
-@click.option("--quantization", default="none", show_default=True, help="With --hf-config: none, int8_weight_only, int4_weight_only.")
+@click.option("--quantization", default="none", show_default=True,
+              help="With --hf-config: none, int8_weight_only, int4_weight_only.")
 @click.option("--max-seq-len", type=int, help="With --hf-config: the engine's max_seq_len (default: the model's).")
 @click.option("--tokens-per-block", type=int, default=16, show_default=True, help="With --hf-config.")
 @click.option("--device", help="h100-80gb, h200, a100-80gb, l4 or cpu:<GiB>.")
@@ -43,13 +51,12 @@ from kiln.bench.cli import _duration
 @click.option("--rate", type=float, help="Requests/s to serve in total (for the instance count).")
 @click.option("--ttft-p95", help="SLO: p95 time to first token (e.g. 2s).")
 @click.option("--tpot-p95", help="SLO: p95 time per output token (e.g. 50ms).")
-@click.option("--max-batch-size", type=int, help="Serving option, as LLM(...) takes it.")
-@click.option("--max-num-tokens", type=int, help="Serving option, as LLM(...) takes it.")
-@click.option("--kv-cache-memory-fraction", type=float, help="Serving option (default: the recommended one).")
-@click.option("--max-kv-cache-tokens", type=int, help="Serving option, as LLM(...) takes it.")
-@click.option("--capacity-policy", type=click.Choice(["guaranteed_no_evict", "max_utilization"]),
-              default="guaranteed_no_evict", show_default=True, help="Serving option, as LLM(...) takes it.")
-@click.option("--headroom", type=float, default=0.10, show_default=True, help="Memory kept free for the recommended fraction.")
+@dataclass_options(ExecutorConfig, exclude=_EXCLUDE)
+@click.option("--kv-cache-memory-fraction", type=float,
+              help="Share of the memory left after the weights given to the KV pool (as LLM(...) takes it); "
+                   "default: the recommended one (headroom + activation peak kept free).")
+@click.option("--headroom", type=float, default=0.10, show_default=True,
+              help="Memory kept free for the recommended fraction.")
 @click.option("--percentile", type=click.Choice(["50", "90", "95"]), default="95", show_default=True,
               help="Lengths the concurrency limit is planned for.")
 @click.option("--calibration", type=click.Path(path_type=Path, dir_okay=False),
@@ -57,8 +64,8 @@ from kiln.bench.cli import _duration
 @click.option("--output", "out_path", type=click.Path(path_type=Path, dir_okay=False), help="Write the plan as JSON.")
 def plan(engine_dir, hf_config, dtype, quantization, max_seq_len, tokens_per_block, device, memory, bandwidth, flops,
          tp, trace, window, max_requests, length_scale, prompt_scale, output_scale, clip_to_engine, context_p95,
-         output_p95, context_mean, output_mean, rate, ttft_p95, tpot_p95, max_batch_size, max_num_tokens,
-         kv_cache_memory_fraction, max_kv_cache_tokens, capacity_policy, headroom, percentile, calibration, out_path):
+         output_p95, context_mean, output_mean, rate, ttft_p95, tpot_p95, kv_cache_memory_fraction, headroom,
+         percentile, calibration, out_path, **options):
     """Capacity plan: KV pool, concurrency limits, settings, step time and instances (every number with its source)."""
     from dataclasses import replace
 
@@ -72,6 +79,12 @@ def plan(engine_dir, hf_config, dtype, quantization, max_seq_len, tokens_per_blo
 
     if (engine_dir is None) == (hf_config is None):
         raise click.UsageError("give one of --engine DIR or --hf-config PATH")
+    serving = given(ExecutorConfig, options, exclude=_EXCLUDE)
+    try:
+        ExecutorConfig(**serving, kv_cache_memory_fraction=kv_cache_memory_fraction)   # the runtime's own checks
+    except ConfigError as exc:
+        raise click.BadParameter(str(exc)) from None
+    max_batch_size, max_num_tokens = serving.get("max_batch_size"), serving.get("max_num_tokens")
     try:
         if engine_dir is not None:
             facts = engine_facts(engine_dir)
@@ -105,7 +118,7 @@ def plan(engine_dir, hf_config, dtype, quantization, max_seq_len, tokens_per_blo
             work = wl.trace_workload(rows, window=_window(window), max_requests=max_requests, prompt_scale=p_s,
                                      output_scale=o_s, source=str(trace))
             if clip_to_engine:
-                work = wl.clip_to_bounds(work, facts.build["max_input_len"], facts.build["max_seq_len"])
+                work = wl.clip_to_bounds(work, facts.bounds.max_input_len, facts.bounds.max_seq_len)
         except (wl.TraceError, ValueError) as exc:
             raise click.ClickException(str(exc)) from None
         src = f"trace {trace}: {len(work.requests)} requests, prompt x{p_s:g}, output x{o_s:g}" + (
@@ -128,11 +141,9 @@ def plan(engine_dir, hf_config, dtype, quantization, max_seq_len, tokens_per_blo
                                        "with --engine DIR, or against kiln serve with --engine DIR for the facts)")
     try:
         fraction = "recommended" if kv_cache_memory_fraction is None else kv_cache_memory_fraction
-        result = make_plan(facts, dev, stats, tp=tp, max_batch_size=max_batch_size, max_num_tokens=max_num_tokens,
-                           kv_cache_memory_fraction=fraction, max_kv_cache_tokens=max_kv_cache_tokens,
-                           headroom=headroom, percentile=int(percentile), calibration=cal, rate=rate,
-                           slo_ttft_p95=_duration(ttft_p95), slo_tpot_p95=_duration(tpot_p95),
-                           capacity_policy=capacity_policy)
+        result = make_plan(facts, dev, stats, tp=tp, kv_cache_memory_fraction=fraction, headroom=headroom,
+                           percentile=int(percentile), calibration=cal, rate=rate, slo_ttft_p95=_duration(ttft_p95),
+                           slo_tpot_p95=_duration(tpot_p95), **serving)
     except PlanError as exc:
         raise click.ClickException(str(exc)) from None
     click.echo(format_plan(result))

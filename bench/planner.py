@@ -73,7 +73,7 @@ class WorkloadStats:
         return float(np.mean([cdiv(int(math.ceil(p + o)) - 1, block) for p, o in self.lengths]))
 
     @classmethod
-    def from_lengths(cls, prompts, outputs, source: str) -> "WorkloadStats":
+    def from_lengths(cls, prompts, outputs, source: str) -> WorkloadStats:
         p, o = np.asarray(prompts, dtype=float), np.asarray(outputs, dtype=float)
 
         def stats(x):
@@ -83,7 +83,7 @@ class WorkloadStats:
 
     @classmethod
     def from_percentiles(cls, context_p95: int, output_p95: int, context_mean: float | None = None,
-                         output_mean: float | None = None) -> "WorkloadStats":
+                         output_mean: float | None = None) -> WorkloadStats:
         pm = context_mean if context_mean is not None else context_p95
         om = output_mean if output_mean is not None else output_p95
         p = {"mean": pm, "p50": pm, "p90": context_p95, "p95": context_p95}
@@ -98,7 +98,8 @@ def _v(value, source: str, unit: str = "") -> dict:
     return {"value": value, "unit": unit, "source": source}
 
 
-def allreduce_seconds(layers: int, hidden: int, elem_bytes: int, tokens: float, tp: int, link_bandwidth: float) -> float:
+def allreduce_seconds(layers: int, hidden: int, elem_bytes: int, tokens: float, tp: int,
+                      link_bandwidth: float) -> float:
     """Tensor-parallel communication of one step: 2 ring all-reduces of the [tokens, hidden] activations per
     layer (after attention and after the MLP); a ring moves 2 (tp - 1) / tp of the data through each link
     and takes 2 (tp - 1) hops of latency ALLREDUCE_HOP_S."""
@@ -123,8 +124,8 @@ def plan(facts: EngineFacts, device: Device, workload: WorkloadStats, *, tp: int
         raise PlanError(f"--tp must be >= 1, got {tp}")
     if tp > 1 and facts.num_kv_heads % tp:
         raise PlanError(f"{facts.num_kv_heads} KV heads cannot be split over tp={tp} devices evenly")
-    b = facts.build
-    block = b["tokens_per_block"]
+    b = facts.bounds
+    block = b.tokens_per_block
     weights_dev = facts.weights_bytes / tp
     kv_dev = facts.kv_bytes_per_token // tp
     out: dict = {"inputs": {}, "memory": {}, "concurrency": {}, "settings": {}, "step_time": {}, "load": {}}
@@ -141,12 +142,14 @@ def plan(facts: EngineFacts, device: Device, workload: WorkloadStats, *, tp: int
     else:
         avail_src = "given (memory free after the engine is loaded)"
     mem["device_memory"] = _v(device.memory_bytes, device.source, "B")
-    mem["weights_per_device"] = _v(int(weights_dev), facts.origin.get("weights_bytes", "") + (f" / tp {tp}" if tp > 1 else ""), "B")
+    per_tp = f" / tp {tp}" if tp > 1 else ""
+    mem["weights_per_device"] = _v(int(weights_dev), facts.origin.get("weights_bytes", "") + per_tp, "B")
     mem["activation_peak"] = _v(facts.activation_peak_bytes, facts.origin.get("activation_peak_bytes", "")
                                 + (" (not divided by tp: hidden states are replicated)" if tp > 1 else ""), "B")
     mem["available_after_weights"] = _v(available_bytes, avail_src, "B")
     if available_bytes <= facts.activation_peak_bytes:
-        raise PlanError(f"the weights ({weights_dev / 2**30:.2f} GiB per device) leave {available_bytes / 2**30:.2f} GiB: "
+        raise PlanError(f"the weights ({weights_dev / 2**30:.2f} GiB per device) leave "
+                        f"{available_bytes / 2**30:.2f} GiB: "
                         f"not even the activations ({facts.activation_peak_bytes / 2**30:.2f} GiB) fit; use a larger "
                         "device, quantize the weights or raise --tp")
     recommended_fraction = math.floor(100 * (available_bytes * (1 - headroom) - facts.activation_peak_bytes)
@@ -164,12 +167,13 @@ def plan(facts: EngineFacts, device: Device, workload: WorkloadStats, *, tp: int
         raise PlanError(str(exc)) from None
     pool_src = "kiln.runtime.executor.resolve_serving_limits (the executor's own sizing): " + limits.kv_plan
     mem["kv_cache_memory_fraction"] = _v(fraction, frac_src)
-    mem["kv_bytes_per_token_per_device"] = _v(kv_dev, facts.origin.get("kv_bytes_per_token", "") + (f" / tp {tp}" if tp > 1 else ""), "B")
+    mem["kv_bytes_per_token_per_device"] = _v(kv_dev, facts.origin.get("kv_bytes_per_token", "") + per_tp, "B")
     mem["kv_pool_blocks"] = _v(limits.num_blocks, pool_src, "blocks")
     mem["kv_pool_tokens"] = _v(limits.num_blocks * block, f"blocks x tokens_per_block {block}", "tokens")
     mem["kv_pool_bytes"] = _v(limits.num_blocks * block * kv_dev, "tokens x KV bytes per token per device", "B")
     if fraction is not None and available_bytes * (1 - fraction) < facts.activation_peak_bytes:
-        mem["warning"] = _v(f"kv_cache_memory_fraction {fraction} leaves {available_bytes * (1 - fraction) / 2**20:.0f} MiB, "
+        left = available_bytes * (1 - fraction) / 2**20
+        mem["warning"] = _v(f"kv_cache_memory_fraction {fraction} leaves {left:.0f} MiB, "
                             f"less than the activation peak {facts.activation_peak_bytes / 2**20:.0f} MiB: "
                             f"use <= {recommended_fraction}", "memory check")
 
@@ -193,7 +197,8 @@ def plan(facts: EngineFacts, device: Device, workload: WorkloadStats, *, tp: int
     # requests hold the pool less one request's worth
     kv_mean = max(limits.num_blocks / mean_blocks - 1, 1.0)
     onset_limit = min(kv_mean, limits.max_batch_size)
-    conc["kv_sequences_at_mean_occupancy"] = _v(kv_mean, f"pool blocks {limits.num_blocks} / {mean_blocks:.2f} blocks a "
+    conc["kv_sequences_at_mean_occupancy"] = _v(kv_mean, f"pool blocks {limits.num_blocks} / {mean_blocks:.2f} "
+                                                         "blocks a "
                                                          f"request holds on average ({capacity_policy}), less the one "
                                                          "waiting for room", "sequences")
     conc["queueing_concurrency"] = _v(onset_limit, "min(KV sequences at mean occupancy, max_batch_size): where queues "
@@ -201,19 +206,21 @@ def plan(facts: EngineFacts, device: Device, workload: WorkloadStats, *, tp: int
                                                    "guaranteed)", "sequences")
 
     st = out["settings"]
-    rec_batch = max(1, min(b["max_batch_size"], limits.num_blocks // max(cdiv(int(math.ceil(workload.total[key])) - 1, block), 1)))
+    blocks_at_key = max(cdiv(int(math.ceil(workload.total[key])) - 1, block), 1)
+    rec_batch = max(1, min(b.max_batch_size, limits.num_blocks // blocks_at_key))
     st["max_batch_size"] = _v(rec_batch, f"sequences the pool holds at {key} prompt + output (no preemption at those "
-                                         f"lengths), at most the engine's {b['max_batch_size']}")
-    rec_tokens = min(b["max_num_tokens"], cdiv(int(workload.prompt[key]) + rec_batch, block) * block)
+                                         f"lengths), at most the engine's {b.max_batch_size}")
+    rec_tokens = min(b.max_num_tokens, cdiv(int(workload.prompt[key]) + rec_batch, block) * block)
     st["max_num_tokens"] = _v(rec_tokens, f"a {key} prompt + one decode token per running sequence in one step, "
-                                          f"block-aligned, at most the engine's {b['max_num_tokens']}")
+                                          f"block-aligned, at most the engine's {b.max_num_tokens}")
     st["kv_cache_memory_fraction"] = _v(recommended_fraction, f"leaves {headroom:.0%} headroom + the activation peak")
 
     # ---- step time model
     if calibration:
         bw = calibration["bandwidth_bytes_per_s"]
         fl = calibration["flops_per_s"]
-        rate_src = (f"measured by kiln bench ({calibration.get('source')}; fit {calibration['step_fixed_s'] * 1e3:.2f} ms/step "
+        rate_src = (f"measured by kiln bench ({calibration.get('source')}; "
+                    f"fit {calibration['step_fixed_s'] * 1e3:.2f} ms/step "
                     f"+ {calibration['per_token_s'] * 1e3:.3f} ms/token, R^2 {calibration['r2']:.2f})")
         bw_src = fl_src = rate_src
     else:
@@ -232,7 +239,8 @@ def plan(facts: EngineFacts, device: Device, workload: WorkloadStats, *, tp: int
         return (facts.streamed_weight_bytes / tp + kv_tokens * kv_dev) / bw
 
     def t_compute(tokens: float, seqs: float, ctx_tokens: float) -> float:
-        flops = 2 * facts.matmul_params * tokens + 2 * facts.lm_head_params * seqs + 4 * facts.num_layers * hd * ctx_tokens
+        flops = (2 * facts.matmul_params * tokens + 2 * facts.lm_head_params * seqs
+                 + 4 * facts.num_layers * hd * ctx_tokens)
         return flops / tp / fl
 
     stime = out["step_time"]
@@ -242,16 +250,17 @@ def plan(facts: EngineFacts, device: Device, workload: WorkloadStats, *, tp: int
     for batch in sorted({1, limit}):
         kv_tok = batch * ctx_mean
         m, c, a = t_mem(kv_tok), t_compute(batch, batch, kv_tok), allreduce(batch)
-        stime[f"decode_step_batch_{batch}"] = _v(m + c + a, f"weights {facts.streamed_weight_bytes / tp / 1e6:.0f} MB + KV "
-                                                            f"{kv_tok * kv_dev / 1e6:.1f} MB read: {m * 1e3:.2f} ms; FLOPs: "
-                                                            f"{c * 1e3:.2f} ms; all-reduce {a * 1e3:.2f} ms (mean context "
-                                                            f"{ctx_mean:.0f} tokens)", "s")
+        stime[f"decode_step_batch_{batch}"] = _v(
+            m + c + a, f"weights {facts.streamed_weight_bytes / tp / 1e6:.0f} MB + KV "
+                       f"{kv_tok * kv_dev / 1e6:.1f} MB read: {m * 1e3:.2f} ms; FLOPs: "
+                       f"{c * 1e3:.2f} ms; all-reduce {a * 1e3:.2f} ms (mean context {ctx_mean:.0f} tokens)", "s")
         stime[f"decode_step_batch_{batch}_roofline_max"] = _v(max(m, c) + a, "max(memory, compute) + all-reduce", "s")
     # ---- load model
     A = t_mem(0) + allreduce(0)
     per_token = t_compute(1, 0, 0) + (allreduce(1) - allreduce(0))
     Pm, Om = workload.prompt["mean"], workload.output["mean"]
-    K = (Om * (per_token + t_compute(0, 1, ctx_mean) + ctx_mean * kv_dev / bw)  # decode tokens: GEMMs, lm_head, KV read + attention
+    # decode tokens: GEMMs, lm_head, KV read + attention; prefill tokens + causal attention
+    K = (Om * (per_token + t_compute(0, 1, ctx_mean) + ctx_mean * kv_dev / bw)
          + Pm * per_token + t_compute(0, 0, workload.prompt_sq_mean / 2))     # prefill tokens + causal attention
     lam_sat = 1.0 / K
     chunk_budget = limits.max_num_tokens
@@ -290,9 +299,8 @@ def plan(facts: EngineFacts, device: Device, workload: WorkloadStats, *, tp: int
                                             "(queueing_concurrency)", "req/s")
     load["token_budget_rate"] = _v(lam_budget, f"rate where the tokens arriving per step, rate x (prompt + output) x "
                                                f"t_step, reach max_num_tokens {budget}", "req/s")
-    load["queueing_onset_rate"] = _v(lam_q, "the lower of the two: " + ("running sequences reach the limit"
-                                                                        if lam_seats <= lam_budget else
-                                                                        "prompts fill the step's token budget"), "req/s")
+    first = "running sequences reach the limit" if lam_seats <= lam_budget else "prompts fill the step's token budget"
+    load["queueing_onset_rate"] = _v(lam_q, "the lower of the two: " + first, "req/s")
     load["queueing_onset_concurrency"] = _v(min(concurrency(lam_q), onset_limit), "Little's law at the onset rate: "
                                             "rate x (TTFT + (output - 1) x TPOT), at most queueing_concurrency",
                                             "sequences")
@@ -328,7 +336,8 @@ def format_plan(p: dict) -> str:
                        else f"{val} B")
             elif isinstance(val, dict):
                 val = "; ".join(f"{k} " + ", ".join(f"{q} {x:.0f}" for q, x in d.items()) for k, d in val.items())
-            rows.append((section, name, f"{val} {v['unit'] if v['unit'] not in ('B', 's', 'B/s', 'FLOP/s') else ''}".strip(),
+            unit = v["unit"] if v["unit"] not in ("B", "s", "B/s", "FLOP/s") else ""
+            rows.append((section, name, f"{val} {unit}".strip(),
                          v["source"]))
     w0 = max(len(r[0]) for r in rows)
     w1 = max(len(r[1]) for r in rows)

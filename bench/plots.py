@@ -56,7 +56,8 @@ def write_plots(result: dict, out_dir: Path) -> list[Path]:
         ax.plot(rates, [r["throughput"]["requests_per_s"] for r in runs], "o-", label="completed req/s (whole run)")
         ax.plot(rates, [r["throughput"].get("completion_rate") or np.nan for r in runs], "x--",
                 label="completion rate (first to last completion)")
-        ax.plot(rates, [r["throughput"]["goodput_requests_per_s"] for r in runs], "s-", label="goodput (within SLO) req/s")
+        ax.plot(rates, [r["throughput"]["goodput_requests_per_s"] for r in runs], "s-",
+                label="goodput (within SLO) req/s")
         ax.plot(rates, rates, color="gray", ls=":", label="offered")
         if knee_rate is not None:
             ax.axvline(knee_rate, color="green", lw=1, ls="--", label=f"knee {knee_rate:g} req/s")

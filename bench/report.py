@@ -95,7 +95,8 @@ def format_result(result: dict) -> str:
     onset = summ.get("queueing_onset")
     lines.append(f"knee (highest rate meeting the SLO): {_f(summ['knee_rate'], 'g')} req/s; throughput stops following "
                  f"the rate at: {_f(summ['saturation_rate'], 'g')} req/s; queueing/preemption first shows at: "
-                 + ("none" if not onset else f"{onset['rate']:g} req/s with {_f(onset['running_while_waiting'], '.1f')} "
+                 + ("none" if not onset else f"{onset['rate']:g} req/s with "
+                                             f"{_f(onset['running_while_waiting'], '.1f')} "
                     f"sequences running (max {onset['running_max']})"))
     if summ.get("client_behind_schedule_at"):
         lines.append(f"WARNING: the client fell behind its schedule (p99 send lag > "

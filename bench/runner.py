@@ -19,6 +19,7 @@ from kiln.bench.workload import PromptSynthesizer, Workload
 
 # The client is "behind schedule" when its p99 send lag exceeds this (seconds).
 LAG_LIMIT_S = 0.010
+NO_SLO = SLO()
 # A request "queued" when it waited longer than this many median step times before its first step.
 QUEUED_STEPS = 2.0
 
@@ -90,7 +91,7 @@ def _queueing(series: list[dict], records: list[RequestRecord], preemptions: flo
     return out
 
 
-async def run_rate(target, workload: Workload, synth: PromptSynthesizer, *, slo: SLO = SLO(), progress: bool = True,
+async def run_rate(target, workload: Workload, synth: PromptSynthesizer, *, slo: SLO = NO_SLO, progress: bool = True,
                    timeout: float | None = None, poll_interval: float = 0.25, run_index: int = 0) -> dict:
     """Send ``workload`` (already at its rate) to ``target``; the result of this rate as a dict."""
     from tqdm import tqdm
@@ -216,9 +217,11 @@ def _rate_result(workload: Workload, records: list[RequestRecord], series: list[
                        "total_tokens_per_s": (out_tokens + sum(r.prompt_len for r in done)) / duration,
                        "goodput_requests_per_s": goodput([(r.ttft, r.tpot) for r in done], duration, slo)},
         "slo_met": slo.run_ok(ttft_s, tpot_s) and len(done) == len(records),
-        "client": {"send_lag_s": lag_s, "behind_schedule": bool(lag_s["p99"] is not None and lag_s["p99"] > LAG_LIMIT_S),
+        "client": {"send_lag_s": lag_s,
+                   "behind_schedule": bool(lag_s["p99"] is not None and lag_s["p99"] > LAG_LIMIT_S),
                    "lag_limit_s": LAG_LIMIT_S,
-                   "send_rate": (len(sends) - 1) / (sends[-1] - sends[0]) if len(sends) > 1 and sends[-1] > sends[0] else None},
+                   "send_rate": ((len(sends) - 1) / (sends[-1] - sends[0])
+                                 if len(sends) > 1 and sends[-1] > sends[0] else None)},
         "server": server,
         "queueing": _queueing(series, records, server.get("preemptions")),
         "machine": {"loadavg_1m_before": load_before[0], "loadavg_1m_after": os.getloadavg()[0]},
@@ -273,7 +276,8 @@ def calibration(runs: list[dict], facts) -> dict | None:
         for r in runs:
             sv = r["server"]
             if sv.get("steps") and sv.get("step_time_sum") is not None and sv.get("prefill_tokens") is not None:
-                rows.append((sv["steps"], sv["prefill_tokens"] + (sv.get("generation_tokens") or 0), sv["step_time_sum"]))
+                tokens = sv["prefill_tokens"] + (sv.get("generation_tokens") or 0)
+                rows.append((sv["steps"], tokens, sv["step_time_sum"]))
         source = ("per-rate /metrics deltas: step time sum = a x steps + b x (prefill tokens computed + "
                   "generated tokens)")
     fit = fit_step_time(rows)
@@ -319,7 +323,8 @@ async def run_sweep(target, workload: Workload, synth: PromptSynthesizer, rates:
         t, lat = run["throughput"], run["latency_s"]
         log(f"rate {run['rate']}: {run['requests']['completed']}/{run['requests']['scheduled']} completed, "
             f"{t['requests_per_s']:.3g} req/s, {t['output_tokens_per_s']:.3g} out tok/s, TTFT p95 "
-            f"{_fmt_s(lat['ttft']['p95'])}, TPOT p95 {_fmt_s(lat['tpot']['p95'])}, SLO {'met' if run['slo_met'] else 'missed'}")
+            f"{_fmt_s(lat['ttft']['p95'])}, TPOT p95 {_fmt_s(lat['tpot']['p95'])}, "
+            f"SLO {'met' if run['slo_met'] else 'missed'}")
         return run
 
     if rates != "auto":

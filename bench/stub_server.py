@@ -23,9 +23,7 @@ MODEL = "kiln-stub"
 
 def make_app(reject_every: int = 0):
     from fastapi import FastAPI, Request
-    from fastapi.responses import JSONResponse, StreamingResponse
-
-    from fastapi.responses import PlainTextResponse
+    from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 
     app = FastAPI(title="kiln bench zero-latency stub")
     seen = [0]
@@ -50,7 +48,8 @@ def make_app(reject_every: int = 0):
         n = body.get("max_tokens")
         prompt = body.get("prompt")
         if not isinstance(n, int) or n < 1 or not prompt:
-            return JSONResponse({"error": {"message": "need a prompt and max_tokens >= 1", "type": "invalid_request_error"}},
+            error = {"message": "need a prompt and max_tokens >= 1", "type": "invalid_request_error"}
+            return JSONResponse({"error": error},
                                 status_code=400)
         prompt_tokens = len(prompt) if isinstance(prompt, list) else len(str(prompt).split())
         created = int(time.time())

@@ -108,8 +108,8 @@ class InProcessTarget:
         return list(self.llm.executor.metrics.steps)
 
     async def send(self, rec: RequestRecord, prompt: list[int]) -> None:
+        from kiln.contract import ExecutorClosedError, InvalidRequestError
         from kiln.runtime import SamplingParams
-        from kiln.runtime.errors import ExecutorClosedError, InvalidRequestError
 
         loop = asyncio.get_running_loop()
         q: asyncio.Queue = asyncio.Queue()
@@ -270,7 +270,8 @@ class OpenAITarget:
         if rec.finish_reason == "abort":
             rec.outcome, rec.error_kind = ABORTED, "server_abort"
         elif rec.finish_reason is None:
-            rec.outcome, rec.error_kind, rec.error = FAILED, "truncated_stream", "the stream ended without a finish_reason"
+            rec.outcome, rec.error_kind = FAILED, "truncated_stream"
+            rec.error = "the stream ended without a finish_reason"
         else:
             rec.outcome = COMPLETED
 

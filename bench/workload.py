@@ -61,7 +61,7 @@ class Workload:
         span = self.requests[-1].arrival - self.requests[0].arrival
         return (len(self.requests) - 1) / span if span > 0 else math.inf
 
-    def at_rate(self, rate: float) -> "Workload":
+    def at_rate(self, rate: float) -> Workload:
         """The same requests with arrival times scaled so the mean rate is ``rate`` (inf: all at t=0)."""
         if rate <= 0:
             raise ValueError(f"a request rate must be > 0, got {rate}")
@@ -203,7 +203,8 @@ def trace_workload(rows: list[TraceRow], *, window: tuple[float, float] | None =
     t0 = sel[0].arrival
     reqs = [RequestSpec(i, r.arrival - t0, max(1, round(r.prompt_len * prompt_scale)),
                         max(1, round(r.output_len * output_scale))) for i, r in enumerate(sel)]
-    desc = {"kind": "trace", "source": source, "trace_requests": len(rows), "window_s": list(window) if window else None,
+    desc = {"kind": "trace", "source": source, "trace_requests": len(rows),
+            "window_s": list(window) if window else None,
             "max_requests": max_requests, "prompt_scale": prompt_scale, "output_scale": output_scale}
     return Workload(reqs, desc)
 
@@ -218,7 +219,7 @@ class LengthSpec:
     high: int = 0
 
     @classmethod
-    def parse(cls, text: str) -> "LengthSpec":
+    def parse(cls, text: str) -> LengthSpec:
         text = str(text).strip()
         if text == "trace":
             return cls("trace")
@@ -241,7 +242,9 @@ class LengthSpec:
         return rng.integers(self.low, self.high + 1, size=n)
 
     def __str__(self) -> str:
-        return "trace" if self.kind == "trace" else (str(self.low) if self.kind == "fixed" else f"{self.low}:{self.high}")
+        if self.kind == "trace":
+            return "trace"
+        return str(self.low) if self.kind == "fixed" else f"{self.low}:{self.high}"
 
 
 def arrival_offsets(n: int, rate: float, seed: int, burstiness: float = 1.0) -> np.ndarray:
@@ -265,7 +268,8 @@ def synthetic_workload(n: int, *, rate: float = 1.0, seed: int = 0, burstiness: 
     p = prompt_len.sample(rng, n, [r.prompt_len for r in trace_rows] if trace_rows else None)
     o = output_len.sample(rng, n, [r.output_len for r in trace_rows] if trace_rows else None)
     reqs = [RequestSpec(i, float(t[i]), int(p[i]), int(o[i])) for i in range(n)]
-    return Workload(reqs, {"kind": "synthetic", "arrivals": "poisson" if burstiness == 1 else f"gamma (shape {burstiness})",
+    arrivals = "poisson" if burstiness == 1 else f"gamma (shape {burstiness})"
+    return Workload(reqs, {"kind": "synthetic", "arrivals": arrivals,
                            "pattern_rate_requested": rate, "prompt_len": str(prompt_len), "output_len": str(output_len),
                            "seed": seed})
 

@@ -78,7 +78,8 @@ def main() -> int:
          *serving, "--kv-cache-memory-fraction", "0.9", "--output", str(plan_json))
     sweep = args.out / "sweep"
     t0 = time.time()
-    kiln("bench", *common, *serving, *lengths, "--max-requests", str(args.requests), "--rates", args.rates, "--slo-ttft-p95",
+    kiln("bench", *common, *serving, *lengths, "--max-requests", str(args.requests), "--rates", args.rates,
+         "--slo-ttft-p95",
          args.slo_ttft_p95, "--slo-tpot-p95", args.slo_tpot_p95, "--output", str(sweep))
     log(f"sweep took {time.time() - t0:.0f} s; 1-min load average after: {os.getloadavg()[0]:.2f}")
 

@@ -23,6 +23,7 @@ import time
 from pathlib import Path
 
 import torch
+
 from bench_common import BENCH, CKPT, ensure_checkpoint, ensure_engine, log
 
 
@@ -43,7 +44,8 @@ def run_transformers(engine_dir: Path, args, out_dir: Path) -> None:
     from kiln.bench.stats import SLO
     from kiln.bench.targets import COMPLETED, RequestRecord
 
-    base = wl.synthetic_workload(args.requests, rate=1.0, seed=args.seed, prompt_len=wl.LengthSpec.parse(args.prompt_len),
+    base = wl.synthetic_workload(args.requests, rate=1.0, seed=args.seed,
+                                 prompt_len=wl.LengthSpec.parse(args.prompt_len),
                                  output_len=wl.LengthSpec.parse(args.output_len))
     base.description.update(seed=args.seed, totals=base.totals())   # as kiln bench describes it
     work = base.at_rate(args.rate)

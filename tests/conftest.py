@@ -14,12 +14,13 @@ sys.path.insert(0, str(Path(__file__).parent))
 from kiln.model_defs.synthetic import make_checkpoint  # noqa: E402
 
 # `make test-fast` (pytest -m fast): the modules that build no engine and run no end-to-end generation:
-# scheduler, KV manager, sampler, configs, the contract, CLI options, detokenizer, checkpoint loading and
-# the plugins against their references, chat templates. Under a minute on 2 cores; `make test` runs everything.
+# scheduler, KV manager, sampler, configs, the contract, CLI options, detokenizer, checkpoint loading,
+# the plugins against their references, chat templates, the benchmark's workloads and statistics. Under
+# a minute on 2 cores; `make test` runs everything.
 FAST_MODULES = {
     "test_scheduler", "test_kv_cache", "test_sampler", "test_builder_config", "test_contract", "test_clikit",
     "test_runtime_detokenizer", "test_checkpoint_errors", "test_plugins", "test_plugin_ops_native",
-    "test_weight_only_linear", "test_serving_chat_template",
+    "test_weight_only_linear", "test_serving_chat_template", "test_bench_workload", "test_bench_stats",
 }
 
 

@@ -10,6 +10,7 @@ from click.testing import CliRunner
 
 from kiln.bench.cli import bench
 from kiln.bench.stub_server import free_port, running_stub
+
 from runtime_support import get_engine
 
 pytestmark = pytest.mark.xdist_group("tiny-engine")
@@ -68,7 +69,7 @@ def test_inprocess_sweep_accounts_for_every_request(inprocess_result):
         assert run["server"]["kv_blocks_total"] == 32                          # 256 tokens / 8 per block
         assert run["timeseries"] and 0 < run["server"]["kv_usage_max"] <= 1
     assert result["versions"]["torch"] and result["versions"]["kiln"]
-    assert result["engine"]["build"]["max_input_len"] == 96
+    assert result["engine"]["bounds"]["max_input_len"] == 96
     assert "knee" in printed and "ok/fail/429/abort" in printed
     cal = result["calibration"]
     assert cal is None or (cal["step_fixed_s"] > 0 and cal["per_token_s"] > 0)

@@ -11,6 +11,7 @@ from kiln.bench.devices import GB, GiB, get_device, parse_bytes
 from kiln.bench.engine_facts import engine_facts, hf_facts
 from kiln.bench.plan_cli import plan as plan_cmd
 from kiln.bench.planner import ALLREDUCE_HOP_S, PlanError, WorkloadStats, allreduce_seconds, plan
+
 from runtime_support import get_engine
 
 pytestmark = pytest.mark.xdist_group("tiny-engine")
@@ -121,7 +122,8 @@ def test_devices_and_sizes():
 def test_plan_cli_writes_json_with_a_source_for_every_number(tiny, tmp_path):
     out = tmp_path / "plan.json"
     r = CliRunner().invoke(plan_cmd, ["--engine", str(tiny.directory), "--device", "cpu:24", "--context-p95", "60",
-                                      "--output-p95", "30", "--rate", "50", "--ttft-p95", "500ms", "--output", str(out)])
+                                      "--output-p95", "30", "--rate", "50", "--ttft-p95", "500ms",
+                                      "--output", str(out)])
     assert r.exit_code == 0, r.output
     assert "max_concurrent_sequences" in r.output and "instances" in r.output
     data = json.loads(out.read_text())

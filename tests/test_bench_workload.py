@@ -34,7 +34,8 @@ def test_csv_trace_with_iso_timestamps_of_seven_fractional_digits(tmp_path):
 
 
 def test_jsonl_trace_in_seconds_is_sorted_by_arrival(tmp_path):
-    lines = [{"arrival_time": 2.0, "prompt_len": 5, "output_len": 1}, {"arrival_time": 0.5, "prompt_len": 7, "output_len": 3}]
+    lines = [{"arrival_time": 2.0, "prompt_len": 5, "output_len": 1},
+             {"arrival_time": 0.5, "prompt_len": 7, "output_len": 3}]
     rows = wl.read_trace(write(tmp_path, "t.jsonl", "\n".join(map(json.dumps, lines)) + "\n\n"))
     assert [(r.arrival, r.prompt_len, r.line) for r in rows] == [(0.0, 7, 2), (1.5, 5, 1)]
 
