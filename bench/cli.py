@@ -108,6 +108,7 @@ def _vocab_and_specials(engine_dir: Path | None, tokenizer: Path | None,
 @click.option("--api", type=click.Choice(["openai"]), default="openai", show_default=True,
               help="Protocol of --endpoint: streaming /v1/completions.")
 @click.option("--model", help="Model name sent to the endpoint (default: the first of /v1/models).")
+@click.option("--api-key", envvar="KILN_API_KEY", help="Sent as 'Authorization: Bearer KEY' to --endpoint.")
 @click.option("--metrics-url", help="Prometheus metrics of the target (default: ENDPOINT/metrics; 'none' to skip).")
 @click.option("--no-force-lengths", is_flag=True, help="Do not send ignore_eos/min_tokens (servers that reject them).")
 @click.option("--dry-run", is_flag=True, help="Target a zero-latency stub server: measures the client itself.")
@@ -149,9 +150,9 @@ def _vocab_and_specials(engine_dir: Path | None, tokenizer: Path | None,
 @click.option("--no-plots", is_flag=True)
 @click.option("--no-progress", is_flag=True)
 @click.pass_context
-def bench(ctx, engine_dir, endpoint, api, model, metrics_url, no_force_lengths, dry_run, trace, window, max_requests,
-          rate_scale, length_scale, prompt_scale, output_scale, clip_to_engine, num_requests, prompt_len, output_len,
-          burstiness, shared_prefix, seed, tokenizer, vocab_size, rate, rates, sweep, start_rate, max_throughput,
+def bench(ctx, engine_dir, endpoint, api, model, api_key, metrics_url, no_force_lengths, dry_run, trace, window,
+          max_requests, rate_scale, length_scale, prompt_scale, output_scale, clip_to_engine, num_requests, prompt_len,
+          output_len, burstiness, shared_prefix, seed, tokenizer, vocab_size, rate, rates, sweep, start_rate, max_throughput,
           slo_ttft_p95, slo_tpot_p95, threads, warmup, run_timeout, request_timeout, out_dir, no_plots, no_progress,
           **options):
     """Replay load against an engine (--engine) or a server (--endpoint); sweep rates; report and plot."""
@@ -234,7 +235,7 @@ def bench(ctx, engine_dir, endpoint, api, model, metrics_url, no_force_lengths, 
 
         torch.set_num_threads(threads)
     config = {
-        "options": {k: (str(v) if isinstance(v, Path) else v) for k, v in ctx.params.items()},
+        "options": {k: (str(v) if isinstance(v, Path) else v) for k, v in ctx.params.items() if k != "api_key"},
         "workload": work.description, "slo": slo.as_dict(),
         "rates": plan if plan == "auto" else [("max" if math.isinf(r) else r) for r in plan],
         "prompts": {"vocab_size": vocab, "vocab_source": vocab_source, "special_ids_avoided": len(specials),
@@ -266,8 +267,8 @@ def bench(ctx, engine_dir, endpoint, api, model, metrics_url, no_force_lengths, 
             runs = asyncio.run(main(_OpenAI(url, model=None, request_timeout=request_timeout)))
     elif endpoint:
         mu = None if metrics_url == "none" else (metrics_url or "auto")
-        runs = asyncio.run(main(_OpenAI(endpoint, model=model, metrics_url=mu, request_timeout=request_timeout,
-                                        force_lengths=not no_force_lengths)))
+        runs = asyncio.run(main(_OpenAI(endpoint, model=model, metrics_url=mu, api_key=api_key,
+                                        request_timeout=request_timeout, force_lengths=not no_force_lengths)))
     else:
         from kiln.bench.targets import InProcessTarget
         from kiln.runtime import LLM

@@ -77,6 +77,41 @@ def test_inprocess_sweep_accounts_for_every_request(inprocess_result):
         check_png(out / name)
 
 
+def test_sweep_against_a_kiln_serve_subprocess(tiny_engine_dir, tmp_path):
+    """The same short sweep through `kiln serve` (streaming completions, token-id prompts, ignore_eos and
+    min_tokens honoured), with the server's /metrics polled for queue time, KV and running/waiting."""
+    from test_serving_openai import API_KEY, start_server
+
+    server = start_server(tiny_engine_dir, tmp_path / "server.log", "--max-batch-size", "4")
+    try:
+        r = CliRunner().invoke(bench, ["--endpoint", server.url, "--api-key", API_KEY, "--engine", str(tiny_engine_dir),
+                                       "--rates", "20,60", "--num-requests", "20", "--prompt-len", "8:110",
+                                       "--output-len", "4:12", "--slo-ttft-p95", "2s", "--seed", "3", "--no-progress",
+                                       "--output", str(tmp_path / "out")])
+    finally:
+        server.stop()
+    assert r.exit_code == 0, r.output
+    assert server.proc.returncode == 0, server.log.read_text()[-3000:]
+    result = json.loads((tmp_path / "out" / "result.json").read_text())
+    check_accounting(result, 20)
+    assert result["config"]["target"]["model"] == "tiny-llama"
+    for run in result["runs"]:
+        req = run["requests"]
+        too_long = sum(p["prompt_len"] > 96 for p in run["per_request"])
+        assert too_long > 0 and req["errors_by_kind"] == {"http_400": too_long}
+        assert "max_input_len" in req["first_error_by_kind"]["http_400"]
+        assert req["completed"] == 20 - too_long and req["short_outputs"] == 0
+        assert run["latency_s"]["queue"]["source"] == "server /metrics histogram (bucket interpolation)"
+        assert run["latency_s"]["queue"]["count"] == 20 - too_long
+        assert run["server"]["steps"] > 0 and run["server"]["kv_blocks_total"] > 0
+        assert run["server"]["step_time_sum"] > 0 and run["server"]["prefill_tokens"] > 0   # what calibration fits
+        assert run["timeseries"] and run["queueing"]["source"] == "polled /metrics gauges"
+    cal = result["calibration"]   # two rates of a tiny model may not separate step and token costs
+    assert cal is None or cal["source"].startswith("per-rate /metrics deltas")
+    for name in ("latency_vs_rate.png", "throughput_vs_rate.png", "latency_cdf.png", "kv_usage.png"):
+        check_png(tmp_path / "out" / name)
+
+
 def test_client_against_zero_latency_stub_keeps_a_fast_schedule(tmp_path):
     """The dry run: at 40 req/s (10-100x what a CPU engine serves) the client sends on time and every
     request completes; its own latency is what the stub adds, i.e. almost nothing."""
