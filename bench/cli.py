@@ -151,10 +151,10 @@ def _vocab_and_specials(engine_dir: Path | None, tokenizer: Path | None,
 @click.option("--no-progress", is_flag=True)
 @click.pass_context
 def bench(ctx, engine_dir, endpoint, api, model, api_key, metrics_url, no_force_lengths, dry_run, trace, window,
-          max_requests, rate_scale, length_scale, prompt_scale, output_scale, clip_to_engine, num_requests, prompt_len,
-          output_len, burstiness, shared_prefix, seed, tokenizer, vocab_size, rate, rates, sweep, start_rate, max_throughput,
-          slo_ttft_p95, slo_tpot_p95, threads, warmup, run_timeout, request_timeout, out_dir, no_plots, no_progress,
-          **options):
+          max_requests, rate_scale, length_scale, prompt_scale, output_scale, clip_to_engine, num_requests,
+          prompt_len, output_len, burstiness, shared_prefix, seed, tokenizer, vocab_size, rate, rates, sweep,
+          start_rate, max_throughput, slo_ttft_p95, slo_tpot_p95, threads, warmup, run_timeout, request_timeout,
+          out_dir, no_plots, no_progress, **options):
     """Replay load against an engine (--engine) or a server (--endpoint); sweep rates; report and plot."""
     if ctx.invoked_subcommand is not None:
         return
