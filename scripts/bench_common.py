@@ -23,14 +23,14 @@ CKPT = checkpoint_dir()  # the default size, shared by the benchmarks
 
 
 def ensure_checkpoint(size: str = "300m") -> Path:
-    """Create the random Llama of ``size`` (a model_defs.synthetic preset) once; a lock keeps two
+    """Create the random Llama of ``size`` (a synthetic_checkpoints preset) once; a lock keeps two
     benchmarks from writing it together."""
     BENCH.mkdir(parents=True, exist_ok=True)
     ckpt = checkpoint_dir(size)
     with open(BENCH / f".llama-{size}.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         if not (ckpt / "config.json").exists():
-            from kiln.model_defs.synthetic import make_checkpoint
+            from synthetic_checkpoints import make_checkpoint
 
             log(f"creating a random {size} Llama checkpoint in {ckpt} (once) ...")
             make_checkpoint(ckpt, "llama", size)

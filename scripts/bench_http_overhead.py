@@ -122,7 +122,7 @@ def start_server(engine_dir: Path, options: list[str], threads: int) -> tuple[su
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--engine", type=Path, help="engine directory (default: a small Llama built on first run)")
-    ap.add_argument("--size", default="small", choices=["small", "246m", "300m"], help="model_defs.synthetic preset")
+    ap.add_argument("--size", default="small", choices=["small", "246m", "300m"], help="synthetic_checkpoints preset")
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     ap.add_argument("--backend", default="cpu", choices=["cpu", "cpu-compiled"])
     ap.add_argument("--requests", type=int, default=32)

@@ -18,8 +18,9 @@ from pathlib import Path
 
 from kiln.builder import BuildConfig, build_engine
 from kiln.contract import format_table, read_build_report, read_engine_config, summary_rows
-from kiln.model_defs.synthetic import make_checkpoint
 from kiln.runtime import LLM, SamplingParams
+
+from synthetic_checkpoints import make_checkpoint
 
 ROOT = Path(__file__).resolve().parent.parent
 DEMO_TRAIN_STEPS = 150

@@ -2,16 +2,14 @@
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-torch.set_num_threads(1)  # tests run on 2 cores with 2 xdist workers
-sys.path.insert(0, str(Path(__file__).parent))
+from synthetic_checkpoints import make_checkpoint  # in scripts/ (pytest's pythonpath, pyproject.toml)
 
-from kiln.model_defs.synthetic import make_checkpoint  # noqa: E402
+torch.set_num_threads(1)  # tests run on 2 cores with 2 xdist workers
 
 # `make test-fast` (pytest -m fast): the modules that build no engine and run no end-to-end generation:
 # scheduler, KV manager, sampler, configs, the contract, CLI options, detokenizer, checkpoint loading,

@@ -253,7 +253,7 @@ def test_bf16_checkpoint_converts(tmp_path):
     """A checkpoint saved in bf16 loads as fp32 (exact upcast) or stays bf16 when asked."""
     from safetensors import safe_open
 
-    from kiln.model_defs.synthetic import make_checkpoint
+    from synthetic_checkpoints import make_checkpoint
 
     path = make_checkpoint(tmp_path / "bf16", "qwen2", "tiny", dtype=torch.bfloat16)
     with safe_open(str(path / "model.safetensors"), "pt") as f:
@@ -270,7 +270,7 @@ def test_train_on_corpus_lowers_the_loss_and_rejects_a_short_corpus():
     """The trained test checkpoints come from train_on_corpus: it must actually fit the text."""
     from transformers import AutoModelForCausalLM
 
-    from kiln.model_defs.synthetic import CORPUS, corpus_token_ids, hf_config, train_on_corpus, train_tokenizer
+    from synthetic_checkpoints import CORPUS, corpus_token_ids, hf_config, train_on_corpus, train_tokenizer
 
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(hf_config("llama", "tiny"))

@@ -240,7 +240,7 @@ def test_weight_only_int8_agrees_on_a_trained_checkpoint(family, checkpoint_dir,
     gpt2 84%; not memorised to certainty), evaluated on 256 positions of the text."""
     from tokenizers import Tokenizer
 
-    from kiln.model_defs.synthetic import corpus_token_ids
+    from synthetic_checkpoints import corpus_token_ids
 
     ckpt = checkpoint_dir(family, train_steps=100)
     ref, int8, int4 = (Engine.from_dir(build_engine(ckpt, tmp_path / q, BUILD.replace(quantization=q, group_size=32)))

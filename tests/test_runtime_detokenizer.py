@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import pytest
 
-from kiln.model_defs.synthetic import train_tokenizer
 from kiln.runtime.detokenizer import IncrementalDetokenizer
 from kiln.runtime.metrics import Histogram, RuntimeMetrics, StepRecord
 from kiln.runtime.outputs import RequestMetrics
+
+from synthetic_checkpoints import train_tokenizer
 
 
 @pytest.fixture(scope="module")

@@ -6,8 +6,9 @@ from __future__ import annotations
 
 import pytest
 
-from kiln.model_defs.synthetic import CHAT_TEMPLATE
 from kiln.serving.chat_template import ChatTemplate, ChatTemplateError, load_chat_template
+
+from synthetic_checkpoints import CHAT_TEMPLATE
 
 LLAMA3 = (
     "{% set loop_messages = messages %}{% for message in loop_messages %}{% set content = '<|start_header_id|>' + "

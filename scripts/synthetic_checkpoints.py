@@ -4,6 +4,10 @@ There is no model hub on the machines kiln is developed on, so checkpoints are m
 locally with ``transformers`` (``*Config`` + ``save_pretrained``) and a byte-level BPE
 tokenizer trained with ``tokenizers`` on a short built-in text. The loading code that
 reads them is the real one. ``transformers`` is only needed here, not by kiln itself.
+
+This is scaffolding for the demo, the benchmarks and the tests, not part of the installed package: it
+lives in scripts/ (the demo and benchmarks run from there, so it is on their import path) and the tests
+add scripts/ to theirs (pytest's ``pythonpath`` in pyproject.toml).
 """
 
 from __future__ import annotations
@@ -38,7 +42,8 @@ Numbers: 0 1 2 3 4 5 6 7 8 9 10 100 1000 3.14159 2.71828.
 # The test and demo checkpoints' chat template (Zephyr-style turns; </s> ends each turn), so that chat
 # endpoints work on them as on a real instruction-tuned checkpoint.
 CHAT_TEMPLATE = (
-    "{{ bos_token }}{% for message in messages %}{{ '<|' + message['role'] + '|>\\n' + message['content'] + eos_token + '\\n' }}"
+    "{{ bos_token }}{% for message in messages %}"
+    "{{ '<|' + message['role'] + '|>\\n' + message['content'] + eos_token + '\\n' }}"
     "{% endfor %}{% if add_generation_prompt %}{{ '<|assistant|>\\n' }}{% endif %}"
 )
 
@@ -66,7 +71,8 @@ def _pseudo_words(count: int, seed: int = 0) -> list[str]:
     import random
 
     rng = random.Random(seed)
-    onsets = ["", "b", "c", "d", "f", "g", "h", "k", "l", "m", "n", "p", "r", "s", "t", "v", "z", "st", "tr", "ch", "sh"]
+    onsets = ["", "b", "c", "d", "f", "g", "h", "k", "l", "m", "n", "p", "r", "s", "t", "v", "z",
+              "st", "tr", "ch", "sh"]
     vowels = ["a", "e", "i", "o", "u", "ai", "ou", "é", "ö"]
     codas = ["", "", "n", "r", "s", "t", "l", "m", "ck", "ng"]
     return ["".join(rng.choice(onsets) + rng.choice(vowels) + rng.choice(codas) for _ in range(rng.randint(1, 4)))
