@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from kiln.plugins.weight_only_linear import define_native_op
+from kiln.plugins.native import define_native_op
 
 __all__ = ["silu_mul", "gelu", "silu_mul_reference", "gelu_reference"]
 

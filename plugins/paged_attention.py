@@ -6,8 +6,8 @@ table. Decode sequences (one new token each) are computed as one batch; context
 sequences (several new tokens, causal with an offset) one at a time. Nothing loops
 in Python over tokens or blocks.
 
-CPU kernel: C++ (``plugins/csrc/plugin_ops.cpp``, loaded with the linear kernels' library, see
-:mod:`kiln.plugins.weight_only_linear`) for fp32/bf16 q/k/v and pools: it writes the pool and runs
+CPU kernel: C++ (``plugins/csrc/plugin_ops.cpp``, in the native library, see
+:mod:`kiln.plugins.native`) for fp32/bf16 q/k/v and pools: it writes the pool and runs
 the decode sequences (one work item per sequence and kv head, the group's query heads sharing one
 pass over the context read through the block table, fp32 softmax; only slots inside each context
 are read, so garbage/NaN elsewhere in the pool cannot leak in), with no Python per call; context
@@ -24,7 +24,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from kiln.plugins.weight_only_linear import define_native_op
+from kiln.plugins.native import define_native_op
 
 __all__ = ["paged_attention", "paged_attention_reference", "write_kv"]
 
@@ -196,24 +196,8 @@ _lib.define(
 _lib.impl("_paged_attention_context_py", _context_sequences, "CompositeExplicitAutograd")
 
 
-def paged_attention(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    kv_cache: torch.Tensor,
-    layer: int,
-    seq_lens: torch.Tensor,
-    context_lens: torch.Tensor,
-    block_tables: torch.Tensor,
-    slot_mapping: torch.Tensor,
-    scale: float,
-    sliding_window: int,
-) -> torch.Tensor:
-    """Write k/v into the pool, then attend every sequence over its paged context
-    (``torch.ops.kiln.paged_attention``)."""
-    return torch.ops.kiln.paged_attention(
-        q, k, v, kv_cache, layer, seq_lens, context_lens, block_tables, slot_mapping, scale, sliding_window
-    )
+# The Python entry point is the op itself (its schema is _PA_SCHEMA; see the module docstring).
+paged_attention = torch.ops.kiln.paged_attention
 
 
 def paged_attention_reference(

@@ -3,16 +3,16 @@
 ``fused_add_rms_norm(x, residual, w)`` returns ``(rms_norm(x + residual), x + residual)`` so a
 decoder layer reads its activations once instead of twice.
 
-CPU kernels: C++ (``plugins/csrc/plugin_ops.cpp``, fp32/bf16, loaded with the linear kernels'
-library, see :mod:`kiln.plugins.weight_only_linear`); other cases and ``KILN_DISABLE_NATIVE_KERNELS=1``
-run the plain-torch implementations below.
+CPU kernels: C++ (``plugins/csrc/plugin_ops.cpp``, fp32/bf16, in the native library, see
+:mod:`kiln.plugins.native`); other cases and ``KILN_DISABLE_NATIVE_KERNELS=1`` run the plain-torch
+implementations below.
 """
 
 from __future__ import annotations
 
 import torch
 
-from kiln.plugins.weight_only_linear import define_native_op
+from kiln.plugins.native import define_native_op
 
 __all__ = ["rms_norm", "fused_add_rms_norm", "rms_norm_reference", "fused_add_rms_norm_reference"]
 

@@ -14,7 +14,7 @@ import math
 
 import torch
 
-from kiln.plugins.weight_only_linear import define_native_op
+from kiln.plugins.native import define_native_op
 
 __all__ = ["rotary_embedding", "rotary_embedding_reference", "rope_inv_freq", "cos_sin_table"]
 

@@ -24,7 +24,7 @@ from kiln.contract import (
     kv_cache_shape,
     read_engine_config,
 )
-from kiln.plugins.weight_only_linear import native_kernels_available
+from kiln.plugins.native import native_kernels_available
 
 
 class Engine:

@@ -26,7 +26,7 @@ import time
 from pathlib import Path
 
 import torch
-from bench_common import BENCH, engine_is_current, ensure_checkpoint, log  # noqa: E402
+from bench_common import BENCH, engine_is_current, ensure_checkpoint, log, stream_read_bandwidth, stream_read_rate
 
 VARIANTS = {
     "fp32": dict(dtype="float32"),
@@ -88,9 +88,7 @@ def measure_bandwidth() -> dict[str, float]:
     w = torch.randn(5632, 4000)  # 22.5M elements, 90 MB: bigger than any cache
     x = torch.randn(1, 4000)
     res["gemv"] = w.numel() * 4 / _median_time(lambda: torch.nn.functional.linear(x, w), 20) / 1e9
-    try:  # the plugin's multi-stream read loop: what a well-written GEMV can stream
-        from kiln.plugins.weight_only_linear import stream_read_bandwidth
-
+    try:  # the plugin library's multi-stream read loop: what a well-written GEMV can stream
         res["stream_read"] = stream_read_bandwidth(256 << 20)  # GB/s, best of 7
     except Exception as exc:  # noqa: BLE001 - optional measurement
         log(f"stream_read_bandwidth unavailable ({exc})")
@@ -218,8 +216,6 @@ def main() -> None:
     # The cores and the memory bus are shared with other machines' work, and the read rate moves
     # (24-30 GB/s in one hour here): each step is followed by a 256 MiB streaming read, and a step is
     # compared with the reads made between the same steps.
-    from kiln.plugins.weight_only_linear import stream_read_rate
-
     read_buf = torch.ones(1 << 26)
     rows = []
     for v in variants:

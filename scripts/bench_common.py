@@ -1,5 +1,6 @@
-"""What the benchmark scripts share: timestamped progress lines, the ~300M Llama checkpoint, and the
-check that an engine left by an earlier run was built by today's builder."""
+"""What the benchmark scripts share: timestamped progress lines, the ~300M Llama checkpoint, the check
+that an engine left by an earlier run was built by today's builder, and the streaming-read rate that
+decode steps are compared with."""
 
 from __future__ import annotations
 
@@ -76,3 +77,31 @@ def ensure_engine(name: str, build: dict, ckpt: Path = CKPT) -> Path:
     log(f"building engine {out} ...")
     build_engine(ckpt, out, BuildConfig(**build), progress=lambda stage, msg: log(f"  build {stage}: {msg}"))
     return out
+
+
+def stream_read_bandwidth(nbytes: int = 64 << 20, repeats: int = 7, threads: int | None = None) -> float:
+    """Best-of-``repeats`` GB/s of a pure streaming read of ``nbytes`` with ``threads`` threads
+    (default: torch's), the bound a batch-1 decode GEMV is compared with (weights bytes / GB/s).
+    Uses the native library's read kernel (falls back to ``torch.sum``, which reads slower)."""
+    import torch
+
+    buf = torch.ones(max(1, nbytes // 4), dtype=torch.float32)
+    stream_read_rate(buf, threads)
+    return max(stream_read_rate(buf, threads) for _ in range(repeats))
+
+
+def stream_read_rate(buf, threads: int | None = None) -> float:
+    """GB/s of one streaming read of the fp32 tensor ``buf`` (benchmarks interleave these reads with
+    the steps they measure, so that both see the same share of a shared machine's memory bus)."""
+    import torch
+
+    from kiln.plugins import native
+
+    nt = threads or torch.get_num_threads()
+    lib = native.library()
+    t0 = time.perf_counter()
+    if lib is not None:
+        lib.kiln_stream_sum(buf.data_ptr(), buf.numel(), nt)
+    else:
+        float(buf.sum())
+    return buf.numel() * 4 / (time.perf_counter() - t0) / 1e9

@@ -45,16 +45,20 @@ def main() -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
 
-    from kiln.plugins import weight_only_linear as wol
+    from bench_common import stream_read_bandwidth
+
+    from kiln.plugins import linear
+    from kiln.plugins import native
+    from kiln.plugins import weight_format as fmt
 
     print(f"torch {torch.__version__}, threads {torch.get_num_threads()}, "
           f"cpu capability {torch.backends.cpu.get_cpu_capability()}", flush=True)
     t0 = time.perf_counter()
-    ok = wol.native_kernels_available()
+    ok = native.native_kernels_available()
     print(f"native kernels: {'ok' if ok else 'UNAVAILABLE (torch fallback)'} "
           f"(load/compile {time.perf_counter() - t0:.1f} s)", flush=True)
     int8pack = getattr(torch.ops.aten, "_weight_int8pack_mm", None)
-    bw = wol.stream_read_bandwidth()
+    bw = stream_read_bandwidth()
     print(f"streaming read bandwidth ({torch.get_num_threads()} threads, best of 7 x 64 MiB): {bw:.1f} GB/s "
           f"-> '%bw' = GB/s(w) / this (the batch-1 bound; compute-bound kernels stay below it)", flush=True)
 
@@ -65,10 +69,10 @@ def main() -> None:
         torch.manual_seed(0)
         w = torch.randn(n, k) * 0.02
         wb = w.bfloat16()
-        q8, s8 = wol.quantize_int8(w)
-        q4, s4 = wol.quantize_int4(w, args.group_size)
+        q8, s8 = fmt.quantize_int8(w)
+        q4, s4 = fmt.quantize_int4(w, args.group_size)
         # the builder stores fp32/bf16/int8 weights packed in 8-row tiles where the shape allows
-        pack = wol.pack_rows if wol.can_pack_rows(w) else (lambda t: t)
+        pack = fmt.pack_rows if fmt.can_pack_rows(w) else (lambda t: t)
         wp, wbp, q8p = pack(w), pack(wb), pack(q8)
         print(f"\n== weight {n}x{k} ({n * k / 1e6:.1f}M elements), int4 group {args.group_size}", flush=True)
         print(header, flush=True)
@@ -77,21 +81,21 @@ def main() -> None:
             xb = x.bfloat16()
             cases = [
                 ("F.linear fp32", 4 * n * k, lambda: F.linear(x, w)),
-                ("kiln fp32_linear", 4 * n * k, lambda: wol.fp32_linear(x, wp)),
-                ("kiln fp32_linear (plain rows)", 4 * n * k, lambda: wol.fp32_linear(x, w)),
+                ("kiln fp32_linear", 4 * n * k, lambda: linear.fp32_linear(x, wp)),
+                ("kiln fp32_linear (plain rows)", 4 * n * k, lambda: linear.fp32_linear(x, w)),
                 ("F.linear bf16", 2 * n * k, lambda: F.linear(xb, wb)),
-                ("kiln bf16_linear (x fp32)", 2 * n * k, lambda: wol.bf16_linear(x, wbp)),
-                ("kiln bf16_linear (x bf16)", 2 * n * k, lambda: wol.bf16_linear(xb, wbp)),
-                ("kiln bf16_linear (plain rows)", 2 * n * k, lambda: wol.bf16_linear(x, wb)),
+                ("kiln bf16_linear (x fp32)", 2 * n * k, lambda: linear.bf16_linear(x, wbp)),
+                ("kiln bf16_linear (x bf16)", 2 * n * k, lambda: linear.bf16_linear(xb, wbp)),
+                ("kiln bf16_linear (plain rows)", 2 * n * k, lambda: linear.bf16_linear(x, wb)),
             ]
             if int8pack is not None:
                 cases.append(("torch _weight_int8pack_mm", n * k, lambda: int8pack(xb, q8, s8.bfloat16())))
             cases += [
-                ("kiln int8 (x fp32)", n * k, lambda: wol.weight_only_linear(x, q8p, s8, None, 8, 0)),
-                ("kiln int8 (x bf16)", n * k, lambda: wol.weight_only_linear(xb, q8p, s8, None, 8, 0)),
-                ("kiln int8 (plain rows)", n * k, lambda: wol.weight_only_linear(x, q8, s8, None, 8, 0)),
+                ("kiln int8 (x fp32)", n * k, lambda: linear.weight_only_linear(x, q8p, s8, None, 8, 0)),
+                ("kiln int8 (x bf16)", n * k, lambda: linear.weight_only_linear(xb, q8p, s8, None, 8, 0)),
+                ("kiln int8 (plain rows)", n * k, lambda: linear.weight_only_linear(x, q8, s8, None, 8, 0)),
                 (f"kiln int4 g{args.group_size} (x fp32)", n * k // 2 + s4.numel() * 4,
-                 lambda: wol.weight_only_linear(x, q4, s4, None, 4, args.group_size)),
+                 lambda: linear.weight_only_linear(x, q4, s4, None, 4, args.group_size)),
             ]
             ref_ms = None
             for name, nbytes, fn in cases:

@@ -121,7 +121,7 @@ def measure(args, modes: list[str]) -> dict:
     for mode in modes:
         ctx = None
         if mode == "torch":
-            from kiln.plugins.weight_only_linear import native_kernels_disabled
+            from kiln.plugins.native import native_kernels_disabled
 
             ctx = native_kernels_disabled()
             ctx.__enter__()

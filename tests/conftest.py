@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import warnings
 from pathlib import Path
 
 import pytest
@@ -53,3 +54,16 @@ def checkpoint_dir(tmp_path_factory):
         return cache[key]
 
     return make
+
+
+@pytest.fixture(scope="session")
+def native():
+    """The native kernel library, loaded (compiled on a cold cache) once; the tests that use this
+    fixture fail loudly if it does not load."""
+    from kiln.plugins import native as native_lib
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a compile failure warns: make it an error here
+        ok = native_lib.native_kernels_available()
+    assert ok, "native kernels did not build"
+    return native_lib.library()

@@ -153,7 +153,7 @@ def test_run_passes_all_and_disabled(qwen2):
 
 
 def _plugin_or_skip():
-    return pytest.importorskip("kiln.plugins.weight_only_linear")
+    return pytest.importorskip("kiln.plugins.linear")
 
 
 @pytest.mark.parametrize("mode, bits", [("int8_weight_only", 8), ("int4_weight_only", 4)])

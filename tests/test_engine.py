@@ -215,7 +215,7 @@ DECIDED_MARGIN = 0.1
 
 @pytest.mark.parametrize("family", ["llama", "gpt2"])
 def test_weight_only_int8_and_int4(family, engine_of):
-    pytest.importorskip("kiln.plugins.weight_only_linear")
+    pytest.importorskip("kiln.plugins.linear")
     ref = engine_of(family)
     int8 = engine_of(family, quantization="int8_weight_only")
     int4 = engine_of(family, quantization="int4_weight_only", group_size=32)

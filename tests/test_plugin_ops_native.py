@@ -14,7 +14,7 @@ import kiln.plugins  # noqa: F401
 from kiln.plugins.activations import gelu_reference, silu_mul_reference
 from kiln.plugins.rms_norm import rms_norm_reference
 from kiln.plugins.rotary import cos_sin_table, rope_inv_freq, rotary_embedding_reference
-from kiln.plugins.weight_only_linear import native_kernels_disabled, native_op_ready
+from kiln.plugins.native import native_kernels_disabled, native_op_ready
 
 from test_plugins import TOL, build_case, run_both
 

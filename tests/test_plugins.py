@@ -159,7 +159,7 @@ def test_paged_attention_sliding_window_boundary():
 def test_paged_attention_batches_decode_sequences(monkeypatch, native):
     """No Python loop over tokens: one attention call per context sequence, one for all decode ones
     (the torch path), or none for the decode ones (the C++ kernel computes them)."""
-    from kiln.plugins.weight_only_linear import native_kernels_disabled, native_op_ready
+    from kiln.plugins.native import native_kernels_disabled, native_op_ready
 
     if native and not native_op_ready("paged_attention"):
         pytest.skip("native kernels unavailable")

@@ -1,34 +1,21 @@
-"""kiln::weight_only_linear / kiln::bf16_linear: native AVX2 kernels vs the plain-torch reference,
+"""kiln::weight_only_linear / bf16_linear / fp32_linear: native AVX2 kernels vs the plain-torch reference,
 the int4 layout, quantisation error bounds, the fallback path, and torch.export with a dynamic T."""
 
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
-import warnings
 
 import pytest
 import torch
 
-from kiln.plugins import weight_only_linear as wol
+from kiln.plugins import linear
+from kiln.plugins import native as native_lib
+from kiln.plugins import weight_format as fmt
 
 ops = torch.ops.kiln
 
 SHAPES = [(37, 128), (64, 200), (130, 256), (8, 8), (5, 1000)]  # (out, in): odd/even, tails
 MS = [1, 3, 5, 16, 64]
-
-
-@pytest.fixture(scope="module")
-def native():
-    """Compile (or load the cached) kernels once; the native tests fail loudly if this fails."""
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")  # a compile failure warns: make it an error here
-        ok = wol.native_kernels_available()
-    assert ok, "native kernels did not build"
-    # the public ops now dispatch straight to the C++ kernels (no Python per call)
-    assert all(wol._cpp_kernel_registered(op) for op in ("weight_only_linear", "bf16_linear", "fp32_linear"))
-    return True
 
 
 def _tol(ref: torch.Tensor, dtype: torch.dtype, int_act: bool = False) -> dict:
@@ -43,7 +30,7 @@ def _tol(ref: torch.Tensor, dtype: torch.dtype, int_act: bool = False) -> dict:
 
 
 def _assert_native_used(wtype, x, w, scales, bias, gs, n, k):
-    y = wol._native(wtype, x, w, scales, bias, gs, n, k)
+    y = linear._native(wtype, x, w, scales, bias, gs, n, k)
     assert y is not None, "the native kernel declined this case"
     return y
 
@@ -57,9 +44,9 @@ def test_int8_matches_reference(native, m, n, k, dtype, with_bias):
     w = torch.randn(n, k, generator=g)
     x = torch.randn(m, k, generator=g).to(dtype)
     bias = torch.randn(n, generator=g).to(dtype) if with_bias else None
-    q, s = wol.quantize_int8(w)
-    ref = wol.weight_only_linear_reference(x, q, s, bias, 8, 0)
-    _assert_native_used(wol._WTYPE_INT8, x, q, s, bias, 0, n, k)
+    q, s = fmt.quantize_int8(w)
+    ref = linear.weight_only_linear_reference(x, q, s, bias, 8, 0)
+    _assert_native_used("int8", x, q, s, bias, 0, n, k)
     y = ops.weight_only_linear(x, q, s, bias, 8, 0)
     assert y.dtype == dtype and y.shape == (m, n)
     torch.testing.assert_close(y, ref, **_tol(ref, dtype, int_act=True))
@@ -74,9 +61,9 @@ def test_int4_matches_reference(native, m, n, k, gs, dtype, with_bias):
     w = torch.randn(n, k, generator=g)
     x = torch.randn(m, k, generator=g).to(dtype)
     bias = torch.randn(n, generator=g).to(dtype) if with_bias else None
-    q, s = wol.quantize_int4(w, gs)
-    ref = wol.weight_only_linear_reference(x, q, s, bias, 4, gs)
-    _assert_native_used(wol._WTYPE_INT4, x, q, s, bias, gs, n, k)
+    q, s = fmt.quantize_int4(w, gs)
+    ref = linear.weight_only_linear_reference(x, q, s, bias, 4, gs)
+    _assert_native_used("int4", x, q, s, bias, gs, n, k)
     y = ops.weight_only_linear(x, q, s, bias, 4, gs)
     assert y.dtype == dtype and y.shape == (m, n)
     torch.testing.assert_close(y, ref, **_tol(ref, dtype, int_act=True))
@@ -87,8 +74,8 @@ def test_int4_shapes_outside_the_fast_kernel_still_correct(n, k, gs):
     """in % 64 != 0 (or odd group sizes): the op falls back to the torch path, same result."""
     w = torch.randn(n, k)
     x = torch.randn(3, k)
-    q, s = wol.quantize_int4(w, gs)
-    ref = wol.weight_only_linear_reference(x, q, s, None, 4, gs)
+    q, s = fmt.quantize_int4(w, gs)
+    ref = linear.weight_only_linear_reference(x, q, s, None, 4, gs)
     torch.testing.assert_close(ops.weight_only_linear(x, q, s, None, 4, gs), ref, **_tol(ref, torch.float32, True))
 
 
@@ -101,8 +88,8 @@ def test_bf16_linear_matches_reference(native, m, n, k, dtype, with_bias):
     w = torch.randn(n, k, generator=g).bfloat16()
     x = torch.randn(m, k, generator=g).to(dtype)
     bias = torch.randn(n, generator=g).to(dtype) if with_bias else None
-    ref = wol.bf16_linear_reference(x, w, bias)
-    _assert_native_used(wol._WTYPE_BF16, x, w, None, bias, 0, n, k)
+    ref = linear.bf16_linear_reference(x, w, bias)
+    _assert_native_used("bf16", x, w, None, bias, 0, n, k)
     y = ops.bf16_linear(x, w, bias)
     assert y.dtype == dtype and y.shape == (m, n)
     torch.testing.assert_close(y, ref, **_tol(ref, dtype))
@@ -110,12 +97,12 @@ def test_bf16_linear_matches_reference(native, m, n, k, dtype, with_bias):
 
 @pytest.mark.parametrize("path", ["sgemm", "chunked"])
 def test_large_m_paths(native, monkeypatch, request, path):
-    """M above KERNEL_MAX_M: dequantised row chunks + torch sgemm; M > 64: kernels on 64-row chunks."""
+    """M above kernel_max_m: dequantised row chunks + torch sgemm; M > 64: kernels on 64-row chunks."""
     if path == "sgemm":
         for kind in ("bf16", "int8", "int4"):
-            old = wol.set_kernel_max_m(kind, 2)
-            request.addfinalizer(lambda kind=kind, old=old: wol.set_kernel_max_m(kind, old))
-        monkeypatch.setattr(wol, "_PREFILL_CHUNK_BYTES", 4 * 128 * 16)  # several row chunks
+            old = linear.set_kernel_max_m(kind, 2)
+            request.addfinalizer(lambda kind=kind, old=old: linear.set_kernel_max_m(kind, old))
+        monkeypatch.setattr(linear, "_PREFILL_CHUNK_BYTES", 4 * 128 * 16)  # several row chunks
         m = 9
     else:
         m = 150
@@ -123,14 +110,14 @@ def test_large_m_paths(native, monkeypatch, request, path):
     w = torch.randn(n, k)
     x = torch.randn(m, k)
     bias = torch.randn(n)
-    q8, s8 = wol.quantize_int8(w)
-    q4, s4 = wol.quantize_int4(w, gs)
+    q8, s8 = fmt.quantize_int8(w)
+    q4, s4 = fmt.quantize_int4(w, gs)
     wb = w.bfloat16()
     for y, ref in [
-        (ops.weight_only_linear(x, q8, s8, bias, 8, 0), wol.weight_only_linear_reference(x, q8, s8, bias, 8, 0)),
-        (ops.weight_only_linear(x, q4, s4, bias, 4, gs), wol.weight_only_linear_reference(x, q4, s4, bias, 4, gs)),
-        (ops.bf16_linear(x, wb, bias), wol.bf16_linear_reference(x, wb, bias)),
-        (ops.bf16_linear(x.bfloat16(), wb, None), wol.bf16_linear_reference(x.bfloat16(), wb, None)),
+        (ops.weight_only_linear(x, q8, s8, bias, 8, 0), linear.weight_only_linear_reference(x, q8, s8, bias, 8, 0)),
+        (ops.weight_only_linear(x, q4, s4, bias, 4, gs), linear.weight_only_linear_reference(x, q4, s4, bias, 4, gs)),
+        (ops.bf16_linear(x, wb, bias), linear.bf16_linear_reference(x, wb, bias)),
+        (ops.bf16_linear(x.bfloat16(), wb, None), linear.bf16_linear_reference(x.bfloat16(), wb, None)),
     ]:
         torch.testing.assert_close(y, ref, **_tol(ref, y.dtype, int_act=True))
 
@@ -142,15 +129,15 @@ def test_non_finite_activations_propagate(native, m):
     x = torch.randn(m, 128)
     x[0, 5] = float("nan")
     x[-1, 77] = float("inf") if m > 1 else float("nan")
-    q8, s8 = wol.quantize_int8(w)
-    q4, s4 = wol.quantize_int4(w, 32)
+    q8, s8 = fmt.quantize_int8(w)
+    q4, s4 = fmt.quantize_int4(w, 32)
     for y, ref in [
-        (ops.weight_only_linear(x, q8, s8, None, 8, 0), wol.weight_only_linear_reference(x, q8, s8, None, 8, 0)),
-        (ops.weight_only_linear(x, q4, s4, None, 4, 32), wol.weight_only_linear_reference(x, q4, s4, None, 4, 32)),
-        (ops.bf16_linear(x, w.bfloat16(), None), wol.bf16_linear_reference(x, w.bfloat16(), None)),
-        (ops.bf16_linear(x.bfloat16(), w.bfloat16(), None), wol.bf16_linear_reference(x.bfloat16(), w.bfloat16(), None)),
+        (ops.weight_only_linear(x, q8, s8, None, 8, 0), linear.weight_only_linear_reference(x, q8, s8, None, 8, 0)),
+        (ops.weight_only_linear(x, q4, s4, None, 4, 32), linear.weight_only_linear_reference(x, q4, s4, None, 4, 32)),
+        (ops.bf16_linear(x, w.bfloat16(), None), linear.bf16_linear_reference(x, w.bfloat16(), None)),
+        (ops.bf16_linear(x.bfloat16(), w.bfloat16(), None), linear.bf16_linear_reference(x.bfloat16(), w.bfloat16(), None)),
         (ops.weight_only_linear(x.bfloat16(), q8, s8, None, 8, 0),
-         wol.weight_only_linear_reference(x.bfloat16(), q8, s8, None, 8, 0)),
+         linear.weight_only_linear_reference(x.bfloat16(), q8, s8, None, 8, 0)),
     ]:
         assert y.dtype == ref.dtype and torch.equal(y.isnan(), ref.isnan())
         assert torch.equal(y.isfinite(), ref.isfinite())
@@ -163,8 +150,8 @@ def test_non_finite_activations_propagate(native, m):
 def test_fp16_activations(native):
     w = torch.randn(40, 128)
     x = torch.randn(3, 128).half()
-    q, s = wol.quantize_int8(w)
-    ref = wol.weight_only_linear_reference(x, q, s, None, 8, 0)
+    q, s = fmt.quantize_int8(w)
+    ref = linear.weight_only_linear_reference(x, q, s, None, 8, 0)
     y = ops.weight_only_linear(x, q, s, None, 8, 0)
     assert y.dtype == torch.float16
     torch.testing.assert_close(y, ref, atol=ref.abs().max().item() * 2e-3, rtol=2e-3)
@@ -178,9 +165,9 @@ def test_fp32_linear_matches_reference(native, m, n, k, dtype):
     w = torch.randn(n, k, generator=g)
     x = torch.randn(m, k, generator=g).to(dtype)
     bias = torch.randn(n, generator=g)
-    ref = wol.fp32_linear_reference(x, w, bias)
-    if m <= wol.KERNEL_MAX_M["fp32"]:
-        _assert_native_used(wol._WTYPE_F32, x, w, None, bias, 0, n, k)
+    ref = linear.fp32_linear_reference(x, w, bias)
+    if m <= linear.kernel_max_m("fp32"):
+        _assert_native_used("fp32", x, w, None, bias, 0, n, k)
     y = ops.fp32_linear(x, w, bias)
     assert y.dtype == dtype and y.shape == (m, n)
     torch.testing.assert_close(y, ref, **_tol(ref, dtype))
@@ -202,19 +189,19 @@ def test_packed_weights_match_plain(native, m, n, k, kind):
     x = torch.randn(m, k, generator=g)
     bias = torch.randn(n, generator=g)
     if kind == "int8":
-        q, scales = wol.quantize_int8(w)
-        wtype, int_act = wol._WTYPE_INT8_PACKED, True
+        q, scales = fmt.quantize_int8(w)
+        wtype, int_act = "int8_packed", True
         op = lambda x, w, b: ops.weight_only_linear(x, w, scales, b, 8, 0)  # noqa: E731
-        reference = lambda x, w, b: wol.weight_only_linear_reference(x, w, scales, b, 8, 0)  # noqa: E731
+        reference = lambda x, w, b: linear.weight_only_linear_reference(x, w, scales, b, 8, 0)  # noqa: E731
     else:
         q, scales = w.to(torch.bfloat16 if kind == "bf16" else torch.float32), None
-        wtype, int_act = (wol._WTYPE_BF16_PACKED if kind == "bf16" else wol._WTYPE_F32_PACKED), False
+        wtype, int_act = ("bf16_packed" if kind == "bf16" else "fp32_packed"), False
         op = ops.bf16_linear if kind == "bf16" else ops.fp32_linear
-        reference = wol.float_linear_reference
-    p = wol.pack_rows(q)
-    assert p.shape == (n // 8, k // 16, 8, 16) and p.dtype == q.dtype and torch.equal(wol.unpack_rows(p), q)
+        reference = linear.float_linear_reference
+    p = fmt.pack_rows(q)
+    assert p.shape == (n // 8, k // 16, 8, 16) and p.dtype == q.dtype and torch.equal(fmt.unpack_rows(p), q)
     assert p[n // 8 - 1, 0, 3, 5] == q[n - 8 + 3, 5]
-    if m <= wol.KERNEL_MAX_M[kind]:
+    if m <= linear.kernel_max_m(kind):
         _assert_native_used(wtype, x, p, scales, bias, 0, n, k)
     y = op(x, p, bias)
     assert y.shape == (m, n)
@@ -234,35 +221,35 @@ def test_packed_weights_match_plain(native, m, n, k, kind):
 
 def test_packed_weight_errors(native):
     with pytest.raises(ValueError, match="out % 8 == 0 and in % 16 == 0"):
-        wol.pack_rows(torch.randn(12, 32))
+        fmt.pack_rows(torch.randn(12, 32))
     with pytest.raises(ValueError, match="out % 8 == 0 and in % 16 == 0"):
-        wol.pack_rows(torch.randn(16, 40))
-    p = wol.pack_rows(torch.randn(16, 48))
+        fmt.pack_rows(torch.randn(16, 40))
+    p = fmt.pack_rows(torch.randn(16, 48))
     with pytest.raises(ValueError, match=r"\(48 input features\)"):
         ops.fp32_linear(torch.randn(2, 32), p, None)
     with pytest.raises(ValueError, match=r"packed \[out/8, in/16, 8, 16\]"):
         ops.fp32_linear(torch.randn(2, 48), p.reshape(2, 3, 16, 8), None)
     x = torch.randn(3, 48)
-    with wol.native_kernels_disabled():  # the plain-torch path understands the layout too
+    with native_lib.native_kernels_disabled():  # the plain-torch path understands the layout too
         y = ops.fp32_linear(x, p, None)
-    torch.testing.assert_close(y, x @ wol.unpack_rows(p).t())
-    q, s = wol.quantize_int8(torch.randn(16, 48))
+    torch.testing.assert_close(y, x @ fmt.unpack_rows(p).t())
+    q, s = fmt.quantize_int8(torch.randn(16, 48))
     with pytest.raises(ValueError, match=r"scales \[16\]"):
-        ops.weight_only_linear(x, wol.pack_rows(q), s[:8], None, 8, 0)
+        ops.weight_only_linear(x, fmt.pack_rows(q), s[:8], None, 8, 0)
     with pytest.raises(ValueError, match=r"bits=4 expects a packed uint8 qweight \[out, in//2\]"):
-        ops.weight_only_linear(x, wol.pack_rows(q).view(torch.uint8), s, None, 4, 16)
+        ops.weight_only_linear(x, fmt.pack_rows(q).view(torch.uint8), s, None, 4, 16)
 
 
 def test_leading_dims_and_noncontiguous_inputs(native):
     w = torch.randn(48, 128)
     x = torch.randn(2, 3, 256)[..., ::2]  # [2, 3, 128], non-contiguous
-    q, s = wol.quantize_int8(w)
+    q, s = fmt.quantize_int8(w)
     y = ops.weight_only_linear(x, q, s, None, 8, 0)
     assert y.shape == (2, 3, 48)
-    ref = wol.weight_only_linear_reference(x, q, s, None, 8, 0)
+    ref = linear.weight_only_linear_reference(x, q, s, None, 8, 0)
     torch.testing.assert_close(y, ref, **_tol(ref, torch.float32, int_act=True))
     wb = torch.randn(128, 48).bfloat16().t()  # non-contiguous weight
-    torch.testing.assert_close(ops.bf16_linear(x, wb, None), wol.bf16_linear_reference(x, wb, None),
+    torch.testing.assert_close(ops.bf16_linear(x, wb, None), linear.bf16_linear_reference(x, wb, None),
                                atol=1e-4, rtol=1e-5)
 
 
@@ -273,9 +260,9 @@ def test_leading_dims_and_noncontiguous_inputs(native):
 @pytest.mark.parametrize("k", [2, 62, 64, 66, 128, 130, 320])
 def test_int4_pack_round_trip(k):
     q = torch.randint(-8, 8, (5, k), dtype=torch.int8)
-    packed = wol.pack_int4(q)
+    packed = fmt.pack_int4(q)
     assert packed.dtype == torch.uint8 and packed.shape == (5, k // 2)
-    assert torch.equal(wol.unpack_int4(packed), q)
+    assert torch.equal(fmt.unpack_int4(packed), q)
 
 
 def test_int4_layout_is_the_documented_one():
@@ -284,7 +271,7 @@ def test_int4_layout_is_the_documented_one():
     q = torch.zeros(1, k, dtype=torch.int8)
     for b, j, l, v in [(0, 0, 0, 1), (0, 3, 3, -8), (1, 2, 15, 5), (1, 1, 9, -1)]:
         q[0, 64 * b + 16 * j + l] = v
-    words = wol.pack_int4(q).view(torch.int16).view(-1).tolist()  # little-endian machine
+    words = fmt.pack_int4(q).view(torch.int16).view(-1).tolist()  # little-endian machine
 
     def nib(b, l, j):
         return ((words[16 * b + l] >> (4 * j)) & 0xF)
@@ -296,10 +283,10 @@ def test_int4_layout_is_the_documented_one():
 def test_int8_quantization_error_bound():
     w = torch.randn(64, 300) * torch.logspace(-3, 1, 64)[:, None]
     w[5] = 0.0
-    q, s = wol.quantize_int8(w)
+    q, s = fmt.quantize_int8(w)
     assert q.dtype == torch.int8 and s.dtype == torch.float32 and s.shape == (64,)
     assert q.abs().max() <= 127
-    err = (wol.dequantize(q, s, 8, 0) - w).abs()
+    err = (fmt.dequantize(q, s, 8, 0) - w).abs()
     assert (err <= s[:, None] / 2 * (1 + 1e-5) + 1e-12).all()
     assert torch.equal(q[5], torch.zeros_like(q[5]))
     rel = err.norm() / w.norm()
@@ -310,12 +297,12 @@ def test_int8_quantization_error_bound():
 def test_int4_quantization_error_bound(gs):
     w = torch.randn(48, 256)
     w[3, :gs] = 0.0
-    packed, s = wol.quantize_int4(w, gs)
+    packed, s = fmt.quantize_int4(w, gs)
     assert packed.dtype == torch.uint8 and packed.shape == (48, 128)
     assert s.dtype == torch.float32 and s.shape == (48, 256 // gs)
-    q = wol.unpack_int4(packed)
+    q = fmt.unpack_int4(packed)
     assert q.min() >= -8 and q.max() <= 7
-    deq = wol.dequantize(packed, s, 4, gs)
+    deq = fmt.dequantize(packed, s, 4, gs)
     err = (deq - w).abs().reshape(48, -1, gs)
     bound = s.abs()[..., None]
     assert (err <= bound * (1 + 1e-5) + 1e-12).all()          # worst case (clamp of +8 to 7)
@@ -332,9 +319,9 @@ def test_int4_quantization_error_bound(gs):
 def test_int4_rejects_bad_group_size():
     w = torch.randn(4, 96)
     with pytest.raises(ValueError, match="multiple of group_size"):
-        wol.quantize_int4(w, 64)
+        fmt.quantize_int4(w, 64)
     with pytest.raises(ValueError, match="positive"):
-        wol.quantize_int4(w, 0)
+        fmt.quantize_int4(w, 0)
     with pytest.raises(ValueError, match="bits"):
         ops.weight_only_linear(torch.randn(1, 96), torch.zeros(4, 96, dtype=torch.int8), torch.ones(4), None, 3, 0)
 
@@ -346,50 +333,18 @@ def test_int4_rejects_bad_group_size():
 def test_forced_fallback_matches_reference():
     w = torch.randn(40, 128)
     x = torch.randn(3, 128)
-    q8, s8 = wol.quantize_int8(w)
-    q4, s4 = wol.quantize_int4(w, 32)
-    with wol.native_kernels_disabled():
-        assert wol._native(wol._WTYPE_INT8, x, q8, s8, None, 0, 40, 128) is None
+    q8, s8 = fmt.quantize_int8(w)
+    q4, s4 = fmt.quantize_int4(w, 32)
+    with native_lib.native_kernels_disabled():
+        assert linear._native("int8", x, q8, s8, None, 0, 40, 128) is None
         torch.testing.assert_close(ops.weight_only_linear(x, q8, s8, None, 8, 0),
-                                   wol.weight_only_linear_reference(x, q8, s8, None, 8, 0))
+                                   linear.weight_only_linear_reference(x, q8, s8, None, 8, 0))
         torch.testing.assert_close(ops.weight_only_linear(x, q4, s4, None, 4, 32),
-                                   wol.weight_only_linear_reference(x, q4, s4, None, 4, 32))
+                                   linear.weight_only_linear_reference(x, q4, s4, None, 4, 32))
         wb = w.bfloat16()
         torch.testing.assert_close(ops.bf16_linear(x.bfloat16(), wb, None),
-                                   wol.bf16_linear_reference(x.bfloat16(), wb, None))
-        torch.testing.assert_close(ops.fp32_linear(x, w, None), wol.fp32_linear_reference(x, w, None))
-
-
-def test_build_failure_warns_once_and_falls_back(monkeypatch):
-    monkeypatch.setattr(wol, "_lib_state", "unloaded")
-    monkeypatch.setattr(wol, "_lib", None)
-    monkeypatch.setattr(wol, "_warned", set())
-    monkeypatch.setattr(wol, "_cpu_has_avx2_fma", lambda: False)
-    w = torch.randn(16, 64)
-    x = torch.randn(2, 64)
-    q, s = wol.quantize_int8(w)
-    # (the Python implementation: in this process the C++ kernel may already be registered)
-    with pytest.warns(RuntimeWarning, match="AVX2"):
-        y = ops._weight_only_linear_py(x, q, s, None, 8, 0)
-    torch.testing.assert_close(y, wol.weight_only_linear_reference(x, q, s, None, 8, 0))
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")  # no second warning
-        ops._weight_only_linear_py(x, q, s, None, 8, 0)
-
-
-def test_env_var_disables_native_kernels():
-    code = (
-        "import torch, warnings; warnings.simplefilter('error');"
-        "from kiln.plugins import weight_only_linear as wol;"
-        "assert not wol.native_kernels_available();"
-        "w = torch.randn(8, 64); q, s = wol.quantize_int8(w); x = torch.randn(1, 64);"
-        "torch.testing.assert_close(torch.ops.kiln.weight_only_linear(x, q, s, None, 8, 0),"
-        " wol.weight_only_linear_reference(x, q, s, None, 8, 0)); print('ok')"
-    )
-    env = {**os.environ, "KILN_DISABLE_NATIVE_KERNELS": "1"}
-    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
-    assert out.returncode == 0, out.stderr[-2000:]
-    assert "ok" in out.stdout
+                                   linear.bf16_linear_reference(x.bfloat16(), wb, None))
+        torch.testing.assert_close(ops.fp32_linear(x, w, None), linear.fp32_linear_reference(x, w, None))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -400,16 +355,16 @@ class _TinyMLP(torch.nn.Module):
     def __init__(self, k=128, h=192, gs=64):
         super().__init__()
         w1, w2, w3 = torch.randn(h, k), torch.randn(h, k), torch.randn(k, h)
-        q1, s1 = wol.quantize_int8(w1)
-        q2, s2 = wol.quantize_int4(w2, gs)
+        q1, s1 = fmt.quantize_int8(w1)
+        q2, s2 = fmt.quantize_int4(w2, gs)
         self.gs = gs
-        self.register_buffer("q1", wol.pack_rows(q1))  # packed, as the builder stores int8 weights
+        self.register_buffer("q1", fmt.pack_rows(q1))  # packed, as the builder stores int8 weights
         self.register_buffer("s1", s1)
         self.register_buffer("q2", q2)
         self.register_buffer("s2", s2)
         self.register_buffer("w3", w3.bfloat16())
         self.register_buffer("b3", torch.randn(k))
-        self.register_buffer("w4", wol.pack_rows(torch.randn(64, k)))  # packed, as the builder stores it
+        self.register_buffer("w4", fmt.pack_rows(torch.randn(64, k)))  # packed, as the builder stores it
 
     def forward(self, x):
         a = ops.weight_only_linear(x, self.q1, self.s1, None, 8, 0)
@@ -418,10 +373,10 @@ class _TinyMLP(torch.nn.Module):
         return ops.fp32_linear(h, self.w4, None)
 
     def reference(self, x):
-        a = wol.weight_only_linear_reference(x, self.q1, self.s1, None, 8, 0)
-        b = wol.weight_only_linear_reference(x, self.q2, self.s2, None, 4, self.gs)
-        h = wol.bf16_linear_reference(torch.nn.functional.silu(a) * b, self.w3, self.b3)
-        return wol.fp32_linear_reference(h, self.w4, None)
+        a = linear.weight_only_linear_reference(x, self.q1, self.s1, None, 8, 0)
+        b = linear.weight_only_linear_reference(x, self.q2, self.s2, None, 4, self.gs)
+        h = linear.bf16_linear_reference(torch.nn.functional.silu(a) * b, self.w3, self.b3)
+        return linear.fp32_linear_reference(h, self.w4, None)
 
 
 def test_export_with_dynamic_tokens(native):
@@ -454,9 +409,3 @@ def test_aot_inductor_package_calls_the_ops(native, tmp_path):
         x = torch.randn(m, 128)
         ref = mod.reference(x)
         torch.testing.assert_close(runner(x), ref, **_tol(ref, torch.float32, int_act=True))
-
-
-def test_stream_read_kernel_sums_correctly(native):
-    buf = torch.ones(64 * 1000 + 37)
-    assert wol._lib.kiln_stream_sum(buf.data_ptr(), buf.numel(), 2) == buf.numel()
-    assert wol.stream_read_bandwidth(nbytes=1 << 20, repeats=2) > 0

@@ -43,7 +43,7 @@ def _shared_weights(gm: fx.GraphModule) -> set[int]:
 def run(gm: fx.GraphModule, ctx) -> dict:
     import torch
 
-    from kiln.plugins import weight_only_linear as wol
+    from kiln.plugins.weight_format import can_pack_rows, pack_rows
 
     ops = {torch.float32: torch.ops.kiln.fp32_linear.default, torch.bfloat16: torch.ops.kiln.bf16_linear.default}
     shared = _shared_weights(gm)
@@ -59,10 +59,10 @@ def run(gm: fx.GraphModule, ctx) -> dict:
         if op is None or w.dim() != 2 or (x is not None and x.dtype != w.dtype):
             continue
         w_node = node.args[1]
-        if wol.can_pack_rows(w) and id(w) not in shared:
+        if can_pack_rows(w) and id(w) not in shared:
             if id(w) not in packed_cache:
                 name = node.args[1].target.removesuffix(".weight").removesuffix("_weight") + "_packed"
-                packed_cache[id(w)] = add_weight(gm, name, wol.pack_rows(w), node)
+                packed_cache[id(w)] = add_weight(gm, name, pack_rows(w), node)
             w_node = packed_cache[id(w)]
             packed += 1
         else:

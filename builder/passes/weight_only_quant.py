@@ -26,10 +26,11 @@ DESCRIPTION = "GEMMs -> kiln.weight_only_linear with int8 (per channel) or int4 
 
 def _plugin():
     try:
-        from kiln.plugins import weight_only_linear as wol
+        import kiln.plugins.linear  # noqa: F401  (registers kiln::weight_only_linear)
+        from kiln.plugins import weight_format
     except ImportError as exc:  # pragma: no cover - the plugin ships with kiln
-        raise RuntimeError(f"quantization needs kiln.plugins.weight_only_linear ({exc})") from None
-    return wol
+        raise RuntimeError(f"quantization needs kiln.plugins.linear ({exc})") from None
+    return weight_format
 
 
 def run(gm: fx.GraphModule, ctx) -> dict:
@@ -38,7 +39,7 @@ def run(gm: fx.GraphModule, ctx) -> dict:
         return {"skipped": "quantization=none"}
     import torch
 
-    wol = _plugin()
+    fmt = _plugin()
     bits = 8 if mode == "int8_weight_only" else 4
     group = ctx.build.group_size if bits == 4 else 0
     before_bytes = weights_bytes(gm)
@@ -52,12 +53,12 @@ def run(gm: fx.GraphModule, ctx) -> dict:
         if bits == 4 and w.shape[1] % group:
             continue  # left in the engine dtype (reported)
         if bits == 8:
-            qweight, scales = wol.quantize_int8(w.float())
-            if wol.can_pack_rows(qweight):  # 8-row tiles: one sequential stream per tile (fast_linear)
-                qweight = wol.pack_rows(qweight)
+            qweight, scales = fmt.quantize_int8(w.float())
+            if fmt.can_pack_rows(qweight):  # 8-row tiles: one sequential stream per tile (fast_linear)
+                qweight = fmt.pack_rows(qweight)
                 packed += 1
         else:
-            qweight, scales = wol.quantize_int4(w.float(), group)
+            qweight, scales = fmt.quantize_int4(w.float(), group)
         base = node.args[1].target.removesuffix(".weight").removesuffix("_weight")
         q_node = add_weight(gm, f"{base}_q{bits}", qweight, node)
         s_node = add_weight(gm, f"{base}_scales", scales, node)  # fp32, as the kernel expects

@@ -6,6 +6,8 @@
 // implementation, kiln::_weight_only_linear_py / _bf16_linear_py / _fp32_linear_py, which also owns the
 // argument validation and its error messages.
 
+#include "kiln_kernels.h"
+
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/core/dispatch/Dispatcher.h>
@@ -15,15 +17,20 @@
 #include <atomic>
 #include <optional>
 
-extern "C" int kiln_linear(int wtype, const void* w, const float* scales, int64_t group_size,
-                           const void* x, int64_t M, int64_t N, int64_t K, const float* bias,
-                           void* y, int nthreads, int bf16_io);
-extern "C" int kiln_wol_max_m();
-
 namespace {
 
 std::atomic<int> g_enabled{1};
-std::atomic<int64_t> g_max_m[4] = {{64}, {int64_t(1) << 40}, {int64_t(1) << 40}, {int64_t(1) << 40}};  // bf16, int8, int4, fp32 (Python sets them at load)
+
+// Largest M (rows of x) each weight kind runs through the kernels, indexed by KILN_W_BF16 .. KILN_W_FP32;
+// above it the Python implementation runs torch's sgemm on weights dequantised in row chunks.
+// Measured on the project's AVX2 machine (AMD Zen 1, 2 cores), where torch's sgemm reaches 19-68
+// GFLOP/s depending on the shape (19 at M=16 with K=1024): the kernels (50-70 GFLOP/s) win for fp32
+// weights at every M on the whole model (a 256-token prefill of the 311M Llama: 2.32 s vs 2.43 s
+// through sgemm), bf16 up to M ~ 64-128 and int8/int4 at every M tried (up to 256). On a CPU with
+// AVX-512/AMX GEMMs, lower these (kiln.plugins.linear.set_kernel_max_m).
+constexpr int64_t UNLIMITED = int64_t(1) << 40;
+std::atomic<int64_t> g_max_m[KILN_NUM_KINDS] = {{64}, {UNLIMITED}, {UNLIMITED}, {UNLIMITED}};
+static_assert(KILN_W_BF16 == 0 && KILN_W_INT8 == 1 && KILN_W_INT4 == 2 && KILN_W_FP32 == 3, "g_max_m's order");
 
 using OptT = std::optional<at::Tensor>;
 
@@ -36,21 +43,19 @@ at::Tensor wol_py(const at::Tensor& x, const at::Tensor& qw, const at::Tensor& s
   return op.call(x, qw, s, bias, bits, gs);
 }
 
-// as in weight_only_linear.cpp
-constexpr int WTYPE_BF16 = 0, WTYPE_INT8 = 1, WTYPE_INT4 = 2, WTYPE_F32 = 3, WTYPE_BF16_PACKED = 4,
-              WTYPE_F32_PACKED = 5, WTYPE_INT8_PACKED = 6;
-
 // kiln::_bf16_linear_py or kiln::_fp32_linear_py
 template <int WTYPE>
 at::Tensor float_linear_py(const at::Tensor& x, const at::Tensor& w, const OptT& bias) {
   static auto op = c10::Dispatcher::singleton()
-                       .findSchemaOrThrow(WTYPE == WTYPE_BF16 ? "kiln::_bf16_linear_py" : "kiln::_fp32_linear_py", "")
+                       .findSchemaOrThrow(WTYPE == KILN_W_BF16 ? "kiln::_bf16_linear_py" : "kiln::_fp32_linear_py", "")
                        .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const OptT&)>();
   return op.call(x, w, bias);
 }
 
 // a weight packed in 8-row tiles: [N/8, K/16, 8, 16]
-bool packed_rows(const at::Tensor& w) { return w.dim() == 4 && w.size(2) == 8 && w.size(3) == 16; }
+bool packed_rows(const at::Tensor& w) {
+  return w.dim() == 4 && w.size(2) == KILN_ROW_TILE && w.size(3) == KILN_K_STEP;
+}
 
 bool act_ok(const at::Tensor& x, int64_t K) {
   const auto t = x.scalar_type();
@@ -59,15 +64,14 @@ bool act_ok(const at::Tensor& x, int64_t K) {
 }
 
 // Runs the kernel; returns an undefined tensor if the kernel declined (caller falls back).
-// kind: the weight type without layout (0 bf16, 1 int8, 2 int4, 3 fp32), for the max-M limit.
-at::Tensor run(int wtype, int kind, const at::Tensor& x, const at::Tensor& w, const float* scales,
+at::Tensor run(int wtype, const at::Tensor& x, const at::Tensor& w, const float* scales,
                const OptT& bias, int64_t gs, int64_t N, int64_t K) {
   // bf16 activations go to the kernel as they are (it widens x and rounds y itself); fp16 is
   // converted here
   const bool bf16_io = x.scalar_type() == at::kBFloat16;
   at::Tensor x2 = x.reshape({-1, K});
   const int64_t M = x2.size(0);
-  if (M > g_max_m[kind].load(std::memory_order_relaxed)) return at::Tensor();
+  if (M > g_max_m[kiln_weight_kind(wtype)].load(std::memory_order_relaxed)) return at::Tensor();
   if (!bf16_io && x2.scalar_type() != at::kFloat) x2 = x2.to(at::kFloat);
   x2 = x2.contiguous();
   at::Tensor b;
@@ -82,9 +86,8 @@ at::Tensor run(int wtype, int kind, const at::Tensor& x, const at::Tensor& w, co
   char* yp = static_cast<char*>(y.data_ptr());
   const int64_t es = x2.element_size();
   const int nt = at::get_num_threads();
-  const int64_t step = kiln_wol_max_m();
-  for (int64_t m0 = 0; m0 < M; m0 += step) {
-    const int64_t mc = std::min(step, M - m0);
+  for (int64_t m0 = 0; m0 < M; m0 += KILN_MAX_M) {
+    const int64_t mc = std::min(KILN_MAX_M, M - m0);
     if (kiln_linear(wtype, w.const_data_ptr(), scales, gs, xp + m0 * K * es, mc, N, K, bp, yp + m0 * N * es, nt,
                     bf16_io) != 0)
       return at::Tensor();
@@ -101,40 +104,40 @@ at::Tensor weight_only_linear_cpu(const at::Tensor& x, const at::Tensor& qweight
   const bool packed = bits == 8 && packed_rows(qweight);
   if (!g_enabled.load(std::memory_order_relaxed) || !(qweight.dim() == 2 || packed))
     return wol_py(x, qweight, scales, bias, bits, group_size);
-  const int64_t N = packed ? qweight.size(0) * 8 : qweight.size(0);
+  const int64_t N = packed ? qweight.size(0) * KILN_ROW_TILE : qweight.size(0);
   int wtype = -1;
   int64_t K = 0;
   if (bits == 8 && qweight.scalar_type() == at::kChar && scales.dim() == 1 && scales.size(0) == N) {
-    wtype = packed ? WTYPE_INT8_PACKED : WTYPE_INT8;
-    K = packed ? qweight.size(1) * 16 : qweight.size(1);
+    wtype = packed ? KILN_W_INT8_PACKED : KILN_W_INT8;
+    K = packed ? qweight.size(1) * KILN_K_STEP : qweight.size(1);
   } else if (bits == 4 && qweight.scalar_type() == at::kByte && group_size > 0) {
     K = 2 * qweight.size(1);
     if (K % group_size == 0 && scales.dim() == 2 && scales.size(0) == N && scales.size(1) == K / group_size)
-      wtype = WTYPE_INT4;
+      wtype = KILN_W_INT4;
   }
   if (wtype < 0 || N == 0 || !act_ok(x, K) || scales.scalar_type() != at::kFloat)
     return wol_py(x, qweight, scales, bias, bits, group_size);
   const at::Tensor w = qweight.contiguous();
   const at::Tensor s = scales.contiguous();
   const float* sp = static_cast<const float*>(s.const_data_ptr());
-  at::Tensor y = run(wtype, bits == 8 ? WTYPE_INT8 : WTYPE_INT4, x, w, sp, bias, wtype == WTYPE_INT4 ? group_size : 0, N, K);
+  at::Tensor y = run(wtype, x, w, sp, bias, wtype == KILN_W_INT4 ? group_size : 0, N, K);
   return y.defined() ? y : wol_py(x, qweight, scales, bias, bits, group_size);
 }
 
-// kiln::bf16_linear (WTYPE_BF16, bf16 weights) and kiln::fp32_linear (WTYPE_F32, fp32 weights);
-// a 4-D weight [N/8, K/16, 8, 16] is the packed layout (WTYPE_BF16_PACKED / WTYPE_F32_PACKED)
+// kiln::bf16_linear (KILN_W_BF16, bf16 weights) and kiln::fp32_linear (KILN_W_FP32, fp32 weights);
+// a 4-D weight [N/8, K/16, 8, 16] is the packed layout (KILN_W_BF16_PACKED / KILN_W_FP32_PACKED)
 template <int WTYPE>
 at::Tensor float_linear_cpu(const at::Tensor& x, const at::Tensor& weight, const OptT& bias) {
-  const auto wdtype = WTYPE == WTYPE_BF16 ? at::kBFloat16 : at::kFloat;
+  const auto wdtype = WTYPE == KILN_W_BF16 ? at::kBFloat16 : at::kFloat;
   const bool packed = packed_rows(weight);
   if (!g_enabled.load(std::memory_order_relaxed) || !(weight.dim() == 2 || packed) ||
       weight.scalar_type() != wdtype || weight.size(0) == 0)
     return float_linear_py<WTYPE>(x, weight, bias);
-  const int64_t N = packed ? weight.size(0) * 8 : weight.size(0);
-  const int64_t K = packed ? weight.size(1) * 16 : weight.size(1);
+  const int64_t N = packed ? weight.size(0) * KILN_ROW_TILE : weight.size(0);
+  const int64_t K = packed ? weight.size(1) * KILN_K_STEP : weight.size(1);
   if (!act_ok(x, K)) return float_linear_py<WTYPE>(x, weight, bias);
   const at::Tensor w = weight.contiguous();
-  at::Tensor y = run(packed ? (WTYPE == WTYPE_BF16 ? WTYPE_BF16_PACKED : WTYPE_F32_PACKED) : WTYPE, WTYPE, x, w,
+  at::Tensor y = run(packed ? (WTYPE == KILN_W_BF16 ? KILN_W_BF16_PACKED : KILN_W_FP32_PACKED) : WTYPE, x, w,
                      nullptr, bias, 0, N, K);
   return y.defined() ? y : float_linear_py<WTYPE>(x, weight, bias);
 }
@@ -143,21 +146,25 @@ at::Tensor float_linear_cpu(const at::Tensor& x, const at::Tensor& weight, const
 
 TORCH_LIBRARY_IMPL(kiln, CPU, m) {
   m.impl("weight_only_linear", &weight_only_linear_cpu);
-  m.impl("bf16_linear", &float_linear_cpu<WTYPE_BF16>);
-  m.impl("fp32_linear", &float_linear_cpu<WTYPE_F32>);
+  m.impl("bf16_linear", &float_linear_cpu<KILN_W_BF16>);
+  m.impl("fp32_linear", &float_linear_cpu<KILN_W_FP32>);
 }
 
 extern "C" {
 
 void kiln_ops_set_enabled(int enabled) { g_enabled.store(enabled ? 1 : 0); }
 
-// Read by the other plugin kernels (plugin_ops.cpp): one switch for the whole library.
 int kiln_ops_enabled() { return g_enabled.load(std::memory_order_relaxed); }
 
-// Largest M (rows of x) the C++ op runs through the kernels, per weight type (0 bf16, 1 int8,
-// 2 int4, 3 fp32); larger M goes to the Python implementation (torch sgemm).
+// wtype: any weight type; the limit is its kind's (packed and plain layouts share one).
+int64_t kiln_ops_max_m(int wtype) {
+  const int kind = kiln_weight_kind(wtype);
+  return kind >= 0 && kind < KILN_NUM_KINDS ? g_max_m[kind].load() : 0;
+}
+
 void kiln_ops_set_max_m(int wtype, int64_t max_m) {
-  if (wtype >= 0 && wtype < 4) g_max_m[wtype].store(max_m);
+  const int kind = kiln_weight_kind(wtype);
+  if (kind >= 0 && kind < KILN_NUM_KINDS) g_max_m[kind].store(max_m);
 }
 
 }  // extern "C"

@@ -14,6 +14,8 @@
 // whatever the rest of the pool holds (stale values, NaN) cannot leak in. Context sequences
 // (several new tokens) go to the Python SDPA path, kiln::_paged_attention_context_py.
 
+#include "kiln_kernels.h"
+
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/core/dispatch/Dispatcher.h>
@@ -34,8 +36,6 @@
 #include <limits>
 #include <tuple>
 #include <vector>
-
-extern "C" int kiln_ops_enabled();
 
 namespace {
 

@@ -1,17 +1,17 @@
 // kiln CPU linear kernels: y[M,N] = x[M,K] @ dequant(W[N,K])^T (+ bias), x and y fp32 (or both bf16).
 //
-// Weight formats (row-major, one row per output channel):
-//   WTYPE_BF16 (0): uint16 bf16 bits [N, K]
-//   WTYPE_F32  (3): fp32 [N, K] (plain GEMV: torch's fp32 GEMV reads with one stream per core,
-//                   which on Zen 1 reaches ~70% of the bandwidth that 8 streams per core reach)
-//   WTYPE_BF16_PACKED (4), WTYPE_F32_PACKED (5), WTYPE_INT8_PACKED (6): the same values in tiles
-//                   of 8 rows, [N/8][K/16][8][16] (N % 8 == 0, K % 16 == 0; see WFloat)
-//   WTYPE_INT8 (1): int8 [N, K], one fp32 scale per row
-//   WTYPE_INT4 (2): uint8 [N, K/2], fp32 scales [N, K/group_size]; two's-complement nibbles
+// Weight formats (row-major, one row per output channel; the ids are kiln_kernels.h's KILN_W_*):
+//   BF16: uint16 bf16 bits [N, K]
+//   FP32: fp32 [N, K] (plain GEMV: torch's fp32 GEMV reads with one stream per core, which on Zen 1
+//         reaches ~70% of the bandwidth that 8 streams per core reach)
+//   BF16_PACKED, FP32_PACKED, INT8_PACKED: the same values in tiles of 8 rows, [N/8][K/16][8][16]
+//         (N % 8 == 0, K % 16 == 0; see WFloat)
+//   INT8: int8 [N, K], one fp32 scale per row
+//   INT4: uint8 [N, K/2], fp32 scales [N, K/group_size]; two's-complement nibbles
 //       (-8..7). K is cut into blocks of 64 elements stored in 32 bytes: the little-endian 16-bit
 //       word l (l = 0..15) of a block holds, in its nibble j (bits 4j..4j+3), element
 //       k = 64*block + 16*j + l. One 256-bit load + two 16-bit shifts give 16 consecutive
-//       elements. (The Python side packs/unpacks this layout; the kernel needs K % 64 == 0.)
+//       elements. (kiln/plugins/weight_format.py packs/unpacks this layout; the kernel needs K % 64 == 0.)
 //
 // Why it looks like this (AMD Zen 1, AVX2 on 128-bit units; every 256-bit op costs about one
 // cycle and int->float conversions are the bottleneck, not the FMAs):
@@ -30,11 +30,13 @@
 //     plain (8 streams; bf16 also prefetches the next 8 rows); packed int8 reads its tiles the same
 //     way; plain int8 and int4 (more work per byte) read one row after the other, a single
 //     sequential stream the hardware prefetcher follows.
-//   * The Python side cuts M > 64 into 64-row calls, and sends M above KERNEL_MAX_M (bf16: 64) to
-//     kiln_dequant_rows + torch's sgemm instead.
+//   * Callers cut M > KILN_MAX_M (64) into 64-row calls, and send M above the kind's limit (bf16: 64,
+//     kiln_ops_max_m) to kiln_dequant_rows + torch's sgemm instead.
 //   * Parallel over tiles of 8 output rows (OpenMP, dynamic chunks of ~1/16 of a thread's share).
 // This file deliberately includes no torch header (it compiles in ~3 s) and exposes a C ABI used
 // through ctypes. OpenMP resolves to the libgomp that torch already loaded (same soname).
+
+#include "kiln_kernels.h"
 
 #include <immintrin.h>
 #include <omp.h>
@@ -46,22 +48,19 @@
 #include <type_traits>
 #include <vector>
 
+#ifndef KILN_BUILD_KEY
+#define KILN_BUILD_KEY unset
+#endif
+
 namespace {
 
-constexpr int WTYPE_BF16 = 0;
-constexpr int WTYPE_INT8 = 1;
-constexpr int WTYPE_INT4 = 2;
-constexpr int WTYPE_F32 = 3;
-constexpr int WTYPE_BF16_PACKED = 4;
-constexpr int WTYPE_F32_PACKED = 5;
-constexpr int WTYPE_INT8_PACKED = 6;
-
-constexpr int RT = 8;            // output rows per tile
+constexpr int RT = KILN_ROW_TILE;  // output rows per tile
 constexpr int KCV = 16;          // 16-element units per K-chunk in the buffered kernel -> 256 floats
 constexpr int KC = KCV * 16;
-constexpr int64_t MAX_M = 64;    // largest M the kernels accept (Python sends bigger M to sgemm)
-int64_t DIRECT_M = 4;  // M up to this uses the direct kernels (max 4; tunable for benchmarks)
+constexpr int64_t MAX_M = KILN_MAX_M;  // largest M the kernels accept
+constexpr int64_t DIRECT_M = 4;  // M up to this uses the direct kernels, in passes of up to 4 rows
 constexpr int64_t FLUSH = 128;   // int8: int32 partial sums are flushed every FLUSH 16-element steps
+static_assert(KILN_K_STEP == 16, "the kernels step through K 16 elements at a time");
 
 inline float hsum(__m256 v) {
   __m128 lo = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
@@ -293,67 +292,40 @@ bool prep_int16(const float* x, int64_t M, int64_t K, int16_t* xq, float* sx) {
 
 // ---- direct kernels (M <= 4) ---------------------------------------------------------------------
 
+// fp32 and bf16 weights. bf16: a 32-byte load holds 16 weights; the odd ones are fp32 bit patterns
+// after one AND, the even ones after one shift, and x was de-interleaved to match (prep_bf16).
 template <class W, int R, int MB>
-inline void direct_bf16(const W& w, int64_t n0, const XPrep& xs, int64_t K, float* out, int ldo) {
-  // M == 1: two accumulator sets (even/odd) for more independent FMA chains; else one set.
+inline void direct_float(const W& w, int64_t n0, const XPrep& xs, int64_t K, float* out, int ldo) {
+  // M == 1: two accumulator sets (even/odd halves) for more independent FMA chains; else one set.
   constexpr int NA = (MB == 1 && R < 8) ? 2 : 1;
   const int64_t K16 = K / 16;
+  const float* xv = W::is_bf16 ? xs.xp : xs.x;  // row m of x at xv + m * ldx
+  const int64_t ldx = W::is_bf16 ? K16 * 16 : K;
   const __m256i himask = _mm256_set1_epi32(int(0xFFFF0000u));
   __m256 acc[NA][R][MB];
   for (int a = 0; a < NA; ++a)
     for (int r = 0; r < R; ++r)
       for (int m = 0; m < MB; ++m) acc[a][r][m] = _mm256_setzero_ps();
-  const uint16_t* base = w.at(n0, 0);
+  const auto* base = w.at(n0, 0);
   const int64_t rs = w.row_stride();
   for (int64_t i = 0; i < K16; ++i) {
-    const uint16_t* p = base + i * W::step_stride;
-    prefetch_ahead<W, R>(w, n0, i, p);
-    __m256 xe[MB], xo[MB];
-    for (int m = 0; m < MB; ++m) {
-      xe[m] = _mm256_loadu_ps(xs.xp + m * K16 * 16 + 16 * i);
-      xo[m] = _mm256_loadu_ps(xs.xp + m * K16 * 16 + 16 * i + 8);
-    }
-    for (int r = 0; r < R; ++r) {
-      const __m256i word = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + r * rs));
-      const __m256 ve = _mm256_castsi256_ps(_mm256_slli_epi32(word, 16));
-      const __m256 vo = _mm256_castsi256_ps(_mm256_and_si256(word, himask));
-      for (int m = 0; m < MB; ++m) {
-        acc[0][r][m] = _mm256_fmadd_ps(ve, xe[m], acc[0][r][m]);
-        acc[NA - 1][r][m] = _mm256_fmadd_ps(vo, xo[m], acc[NA - 1][r][m]);
-      }
-    }
-  }
-  for (int r = 0; r < R; ++r)
-    for (int m = 0; m < MB; ++m) {
-      __m256 t = acc[0][r][m];
-      if constexpr (NA == 2) t = _mm256_add_ps(t, acc[1][r][m]);
-      float v = hsum(t);
-      for (int64_t k = K16 * 16; k < K; ++k) v += w.scalar(n0 + r, k) * xs.x[m * K + k];
-      out[m * ldo + r] = v;
-    }
-}
-
-template <class W, int R, int MB>
-inline void direct_f32(const W& w, int64_t n0, const XPrep& xs, int64_t K, float* out, int ldo) {
-  constexpr int NA = (MB == 1 && R < 8) ? 2 : 1;
-  const int64_t K16 = K / 16;
-  __m256 acc[NA][R][MB];
-  for (int a = 0; a < NA; ++a)
-    for (int r = 0; r < R; ++r)
-      for (int m = 0; m < MB; ++m) acc[a][r][m] = _mm256_setzero_ps();
-  const float* base = w.at(n0, 0);
-  const int64_t rs = w.row_stride();
-  for (int64_t i = 0; i < K16; ++i) {
-    const float* q = base + i * W::step_stride;
+    const auto* q = base + i * W::step_stride;
     prefetch_ahead<W, R>(w, n0, i, q);
     __m256 x0[MB], x1[MB];
     for (int m = 0; m < MB; ++m) {
-      x0[m] = _mm256_loadu_ps(xs.x + m * K + 16 * i);
-      x1[m] = _mm256_loadu_ps(xs.x + m * K + 16 * i + 8);
+      x0[m] = _mm256_loadu_ps(xv + m * ldx + 16 * i);
+      x1[m] = _mm256_loadu_ps(xv + m * ldx + 16 * i + 8);
     }
     for (int r = 0; r < R; ++r) {
-      const float* p = q + r * rs;
-      const __m256 v0 = _mm256_loadu_ps(p), v1 = _mm256_loadu_ps(p + 8);
+      __m256 v0, v1;
+      if constexpr (W::is_bf16) {
+        const __m256i word = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + r * rs));
+        v0 = _mm256_castsi256_ps(_mm256_slli_epi32(word, 16));    // even elements
+        v1 = _mm256_castsi256_ps(_mm256_and_si256(word, himask));  // odd elements
+      } else {
+        v0 = _mm256_loadu_ps(q + r * rs);
+        v1 = _mm256_loadu_ps(q + r * rs + 8);
+      }
       for (int m = 0; m < MB; ++m) {
         acc[0][r][m] = _mm256_fmadd_ps(v0, x0[m], acc[0][r][m]);
         acc[NA - 1][r][m] = _mm256_fmadd_ps(v1, x1[m], acc[NA - 1][r][m]);
@@ -497,8 +469,7 @@ inline void tile_buffered(const W& w, int64_t n0, const float* x, int64_t M, int
 
 template <class W, int R, int MB>
 inline void direct(const W& w, int64_t n0, const XPrep& xs, int64_t K, float* out, int ldo) {
-  if constexpr (is_float_w<W> && W::is_bf16) direct_bf16<W, R, MB>(w, n0, xs, K, out, ldo);
-  else if constexpr (is_float_w<W>) direct_f32<W, R, MB>(w, n0, xs, K, out, ldo);
+  if constexpr (is_float_w<W>) direct_float<W, R, MB>(w, n0, xs, K, out, ldo);
   else direct_int<W, R, MB>(w, n0, xs, K, out, ldo);
 }
 
@@ -634,7 +605,7 @@ void run_linear(const W& w, const void* xin, int64_t M, int64_t N, int64_t K, co
   float sx[MAX_M];
   XPrep xs{x, nullptr, nullptr, sx};
   const int64_t K16 = K / 16;
-  bool direct_ok = DIRECT_M > 0 && use_direct<W>(M);
+  bool direct_ok = use_direct<W>(M);
   if (direct_ok) {
     if constexpr (is_float_w<W> && !W::is_bf16) {
       // x is used as is
@@ -698,61 +669,59 @@ void run_dequant(const W& w, int64_t K, int64_t n0, int64_t n1, float* out, int 
   }
 }
 
-bool packed_supported(int64_t N, int64_t K) { return N % 8 == 0 && K % 16 == 0; }
+bool packed_supported(int64_t N, int64_t K) { return N % RT == 0 && K % KILN_K_STEP == 0; }
 
 bool int4_supported(int64_t K, int64_t group_size) {
   return K % 64 == 0 && group_size > 0 && group_size % 16 == 0 && K % group_size == 0;
+}
+
+// Calls f with the weight view of type wtype; returns 0, or 2 when the shape does not fit the layout,
+// 3 for an unknown weight type.
+template <class F>
+int with_weight(int wtype, const void* w, const float* scales, int64_t group_size, int64_t N, int64_t K, F&& f) {
+  switch (wtype) {
+    case KILN_W_BF16: f(WBf16{static_cast<const uint16_t*>(w), K}); return 0;
+    case KILN_W_FP32: f(WF32{static_cast<const float*>(w), K}); return 0;
+    case KILN_W_INT8: f(WInt8{static_cast<const int8_t*>(w), scales, K}); return 0;
+    case KILN_W_BF16_PACKED:
+      if (!packed_supported(N, K)) return 2;
+      f(WBf16Packed{static_cast<const uint16_t*>(w), K});
+      return 0;
+    case KILN_W_FP32_PACKED:
+      if (!packed_supported(N, K)) return 2;
+      f(WF32Packed{static_cast<const float*>(w), K});
+      return 0;
+    case KILN_W_INT8_PACKED:
+      if (!packed_supported(N, K)) return 2;
+      f(WInt8Packed{static_cast<const int8_t*>(w), scales, K});
+      return 0;
+    case KILN_W_INT4:
+      if (!int4_supported(K, group_size)) return 2;
+      f(WInt4{static_cast<const uint8_t*>(w), scales, K, group_size, K / group_size});
+      return 0;
+    default: return 3;
+  }
 }
 
 }  // namespace
 
 extern "C" {
 
-int kiln_wol_abi_version() { return 8; }
+// The build key (see kiln_kernels.h), found by Python in the library file after the mark.
+__attribute__((used, visibility("default"))) extern const char kiln_build_key[] =
+    "kiln-build-key:" KILN_STR(KILN_BUILD_KEY);
 
-int kiln_wol_max_m() { return int(MAX_M); }
-
-// Largest M that uses the direct (GEMV) kernels, 0..4; returns the previous value.
-int kiln_wol_set_direct_m(int m) {
-  const int old = int(DIRECT_M);
-  DIRECT_M = std::max(0, std::min(4, m));
-  return old;
-}
-
-// Returns 0 on success, a positive code when the case is not supported (caller falls back).
-// x [M, K] and y [M, N]: fp32, or bf16 when bf16_io != 0.
 int kiln_linear(int wtype, const void* w, const float* scales, int64_t group_size,
                 const void* x, int64_t M, int64_t N, int64_t K, const float* bias, void* y,
                 int nthreads, int bf16_io) {
   if (M < 1 || M > MAX_M || N < 1 || K < 1) return 1;
-  switch (wtype) {
-    case WTYPE_BF16: run_linear(WBf16{static_cast<const uint16_t*>(w), K}, x, M, N, K, bias, y, bf16_io != 0, nthreads); return 0;
-    case WTYPE_F32: run_linear(WF32{static_cast<const float*>(w), K}, x, M, N, K, bias, y, bf16_io != 0, nthreads); return 0;
-    case WTYPE_BF16_PACKED:
-      if (!packed_supported(N, K)) return 2;
-      run_linear(WBf16Packed{static_cast<const uint16_t*>(w), K}, x, M, N, K, bias, y, bf16_io != 0, nthreads);
-      return 0;
-    case WTYPE_F32_PACKED:
-      if (!packed_supported(N, K)) return 2;
-      run_linear(WF32Packed{static_cast<const float*>(w), K}, x, M, N, K, bias, y, bf16_io != 0, nthreads);
-      return 0;
-    case WTYPE_INT8: run_linear(WInt8{static_cast<const int8_t*>(w), scales, K}, x, M, N, K, bias, y, bf16_io != 0, nthreads); return 0;
-    case WTYPE_INT8_PACKED:
-      if (!packed_supported(N, K)) return 2;
-      run_linear(WInt8Packed{static_cast<const int8_t*>(w), scales, K}, x, M, N, K, bias, y, bf16_io != 0, nthreads);
-      return 0;
-    case WTYPE_INT4:
-      if (!int4_supported(K, group_size)) return 2;
-      run_linear(WInt4{static_cast<const uint8_t*>(w), scales, K, group_size, K / group_size}, x, M, N, K, bias, y, bf16_io != 0, nthreads);
-      return 0;
-    default: return 3;
-  }
+  return with_weight(wtype, w, scales, group_size, N, K, [&](const auto& wv) {
+    run_linear(wv, x, M, N, K, bias, y, bf16_io != 0, nthreads);
+  });
 }
 
-// Sum of n floats, read with nthreads threads: a pure streaming read, for measuring the memory
-// bandwidth the linear kernels are compared with. Like the GEMV kernels it reads 8 streams at
-// once per thread (tiles of 8 rows of 4096 floats): on Zen 1 one stream per core reaches less
-// than half the bandwidth.
+// Like the GEMV kernels it reads 8 streams at once per thread (tiles of 8 rows of 4096 floats): on
+// Zen 1 one stream per core reaches less than half the bandwidth.
 double kiln_stream_sum(const float* p, int64_t n, int nthreads) {
   constexpr int64_t L = 4096, S = 8;
   const int64_t tiles = n / (L * S);
@@ -772,32 +741,12 @@ double kiln_stream_sum(const float* p, int64_t n, int nthreads) {
   return total;
 }
 
-// Dequantize rows [n0, n1) to fp32 out[(n - n0) * K + k].
 int kiln_dequant_rows(int wtype, const void* w, const float* scales, int64_t group_size,
                       int64_t N, int64_t K, int64_t n0, int64_t n1, float* out, int nthreads) {
   if (n0 < 0 || n1 > N || n0 > n1) return 1;
-  switch (wtype) {
-    case WTYPE_BF16: run_dequant(WBf16{static_cast<const uint16_t*>(w), K}, K, n0, n1, out, nthreads); return 0;
-    case WTYPE_F32: run_dequant(WF32{static_cast<const float*>(w), K}, K, n0, n1, out, nthreads); return 0;
-    case WTYPE_BF16_PACKED:
-      if (!packed_supported(N, K)) return 2;
-      run_dequant(WBf16Packed{static_cast<const uint16_t*>(w), K}, K, n0, n1, out, nthreads);
-      return 0;
-    case WTYPE_F32_PACKED:
-      if (!packed_supported(N, K)) return 2;
-      run_dequant(WF32Packed{static_cast<const float*>(w), K}, K, n0, n1, out, nthreads);
-      return 0;
-    case WTYPE_INT8: run_dequant(WInt8{static_cast<const int8_t*>(w), scales, K}, K, n0, n1, out, nthreads); return 0;
-    case WTYPE_INT8_PACKED:
-      if (!packed_supported(N, K)) return 2;
-      run_dequant(WInt8Packed{static_cast<const int8_t*>(w), scales, K}, K, n0, n1, out, nthreads);
-      return 0;
-    case WTYPE_INT4:
-      if (!int4_supported(K, group_size)) return 2;
-      run_dequant(WInt4{static_cast<const uint8_t*>(w), scales, K, group_size, K / group_size}, K, n0, n1, out, nthreads);
-      return 0;
-    default: return 3;
-  }
+  return with_weight(wtype, w, scales, group_size, N, K, [&](const auto& wv) {
+    run_dequant(wv, K, n0, n1, out, nthreads);
+  });
 }
 
 }  // extern "C"

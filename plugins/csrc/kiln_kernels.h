@@ -1,0 +1,65 @@
+// What the sources of the native library (kiln_kernels) share: the constants Python also needs, the
+// weight types of the linear kernels and the library's C ABI.
+//
+// kiln/plugins/native.py reads the constants below from this text (`constexpr <type> KILN_<NAME> = <n>;`
+// and the `KILN_W_<NAME> = <n>` enumerators), so they are written once; the build key that the library
+// carries hashes this header with the sources, so a library never runs with other constants than the
+// Python that loads it. The ctypes signatures of the C functions are declared in native.py (_declare).
+// No torch header here: linear_kernels.cpp compiles without torch.
+
+#pragma once
+
+#include <cstdint>
+
+// Packed weights (fp32, bf16, int8): [N/KILN_ROW_TILE][K/KILN_K_STEP][KILN_ROW_TILE][KILN_K_STEP], so the
+// rows a GEMV tile reads together are one sequential stream.
+constexpr int KILN_ROW_TILE = 8;
+constexpr int KILN_K_STEP = 16;
+// Rows of x one kiln_linear call takes at most; bigger M is cut into calls of this size.
+constexpr int64_t KILN_MAX_M = 64;
+
+// Weight types of kiln_linear / kiln_dequant_rows (Python names them by the lower-cased suffix).
+enum KilnWeightType : int {
+  KILN_W_BF16 = 0,         // uint16 bf16 bits [N, K]
+  KILN_W_INT8 = 1,         // int8 [N, K], one fp32 scale per row
+  KILN_W_INT4 = 2,         // uint8 [N, K/2] nibbles, fp32 scales [N, K/group_size]
+  KILN_W_FP32 = 3,         // fp32 [N, K]
+  KILN_W_BF16_PACKED = 4,  // the packed layouts of the above
+  KILN_W_FP32_PACKED = 5,
+  KILN_W_INT8_PACKED = 6,
+};
+
+// The weight type without its layout (the kernels' M limits are per kind): one of the first four.
+constexpr int kiln_weight_kind(int wtype) {
+  return wtype == KILN_W_BF16_PACKED ? KILN_W_BF16
+       : wtype == KILN_W_FP32_PACKED ? KILN_W_FP32
+       : wtype == KILN_W_INT8_PACKED ? KILN_W_INT8
+       : wtype;
+}
+constexpr int KILN_NUM_KINDS = 4;
+
+// The build key (kiln/plugins/native.py build_key) is passed as -DKILN_BUILD_KEY=<identifier>; Python
+// reads it from the library file (after the "kiln-build-key:" mark) before loading it.
+#define KILN_STR2(x) #x
+#define KILN_STR(x) KILN_STR2(x)
+
+extern "C" {
+
+// linear_kernels.cpp (no torch). Return 0 on success, a positive code when the case is not
+// supported (the caller falls back). x [M, K] and y [M, N]: fp32, or bf16 when bf16_io != 0.
+int kiln_linear(int wtype, const void* w, const float* scales, int64_t group_size, const void* x, int64_t M,
+                int64_t N, int64_t K, const float* bias, void* y, int nthreads, int bf16_io);
+// Dequantize rows [n0, n1) to fp32 out[(n - n0) * K + k].
+int kiln_dequant_rows(int wtype, const void* w, const float* scales, int64_t group_size, int64_t N, int64_t K,
+                      int64_t n0, int64_t n1, float* out, int nthreads);
+// Sum of n floats read with nthreads threads: the streaming read the benchmarks compare the GEMVs with.
+double kiln_stream_sum(const float* p, int64_t n, int nthreads);
+
+// linear_ops.cpp: one switch for the whole library's C++ op kernels (off: they call the Python
+// implementations), and the largest M each weight kind runs through the kernels.
+void kiln_ops_set_enabled(int enabled);
+int kiln_ops_enabled();
+int64_t kiln_ops_max_m(int wtype);
+void kiln_ops_set_max_m(int wtype, int64_t max_m);
+
+}  // extern "C"

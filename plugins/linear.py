@@ -1,0 +1,250 @@
+"""Fast CPU linear layers: weight-only int8 / int4 GEMMs and fp32 / bf16-weight linears.
+
+Ops (all registered in the ``kiln`` namespace, with a fake kernel for ``torch.export``):
+
+``kiln::weight_only_linear(x, qweight, scales, bias, bits, group_size) -> y``
+    ``x`` [..., in] fp32 or bf16 (fp16 also accepted); ``y`` [..., out] in ``x``'s dtype.
+    bits=8: ``qweight`` int8 [out, in] or packed [out/8, in/16, 8, 16] (``pack_rows``), ``scales``
+    fp32 [out] (per output channel; group_size ignored).
+    bits=4: ``qweight`` uint8 [out, in//2] in kiln's packed layout, ``scales`` fp32
+    [out, in//group_size].
+``kiln::bf16_linear(x, weight, bias) -> y``
+    ``weight`` bf16 [out, in], or packed [out/8, in/16, 8, 16] (``pack_rows``: tiles of 8 rows
+    stored so that a GEMV tile is one sequential stream; the builder packs the engine's weights);
+    ``y`` in ``x``'s dtype; accumulation in fp32.
+``kiln::fp32_linear(x, weight, bias) -> y``
+    ``weight`` fp32 [out, in] or packed as for bf16: ``F.linear`` through kiln's kernels (torch's
+    fp32 GEMV reads one weight stream per core and reaches ~70% of the bandwidth on the project's
+    AVX2 machine, and its sgemm is slow at small M there); :func:`kernel_max_m` sends larger M to torch.
+
+The weight formats (quantisation, int4 nibbles, packed rows) are :mod:`kiln.plugins.weight_format`.
+
+Activations: the int8/int4 kernels quantise x on the fly to int16 with one scale per row (error
+<= max|x_row|/65534, orders of magnitude below the weight quantisation error; outputs match the
+dequantise+F.linear reference to ~1e-5 relative) and compute the dot products with integer
+multiply-adds, which is twice as fast as int->float conversion + FMA on AVX2 (a call whose x
+holds NaN/inf computes in fp32 instead, so they propagate as in the reference). bf16 weights
+are widened to fp32 (exact) and accumulated in fp32. bf16 activations are widened, and the outputs
+rounded to bf16 (as torch rounds), inside the kernel call.
+
+Kernels: C++ (AVX2 + FMA + OpenMP, ``csrc/linear_kernels.cpp``; dispatcher glue in
+``csrc/linear_ops.cpp``), in the native library (:mod:`kiln.plugins.native`); the ops' CPU kernels
+run in C++ with no Python per call. Dispatch on M (rows of ``x``): small M (decode) runs streaming
+GEMV kernels (each weight byte is read once per call, nothing is dequantised in memory, all M rows
+computed from one pass over the weights for M <= 4, passes of 4 rows above); M > 64 runs on 64-row
+chunks; above :func:`kernel_max_m` (bf16: 64) the weight is dequantised in row chunks for torch's
+sgemm (the Python implementations below). Without the native library the plain-torch references run.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import torch.nn.functional as F
+
+from kiln.plugins import native
+from kiln.plugins.native import ABI, define_native_op
+from kiln.plugins.weight_format import check_int4_group, dequantize, is_packed, qweight_shape, unpack_rows, weight_shape
+
+__all__ = [
+    "weight_only_linear", "bf16_linear", "fp32_linear",
+    "weight_only_linear_reference", "bf16_linear_reference", "fp32_linear_reference", "float_linear_reference",
+    "kernel_max_m", "set_kernel_max_m",
+]
+
+# Rows of the weight dequantised at once in the sgemm path (bounded fp32 scratch).
+_PREFILL_CHUNK_BYTES = 16 << 20
+
+
+# --------------------------------------------------------------------------------------------
+# references (plain torch, used by tests and as the fallback)
+# --------------------------------------------------------------------------------------------
+
+
+def weight_only_linear_reference(x, qweight, scales, bias, bits: int, group_size: int):
+    w = dequantize(qweight, scales, bits, group_size)
+    y = F.linear(x.float(), w, None if bias is None else bias.float())
+    return y.to(x.dtype)
+
+
+def float_linear_reference(x, weight, bias):
+    """fp32/bf16 weights (plain or packed): ``F.linear`` in fp32, cast to x's dtype (the reference of
+    both float ops)."""
+    if is_packed(weight):
+        weight = unpack_rows(weight)
+    y = F.linear(x.float(), weight.float(), None if bias is None else bias.float())
+    return y.to(x.dtype)
+
+
+fp32_linear_reference = bf16_linear_reference = float_linear_reference
+
+
+# --------------------------------------------------------------------------------------------
+# dispatch limits (the table lives in C++, csrc/linear_ops.cpp)
+# --------------------------------------------------------------------------------------------
+
+
+def kernel_max_m(kind: str) -> int:
+    """Largest M (rows of x) that weights of ``kind`` ('bf16', 'int8', 'int4', 'fp32') run through the
+    kernels; above it torch's sgemm runs (on weights dequantised in row chunks). 0 when the native
+    kernels are unavailable."""
+    lib = native.library()
+    return int(lib.kiln_ops_max_m(ABI.weight_types[kind])) if lib is not None else 0
+
+
+def set_kernel_max_m(kind: str, max_m: int) -> int:
+    """Change :func:`kernel_max_m` for ``kind`` (on a CPU with AVX-512/AMX GEMMs, lower it); returns
+    the previous value."""
+    lib = native.library()
+    if lib is None:
+        raise RuntimeError("the native kernels are unavailable or disabled: there is no kernel limit to set")
+    old = kernel_max_m(kind)
+    lib.kiln_ops_set_max_m(ABI.weight_types[kind], int(max_m))
+    return old
+
+
+def _native(wtype: str, x: torch.Tensor, w: torch.Tensor, scales, bias, group_size: int, n: int, k: int):
+    """Run the native kernels for weight type ``wtype`` (a name of ``ABI.weight_types``); returns None
+    when they are unavailable or do not cover the case (caller falls back)."""
+    lib = native.library()
+    if lib is None:
+        return None
+    wt = ABI.weight_types[wtype]
+    out_dtype = x.dtype
+    lead = x.shape[:-1]
+    x2 = x.reshape(-1, k)
+    if x2.dtype != torch.float32:
+        x2 = x2.float()
+    x2 = x2.contiguous()
+    m = x2.shape[0]
+    if not w.is_contiguous():
+        w = w.contiguous()
+    sp = None
+    if scales is not None:
+        if scales.dtype != torch.float32 or not scales.is_contiguous():
+            scales = scales.float().contiguous()
+        sp = scales.data_ptr()
+    bp = None
+    if bias is not None:
+        if bias.dtype != torch.float32 or not bias.is_contiguous():
+            bias = bias.float().contiguous()
+        bp = bias.data_ptr()
+    nthreads = torch.get_num_threads()
+    if m == 0:
+        y = x2.new_empty(0, n)
+    elif m <= lib.kiln_ops_max_m(wt):
+        y = torch.empty(m, n, dtype=torch.float32)
+        xp, yp, step = x2.data_ptr(), y.data_ptr(), ABI.max_m
+        for m0 in range(0, m, step):
+            mc = min(step, m - m0)
+            rc = lib.kiln_linear(wt, w.data_ptr(), sp, group_size, xp + 4 * m0 * k, mc, n, k, bp,
+                                 yp + 4 * m0 * n, nthreads, 0)
+            if rc != 0:
+                return None
+    else:
+        y = torch.empty(m, n, dtype=torch.float32)
+        rows = max(1, min(n, _PREFILL_CHUNK_BYTES // (4 * k)))
+        wbuf = torch.empty(rows, k, dtype=torch.float32)
+        for n0 in range(0, n, rows):
+            n1 = min(n, n0 + rows)
+            wc = wbuf[: n1 - n0]
+            rc = lib.kiln_dequant_rows(wt, w.data_ptr(), sp, group_size, n, k, n0, n1, wc.data_ptr(), nthreads)
+            if rc != 0:
+                return None
+            if n0 == 0 and n1 == n:
+                torch.mm(x2, wc.t(), out=y)
+            else:
+                y[:, n0:n1] = torch.mm(x2, wc.t())
+        if bias is not None:
+            y += bias
+    if out_dtype != torch.float32:
+        y = y.to(out_dtype)
+    return y.reshape(*lead, n)
+
+
+# --------------------------------------------------------------------------------------------
+# ops
+# --------------------------------------------------------------------------------------------
+
+
+def _check_wol(x, qweight, scales, bias, bits, group_size):
+    if bits == 8:
+        if qweight.dtype != torch.int8:
+            raise ValueError(f"bits=8 expects an int8 qweight, got {qweight.dtype}")
+        n = weight_shape(qweight)[0]  # raises on a shape that is neither [out, in] nor packed
+        if scales.shape != (n,):
+            raise ValueError(f"bits=8 expects scales [{n}], got {tuple(scales.shape)}")
+    elif bits == 4:
+        if qweight.dtype != torch.uint8 or qweight.dim() != 2:
+            raise ValueError(f"bits=4 expects a packed uint8 qweight [out, in//2], got {qweight.dtype} "
+                             f"{tuple(qweight.shape)}")
+        k = 2 * qweight.shape[1]
+        check_int4_group(k, group_size)
+        if scales.shape != (qweight.shape[0], k // group_size):
+            raise ValueError(
+                f"bits=4 expects scales [{qweight.shape[0]}, {k // group_size}], got {tuple(scales.shape)}"
+            )
+    else:
+        raise ValueError(f"bits must be 4 or 8, got {bits}")
+    k = qweight_shape(qweight, bits)[1]
+    if x.shape[-1] != k:
+        raise ValueError(f"x has {x.shape[-1]} input features, the weight expects {k}")
+
+
+def _weight_only_linear_py(x, qweight, scales, bias, bits, group_size):
+    _check_wol(x, qweight, scales, bias, bits, group_size)
+    n, k = qweight_shape(qweight, bits)
+    if bits == 8:
+        wtype = "int8_packed" if is_packed(qweight) else "int8"
+    else:
+        wtype = "int4"
+    y = _native(wtype, x, qweight, scales, bias, group_size if bits == 4 else 0, n, k)
+    if y is None:
+        y = weight_only_linear_reference(x, qweight, scales, bias, bits, group_size)
+    return y
+
+
+def _float_linear_py(kind: str, x, weight, bias):
+    """fp32_linear / bf16_linear in Python: kiln's kernels where they apply, else the reference.
+    fp32 weights above kernel_max_m go straight to torch's sgemm (nothing to dequantise)."""
+    n, k = weight_shape(weight)
+    if x.shape[-1] != k:
+        raise ValueError(f"{kind}_linear: x {tuple(x.shape)} does not match weight {tuple(weight.shape)} "
+                         f"({k} input features)")
+    dtype = torch.float32 if kind == "fp32" else torch.bfloat16
+    wtype = f"{kind}_packed" if is_packed(weight) else kind
+    y = None
+    m = x.numel() // max(1, x.shape[-1])
+    if weight.dtype == dtype and (kind != "fp32" or m <= kernel_max_m("fp32")):
+        y = _native(wtype, x, weight, None, bias, 0, n, k)
+    return y if y is not None else float_linear_reference(x, weight, bias)
+
+
+# The C++ kernels (csrc/linear_ops.cpp) call the *_py ops for what they do not cover: those validate
+# the arguments (clear ValueErrors) and run the large-M path (dequantised chunks + torch sgemm) or the
+# plain-torch fallback.
+_lib_def = torch.library.Library("kiln", "FRAGMENT")
+define_native_op(_lib_def, "weight_only_linear",
+                 "(Tensor x, Tensor qweight, Tensor scales, Tensor? bias, int bits, int group_size) -> Tensor",
+                 _weight_only_linear_py,
+                 lambda x, qweight, scales, bias, bits, group_size: x.new_empty(*x.shape[:-1], qweight_shape(qweight, bits)[0]))
+for _kind in ("bf16", "fp32"):
+    define_native_op(_lib_def, f"{_kind}_linear", "(Tensor x, Tensor weight, Tensor? bias) -> Tensor",
+                     functools.partial(_float_linear_py, _kind),
+                     lambda x, weight, bias: x.new_empty(*x.shape[:-1], weight_shape(weight)[0]))
+
+
+def weight_only_linear(x, qweight, scales, bias=None, bits: int = 8, group_size: int = 0):
+    """Python entry point: ``torch.ops.kiln.weight_only_linear``."""
+    return torch.ops.kiln.weight_only_linear(x, qweight, scales, bias, bits, group_size)
+
+
+def bf16_linear(x, weight, bias=None):
+    """Python entry point: ``torch.ops.kiln.bf16_linear``."""
+    return torch.ops.kiln.bf16_linear(x, weight, bias)
+
+
+def fp32_linear(x, weight, bias=None):
+    """Python entry point: ``torch.ops.kiln.fp32_linear``."""
+    return torch.ops.kiln.fp32_linear(x, weight, bias)

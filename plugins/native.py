@@ -1,0 +1,272 @@
+"""The native kernel library: one shared library, ``kiln_kernels``, with the CPU kernels of every plugin op.
+
+Where the library comes from, in this order:
+
+1. prebuilt: ``kiln_kernels.so`` next to this module, compiled when the wheel was built (``setup.py``
+   with torch's ``BuildExtension``); used when its build key matches this install's;
+2. compiled on first use with ``torch.utils.cpp_extension.load`` (~20 s on 2 cores) into
+   TORCH_EXTENSIONS_DIR, under a name that carries the build key, so a stale cache is never loaded
+   (a source checkout, or a wheel whose prebuilt library does not match, e.g. after a torch upgrade);
+3. neither (no compiler, a CPU without AVX2/FMA): the ops' plain-torch implementations, after a
+   one-time warning. ``KILN_DISABLE_NATIVE_KERNELS=1`` (or :func:`set_native_kernels_enabled`) forces
+   them too.
+
+The build key is a hash of the C++ sources and headers, the compiler flags and the torch version: the
+library links against libtorch, so a library built for another torch must not be loaded. It is
+compiled into the library as a string and read back from the file, without loading it (loading
+registers the library's op kernels with the dispatcher, which cannot be undone).
+
+The constants that Python and C++ share (weight-type ids, the packed tile shape, the rows of x per
+kernel call) are defined once, in ``csrc/kiln_kernels.h``; :data:`ABI` reads them from that text, the
+same text the library was compiled from (the build key covers it).
+
+The ops themselves are defined by their plugin modules with :func:`define_native_op`: plain
+``torch.library`` ops whose CPU kernel is the C++ one once the library is loaded.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import hashlib
+import logging
+import os
+import re
+import threading
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Optional
+
+import torch
+
+__all__ = [
+    "ABI", "CSRC_DIR", "SOURCES", "HEADERS", "CFLAGS", "LDFLAGS", "LIBRARY_NAME", "PREBUILT",
+    "build_key", "library", "native_kernels_available", "set_native_kernels_enabled",
+    "native_kernels_disabled", "native_op_ready", "define_native_op",
+]
+
+logger = logging.getLogger("kiln.plugins")
+
+CSRC_DIR = Path(__file__).resolve().parent / "csrc"
+SOURCES = sorted(CSRC_DIR.glob("*.cpp"))
+HEADERS = sorted(CSRC_DIR.glob("*.h"))
+CFLAGS = ("-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-std=c++17")
+LDFLAGS = ("-fopenmp",)  # tuples: cpp_extension extends the lists it is given
+LIBRARY_NAME = "kiln_kernels"
+PREBUILT = Path(__file__).resolve().parent / f"{LIBRARY_NAME}.so"
+_KEY_MARK = b"kiln-build-key:"  # csrc/kiln_kernels.h: kiln_build_key = "kiln-build-key:" KILN_BUILD_KEY
+
+
+# --------------------------------------------------------------------------------------------
+# the constants shared with C++ (read from the header)
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Abi:
+    """The C++ constants Python needs, as ``csrc/kiln_kernels.h`` defines them."""
+
+    weight_types: dict[str, int]  # kiln_linear's weight type ids: "bf16", "int8_packed", ...
+    row_tile: int  # packed weights [out/row_tile, in/k_step, row_tile, k_step]
+    k_step: int
+    max_m: int  # rows of x per kiln_linear call (bigger M is cut into calls of this size)
+
+
+def _read_abi(header: Path) -> Abi:
+    text = header.read_text()
+    consts = {name: int(v) for name, v in re.findall(r"constexpr\s+\w+\s+KILN_([A-Z0-9_]+)\s*=\s*(\d+)\s*;", text)}
+    wtypes = {name.lower(): int(v) for name, v in re.findall(r"\bKILN_W_([A-Z0-9_]+)\s*=\s*(\d+)", text)}
+    try:
+        return Abi(wtypes, consts["ROW_TILE"], consts["K_STEP"], consts["MAX_M"])
+    except KeyError as exc:
+        raise RuntimeError(f"{header}: constant KILN_{exc.args[0]} not found; the header and "
+                           f"kiln/plugins/native.py disagree") from None
+
+
+ABI = _read_abi(CSRC_DIR / "kiln_kernels.h")
+
+
+# --------------------------------------------------------------------------------------------
+# build key and loading
+# --------------------------------------------------------------------------------------------
+
+
+def build_key(torch_version: str | None = None) -> str:
+    """Hash of what the library is made of: sources, headers, flags and the torch version it links."""
+    h = hashlib.sha256()
+    for path in SOURCES + HEADERS:
+        h.update(path.name.encode() + b"\0" + path.read_bytes() + b"\0")
+    h.update(" ".join([*CFLAGS, "|", *LDFLAGS]).encode())
+    h.update((torch_version or torch.__version__).encode())
+    return "k" + h.hexdigest()[:24]  # a C identifier: passed as -DKILN_BUILD_KEY=<key>, stringified there
+
+
+def key_define(key: str) -> str:
+    return f"-DKILN_BUILD_KEY={key}"
+
+
+def library_key(path: Path) -> Optional[str]:
+    """The build key compiled into the library file at ``path`` (read from its bytes, not loaded)."""
+    data = path.read_bytes()
+    i = data.find(_KEY_MARK)
+    if i < 0:
+        return None
+    return data[i + len(_KEY_MARK): data.index(b"\0", i)].decode("ascii", "replace")
+
+
+_lock = threading.Lock()
+_lib: Optional[ctypes.CDLL] = None
+_state = "unloaded"  # unloaded | ok | failed
+_enabled = os.environ.get("KILN_DISABLE_NATIVE_KERNELS", "0") in ("", "0", "false", "False")
+_warned: set[str] = set()
+
+
+def _warn_once(key: str, msg: str) -> None:
+    if key not in _warned:
+        _warned.add(key)
+        warnings.warn(msg, RuntimeWarning, stacklevel=4)
+
+
+def _cpu_has_avx2_fma() -> bool:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    flags = set(line.split(":", 1)[1].split())
+                    return {"avx2", "fma"} <= flags
+    except OSError:
+        pass
+    return torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512")
+
+
+def _library_path(key: str) -> Path:
+    """The prebuilt library if it matches ``key``, else one compiled now (or found in the JIT cache)."""
+    if PREBUILT.is_file():
+        found = library_key(PREBUILT)
+        if found == key:
+            return PREBUILT
+        _warn_once("stale", f"kiln: the prebuilt kernel library {PREBUILT} was built from other sources or "
+                            f"for another torch (key {found}, this install {key}); compiling it now (~20 s)")
+    from torch.utils import cpp_extension
+
+    logger.info("compiling kiln's native kernels (first use, ~20 s; cached in TORCH_EXTENSIONS_DIR)")
+    return Path(cpp_extension.load(
+        name=f"{LIBRARY_NAME}_{key}",
+        sources=[str(p) for p in SOURCES],
+        extra_cflags=[*CFLAGS, key_define(key)],
+        extra_ldflags=list(LDFLAGS),
+        is_python_module=False,
+        verbose=False,
+    ))
+
+
+def _declare(lib: ctypes.CDLL) -> None:
+    """The ctypes signatures of the library's C functions (csrc/kiln_kernels.h)."""
+    i64, ptr = ctypes.c_int64, ctypes.c_void_p
+    lib.kiln_linear.argtypes = [ctypes.c_int, ptr, ptr, i64, ptr, i64, i64, i64, ptr, ptr, ctypes.c_int, ctypes.c_int]
+    lib.kiln_linear.restype = ctypes.c_int
+    lib.kiln_dequant_rows.argtypes = [ctypes.c_int, ptr, ptr, i64, i64, i64, i64, i64, ptr, ctypes.c_int]
+    lib.kiln_dequant_rows.restype = ctypes.c_int
+    lib.kiln_stream_sum.argtypes = [ptr, i64, ctypes.c_int]
+    lib.kiln_stream_sum.restype = ctypes.c_double
+    lib.kiln_ops_set_enabled.argtypes = [ctypes.c_int]
+    lib.kiln_ops_max_m.argtypes = [ctypes.c_int]
+    lib.kiln_ops_max_m.restype = i64
+    lib.kiln_ops_set_max_m.argtypes = [ctypes.c_int, i64]
+
+
+def _load() -> Optional[ctypes.CDLL]:
+    global _lib, _state
+    if _state != "unloaded":
+        return _lib
+    with _lock:
+        if _state != "unloaded":
+            return _lib
+        try:
+            if not _cpu_has_avx2_fma():
+                raise RuntimeError("this CPU lacks AVX2/FMA")
+            key = build_key()
+            path = _library_path(key)
+            if library_key(path) != key:
+                raise RuntimeError(f"{path} does not carry build key {key}")
+            lib = ctypes.CDLL(str(path))
+            _declare(lib)
+            lib.kiln_ops_set_enabled(int(_enabled))
+            _lib, _state = lib, "ok"
+        except Exception as e:  # compile error, missing compiler, no AVX2 ...
+            _state = "failed"
+            _warn_once("load", f"kiln: native kernels unavailable ({type(e).__name__}: {str(e)[:500]}); "
+                               "using the slower plain-torch path")
+        return _lib
+
+
+def library() -> Optional[ctypes.CDLL]:
+    """The loaded library (loading or compiling it on the first call), or None when the native kernels
+    are disabled or unavailable."""
+    return _load() if _enabled else None
+
+
+def native_kernels_available() -> bool:
+    """True if the native kernels are enabled and loaded (loads them on the first call)."""
+    return library() is not None
+
+
+def set_native_kernels_enabled(enabled: bool) -> None:
+    """Enable/disable the native kernels (disabled: the plain-torch path, for tests/debugging)."""
+    global _enabled
+    _enabled = bool(enabled)
+    if _lib is not None:
+        _lib.kiln_ops_set_enabled(int(_enabled))
+
+
+@contextlib.contextmanager
+def native_kernels_disabled():
+    """Force the plain-torch path inside the block (tests, debugging)."""
+    old = _enabled
+    set_native_kernels_enabled(False)
+    try:
+        yield
+    finally:
+        set_native_kernels_enabled(old)
+
+
+# --------------------------------------------------------------------------------------------
+# ops with a C++ CPU kernel
+# --------------------------------------------------------------------------------------------
+
+
+def _cpp_kernel_registered(op: str) -> bool:
+    return torch._C._dispatch_has_kernel_for_dispatch_key(f"kiln::{op}", "CPU")
+
+
+def native_op_ready(op: str) -> bool:
+    """True when the library is enabled and loaded (loading it on the first call) and the C++ CPU kernel
+    of ``kiln::<op>`` is registered."""
+    return library() is not None and _cpp_kernel_registered(op)
+
+
+def define_native_op(lib: torch.library.Library, name: str, schema: str, impl: Callable, fake: Callable) -> None:
+    """Define ``kiln::<name>`` (plain Library op: no custom_op wrapper per call) with a C++ CPU
+    kernel from the native library and ``impl`` as the Python implementation.
+
+    Two ops are defined with ``schema``: ``kiln::<name>`` and ``kiln::_<name>_py`` (``impl``). The
+    C++ kernel of ``<name>`` (registered for CPU when the library loads) runs the cases it covers
+    and calls ``_<name>_py`` for the rest. Until the library is loaded, and when it is disabled or
+    unavailable, ``<name>``'s CompositeExplicitAutograd kernel runs: it loads the library and
+    re-dispatches to the C++ kernel when that is registered, else runs ``impl``. ``fake`` is the
+    shape function of both. (Plain Library ops rather than custom_op: a custom_op costs ~30-40 us
+    of Python per call, which matters at batch-1 decode with hundreds of linears per step.)"""
+    py_name = f"_{name}_py"
+    lib.define(name + schema)
+    lib.define(py_name + schema)
+
+    def entry(*args):
+        if args[0].device.type == "cpu" and native_op_ready(name):
+            return getattr(torch.ops.kiln, name).default(*args)
+        return impl(*args)
+
+    lib.impl(name, entry, "CompositeExplicitAutograd")
+    lib.impl(py_name, impl, "CompositeExplicitAutograd")
+    torch.library.register_fake(f"kiln::{name}", fake, lib=lib)
+    torch.library.register_fake(f"kiln::{py_name}", fake, lib=lib)
