@@ -1,14 +1,15 @@
-# kiln: `make demo` sets up and runs the main job; `make test` sets up, lints and runs every test (CI's command);
-# `make test-fast` runs the engine-free tests (marked in tests/conftest.py) in under a minute.
-# Setup is idempotent: the venv is rebuilt only when pyproject.toml changes.
+# kiln: `make demo` sets up and runs the main job; `make test` sets up, lints and runs every test (CI's command,
+# which also builds the wheel and runs it from a fresh venv); `make test-fast` runs the engine-free tests (marked
+# in tests/conftest.py) in under a minute; `make wheel` builds what users install (dist/, kernels prebuilt).
+# Setup is idempotent: the venv is rebuilt only when pyproject.toml or setup.py (the package layout) changes.
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.kiln-installed
 
-.PHONY: setup demo test test-fast lint bench clean
+.PHONY: setup demo test test-fast lint wheel clean
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml setup.py
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q torch==2.13.0
@@ -29,5 +30,9 @@ test: setup lint
 test-fast: setup
 	$(PY) -m pytest -q -n 2 -m fast
 
+# torch must be in the build environment to compile the kernels into the wheel (see setup.py)
+wheel: setup
+	$(PY) -m pip wheel -q --no-build-isolation --no-deps -w dist .
+
 clean:
-	rm -rf $(VENV) work .pytest_cache .hypothesis
+	rm -rf $(VENV) work build dist .pytest_cache .hypothesis

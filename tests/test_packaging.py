@@ -1,0 +1,102 @@
+"""What users install is the wheel, not the editable tree: the wheel must hold every subpackage and data
+file of the source tree and the prebuilt kernel library, and a fresh virtual environment with
+torch==2.13.0 and the wheel must build an engine and generate from it without compiling anything."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+import pytest
+
+from kiln.plugins import native
+
+ROOT = Path(__file__).resolve().parent.parent
+DATA_FOLDERS = {"csrc", "templates"}  # setup.py ships every file below these
+pytestmark = pytest.mark.xdist_group("packaging")  # one worker builds the wheel once
+
+
+def _run(cmd: list, **kw) -> subprocess.CompletedProcess:
+    out = subprocess.run([str(c) for c in cmd], capture_output=True, text=True, timeout=900, **kw)
+    assert out.returncode == 0, f"{cmd[:3]} failed:\n{out.stdout[-3000:]}\n{out.stderr[-3000:]}"
+    return out
+
+
+@pytest.fixture(scope="module")
+def wheel(tmp_path_factory) -> Path:
+    """The wheel as `make wheel` builds it (torch in the build environment: the kernels are compiled in)."""
+    out = tmp_path_factory.mktemp("dist")
+    _run([sys.executable, "-m", "pip", "wheel", "-q", "--no-build-isolation", "--no-deps", "-w", out, ROOT])
+    (whl,) = out.glob("kiln_llm-*.whl")
+    return whl
+
+
+def _expected_files() -> set[str]:
+    """Every module of every package folder (a top-level folder with an __init__.py) and every file
+    under its data folders, as the wheel must name them (kiln/<folder>/...)."""
+    expected = set()
+    for init in ROOT.glob("*/__init__.py"):
+        for path in init.parent.rglob("*"):
+            rel = path.relative_to(ROOT)
+            if not path.is_file() or "__pycache__" in rel.parts:
+                continue
+            if path.suffix == ".py" or DATA_FOLDERS & set(rel.parts):
+                expected.add(f"kiln/{rel.as_posix()}")
+    return expected
+
+
+def test_wheel_holds_every_subpackage_data_file_and_the_kernels(wheel, tmp_path):
+    names = set(zipfile.ZipFile(wheel).namelist())
+    expected = _expected_files()
+    assert {"kiln/builder/passes/__init__.py", "kiln/builder/backends/__init__.py",
+            "kiln/plugins/csrc/kiln_kernels.h"} <= expected
+    missing = sorted(expected - names)
+    assert not missing, (f"the wheel lacks {missing[:10]}: a package folder missing from setup.py's "
+                         f"PACKAGE_FOLDERS, or data outside {sorted(DATA_FOLDERS)}")
+    assert all(n.startswith(("kiln/", "kiln_llm-")) for n in names), sorted(names)
+    lib = tmp_path / "kiln_kernels.so"
+    lib.write_bytes(zipfile.ZipFile(wheel).read("kiln/plugins/kiln_kernels.so"))
+    assert native.library_key(lib) == native.build_key()  # built from these sources, for this torch
+
+
+def test_installed_wheel_builds_an_engine_and_generates(wheel, checkpoint_dir, tmp_path):
+    venv = tmp_path / "venv"
+    try:
+        _run([sys.executable, "-m", "venv", venv])
+        py = venv / "bin" / "python"
+        _run([py, "-m", "pip", "install", "-q", "torch==2.13.0"])  # first: the CPU build, never another spec
+        _run([py, "-m", "pip", "install", "-q", wheel])
+        ext_dir = tmp_path / "torch_extensions"  # a cold compile cache: nothing may be compiled into it
+        env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "KILN_DISABLE_NATIVE_KERNELS")}
+        env["TORCH_EXTENSIONS_DIR"] = str(ext_dir)
+        work = tmp_path / "work"  # outside the source tree
+        work.mkdir()
+        engine = work / "engine"
+        _run([venv / "bin" / "build-engine", "--checkpoint", checkpoint_dir("llama"), "--output", engine,
+              "--config", ROOT / "build_configs" / "tiny-test.yaml", "--quantization", "int8_weight_only"],
+             env=env, cwd=work)
+        out = _run([venv / "bin" / "kiln", "generate", "--engine", engine, "--prompt", "The kiln",
+                    "--max-tokens", "8", "--temperature", "0", "--ignore-eos", "--json"], env=env, cwd=work)
+        (line,) = [ln for ln in out.stdout.splitlines() if ln.startswith("{")]
+        installed_ids = json.loads(line)["token_ids"]
+        where = _run([py, "-c", "import kiln.plugins.native as n; assert n.native_kernels_available(); "
+                                "print(n.library()._name)"], env=env, cwd=work).stdout.strip()
+        assert Path(where) == venv / "lib" / f"python{sys.version_info[0]}.{sys.version_info[1]}" / \
+            "site-packages" / "kiln" / "plugins" / "kiln_kernels.so"
+        assert not ext_dir.exists() or not any(ext_dir.iterdir()), "the installed kiln compiled its kernels"
+    finally:
+        shutil.rmtree(venv, ignore_errors=True)  # ~1 GB
+    # the same greedy tokens from the source tree's runtime on the engine the installed builder wrote
+    from kiln.runtime import LLM, SamplingParams
+
+    llm = LLM(engine, max_kv_cache_tokens=256)
+    try:
+        ref = llm.generate("The kiln", SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))[0]
+    finally:
+        llm.shutdown()
+    assert installed_ids == ref.token_ids and len(ref.token_ids) == 8
