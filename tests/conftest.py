@@ -67,3 +67,10 @@ def native():
         ok = native_lib.native_kernels_available()
     assert ok, "native kernels did not build"
     return native_lib.library()
+
+
+
+def pytest_collection_modifyitems(items):
+    """The packaging tests (a minute of pip and compiling) run first, so that they overlap with the
+    rest instead of running alone at the end."""
+    items.sort(key=lambda item: item.path.name != "test_packaging.py")
