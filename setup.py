@@ -39,7 +39,8 @@ def packages() -> tuple[list[str], dict[str, str], dict[str, list[str]]]:
     for folder in PACKAGE_FOLDERS:
         dirs[f"kiln.{folder}"] = folder
         names.append(f"kiln.{folder}")
-        for sub in find_namespace_packages(str(ROOT / folder), exclude=["__pycache__", "*.__pycache__", "*.__pycache__.*"]):
+        caches = ["__pycache__", "*.__pycache__", "*.__pycache__.*"]
+        for sub in find_namespace_packages(str(ROOT / folder), exclude=caches):
             name = f"kiln.{folder}.{sub}"
             names.append(name)
             if DATA_FOLDERS & set(sub.split(".")):

@@ -228,7 +228,8 @@ _lib_def = torch.library.Library("kiln", "FRAGMENT")
 define_native_op(_lib_def, "weight_only_linear",
                  "(Tensor x, Tensor qweight, Tensor scales, Tensor? bias, int bits, int group_size) -> Tensor",
                  _weight_only_linear_py,
-                 lambda x, qweight, scales, bias, bits, group_size: x.new_empty(*x.shape[:-1], qweight_shape(qweight, bits)[0]))
+                 lambda x, qweight, scales, bias, bits, group_size:
+                 x.new_empty(*x.shape[:-1], qweight_shape(qweight, bits)[0]))
 for _kind in ("bf16", "fp32"):
     define_native_op(_lib_def, f"{_kind}_linear", "(Tensor x, Tensor weight, Tensor? bias) -> Tensor",
                      functools.partial(_float_linear_py, _kind),

@@ -34,9 +34,9 @@ import os
 import re
 import threading
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Optional
 
 import torch
 
@@ -106,7 +106,7 @@ def key_define(key: str) -> str:
     return f"-DKILN_BUILD_KEY={key}"
 
 
-def library_key(path: Path) -> Optional[str]:
+def library_key(path: Path) -> str | None:
     """The build key compiled into the library file at ``path`` (read from its bytes, not loaded)."""
     data = path.read_bytes()
     i = data.find(_KEY_MARK)
@@ -116,7 +116,7 @@ def library_key(path: Path) -> Optional[str]:
 
 
 _lock = threading.Lock()
-_lib: Optional[ctypes.CDLL] = None
+_lib: ctypes.CDLL | None = None
 _state = "unloaded"  # unloaded | ok | failed
 _enabled = os.environ.get("KILN_DISABLE_NATIVE_KERNELS", "0") in ("", "0", "false", "False")
 _warned: set[str] = set()
@@ -176,7 +176,7 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.kiln_ops_set_max_m.argtypes = [ctypes.c_int, i64]
 
 
-def _load() -> Optional[ctypes.CDLL]:
+def _load() -> ctypes.CDLL | None:
     global _lib, _state
     if _state != "unloaded":
         return _lib
@@ -201,7 +201,7 @@ def _load() -> Optional[ctypes.CDLL]:
         return _lib
 
 
-def library() -> Optional[ctypes.CDLL]:
+def library() -> ctypes.CDLL | None:
     """The loaded library (loading or compiling it on the first call), or None when the native kernels
     are disabled or unavailable."""
     return _load() if _enabled else None

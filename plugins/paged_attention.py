@@ -225,8 +225,9 @@ def paged_attention_reference(
     t = 0
     for s in range(seq_lens.shape[0]):
         n, ctx = int(seq_lens[s]), int(context_lens[s])
-        keys = torch.stack([kv_cache[layer, 0, int(block_tables[s, j // block_size]), j % block_size] for j in range(ctx)])
-        values = torch.stack([kv_cache[layer, 1, int(block_tables[s, j // block_size]), j % block_size] for j in range(ctx)])
+        slots = [(int(block_tables[s, j // block_size]), j % block_size) for j in range(ctx)]
+        keys = torch.stack([kv_cache[layer, 0, b, o] for b, o in slots])
+        values = torch.stack([kv_cache[layer, 1, b, o] for b, o in slots])
         for i in range(n):
             pos = ctx - n + i
             lo = max(0, pos - sliding_window + 1) if sliding_window > 0 else 0

@@ -37,7 +37,8 @@ define_native_op(_lib, "rms_norm", "(Tensor x, Tensor weight, float eps) -> Tens
                  lambda x, weight, eps: torch.empty_like(x))
 define_native_op(_lib, "fused_add_rms_norm",
                  "(Tensor x, Tensor residual, Tensor weight, float eps) -> (Tensor, Tensor)",
-                 fused_add_rms_norm_reference, lambda x, residual, weight, eps: (torch.empty_like(x), torch.empty_like(x)))
+                 fused_add_rms_norm_reference,
+                 lambda x, residual, weight, eps: (torch.empty_like(x), torch.empty_like(x)))
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

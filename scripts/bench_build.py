@@ -26,6 +26,7 @@ import time
 from pathlib import Path
 
 import torch
+
 from bench_common import BENCH, engine_is_current, ensure_checkpoint, log, stream_read_bandwidth, stream_read_rate
 
 VARIANTS = {
@@ -84,7 +85,7 @@ def measure_bandwidth() -> dict[str, float]:
         "sum": gib / _median_time(lambda: big.sum(), 5) / 1e9,
         "copy": 2 * gib / _median_time(lambda: out.copy_(big), 5) / 1e9,
     }
-    del big, out
+    big = out = None  # free the 2 GiB (not `del`: the lambdas above name them)
     w = torch.randn(5632, 4000)  # 22.5M elements, 90 MB: bigger than any cache
     x = torch.randn(1, 4000)
     res["gemv"] = w.numel() * 4 / _median_time(lambda: torch.nn.functional.linear(x, w), 20) / 1e9
@@ -197,8 +198,9 @@ def main() -> None:
 
     ckpt = ensure_checkpoint(args.size)
     variants = args.variants.split(",")
-    cpu = next((l.split(":", 1)[1].strip() for l in open("/proc/cpuinfo") if l.startswith("model name")), "?")
-    flags = next((l.split(":", 1)[1].split() for l in open("/proc/cpuinfo") if l.startswith("flags")), [])
+    cpuinfo = open("/proc/cpuinfo").read().splitlines()
+    cpu = next((ln.split(":", 1)[1].strip() for ln in cpuinfo if ln.startswith("model name")), "?")
+    flags = next((ln.split(":", 1)[1].split() for ln in cpuinfo if ln.startswith("flags")), [])
     simd = [f for f in ("avx2", "fma", "avx512f", "avx512_bf16", "amx_bf16") if f in flags]
     log(f"cpu: {cpu} ({', '.join(simd)}), torch {torch.__version__}, {torch.get_num_threads()} threads")
 
@@ -227,8 +229,8 @@ def main() -> None:
                                                args.steps)
             parts = breakdown(engine, inputs)
             rows.append((v, batch, engine.weights_bytes, streamed, times, rates, steal, parts))
-        del engine
-    del read_buf
+        engine = None  # free it before the next one loads
+    read_buf = None
     peak_bw = max([*bw.values(), *(r for row in rows for r in row[5])])
     hf: dict[str, float] = {}
     if not args.skip_hf:
@@ -266,7 +268,7 @@ def main() -> None:
         print()
         print("batch-1 decode, same checkpoint and context, transformers generate (greedy): "
               + ", ".join(f"{k} {v:.1f} tok/s" for k, v in hf.items()))
-        for v, batch, wb, sb, times, rates, steal, parts in rows:
+        for v, batch, _wb, _sb, times, *_ in rows:
             dtype = VARIANTS[v]["dtype"]
             if batch == 1 and dtype in hf:
                 tok_s = 1 / statistics.median(times)

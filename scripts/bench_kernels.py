@@ -45,11 +45,10 @@ def main() -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
 
-    from bench_common import stream_read_bandwidth
-
-    from kiln.plugins import linear
-    from kiln.plugins import native
+    from kiln.plugins import linear, native
     from kiln.plugins import weight_format as fmt
+
+    from bench_common import stream_read_bandwidth
 
     print(f"torch {torch.__version__}, threads {torch.get_num_threads()}, "
           f"cpu capability {torch.backends.cpu.get_cpu_capability()}", flush=True)

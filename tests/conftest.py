@@ -19,7 +19,8 @@ torch.set_num_threads(1)  # tests run on 2 cores with 2 xdist workers
 FAST_MODULES = {
     "test_scheduler", "test_kv_cache", "test_sampler", "test_builder_config", "test_contract", "test_clikit",
     "test_runtime_detokenizer", "test_checkpoint_errors", "test_plugins", "test_plugin_ops_native",
-    "test_weight_only_linear", "test_serving_chat_template", "test_bench_workload", "test_bench_stats",
+    "test_weight_only_linear", "test_native_library", "test_serving_chat_template", "test_bench_workload",
+    "test_bench_stats",
 }
 
 
@@ -27,6 +28,9 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if item.module.__name__ in FAST_MODULES:
             item.add_marker(pytest.mark.fast)
+    # the packaging tests (a minute of pip and compiling) run first, so that they overlap with the rest
+    # instead of running alone at the end
+    items.sort(key=lambda item: item.path.name != "test_packaging.py")
 
 
 FAMILIES = ["llama", "mistral", "qwen2", "gpt2"]
@@ -67,10 +71,3 @@ def native():
         ok = native_lib.native_kernels_available()
     assert ok, "native kernels did not build"
     return native_lib.library()
-
-
-
-def pytest_collection_modifyitems(items):
-    """The packaging tests (a minute of pip and compiling) run first, so that they overlap with the
-    rest instead of running alone at the end."""
-    items.sort(key=lambda item: item.path.name != "test_packaging.py")

@@ -12,11 +12,12 @@ from pathlib import Path
 
 import pytest
 import torch
-from bench_common import stream_read_bandwidth
 
 from kiln.plugins import linear
 from kiln.plugins import native as native_lib
 from kiln.plugins import weight_format as fmt
+
+from bench_common import stream_read_bandwidth
 
 ops = torch.ops.kiln
 

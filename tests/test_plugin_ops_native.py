@@ -9,14 +9,13 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from test_plugins import TOL, build_case, run_both
 
 import kiln.plugins  # noqa: F401
 from kiln.plugins.activations import gelu_reference, silu_mul_reference
+from kiln.plugins.native import native_kernels_disabled, native_op_ready
 from kiln.plugins.rms_norm import rms_norm_reference
 from kiln.plugins.rotary import cos_sin_table, rope_inv_freq, rotary_embedding_reference
-from kiln.plugins.native import native_kernels_disabled, native_op_ready
-
-from test_plugins import TOL, build_case, run_both
 
 ops = torch.ops.kiln
 pa = importlib.import_module("kiln.plugins.paged_attention")
@@ -113,7 +112,8 @@ def test_activations(mode, dtype):
 # paged attention: native decode kernel and the torch fallback against the reference
 
 
-@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
+@settings(max_examples=60, deadline=None,
+          suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
 @given(
     block_size=st.sampled_from([1, 4, 16]),
     num_kv_heads=st.sampled_from([1, 2, 4]),

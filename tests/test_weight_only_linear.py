@@ -135,7 +135,8 @@ def test_non_finite_activations_propagate(native, m):
         (ops.weight_only_linear(x, q8, s8, None, 8, 0), linear.weight_only_linear_reference(x, q8, s8, None, 8, 0)),
         (ops.weight_only_linear(x, q4, s4, None, 4, 32), linear.weight_only_linear_reference(x, q4, s4, None, 4, 32)),
         (ops.bf16_linear(x, w.bfloat16(), None), linear.bf16_linear_reference(x, w.bfloat16(), None)),
-        (ops.bf16_linear(x.bfloat16(), w.bfloat16(), None), linear.bf16_linear_reference(x.bfloat16(), w.bfloat16(), None)),
+        (ops.bf16_linear(x.bfloat16(), w.bfloat16(), None),
+         linear.bf16_linear_reference(x.bfloat16(), w.bfloat16(), None)),
         (ops.weight_only_linear(x.bfloat16(), q8, s8, None, 8, 0),
          linear.weight_only_linear_reference(x.bfloat16(), q8, s8, None, 8, 0)),
     ]:
@@ -269,12 +270,12 @@ def test_int4_layout_is_the_documented_one():
     # element 64*b + 16*j + l is nibble j of little-endian 16-bit word l of block b
     k = 128
     q = torch.zeros(1, k, dtype=torch.int8)
-    for b, j, l, v in [(0, 0, 0, 1), (0, 3, 3, -8), (1, 2, 15, 5), (1, 1, 9, -1)]:
-        q[0, 64 * b + 16 * j + l] = v
+    for b, j, lane, v in [(0, 0, 0, 1), (0, 3, 3, -8), (1, 2, 15, 5), (1, 1, 9, -1)]:
+        q[0, 64 * b + 16 * j + lane] = v
     words = fmt.pack_int4(q).view(torch.int16).view(-1).tolist()  # little-endian machine
 
-    def nib(b, l, j):
-        return ((words[16 * b + l] >> (4 * j)) & 0xF)
+    def nib(b, lane, j):
+        return ((words[16 * b + lane] >> (4 * j)) & 0xF)
 
     assert nib(0, 0, 0) == 1 and nib(0, 3, 3) == 8 and nib(1, 15, 2) == 5 and nib(1, 9, 1) == 0xF
     assert sum(1 for w in words if w) == 4
@@ -398,7 +399,8 @@ def test_export_with_dynamic_tokens(native):
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(not os.environ.get("KILN_RUN_SLOW"), reason="AOTInductor compile takes ~15-30 s; set KILN_RUN_SLOW=1")
+@pytest.mark.skipif(not os.environ.get("KILN_RUN_SLOW"),
+                    reason="AOTInductor compile takes ~15-30 s; set KILN_RUN_SLOW=1")
 def test_aot_inductor_package_calls_the_ops(native, tmp_path):
     mod = _TinyMLP().eval()
     t = torch.export.Dim("num_tokens", min=1, max=512)
