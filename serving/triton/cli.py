@@ -1,0 +1,147 @@
+"""``kiln triton-repo`` (render a Triton model repository) and ``kiln serve --frontend triton`` (render one and run
+the bundled tritonserver on it)."""
+
+from __future__ import annotations
+
+import functools
+import os
+import shutil
+import signal
+import sys
+import tempfile
+from pathlib import Path
+
+import click
+
+from kiln.runtime import EngineLoadError
+from kiln.runtime.scheduler import CAPACITY_POLICIES
+from kiln.serving.triton.repository import OptionError, RepoOptions, RuntimeOptions, render_repository
+
+
+def repository_options(fn):
+    """The options both commands render a repository with (names as in kiln's ExecutorConfig)."""
+    options = [
+        click.option("--model-name", default="kiln", show_default=True,
+                     help="Triton model name; 'ensemble' makes a drop-in for clients of TensorRT-LLM's backend."),
+        click.option("--instances", type=int, default=1, show_default=True,
+                     help="Model instances (instance_group count): each is a process with its own LLM and KV pool."),
+        click.option("--decoupled/--no-decoupled", default=True, show_default=True,
+                     help="Decoupled: streaming (gRPC stream, /generate_stream). Not: one response per request (/infer)."),
+        click.option("--max-queue-size", type=int, default=0, show_default=True,
+                     help="Refuse new requests ('overloaded') while this many wait for their first token; 0: no limit."),
+        click.option("--max-batch-size", type=int, default=None, help="Sequences per step (default: the engine's)."),
+        click.option("--max-num-tokens", type=int, default=None, help="Tokens per step (default: the engine's)."),
+        click.option("--kv-cache-memory-fraction", type=float, default=None,
+                     help="Share of the memory left after loading the engine for the KV pool (kiln's default 0.9)."),
+        click.option("--max-kv-cache-tokens", type=int, default=None, help="Cap on the KV pool in tokens."),
+        click.option("--capacity-policy", type=click.Choice(CAPACITY_POLICIES), default="guaranteed_no_evict",
+                     show_default=True),
+        click.option("--enable-prefix-reuse/--disable-prefix-reuse", default=True, show_default=True),
+        click.option("--copy-engine", is_flag=True,
+                     help="Copy the engine into the repository (a self-contained folder to mount in a container)."),
+    ]
+    for option in reversed(options):
+        fn = option(fn)
+    return fn
+
+
+def _repo_options(kw: dict) -> RepoOptions:
+    runtime = RuntimeOptions(
+        max_batch_size=kw.pop("max_batch_size"), max_num_tokens=kw.pop("max_num_tokens"),
+        kv_cache_memory_fraction=kw.pop("kv_cache_memory_fraction"), max_kv_cache_tokens=kw.pop("max_kv_cache_tokens"),
+        capacity_policy=kw.pop("capacity_policy"), enable_prefix_reuse=kw.pop("enable_prefix_reuse"),
+        max_queue_size=kw.pop("max_queue_size"))
+    return RepoOptions(model_name=kw.pop("model_name"), instances=kw.pop("instances"), decoupled=kw.pop("decoupled"),
+                       copy_engine=kw.pop("copy_engine"), runtime=runtime)
+
+
+def _render(engine_dir: Path, output: Path, options: RepoOptions) -> Path:
+    try:
+        return render_repository(engine_dir, output, options)
+    except EngineLoadError as exc:
+        raise click.BadParameter(str(exc), param_hint="'ENGINE_DIR'") from None
+    except OptionError as exc:
+        hint = "'ENGINE_DIR'" if exc.option == "engine_dir" else f"'--{exc.option.replace('_', '-')}'"
+        raise click.BadParameter(f"{exc.value!r}: allowed values are {exc.allowed}", param_hint=hint) from None
+
+
+@click.command("triton-repo")
+@click.argument("engine_dir", type=click.Path(path_type=Path))
+@click.option("--output", "-o", type=click.Path(path_type=Path), required=True, help="Model repository folder.")
+@repository_options
+def triton_repo(engine_dir: Path, output: Path, **kw) -> None:
+    """Render a Triton Inference Server model repository (Python backend) serving ENGINE_DIR with kiln."""
+    model_dir = _render(engine_dir, output, _repo_options(kw))
+    click.echo(f"wrote {model_dir}/config.pbtxt and {model_dir}/1/model.py")
+    click.echo(f"run: tritonserver --model-repository={output.resolve()}  (its Python needs kiln-llm installed)")
+
+
+@click.command("serve")
+@click.argument("engine_dir", type=click.Path(path_type=Path))
+@click.option("--frontend", type=click.Choice(["triton"]), default="triton", show_default=True,
+              help="triton: NVIDIA Triton Inference Server (the tritonserver of the kiln-llm[triton] extra).")
+@click.option("--host", default="127.0.0.1", show_default=True, help="Address the HTTP, gRPC and metrics ports listen on.")
+@click.option("--http-port", type=int, default=8000, show_default=True)
+@click.option("--grpc-port", type=int, default=8001, show_default=True)
+@click.option("--metrics-port", type=int, default=8002, show_default=True)
+@repository_options
+@click.option("--work-dir", type=click.Path(path_type=Path), default=None,
+              help="Render the repository here and keep it (default: a temporary folder removed at exit).")
+@click.option("--startup-timeout", type=float, default=600.0, show_default=True,
+              help="Seconds to wait for the model to load (a first run may compile kiln's kernels).")
+@click.option("--shutdown-timeout", type=int, default=5, show_default=True,
+              help="On SIGTERM/SIGINT, seconds requests in flight get to finish before they are aborted.")
+@click.option("--quiet", is_flag=True, help="Do not relay the server's log (errors are still printed).")
+def serve(engine_dir: Path, frontend: str, host: str, http_port: int, grpc_port: int, metrics_port: int,
+          work_dir: Path | None, startup_timeout: float, shutdown_timeout: int, quiet: bool, **kw) -> None:
+    """Serve ENGINE_DIR: render a Triton model repository and run tritonserver on it until SIGINT/SIGTERM."""
+    from kiln.serving.triton.launcher import LauncherError, Ports, TritonServer
+
+    options = _repo_options(kw)
+    workdir = work_dir if work_dir is not None else Path(tempfile.mkdtemp(prefix="kiln-triton-"))
+    try:
+        repository = workdir / "repository"
+        if repository.exists() and work_dir is not None:
+            shutil.rmtree(repository / options.model_name, ignore_errors=True)
+        _render(engine_dir, repository, options)
+        server = TritonServer(repository, workdir, Ports(http_port, grpc_port, metrics_port), host=host,
+                              exit_timeout_s=shutdown_timeout,
+                              log=None if quiet else functools.partial(click.echo, err=True))
+        received = []
+
+        def on_signal(signum, _frame) -> None:
+            received.append(signum)
+            if len(received) == 1:
+                click.echo(f"kiln: {signal.Signals(signum).name}: stopping tritonserver "
+                           f"(requests in flight get {shutdown_timeout} s)", err=True)
+                server.terminate()
+            elif server.process is not None:   # a second signal: do not wait
+                os.killpg(server.process.pid, signal.SIGKILL)
+
+        previous = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+        try:
+            click.echo(f"kiln: starting tritonserver for {engine_dir} (model {options.model_name!r})", err=True)
+            try:
+                server.start()
+                server.wait_ready(startup_timeout)
+            except LauncherError as exc:
+                click.echo(f"kiln: {exc}; the server said:", err=True)
+                for line in exc.log_lines:
+                    click.echo(f"  {line}", err=True)
+                sys.exit(1)
+            urls = server.urls
+            click.echo(f"kiln: Triton is ready: HTTP {urls['http']}  gRPC {urls['grpc']}  metrics {urls['metrics']}  "
+                       f"(model {options.model_name!r}, {'streaming' if options.decoupled else 'one response per request'})")
+            server.wait()
+            code = server.stop()
+        finally:
+            if server.process is not None and server.process.poll() is None:
+                server.stop()
+            for s, handler in previous.items():
+                signal.signal(s, handler)
+        if code != 0:
+            click.echo(f"kiln: tritonserver exited with code {code}", err=True)
+            sys.exit(1)
+    finally:
+        if work_dir is None:
+            shutil.rmtree(workdir, ignore_errors=True)

@@ -1,0 +1,221 @@
+"""The Triton Python-backend model: each model instance runs one kiln ``LLM`` and serves Triton requests with it.
+
+``execute`` parses each request, submits it to the LLM (``LLM.submit`` with a callback) and returns at once, so
+every Triton request joins kiln's step loop as soon as it arrives and requests in flight batch together. The
+callback runs on the step loop and only enqueues; one sender thread per instance turns kiln outputs into
+responses (every delta when streaming, one response otherwise, the last one with the FINAL flag), checks every
+100 ms whether clients cancelled (then aborts the kiln request, freeing its KV blocks) and refreshes the
+metrics about once a second. Responses go through the request's response sender in both decoupled and
+non-decoupled mode, which is what lets a non-decoupled model return from ``execute`` before it has answered.
+
+Errors are sent as Triton errors: INVALID_ARG for a bad request (naming the tensor and the rule), UNAVAILABLE
+for "overloaded" (more than ``max_queue_size`` requests of this instance wait for their first token) and when
+the LLM is shut down, CANCELLED for a cancelled request, INTERNAL when the step loop failed.
+
+Only Triton's Python-backend stub imports this module (``triton_python_backend_utils`` exists only there).
+"""
+
+from __future__ import annotations
+
+import json
+import queue
+import threading
+import time
+import traceback
+from dataclasses import dataclass
+from pathlib import Path
+
+import triton_python_backend_utils as pb
+
+from kiln.runtime import LLM, Engine, InvalidRequestError, RequestOutput
+from kiln.runtime.errors import ExecutorClosedError
+from kiln.serving.triton.metrics import TritonMetrics
+from kiln.serving.triton.protocol import BadRequest, EngineLimits, ParsedRequest, parse_request, response_tensors
+from kiln.serving.triton.repository import OptionError, runtime_options
+
+CANCEL_CHECK_S = 0.1
+STATS_PERIOD_S = 1.0
+_STOP = object()
+
+
+@dataclass
+class _Stream:
+    """A Triton request in flight: where its responses go and how to build them."""
+
+    request: object          # pb.InferenceRequest (kept for is_cancelled)
+    sender: object           # its response sender
+    parsed: ParsedRequest
+    prompt_text: str
+    request_id: str = ""
+    has_token: bool = False
+    cancelled: bool = False
+    done: bool = False
+
+
+class TritonPythonModel:
+    def initialize(self, args: dict) -> None:
+        config = json.loads(args["model_config"])
+        params = {k: v["string_value"] for k, v in config.get("parameters", {}).items()}
+        try:
+            options = runtime_options(params)
+        except OptionError as exc:
+            raise pb.TritonModelException(f"config.pbtxt: {exc}") from None
+        engine_dir = Path(params.get("engine_dir", ""))
+        if not engine_dir.is_absolute():   # a copied engine (triton-repo --copy-engine) sits next to model.py
+            engine_dir = Path(args["model_repository"]) / args["model_version"] / engine_dir
+        build = Engine.read_config(engine_dir)["build"]
+        try:
+            options.validate(build)
+        except OptionError as exc:
+            raise pb.TritonModelException(f"config.pbtxt: {exc}") from None
+        self.decoupled = pb.using_decoupled_model_transaction_policy(config)
+        self.max_queue_size = options.max_queue_size
+        self.llm = LLM(engine_dir, **options.llm_kwargs())
+        model = self.llm.engine.model
+        self.limits = EngineLimits(int(model["vocab_size"]), int(build["max_input_len"]), int(build["max_seq_len"]))
+        self.block_size = int(build["tokens_per_block"])
+        self.metrics = TritonMetrics(pb, args["model_name"], args["model_version"], args.get("model_instance_name", ""))
+        self._lock = threading.Lock()
+        self._live: dict[int, _Stream] = {}      # id(stream) -> stream, for cancellation checks and gauges
+        self._waiting_first = 0                  # live streams without a token yet (the admission queue)
+        self._outbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._sender = threading.Thread(target=self._send_loop, name="kiln-triton-sender", daemon=True)
+        self._sender.start()
+        pb.Logger.log_info(f"kiln: serving {engine_dir} ({'decoupled' if self.decoupled else 'one response per request'}); "
+                           f"{self.llm.stats()['kv_cache']['plan']}")
+
+    # ---- requests (Triton's thread) -------------------------------------------------------------------
+    def execute(self, requests: list) -> None:
+        for request in requests:
+            try:
+                self._admit(request)
+            except Exception as exc:  # a bug of ours: answer this request, keep serving the others
+                pb.Logger.log_error(f"kiln: request failed: {traceback.format_exc()}")
+                self._refuse(request.get_response_sender(), f"internal error: {type(exc).__name__}: {exc}",
+                             pb.TritonError.INTERNAL)
+        return None
+
+    def _admit(self, request) -> None:
+        sender = request.get_response_sender()
+        try:
+            arrays = {t.name(): t.as_numpy() for t in request.inputs()}
+            parsed = parse_request(arrays, self.limits, lambda text: self.llm.encode(text)[0], self.decoupled)
+        except (BadRequest, InvalidRequestError) as exc:
+            self.metrics.rejected("rejected")
+            return self._refuse(sender, str(exc), pb.TritonError.INVALID_ARG)
+        prompt_text = parsed.prompt_text
+        if prompt_text is None and not (parsed.stream or parsed.exclude_input_in_output):
+            prompt_text = self.llm.decode(parsed.prompt_token_ids, skip_special_tokens=False)
+        stream = _Stream(request, sender, parsed, prompt_text or "")
+        with self._lock:
+            if self.max_queue_size and self._waiting_first >= self.max_queue_size:
+                overloaded = True
+            else:
+                overloaded = False
+                self._waiting_first += 1
+                self._live[id(stream)] = stream
+        if overloaded:
+            self.metrics.rejected("overloaded")
+            return self._refuse(sender, f"overloaded: {self.max_queue_size} requests already wait for their first "
+                                        "token (max_queue_size); retry later", pb.TritonError.UNAVAILABLE)
+        try:
+            stream.request_id = self.llm.submit(parsed.prompt_token_ids, parsed.params, priority=parsed.priority,
+                                                callback=lambda out, s=stream: self._outbox.put((s, out)))
+        except (InvalidRequestError, ExecutorClosedError) as exc:
+            with self._lock:
+                self._waiting_first -= 1
+                del self._live[id(stream)]
+            if isinstance(exc, InvalidRequestError):
+                self.metrics.rejected("rejected")
+                return self._refuse(sender, f"invalid request: {exc}", pb.TritonError.INVALID_ARG)
+            return self._refuse(sender, f"kiln is not serving: {exc}", pb.TritonError.UNAVAILABLE)
+
+    @staticmethod
+    def _refuse(sender, message: str, code) -> None:
+        sender.send(pb.InferenceResponse(error=pb.TritonError(message, code)),
+                    flags=pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+
+    # ---- responses (the sender thread) ----------------------------------------------------------------
+    def _send_loop(self) -> None:
+        next_cancel_check = next_stats = 0.0
+        while True:
+            try:
+                item = self._outbox.get(timeout=CANCEL_CHECK_S)
+            except queue.Empty:
+                item = None
+            while item is not None:
+                if item is _STOP:
+                    return
+                self._deliver(*item)
+                try:
+                    item = self._outbox.get_nowait()
+                except queue.Empty:
+                    item = None
+            now = time.monotonic()
+            if now >= next_cancel_check:
+                next_cancel_check = now + CANCEL_CHECK_S
+                self._check_cancelled()
+            if now >= next_stats:
+                next_stats = now + STATS_PERIOD_S
+                self._update_metrics()
+
+    def _deliver(self, stream: _Stream, out: RequestOutput) -> None:
+        if stream.done:
+            return
+        final = out.finished
+        if not stream.has_token and (out.token_ids or final):
+            stream.has_token = True
+            with self._lock:
+                self._waiting_first -= 1
+        if final:
+            stream.done = True
+            with self._lock:
+                self._live.pop(id(stream), None)
+            if out.finish_reason != "abort":
+                self.metrics.finished(out)
+        if stream.cancelled:
+            if final:
+                self._try_send(stream, pb.InferenceResponse(error=pb.TritonError(
+                    "cancelled by the client", pb.TritonError.CANCELLED)), final=True)
+            return
+        if final and out.error:
+            return self._try_send(stream, pb.InferenceResponse(error=pb.TritonError(
+                f"kiln's step loop failed: {out.error}", pb.TritonError.INTERNAL)), final=True)
+        if final and out.finish_reason == "abort":
+            return self._try_send(stream, pb.InferenceResponse(error=pb.TritonError(
+                "aborted: the model is shutting down", pb.TritonError.UNAVAILABLE)), final=True)
+        if not (final or stream.parsed.stream):
+            return
+        tensors = response_tensors(out, stream.parsed, stream.prompt_text, self.block_size)
+        response = pb.InferenceResponse(output_tensors=[pb.Tensor(name, arr) for name, arr in tensors.items()])
+        self._try_send(stream, response, final)
+
+    @staticmethod
+    def _try_send(stream: _Stream, response, final: bool) -> None:
+        try:
+            stream.sender.send(response, flags=pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL if final else 0)
+        except Exception as exc:  # the client is gone; the request is aborted by the cancellation check
+            if not stream.cancelled:
+                pb.Logger.log_warn(f"kiln: could not send a response of {stream.request_id}: {exc}")
+
+    def _check_cancelled(self) -> None:
+        with self._lock:
+            streams = [s for s in self._live.values() if s.request_id and not s.cancelled]
+        for s in streams:
+            if s.sender.is_cancelled():
+                s.cancelled = True
+                self.llm.abort(s.request_id)
+
+    def _update_metrics(self) -> None:
+        with self._lock:
+            active = len(self._live)
+            generating = sum(s.has_token for s in self._live.values())
+        self.metrics.update(self.llm.stats(), active, generating)
+
+    # ---- shutdown -------------------------------------------------------------------------------------
+    def finalize(self) -> None:
+        """Stop kiln (requests still in flight end with an UNAVAILABLE error), then the sender thread."""
+        self.llm.shutdown()
+        self._outbox.put(_STOP)
+        self._sender.join(timeout=10)
+        self.metrics.close()
