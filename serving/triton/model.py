@@ -3,7 +3,9 @@
 ``execute`` parses each request, submits it to the LLM (``LLM.submit`` with a callback) and returns at once, so
 every Triton request joins kiln's step loop as soon as it arrives and requests in flight batch together. The
 callback runs on the step loop and only enqueues; one sender thread per instance turns kiln outputs into
-responses (every delta when streaming, one response otherwise, the last one with the FINAL flag), checks every
+responses (every delta when streaming, one response otherwise, the last one with the FINAL flag; deltas that
+queued up while earlier responses were being sent go out together, so a slow client path delays tokens by
+at most one send instead of piling up), checks every
 100 ms whether clients cancelled (then aborts the kiln request, freeing its KV blocks) and refreshes the
 metrics about once a second. Responses go through the request's response sender in both decoupled and
 non-decoupled mode, which is what lets a non-decoupled model return from ``execute`` before it has answered.
@@ -140,17 +142,27 @@ class TritonPythonModel:
         next_cancel_check = next_stats = 0.0
         while True:
             try:
-                item = self._outbox.get(timeout=CANCEL_CHECK_S)
+                items = [self._outbox.get(timeout=CANCEL_CHECK_S)]
             except queue.Empty:
-                item = None
-            while item is not None:
+                items = []
+            try:
+                while True:
+                    items.append(self._outbox.get_nowait())
+            except queue.Empty:
+                pass
+            # outputs that queued up while the last responses were sent go out as one response per request
+            pending: dict[int, tuple[_Stream, list[RequestOutput]]] = {}
+            stop = False
+            for item in items:
                 if item is _STOP:
-                    return
-                self._deliver(*item)
-                try:
-                    item = self._outbox.get_nowait()
-                except queue.Empty:
-                    item = None
+                    stop = True
+                    break
+                stream, out = item
+                pending.setdefault(id(stream), (stream, []))[1].append(out)
+            for stream, outs in pending.values():
+                self._deliver(stream, outs)
+            if stop:
+                return
             now = time.monotonic()
             if now >= next_cancel_check:
                 next_cancel_check = now + CANCEL_CHECK_S
@@ -159,9 +171,11 @@ class TritonPythonModel:
                 next_stats = now + STATS_PERIOD_S
                 self._update_metrics()
 
-    def _deliver(self, stream: _Stream, out: RequestOutput) -> None:
+    def _deliver(self, stream: _Stream, outs: list[RequestOutput]) -> None:
+        """Send what ``outs`` (one request's outputs, oldest first) add, in one response."""
         if stream.done:
             return
+        out = outs[-1]
         final = out.finished
         if not stream.has_token and (out.token_ids or final):
             stream.has_token = True
@@ -186,7 +200,8 @@ class TritonPythonModel:
                 "aborted: the model is shutting down", pb.TritonError.UNAVAILABLE)), final=True)
         if not (final or stream.parsed.stream):
             return
-        tensors = response_tensors(out, stream.parsed, stream.prompt_text, self.block_size)
+        delta = ([t for o in outs for t in o.delta_token_ids], "".join(o.delta_text for o in outs))
+        tensors = response_tensors(out, stream.parsed, stream.prompt_text, self.block_size, delta)
         response = pb.InferenceResponse(output_tensors=[pb.Tensor(name, arr) for name, arr in tensors.items()])
         self._try_send(stream, response, final)
 

@@ -208,13 +208,15 @@ def _ns(t: float | None) -> int:
     return 0 if t is None else int(t * 1e9)
 
 
-def response_tensors(out: RequestOutput, req: ParsedRequest, prompt_text: str, block_size: int) -> dict[str, np.ndarray]:
-    """Output arrays for one response: the new part when streaming, else the whole output (with the prompt in
-    front unless excluded); the sequence-level outputs only on the last response. ``prompt_text`` is the
-    prompt as text (the text sent, or the decode of input_ids)."""
+def response_tensors(out: RequestOutput, req: ParsedRequest, prompt_text: str, block_size: int,
+                     delta: tuple[list[int], str] | None = None) -> dict[str, np.ndarray]:
+    """Output arrays for one response: the new part when streaming (``delta``: token ids and text since the
+    last response, default ``out``'s own delta), else the whole output (with the prompt in front unless
+    excluded); the sequence-level outputs only on the last response. ``prompt_text`` is the prompt as text
+    (the text sent, or the decode of input_ids)."""
     final = out.finished
     if req.stream:
-        ids, text = out.delta_token_ids, out.delta_text
+        ids, text = delta if delta is not None else (out.delta_token_ids, out.delta_text)
     elif req.exclude_input_in_output:
         ids, text = out.token_ids, out.text
     else:
@@ -226,7 +228,7 @@ def response_tensors(out: RequestOutput, req: ParsedRequest, prompt_text: str, b
     }
     if req.return_log_probs:
         lps = [next(iter(d.values())) for d in (out.logprobs or [])]
-        sent = lps[len(lps) - len(out.delta_token_ids):] if req.stream else lps
+        sent = lps[len(lps) - len(ids):] if req.stream else lps
         tensors["cum_log_probs"] = np.array([[sum(lps)]], dtype=np.float32)
         tensors["output_log_probs"] = np.array(sent, dtype=np.float32).reshape(1, 1, -1)
     if final:
