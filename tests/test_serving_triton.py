@@ -12,6 +12,7 @@ import json
 import math
 import os
 import queue
+import re
 import shutil
 import signal
 import socket
@@ -30,6 +31,7 @@ from click.testing import CliRunner
 
 from kiln.runtime import LLM, SamplingParams
 from kiln.runtime.cli import main
+from kiln.serving.triton.repository import OptionError, runtime_options
 from runtime_support import get_engine
 
 if find_spec("pytriton") is None or find_spec("tritonclient") is None:
@@ -259,6 +261,7 @@ def server(engine, tmp_path_factory):
     yield served
     code, _ = served.stop()
     assert code == 0, served.output()[-3000:]
+    assert not served.processes() and not served.shm_files()
 
 
 def greedy(llm: LLM, prompt, max_tokens: int, **kw):
@@ -305,6 +308,23 @@ def test_triton_repo_refuses_bad_options_before_writing(engine, tmp_path):
         assert f'name: "{name}"\n    data_type: {dtype}\n    dims: {dims}' in config, name
     res = runner.invoke(main, ["triton-repo", str(engine.directory), "-o", str(out), "--model-name", "ensemble"])
     assert res.exit_code != 0 and "exists" in res.output
+
+
+def test_runtime_options_from_config_parameters(engine):
+    """The model reads its options back from config.pbtxt parameters: a hand-edited value is checked too."""
+    build = engine.build
+    options = runtime_options({"max_batch_size": "4", "kv_cache_memory_fraction": "", "enable_prefix_reuse": "false",
+                               "capacity_policy": "max_utilization", "max_queue_size": "3", "engine_dir": "/x"})
+    options.validate(build)
+    assert options.llm_kwargs() == dict(max_batch_size=4, max_num_tokens=None, max_kv_cache_tokens=None,
+                                        capacity_policy="max_utilization", enable_prefix_reuse=False)
+    assert options.max_queue_size == 3
+    for params, expected in [({"max_batch_size": "four"}, "max_batch_size='four': allowed values are an integer"),
+                             ({"enable_prefix_reuse": "maybe"}, "enable_prefix_reuse='maybe'"),
+                             ({"kv_cache_memory_fraction": "0"}, "kv_cache_memory_fraction=0.0: allowed values are in (0, 1]"),
+                             ({"max_num_tokens": "100000"}, "max_num_tokens=100000: allowed values are 1..")]:
+        with pytest.raises(OptionError, match=re.escape(expected)):
+            runtime_options(params).validate(build)
 
 
 # ---- the decoupled server -----------------------------------------------------------------------------

@@ -232,7 +232,8 @@ class TritonServer:
         self.remove_shm()
         return code
 
-    def leftover_processes(self) -> list[int]:
+    def processes(self) -> list[int]:
+        """The server and its backend stubs (its session), while any is alive."""
         return _session_pids(self.process.pid) if self.process is not None else []
 
     def shm_files(self) -> list[Path]:

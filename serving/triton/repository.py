@@ -80,20 +80,21 @@ def runtime_options(parameters: dict[str, str]) -> RuntimeOptions:
         raw = parameters.get(f.name, "").strip()
         if not raw:
             continue
-        kind = f.type if isinstance(f.type, str) else f.type.__name__
+        kind = str(f.type)   # a string: this module has `from __future__ import annotations`
         try:
-            if "bool" in kind:
+            if kind.startswith("bool"):
                 if raw.lower() not in ("true", "false", "1", "0"):
                     raise ValueError
                 kwargs[f.name] = raw.lower() in ("true", "1")
-            elif "int" in kind:
+            elif kind.startswith("int"):
                 kwargs[f.name] = int(raw)
-            elif "float" in kind:
+            elif kind.startswith("float"):
                 kwargs[f.name] = float(raw)
             else:
                 kwargs[f.name] = raw
         except ValueError:
-            raise OptionError(f.name, raw, f"a {kind.replace(' | None', '')}") from None
+            allowed = {"bool": "true or false", "int": "an integer", "float": "a number"}[kind.split(" ")[0]]
+            raise OptionError(f.name, raw, allowed) from None
     return RuntimeOptions(**kwargs)
 
 
