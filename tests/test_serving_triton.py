@@ -346,7 +346,10 @@ def test_http_generate_matches_llm(server, llm):
     status, body = post(f"{server.http}/v2/models/kiln/generate",
                         {"input_ids": ids + [7, 8, 9], "input_lengths": len(ids), "max_tokens": 12,
                          "exclude_input_in_output": True})
-    assert body["output_ids"] == greedy(llm, ids, 12).token_ids
+    ref = greedy(llm, ids, 12)
+    assert body["output_ids"] == ref.token_ids
+    status, body = post(f"{server.http}/v2/models/kiln/generate", {"input_ids": ids, "max_tokens": 12})
+    assert body["output_ids"] == ids + ref.token_ids and body["text_output"] == llm.decode(ids) + ref.text
     # seeded sampling is reproducible and equals the in-process result; log-probs come along
     sampled = dict(temperature=0.75, top_k=40, top_p=0.875, seed=1234)   # exact in float32
     ref = llm.generate([PROMPTS[1]], SamplingParams(max_tokens=16, logprobs=0, **sampled))[0]

@@ -89,25 +89,27 @@ class TritonPythonModel:
     # ---- requests (Triton's thread) -------------------------------------------------------------------
     def execute(self, requests: list) -> None:
         for request in requests:
+            sender = request.get_response_sender()
             try:
-                self._admit(request)
+                self._admit(request, sender)
             except Exception as exc:  # a bug of ours: answer this request, keep serving the others
                 pb.Logger.log_error(f"kiln: request failed: {traceback.format_exc()}")
-                self._refuse(request.get_response_sender(), f"internal error: {type(exc).__name__}: {exc}",
-                             pb.TritonError.INTERNAL)
+                try:
+                    self._refuse(sender, f"internal error: {type(exc).__name__}: {exc}", pb.TritonError.INTERNAL)
+                except Exception:  # it was answered before the failure
+                    pass
         return None
 
-    def _admit(self, request) -> None:
-        sender = request.get_response_sender()
+    def _admit(self, request, sender) -> None:
         try:
             arrays = {t.name(): t.as_numpy() for t in request.inputs()}
             parsed = parse_request(arrays, self.limits, lambda text: self.llm.encode(text)[0], self.decoupled)
         except (BadRequest, InvalidRequestError) as exc:
             self.metrics.rejected("rejected")
             return self._refuse(sender, str(exc), pb.TritonError.INVALID_ARG)
-        prompt_text = parsed.prompt_text
-        if prompt_text is None and not (parsed.stream or parsed.exclude_input_in_output):
-            prompt_text = self.llm.decode(parsed.prompt_token_ids, skip_special_tokens=False)
+        prompt_text = parsed.prompt_text   # what a non-streaming text_output starts with, unless excluded
+        if prompt_text is None and self.llm.tokenizer is not None and not (parsed.stream or parsed.exclude_input_in_output):
+            prompt_text = self.llm.decode(parsed.prompt_token_ids)
         stream = _Stream(request, sender, parsed, prompt_text or "")
         with self._lock:
             if self.max_queue_size and self._waiting_first >= self.max_queue_size:
