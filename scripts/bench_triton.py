@@ -18,7 +18,6 @@ backend stub for Triton, per generated token) is the measure least disturbed by 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import queue
 import random
@@ -31,6 +30,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+
 from bench_common import BENCH, engine_is_current, ensure_checkpoint, log
 
 
@@ -213,23 +213,24 @@ def main() -> int:
     args = ap.parse_args()
     torch.set_num_threads(min(2, os.cpu_count() or 1))
 
+    from kiln.runtime import Engine, ExecutorConfig
     from kiln.serving.triton.launcher import Ports, TritonServer
-    from kiln.serving.triton.repository import RepoOptions, RuntimeOptions, render_repository
+    from kiln.serving.triton.repository import RepoOptions, render_repository
 
     engine_dir = ensure_engine(args.size, args.dtype, args.max_batch_size)
-    vocab = json.loads((engine_dir / "config.json").read_text())["model"]["vocab_size"]
+    vocab = Engine.read_config(engine_dir).model.vocab_size
     workload = make_workload(args.requests, args.rate, args.seed, vocab, args.prompt_len, args.output_len)
     options = dict(max_batch_size=args.max_batch_size, max_kv_cache_tokens=args.max_kv_cache_tokens)
     log(f"workload: {len(workload)} requests, Poisson {args.rate} req/s, prompts {args.prompt_len}, outputs "
         f"{args.output_len} ({sum(r['max_tokens'] for r in workload)} tokens), engine {engine_dir.name}")
 
-    from kiln.runtime import LLM, SamplingParams
+    from kiln.runtime import LLM
 
     names = ("in-process LLM", "Triton gRPC streaming")
     results: dict[str, list[dict]] = {name: [] for name in names}
     tokens: dict[str, dict] = {}
     with tempfile.TemporaryDirectory(prefix="kiln-bench-triton-") as tmp:
-        render_repository(engine_dir, Path(tmp) / "repository", RepoOptions(runtime=RuntimeOptions(**options)))
+        render_repository(engine_dir, Path(tmp) / "repository", RepoOptions(runtime=ExecutorConfig(**options)))
         log("starting tritonserver and the in-process LLM (both stay up; runs alternate) ...")
         server = TritonServer(Path(tmp) / "repository", Path(tmp), Ports(free_port(), free_port(), free_port()))
         server.start()
@@ -261,7 +262,8 @@ def main() -> int:
     print(f"{len(workload)} requests, Poisson {args.rate} req/s, prompts {args.prompt_len[0]}-{args.prompt_len[1]}, "
           f"outputs {args.output_len[0]}-{args.output_len[1]}, {args.size} {args.dtype}, kiln max_batch_size "
           f"{args.max_batch_size}, {args.runs} alternating runs (median of runs); tokens identical: {same}")
-    print(f"{'':24} {'TTFT p50':>9} {'TTFT p95':>9} {'TPOT p50':>9} {'TPOT p95':>9} {'out tok/s':>10} {'CPU/token':>10}")
+    print(f"{'':24} {'TTFT p50':>9} {'TTFT p95':>9} {'TPOT p50':>9} {'TPOT p95':>9} {'out tok/s':>10} "
+          f"{'CPU/token':>10}")
     med = {}
     for name, runs in results.items():
         med[name] = {k: float(np.median([r[k] for r in runs])) for k in runs[0]}
@@ -272,7 +274,8 @@ def main() -> int:
     ratios = [t["tpot_p50"] / i["tpot_p50"] for i, t in zip(*results.values())]
     print(f"Triton / in-process: TPOT p50 x{float(np.median(ratios)):.3f} (median of the runs' ratios "
           f"{', '.join(f'{r:.3f}' for r in ratios)}; target <= 1.05), TTFT p50 x{b['ttft_p50'] / a['ttft_p50']:.3f}, "
-          f"throughput x{b['tok_per_s'] / a['tok_per_s']:.3f}, CPU per token x{b['cpu_ms_per_token'] / a['cpu_ms_per_token']:.3f} "
+          f"throughput x{b['tok_per_s'] / a['tok_per_s']:.3f}, "
+          f"CPU per token x{b['cpu_ms_per_token'] / a['cpu_ms_per_token']:.3f} "
           "(server + stub + client vs this process)")
     print(f"machine load (1-min average) at the end: {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs "
           "(shared: compare within one run)")

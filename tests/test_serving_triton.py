@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import queue
 import re
 import shutil
 import signal
@@ -29,9 +28,10 @@ import numpy as np
 import pytest
 from click.testing import CliRunner
 
-from kiln.runtime import LLM, SamplingParams
+from kiln.runtime import LLM, ConfigError, ExecutorConfig, SamplingParams
 from kiln.runtime.cli import main
-from kiln.serving.triton.repository import OptionError, runtime_options
+from kiln.serving.triton.repository import RepoOptions, check_runtime, parameters, read_parameters
+
 from runtime_support import get_engine
 
 if find_spec("pytriton") is None or find_spec("tritonclient") is None:
@@ -275,7 +275,7 @@ def test_triton_repo_refuses_bad_options_before_writing(engine, tmp_path):
     cases = {
         ("--instances", "0"): "--instances",
         ("--max-batch-size", "99"): "1..16",
-        ("--max-num-tokens", "0"): "--max-num-tokens",
+        ("--max-num-tokens", "0"): "max_num_tokens must be >= 1",
         ("--kv-cache-memory-fraction", "1.5"): "(0, 1]",
         ("--max-kv-cache-tokens", "3"): "one KV block",
         ("--max-queue-size", "-1"): "--max-queue-size",
@@ -298,7 +298,8 @@ def test_triton_repo_refuses_bad_options_before_writing(engine, tmp_path):
     assert 'key: "max_batch_size"\n  value: { string_value: "4" }' in config
     assert 'key: "engine_dir"\n  value: { string_value: "engine" }' in config
     assert (out / "ensemble" / "1" / "engine" / "rank0.engine").is_file()
-    assert "from kiln.serving.triton.model import TritonPythonModel" in (out / "ensemble" / "1" / "model.py").read_text()
+    model_py = (out / "ensemble" / "1" / "model.py").read_text()
+    assert "from kiln.serving.triton.model import TritonPythonModel" in model_py
     # TensorRT-LLM's names and types for the tensors its clients send and read
     for name, dtype, dims in [("text_input", "TYPE_STRING", "[ 1 ]"), ("input_ids", "TYPE_INT32", "[ -1 ]"),
                               ("max_tokens", "TYPE_INT32", "[ 1 ]"), ("stream", "TYPE_BOOL", "[ 1 ]"),
@@ -312,19 +313,25 @@ def test_triton_repo_refuses_bad_options_before_writing(engine, tmp_path):
 
 def test_runtime_options_from_config_parameters(engine):
     """The model reads its options back from config.pbtxt parameters: a hand-edited value is checked too."""
-    build = engine.build
-    options = runtime_options({"max_batch_size": "4", "kv_cache_memory_fraction": "", "enable_prefix_reuse": "false",
-                               "capacity_policy": "max_utilization", "max_queue_size": "3", "engine_dir": "/x"})
-    options.validate(build)
-    assert options.llm_kwargs() == dict(max_batch_size=4, max_num_tokens=None, max_kv_cache_tokens=None,
-                                        capacity_policy="max_utilization", enable_prefix_reuse=False)
-    assert options.max_queue_size == 3
-    for params, expected in [({"max_batch_size": "four"}, "max_batch_size='four': allowed values are an integer"),
-                             ({"enable_prefix_reuse": "maybe"}, "enable_prefix_reuse='maybe'"),
-                             ({"kv_cache_memory_fraction": "0"}, "kv_cache_memory_fraction=0.0: allowed values are in (0, 1]"),
-                             ({"max_num_tokens": "100000"}, "max_num_tokens=100000: allowed values are 1..")]:
-        with pytest.raises(OptionError, match=re.escape(expected)):
-            runtime_options(params).validate(build)
+    bounds = engine.config.bounds
+    written = parameters(RepoOptions(max_queue_size=3, runtime=ExecutorConfig(
+        max_batch_size=4, kv_cache_memory_fraction=None, max_kv_cache_tokens=512, capacity_policy="max_utilization",
+        enable_prefix_reuse=False)), "/x")
+    assert written["kv_cache_memory_fraction"] == "" and written["enable_prefix_reuse"] == "false"
+    config, max_queue_size = read_parameters(written)
+    assert (config.max_batch_size, config.kv_cache_memory_fraction, config.max_kv_cache_tokens, config.capacity_policy,
+            config.enable_prefix_reuse, max_queue_size) == (4, None, 512, "max_utilization", False, 3)
+    assert read_parameters({})[0] == ExecutorConfig()
+    for params, expected in [
+        ({"max_batch_size": "four"}, "max_batch_size='four': allowed values are an integer"),
+        ({"enable_prefix_reuse": "maybe"}, "enable_prefix_reuse='maybe': allowed values are true or false"),
+        ({"max_queue_size": "-1"}, "max_queue_size=-1: allowed values are >= 0"),
+        ({"kv_cache_memory_fraction": "0"}, "kv_cache_memory_fraction=0.0: allowed values are in (0, 1]"),
+        ({"max_num_tokens": "100000"}, "max_num_tokens=100000: allowed values are 1.."),
+        ({"capacity_policy": "fifo"}, "capacity_policy must be one of"),
+    ]:
+        with pytest.raises(ConfigError, match=re.escape(expected)):
+            check_runtime(*read_parameters(params), bounds)
 
 
 # ---- the decoupled server -----------------------------------------------------------------------------
@@ -427,8 +434,9 @@ def test_cancelled_stream_frees_its_kv_blocks(server, llm):
     def aborted():
         return metric(metrics(server), "kiln_requests_total", outcome="aborted")
 
-    idle = wait_for(lambda: (m := metrics(server)) and metric(m, "nv_trt_llm_request_metrics", request_type="active") == 0
-                    and m, what="an idle server")
+    idle = wait_for(lambda: (m := metrics(server))
+                    and metric(m, "nv_trt_llm_request_metrics", request_type="active") == 0 and m,
+                    what="an idle server")
     assert metric(idle, "nv_trt_llm_kv_cache_block_metrics", kv_cache_block_type="used") == 0
     finished_before = metric(idle, "kiln_requests_total", outcome="finished")
     aborted_before = aborted()
@@ -448,13 +456,14 @@ def test_cancelled_stream_frees_its_kv_blocks(server, llm):
     # kiln refreshes its KV gauges at the end of a step (an abort alone does not run one: issue 10, item 9),
     # so one more request runs a step; the snapshot that counts it shows the blocks in use back at idle
     post(f"{server.http}/v2/models/kiln/generate", {"text_input": "x", "max_tokens": 1})
-    wait_for(lambda: (m := metrics(server)) and metric(m, "kiln_requests_total", outcome="finished") == finished_before + 1
+    wait_for(lambda: (m := metrics(server))
+             and metric(m, "kiln_requests_total", outcome="finished") == finished_before + 1
              and metric(m, "nv_trt_llm_kv_cache_block_metrics", kv_cache_block_type="used") == 0,
              what="the KV blocks in use to return to 0")
 
 
 def test_bad_requests_get_named_errors_while_good_streams_run(server, llm, engine):
-    vocab = int(engine.model["vocab_size"])
+    vocab = engine.config.model.vocab_size
     good = {f"g{i}": (PROMPTS[i], 150 + 10 * i) for i in range(4)}
     refs = {rid: greedy(llm, p, n, ignore_eos=True) for rid, (p, n) in good.items()}
     bad = {   # request -> what the error must say
@@ -514,8 +523,9 @@ def test_bad_requests_get_named_errors_while_good_streams_run(server, llm, engin
 # ---- a non-decoupled server named "ensemble", with a small admission queue -----------------------------
 @pytest.fixture(scope="module")
 def ensemble_server(engine, tmp_path_factory):
-    served = start_server(engine.directory, tmp_path_factory.mktemp("triton-ensemble"), "--max-kv-cache-tokens", "8192",
-                          "--no-decoupled", "--model-name", "ensemble", "--max-queue-size", "2", "--max-batch-size", "2")
+    served = start_server(engine.directory, tmp_path_factory.mktemp("triton-ensemble"),
+                          "--max-kv-cache-tokens", "8192", "--no-decoupled", "--model-name", "ensemble",
+                          "--max-queue-size", "2", "--max-batch-size", "2")
     yield served
     served.stop()
 
@@ -531,7 +541,8 @@ def test_non_decoupled_infer_and_generate(ensemble_server, llm):
     result = client.infer("ensemble", inputs)
     assert result.as_numpy("output_ids").reshape(-1).tolist() == ref.token_ids
     assert result.as_numpy("text_output")[0, 0].decode() == ref.text
-    status, body = post(f"{ensemble_server.http}/v2/models/ensemble/generate", {"text_input": PROMPTS[0], "max_tokens": 10})
+    url = f"{ensemble_server.http}/v2/models/ensemble/generate"
+    status, body = post(url, {"text_input": PROMPTS[0], "max_tokens": 10})
     assert status == 200 and body["output_ids"] == ref.prompt_token_ids + ref.token_ids
     status, body = post(f"{ensemble_server.http}/v2/models/ensemble/generate",
                         {"text_input": PROMPTS[0], "max_tokens": 10, "stream": True})

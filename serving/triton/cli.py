@@ -13,32 +13,30 @@ from pathlib import Path
 
 import click
 
-from kiln.runtime import EngineLoadError
-from kiln.runtime.scheduler import CAPACITY_POLICIES
-from kiln.serving.triton.repository import OptionError, RepoOptions, RuntimeOptions, render_repository
+from kiln.clikit import dataclass_options, given
+from kiln.contract import ConfigError, EngineLoadError
+from kiln.runtime import ExecutorConfig
+from kiln.serving.triton.repository import OptionError, RepoOptions, render_repository
+
+_EXECUTOR_EXCLUDE = ("metrics_window",)
 
 
 def repository_options(fn):
-    """The options both commands render a repository with (names as in kiln's ExecutorConfig)."""
+    """The options both commands render a repository with: the model's, and ExecutorConfig's (kiln.clikit)."""
     options = [
         click.option("--model-name", default="kiln", show_default=True,
                      help="Triton model name; 'ensemble' makes a drop-in for clients of TensorRT-LLM's backend."),
         click.option("--instances", type=int, default=1, show_default=True,
                      help="Model instances (instance_group count): each is a process with its own LLM and KV pool."),
         click.option("--decoupled/--no-decoupled", default=True, show_default=True,
-                     help="Decoupled: streaming (gRPC stream, /generate_stream). Not: one response per request (/infer)."),
+                     help="Decoupled: streaming (gRPC stream, /generate_stream). Not: one response per request "
+                          "(/infer)."),
         click.option("--max-queue-size", type=int, default=0, show_default=True,
-                     help="Refuse new requests ('overloaded') while this many wait for their first token; 0: no limit."),
-        click.option("--max-batch-size", type=int, default=None, help="Sequences per step (default: the engine's)."),
-        click.option("--max-num-tokens", type=int, default=None, help="Tokens per step (default: the engine's)."),
-        click.option("--kv-cache-memory-fraction", type=float, default=None,
-                     help="Share of the memory left after loading the engine for the KV pool (kiln's default 0.9)."),
-        click.option("--max-kv-cache-tokens", type=int, default=None, help="Cap on the KV pool in tokens."),
-        click.option("--capacity-policy", type=click.Choice(CAPACITY_POLICIES), default="guaranteed_no_evict",
-                     show_default=True),
-        click.option("--enable-prefix-reuse/--disable-prefix-reuse", default=True, show_default=True),
+                     help="Refuse new requests ('overloaded') while this many wait for their first token; 0: no "
+                          "limit."),
         click.option("--copy-engine", is_flag=True,
                      help="Copy the engine into the repository (a self-contained folder to mount in a container)."),
+        dataclass_options(ExecutorConfig, exclude=_EXECUTOR_EXCLUDE),
     ]
     for option in reversed(options):
         fn = option(fn)
@@ -46,13 +44,12 @@ def repository_options(fn):
 
 
 def _repo_options(kw: dict) -> RepoOptions:
-    runtime = RuntimeOptions(
-        max_batch_size=kw.pop("max_batch_size"), max_num_tokens=kw.pop("max_num_tokens"),
-        kv_cache_memory_fraction=kw.pop("kv_cache_memory_fraction"), max_kv_cache_tokens=kw.pop("max_kv_cache_tokens"),
-        capacity_policy=kw.pop("capacity_policy"), enable_prefix_reuse=kw.pop("enable_prefix_reuse"),
-        max_queue_size=kw.pop("max_queue_size"))
+    try:
+        runtime = ExecutorConfig(**given(ExecutorConfig, kw, exclude=_EXECUTOR_EXCLUDE))
+    except ConfigError as exc:
+        raise click.UsageError(str(exc)) from None
     return RepoOptions(model_name=kw.pop("model_name"), instances=kw.pop("instances"), decoupled=kw.pop("decoupled"),
-                       copy_engine=kw.pop("copy_engine"), runtime=runtime)
+                       copy_engine=kw.pop("copy_engine"), max_queue_size=kw.pop("max_queue_size"), runtime=runtime)
 
 
 def _render(engine_dir: Path, output: Path, options: RepoOptions) -> Path:
@@ -80,7 +77,8 @@ def triton_repo(engine_dir: Path, output: Path, **kw) -> None:
 @click.argument("engine_dir", type=click.Path(path_type=Path))
 @click.option("--frontend", type=click.Choice(["triton"]), default="triton", show_default=True,
               help="triton: NVIDIA Triton Inference Server (the tritonserver of the kiln-llm[triton] extra).")
-@click.option("--host", default="127.0.0.1", show_default=True, help="Address the HTTP, gRPC and metrics ports listen on.")
+@click.option("--host", default="127.0.0.1", show_default=True,
+              help="Address the HTTP, gRPC and metrics ports listen on.")
 @click.option("--http-port", type=int, default=8000, show_default=True)
 @click.option("--grpc-port", type=int, default=8001, show_default=True)
 @click.option("--metrics-port", type=int, default=8002, show_default=True)
@@ -130,8 +128,9 @@ def serve(engine_dir: Path, frontend: str, host: str, http_port: int, grpc_port:
                     click.echo(f"  {line}", err=True)
                 sys.exit(1)
             urls = server.urls
+            mode = "streaming" if options.decoupled else "one response per request"
             click.echo(f"kiln: Triton is ready: HTTP {urls['http']}  gRPC {urls['grpc']}  metrics {urls['metrics']}  "
-                       f"(model {options.model_name!r}, {'streaming' if options.decoupled else 'one response per request'})")
+                       f"(model {options.model_name!r}, {mode})")
             server.wait()
             code = server.stop()
         finally:

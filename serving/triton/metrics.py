@@ -53,13 +53,16 @@ class TritonMetrics:
         self.kv = family("nv_trt_llm_kv_cache_block_metrics", "TRT LLM KV cache block metrics (kiln)", gauge,
                          "kv_cache_block_type", ("max", "free", "used", "tokens_per", "fraction"))
         self.batcher = family("nv_trt_llm_inflight_batcher_metrics", "TRT LLM inflight_batcher-specific metrics (kiln)",
-                              gauge, "inflight_batcher_specific_metric", ("total_context_tokens", "generation_requests"))
+                              gauge, "inflight_batcher_specific_metric",
+                              ("total_context_tokens", "generation_requests"))
         self.general = family("nv_trt_llm_general_metrics", "General TRT LLM metrics (kiln)", gauge, "general_type",
                               ("iteration_counter", "timestamp"))
         self.input_len = family("nv_llm_input_token_len", "Prompt tokens per request", histogram,
-                                "response_metric_type", ("total_input_tokens",), TOKEN_LEN_BUCKETS)["total_input_tokens"]
+                                "response_metric_type", ("total_input_tokens",),
+                                TOKEN_LEN_BUCKETS)["total_input_tokens"]
         self.output_len = family("nv_llm_output_token_len", "Generated tokens per request", histogram,
-                                 "response_metric_type", ("total_output_tokens",), TOKEN_LEN_BUCKETS)["total_output_tokens"]
+                                 "response_metric_type", ("total_output_tokens",),
+                                 TOKEN_LEN_BUCKETS)["total_output_tokens"]
         self.latency = {
             "ttft": family("kiln_time_to_first_token_seconds", "Time from arrival to the first token",
                            histogram, buckets=LATENCY_BUCKETS),

@@ -29,11 +29,10 @@ from pathlib import Path
 
 import triton_python_backend_utils as pb
 
-from kiln.runtime import LLM, Engine, InvalidRequestError, RequestOutput
-from kiln.runtime.errors import ExecutorClosedError
+from kiln.runtime import LLM, ConfigError, Engine, ExecutorClosedError, InvalidRequestError, RequestOutput
 from kiln.serving.triton.metrics import TritonMetrics
 from kiln.serving.triton.protocol import BadRequest, EngineLimits, ParsedRequest, parse_request, response_tensors
-from kiln.serving.triton.repository import OptionError, runtime_options
+from kiln.serving.triton.repository import check_runtime, read_parameters
 
 CANCEL_CHECK_S = 0.1
 STATS_PERIOD_S = 1.0
@@ -58,24 +57,19 @@ class TritonPythonModel:
     def initialize(self, args: dict) -> None:
         config = json.loads(args["model_config"])
         params = {k: v["string_value"] for k, v in config.get("parameters", {}).items()}
-        try:
-            options = runtime_options(params)
-        except OptionError as exc:
-            raise pb.TritonModelException(f"config.pbtxt: {exc}") from None
         engine_dir = Path(params.get("engine_dir", ""))
         if not engine_dir.is_absolute():   # a copied engine (triton-repo --copy-engine) sits next to model.py
             engine_dir = Path(args["model_repository"]) / args["model_version"] / engine_dir
-        build = Engine.read_config(engine_dir)["build"]
+        bounds = Engine.read_config(engine_dir).bounds
         try:
-            options.validate(build)
-        except OptionError as exc:
+            runtime, self.max_queue_size = read_parameters(params)
+            check_runtime(runtime, self.max_queue_size, bounds)
+        except ConfigError as exc:
             raise pb.TritonModelException(f"config.pbtxt: {exc}") from None
         self.decoupled = pb.using_decoupled_model_transaction_policy(config)
-        self.max_queue_size = options.max_queue_size
-        self.llm = LLM(engine_dir, **options.llm_kwargs())
-        model = self.llm.engine.model
-        self.limits = EngineLimits(int(model["vocab_size"]), int(build["max_input_len"]), int(build["max_seq_len"]))
-        self.block_size = int(build["tokens_per_block"])
+        self.llm = LLM(engine_dir, config=runtime)
+        self.limits = EngineLimits(self.llm.engine.config.model.vocab_size, bounds.max_input_len, bounds.max_seq_len)
+        self.block_size = bounds.tokens_per_block
         self.metrics = TritonMetrics(pb, args["model_name"], args["model_version"], args.get("model_instance_name", ""))
         self._lock = threading.Lock()
         self._live: dict[int, _Stream] = {}      # id(stream) -> stream, for cancellation checks and gauges
@@ -83,8 +77,8 @@ class TritonPythonModel:
         self._outbox: queue.SimpleQueue = queue.SimpleQueue()
         self._sender = threading.Thread(target=self._send_loop, name="kiln-triton-sender", daemon=True)
         self._sender.start()
-        pb.Logger.log_info(f"kiln: serving {engine_dir} ({'decoupled' if self.decoupled else 'one response per request'}); "
-                           f"{self.llm.stats()['kv_cache']['plan']}")
+        mode = "decoupled" if self.decoupled else "one response per request"
+        pb.Logger.log_info(f"kiln: serving {engine_dir} ({mode}); {self.llm.stats()['kv_cache']['plan']}")
 
     # ---- requests (Triton's thread) -------------------------------------------------------------------
     def execute(self, requests: list) -> None:
@@ -108,7 +102,8 @@ class TritonPythonModel:
             self.metrics.rejected("rejected")
             return self._refuse(sender, str(exc), pb.TritonError.INVALID_ARG)
         prompt_text = parsed.prompt_text   # what a non-streaming text_output starts with, unless excluded
-        if prompt_text is None and self.llm.tokenizer is not None and not (parsed.stream or parsed.exclude_input_in_output):
+        echo_prompt = not (parsed.stream or parsed.exclude_input_in_output)
+        if prompt_text is None and echo_prompt and self.llm.tokenizer is not None:
             prompt_text = self.llm.decode(parsed.prompt_token_ids)
         stream = _Stream(request, sender, parsed, prompt_text or "")
         with self._lock:

@@ -141,8 +141,9 @@ def parse_request(arrays: Mapping[str, np.ndarray], limits: EngineLimits,
     if max_tokens < 1:
         raise BadRequest(f"max_tokens must be >= 1, got {max_tokens}")
     if len(ids) + max_tokens > limits.max_seq_len:
+        room = max(limits.max_seq_len - len(ids), 0)
         raise BadRequest(f"max_tokens: prompt ({len(ids)} tokens) + max_tokens ({max_tokens}) exceeds the engine's "
-                         f"max_seq_len {limits.max_seq_len}; send max_tokens <= {max(limits.max_seq_len - len(ids), 0)}")
+                         f"max_seq_len {limits.max_seq_len}; send max_tokens <= {room}")
     min_tokens = x.scalar("min_tokens", 0)
     if not 0 <= min_tokens <= max_tokens:
         raise BadRequest(f"min_tokens must be in [0, max_tokens={max_tokens}], got {min_tokens}")
@@ -156,7 +157,8 @@ def parse_request(arrays: Mapping[str, np.ndarray], limits: EngineLimits,
         if x.scalar(name, False):
             raise BadRequest(f"{name} is not supported by kiln; send false or leave it out")
     if any(x.strings("bad_words")):
-        raise BadRequest("bad_words is not supported by kiln (it does not mask word sequences); leave it out or send \"\"")
+        raise BadRequest("bad_words is not supported by kiln (it does not mask word sequences); "
+                         "leave it out or send \"\"")
     for name in ("pad_id", "return_perf_metrics", "return_num_input_tokens", "return_num_output_tokens"):
         x.scalar(name)  # accepted; checked for shape and type only
 
