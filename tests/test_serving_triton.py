@@ -431,15 +431,18 @@ def test_grpc_16_concurrent_streams_batch_in_flight(server, llm):
 
 
 def test_cancelled_stream_frees_its_kv_blocks(server, llm):
-    def aborted():
-        return metric(metrics(server), "kiln_requests_total", outcome="aborted")
+    def aborted(m=None):
+        return metric(m or metrics(server), "kiln_requests_total", outcome="aborted")
+
+    def steps_and_used(m):
+        return (metric(m, "nv_trt_llm_general_metrics", general_type="iteration_counter"),
+                metric(m, "nv_trt_llm_kv_cache_block_metrics", kv_cache_block_type="used"))
 
     idle = wait_for(lambda: (m := metrics(server))
                     and metric(m, "nv_trt_llm_request_metrics", request_type="active") == 0 and m,
                     what="an idle server")
-    assert metric(idle, "nv_trt_llm_kv_cache_block_metrics", kv_cache_block_type="used") == 0
-    finished_before = metric(idle, "kiln_requests_total", outcome="finished")
-    aborted_before = aborted()
+    assert steps_and_used(idle)[1] == 0
+    aborted_before = aborted(idle)
     client = StreamClient(server.grpc)
     client.send("long", request(PROMPTS[0], 900, stream=tensor(True, np.bool_), end_id=tensor(-1, np.int32)))
     wait_for(lambda: len(client.results["long"]) >= 5, what="the first tokens")
@@ -452,14 +455,18 @@ def test_cancelled_stream_frees_its_kv_blocks(server, llm):
     with urllib.request.urlopen(req, timeout=60) as r:
         for _ in range(10):
             r.readline()
-    wait_for(lambda: aborted() == aborted_before + 2, what="kiln to abort the disconnected request")
-    # kiln refreshes its KV gauges at the end of a step (an abort alone does not run one: issue 10, item 9),
-    # so one more request runs a step; the snapshot that counts it shows the blocks in use back at idle
+    after_aborts = wait_for(lambda: (m := metrics(server)) and aborted(m) == aborted_before + 2 and m,
+                            what="kiln to abort the disconnected request")
+    # kiln refreshes its KV gauges at the end of a step (an abort alone does not run one: issue 10, item 9), so
+    # one more request runs a step; a snapshot with more steps than the one that counted the aborts is fresh
+    steps, _ = steps_and_used(after_aborts)
     post(f"{server.http}/v2/models/kiln/generate", {"text_input": "x", "max_tokens": 1})
-    wait_for(lambda: (m := metrics(server))
-             and metric(m, "kiln_requests_total", outcome="finished") == finished_before + 1
-             and metric(m, "nv_trt_llm_kv_cache_block_metrics", kv_cache_block_type="used") == 0,
-             what="the KV blocks in use to return to 0")
+    seen = []
+    try:
+        wait_for(lambda: (seen.append(steps_and_used(metrics(server))) or seen[-1][0] > steps and seen[-1][1] == 0),
+                 timeout=30, what="the KV blocks in use to return to 0")
+    except AssertionError as exc:
+        raise AssertionError(f"{exc}; (steps, used blocks) after {steps} steps: {seen[-3:]}") from None
 
 
 def test_bad_requests_get_named_errors_while_good_streams_run(server, llm, engine):
