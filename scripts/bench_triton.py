@@ -1,11 +1,12 @@
 """Triton serving overhead (not a test): one workload served in-process (kiln's ``LLM``) and through Triton
 Inference Server (gRPC streaming to the tritonserver of the ``kiln-llm[triton]`` extra), one after the other in
-one run, TTFT/TPOT p50/p95 side by side.
+one run, TTFT/TPOT p50/p95 (and e2e p50) side by side.
 
-    .venv/bin/python scripts/bench_triton.py [--size small] [--requests 32] [--rate 2] [--runs 2]
+    .venv/bin/python scripts/bench_triton.py [--size small] [--requests 32] [--rate 2] [--runs 4]
 
 Both sides are timed the same way, from the client's point of view: TTFT = first token received - request
-sent, TPOT = (last token - first token) / (tokens - 1). In-process, the client is the ``submit`` callback;
+sent, TPOT = (last token - first token) / (tokens - 1) (so a first token that arrives late makes TPOT look
+smaller: read it with TTFT and e2e = last token - request sent). In-process, the client is the ``submit`` callback;
 through Triton, it is the gRPC stream callback in this process (the model runs in Triton's backend stub, a
 separate process, with the same runtime options). Greedy, ``ignore_eos`` (end_id -1): every request generates
 exactly its output length, and both sides must produce the same tokens. Arrivals: Poisson at --rate, the
@@ -90,7 +91,7 @@ class Timeline:
         for rid, times in self.token_times.items():
             n = len(times)
             out.append(dict(ttft=times[0] - self.sent[rid], tpot=(times[-1] - times[0]) / (n - 1) if n > 1 else None,
-                            end=times[-1], tokens=n))
+                            e2e=times[-1] - self.sent[rid], end=times[-1], tokens=n))
         return out
 
 
@@ -181,6 +182,15 @@ class TritonClient:
         self.client.close()
 
 
+def run_triton(url: str, workload: list[dict]) -> tuple[Timeline, float]:
+    """The workload over a gRPC stream opened for this run only (no client threads during in-process runs)."""
+    client = TritonClient(url)
+    try:
+        return client.run(workload)
+    finally:
+        client.close()
+
+
 def pct(xs, q):
     xs = sorted(x for x in xs if x is not None)
     pos = (len(xs) - 1) * q / 100
@@ -194,6 +204,7 @@ def summarize(timeline: Timeline, t0: float, cpu: float) -> dict:
     tokens = sum(r["tokens"] for r in rows)
     return dict(ttft_p50=pct([r["ttft"] for r in rows], 50), ttft_p95=pct([r["ttft"] for r in rows], 95),
                 tpot_p50=pct([r["tpot"] for r in rows], 50), tpot_p95=pct([r["tpot"] for r in rows], 95),
+                e2e_p50=pct([r["e2e"] for r in rows], 50),
                 tok_per_s=tokens / span, cpu_ms_per_token=cpu / tokens * 1e3, span=span)
 
 
@@ -208,7 +219,7 @@ def main() -> int:
     ap.add_argument("--output-len", type=int, nargs=2, default=[64, 192], metavar=("MIN", "MAX"))
     ap.add_argument("--max-batch-size", type=int, default=16)
     ap.add_argument("--max-kv-cache-tokens", type=int, default=16384)
-    ap.add_argument("--runs", type=int, default=2, help="alternating in-process / Triton runs of the workload")
+    ap.add_argument("--runs", type=int, default=4, help="pairs of in-process / Triton runs, order alternating")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()
     torch.set_num_threads(min(2, os.cpu_count() or 1))
@@ -234,25 +245,25 @@ def main() -> int:
         log("starting tritonserver and the in-process LLM (both stay up; runs alternate) ...")
         server = TritonServer(Path(tmp) / "repository", Path(tmp), Ports(free_port(), free_port(), free_port()))
         server.start()
-        llm = client = None
+        llm = None
         try:
             server.wait_ready(600)
             llm = LLM(engine_dir, **options)
-            client = TritonClient(server.urls["grpc"])
             warm = make_workload(2, 100.0, args.seed + 1, vocab, (64, 64), (4, 4))
             run_in_process(llm, warm)
-            client.run(warm)
+            run_triton(server.urls["grpc"], warm)
             for run in range(args.runs):
                 for name in (names if run % 2 == 0 else names[::-1]):
                     log(f"run {run + 1}/{args.runs}: {name} ...")
                     pids = [os.getpid()] + ([] if name == names[0] else server.processes())
                     cpu0 = cpu_seconds(pids)
-                    timeline, t0 = run_in_process(llm, workload) if name == names[0] else client.run(workload)
+                    if name == names[0]:
+                        timeline, t0 = run_in_process(llm, workload)
+                    else:
+                        timeline, t0 = run_triton(server.urls["grpc"], workload)
                     results[name].append(summarize(timeline, t0, cpu_seconds(pids) - cpu0))
                     tokens[name] = timeline.tokens
         finally:
-            if client is not None:
-                client.close()
             if llm is not None:
                 llm.shutdown()
             server.stop()
@@ -262,14 +273,15 @@ def main() -> int:
     print(f"{len(workload)} requests, Poisson {args.rate} req/s, prompts {args.prompt_len[0]}-{args.prompt_len[1]}, "
           f"outputs {args.output_len[0]}-{args.output_len[1]}, {args.size} {args.dtype}, kiln max_batch_size "
           f"{args.max_batch_size}, {args.runs} alternating runs (median of runs); tokens identical: {same}")
-    print(f"{'':24} {'TTFT p50':>9} {'TTFT p95':>9} {'TPOT p50':>9} {'TPOT p95':>9} {'out tok/s':>10} "
-          f"{'CPU/token':>10}")
+    print(f"{'':24} {'TTFT p50':>9} {'TTFT p95':>9} {'TPOT p50':>9} {'TPOT p95':>9} {'e2e p50':>9} "
+          f"{'out tok/s':>10} {'CPU/token':>10}")
     med = {}
     for name, runs in results.items():
         med[name] = {k: float(np.median([r[k] for r in runs])) for k in runs[0]}
         m = med[name]
         print(f"{name:24} {m['ttft_p50'] * 1e3:7.1f}ms {m['ttft_p95'] * 1e3:7.1f}ms {m['tpot_p50'] * 1e3:7.2f}ms "
-              f"{m['tpot_p95'] * 1e3:7.2f}ms {m['tok_per_s']:10.1f} {m['cpu_ms_per_token']:8.2f}ms")
+              f"{m['tpot_p95'] * 1e3:7.2f}ms {m['e2e_p50']:8.2f}s {m['tok_per_s']:10.1f} "
+              f"{m['cpu_ms_per_token']:8.2f}ms")
     a, b = med["in-process LLM"], med["Triton gRPC streaming"]
     ratios = [t["tpot_p50"] / i["tpot_p50"] for i, t in zip(*results.values())]
     print(f"Triton / in-process: TPOT p50 x{float(np.median(ratios)):.3f} (median of the runs' ratios "

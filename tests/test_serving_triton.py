@@ -367,6 +367,10 @@ def test_http_generate_matches_llm(server, llm):
     ref_lps = [next(iter(d.values())) for d in ref.logprobs]
     assert np.allclose(body["output_log_probs"], ref_lps, atol=1e-4)
     assert math.isclose(body["cum_log_probs"], sum(ref_lps), abs_tol=1e-3)
+    # the largest UINT64 seed is a valid seed, not a crash of the step loop
+    status, body = post(f"{server.http}/v2/models/kiln/generate", {"text_input": PROMPTS[1], "max_tokens": 4,
+                                                                    "top_k": 5, "seed": 2**64 - 1, "priority": 3})
+    assert status == 200 and (body["num_output_tokens"] == 4 or body["finish_reason"] == "stop"), body
     # stop_words end the text before them; end_id replaces EOS
     text = greedy(llm, PROMPTS[2], 30, ignore_eos=True).text
     stop = text[len(text) // 2:len(text) // 2 + 2]

@@ -27,6 +27,7 @@ import traceback
 from dataclasses import dataclass
 from pathlib import Path
 
+import torch
 import triton_python_backend_utils as pb
 
 from kiln.runtime import LLM, ConfigError, Engine, ExecutorClosedError, InvalidRequestError, RequestOutput
@@ -78,7 +79,8 @@ class TritonPythonModel:
         self._sender = threading.Thread(target=self._send_loop, name="kiln-triton-sender", daemon=True)
         self._sender.start()
         mode = "decoupled" if self.decoupled else "one response per request"
-        pb.Logger.log_info(f"kiln: serving {engine_dir} ({mode}); {self.llm.stats()['kv_cache']['plan']}")
+        pb.Logger.log_info(f"kiln: serving {engine_dir} ({mode}, {torch.get_num_threads()} torch threads); "
+                           f"{self.llm.stats()['kv_cache']['plan']}")
 
     # ---- requests (Triton's thread) -------------------------------------------------------------------
     def execute(self, requests: list) -> None:
