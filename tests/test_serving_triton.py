@@ -172,6 +172,7 @@ class Served:
                "--http-port", str(self.ports["http"]), "--grpc-port", str(self.ports["grpc"]),
                "--metrics-port", str(self.ports["metrics"]), "--work-dir", str(workdir / "work"), *args]
         self.log = open(self.log_path, "w")
+        self.stopped: tuple[int | None, float] | None = None
         self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
         self.http = f"http://127.0.0.1:{self.ports['http']}"
         self.grpc = f"127.0.0.1:{self.ports['grpc']}"
@@ -214,7 +215,10 @@ class Served:
         return sorted(SHM.glob(f"triton_python_backend_shm_region_kiln{self.proc.pid}_*"))
 
     def stop(self, timeout: float = 30) -> tuple[int | None, float]:
-        """SIGTERM to `kiln serve`; returns its exit code and the seconds it took. Kills anything left."""
+        """SIGTERM to `kiln serve`; returns its exit code and the seconds it took (those of the first call when
+        called again). Kills anything left."""
+        if self.stopped is not None:
+            return self.stopped
         t0 = time.monotonic()
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)
@@ -231,7 +235,8 @@ class Served:
             except ProcessLookupError:
                 pass
         self.log.close()
-        return code, elapsed
+        self.stopped = (code, elapsed)
+        return self.stopped
 
 
 def start_server(engine_dir: Path, workdir: Path, *args: str) -> Served:
@@ -531,14 +536,16 @@ def test_bad_requests_get_named_errors_while_good_streams_run(server, llm, engin
              == model_level + 1, what="the rejections to be counted")
 
 
-# ---- a non-decoupled server named "ensemble", with a small admission queue -----------------------------
+# ---- a non-decoupled server named "ensemble", two instances, each with a small admission queue ----------
 @pytest.fixture(scope="module")
 def ensemble_server(engine, tmp_path_factory):
     served = start_server(engine.directory, tmp_path_factory.mktemp("triton-ensemble"),
                           "--max-kv-cache-tokens", "8192", "--no-decoupled", "--model-name", "ensemble",
-                          "--max-queue-size", "2", "--max-batch-size", "2")
+                          "--instances", "2", "--max-queue-size", "2", "--max-batch-size", "2")
     yield served
-    served.stop()
+    code, _ = served.stop()
+    assert code == 0, served.output()[-3000:]
+    assert not served.processes() and not served.shm_files()
 
 
 def test_non_decoupled_infer_and_generate(ensemble_server, llm):
@@ -571,7 +578,7 @@ def test_overloaded_requests_are_refused_at_once(ensemble_server, llm):
                             {"text_input": prompt, "max_tokens": 300, "end_id": -1, "exclude_input_in_output": True})
         results.append((prompt, status, body, time.monotonic() - t0))
 
-    threads = [threading.Thread(target=one, args=(i,)) for i in range(12)]
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(16)]   # > 2 instances x (2 running + 2)
     for t in threads:
         t.start()
     for t in threads:
@@ -588,14 +595,10 @@ def test_overloaded_requests_are_refused_at_once(ensemble_server, llm):
     assert ensemble_server.ready()
     wait_for(lambda: metric(metrics(ensemble_server), "kiln_requests_total", outcome="overloaded") == len(refused),
              what="the overload counter")
-    assert metric(metrics(ensemble_server), "nv_trt_llm_request_metrics", request_type="max") == 2
-
-
-def test_sigterm_stops_everything(ensemble_server):
-    assert ensemble_server.processes() and ensemble_server.shm_files()
-    code, seconds = ensemble_server.stop()
-    assert code == 0 and seconds < 10, (code, seconds, ensemble_server.output()[-3000:])
-    assert not ensemble_server.processes() and not ensemble_server.shm_files()
+    after = metrics(ensemble_server)
+    for instance in ("ensemble_0_0", "ensemble_0_1"):   # each instance is its own kiln LLM
+        assert metric(after, "nv_trt_llm_request_metrics", request_type="max", instance=instance) == 2
+        assert metric(after, "kiln_requests_total", outcome="finished", instance=instance) > 0
 
 
 def test_serve_reports_a_model_that_fails_to_load(engine, tmp_path):
@@ -611,3 +614,12 @@ def test_serve_reports_a_model_that_fails_to_load(engine, tmp_path):
     assert code == 1, out[-3000:]
     assert "rank0.engine" in out and "missing" in out and "the server said" in out
     assert not served.processes() and not served.shm_files()
+
+
+def test_sigterm_stops_everything(server):
+    """Last: it stops the session's server (one instance, requests just served) and checks what is left."""
+    post(f"{server.http}/v2/models/kiln/generate", {"text_input": PROMPTS[0], "max_tokens": 8})
+    assert server.processes() and server.shm_files()
+    code, seconds = server.stop()
+    assert code == 0 and seconds < 10, (code, seconds, server.output()[-3000:])
+    assert not server.processes() and not server.shm_files()

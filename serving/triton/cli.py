@@ -19,6 +19,9 @@ from kiln.runtime import ExecutorConfig
 from kiln.serving.triton.repository import OptionError, RepoOptions, render_repository
 
 _EXECUTOR_EXCLUDE = ("metrics_window",)
+# Triton has one exit timeout for requests in flight and for unloading; unloading one instance took 2.5-3.5 s
+# here (Triton's 1 s poll, finalize, then the backend stub's interpreter teardown with torch loaded)
+UNLOAD_S_PER_INSTANCE = 5
 
 
 def repository_options(fn):
@@ -88,7 +91,8 @@ def triton_repo(engine_dir: Path, output: Path, **kw) -> None:
 @click.option("--startup-timeout", type=float, default=600.0, show_default=True,
               help="Seconds to wait for the model to load (a first run may compile kiln's kernels).")
 @click.option("--shutdown-timeout", type=int, default=5, show_default=True,
-              help="On SIGTERM/SIGINT, seconds requests in flight get to finish before they are aborted.")
+              help="On SIGTERM/SIGINT, seconds requests in flight get to finish before they are aborted; "
+                   f"unloading the model gets {UNLOAD_S_PER_INSTANCE} s per instance more.")
 @click.option("--quiet", is_flag=True, help="Do not relay the server's log (errors are still printed).")
 def serve(engine_dir: Path, frontend: str, host: str, http_port: int, grpc_port: int, metrics_port: int,
           work_dir: Path | None, startup_timeout: float, shutdown_timeout: int, quiet: bool, **kw) -> None:
@@ -103,7 +107,7 @@ def serve(engine_dir: Path, frontend: str, host: str, http_port: int, grpc_port:
             shutil.rmtree(repository / options.model_name, ignore_errors=True)
         _render(engine_dir, repository, options)
         server = TritonServer(repository, workdir, Ports(http_port, grpc_port, metrics_port), host=host,
-                              exit_timeout_s=shutdown_timeout,
+                              exit_timeout_s=shutdown_timeout + UNLOAD_S_PER_INSTANCE * options.instances,
                               log=None if quiet else functools.partial(click.echo, err=True))
         received = []
 
