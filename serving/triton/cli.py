@@ -1,5 +1,5 @@
 """``kiln triton-repo`` (render a Triton model repository) and ``kiln serve --frontend triton`` (render one and run
-the bundled tritonserver on it)."""
+the bundled tritonserver on it; serving/cli.py dispatches to :func:`serve`)."""
 
 from __future__ import annotations
 
@@ -78,8 +78,6 @@ def triton_repo(engine_dir: Path, output: Path, **kw) -> None:
 
 @click.command("serve")
 @click.argument("engine_dir", type=click.Path(path_type=Path))
-@click.option("--frontend", type=click.Choice(["triton"]), default="triton", show_default=True,
-              help="triton: NVIDIA Triton Inference Server (the tritonserver of the kiln-llm[triton] extra).")
 @click.option("--host", default="127.0.0.1", show_default=True,
               help="Address the HTTP, gRPC and metrics ports listen on.")
 @click.option("--http-port", type=int, default=8000, show_default=True)
@@ -94,9 +92,10 @@ def triton_repo(engine_dir: Path, output: Path, **kw) -> None:
               help="On SIGTERM/SIGINT, seconds requests in flight get to finish before they are aborted; "
                    f"unloading the model gets {UNLOAD_S_PER_INSTANCE} s per instance more.")
 @click.option("--quiet", is_flag=True, help="Do not relay the server's log (errors are still printed).")
-def serve(engine_dir: Path, frontend: str, host: str, http_port: int, grpc_port: int, metrics_port: int,
+def serve(engine_dir: Path, host: str, http_port: int, grpc_port: int, metrics_port: int,
           work_dir: Path | None, startup_timeout: float, shutdown_timeout: int, quiet: bool, **kw) -> None:
-    """Serve ENGINE_DIR: render a Triton model repository and run tritonserver on it until SIGINT/SIGTERM."""
+    """Serve ENGINE_DIR with NVIDIA Triton Inference Server (`kiln serve --frontend triton`): render a model
+    repository and run the tritonserver of the kiln-llm[triton] extra on it until SIGINT/SIGTERM."""
     from kiln.serving.triton.launcher import LauncherError, Ports, TritonServer
 
     options = _repo_options(kw)

@@ -1,8 +1,9 @@
 """kiln's metrics on Triton's metrics endpoint (``:8002/metrics``), through the Python backend's custom metrics API.
 
 Named like TensorRT-LLM's Triton backend where an equivalent exists (same family names and label keys, so its
-dashboards work), ``kiln_*`` otherwise. Every metric carries ``model`` and ``version`` (as TensorRT-LLM's) and
-``instance`` (each model instance is its own kiln LLM).
+dashboards work), otherwise like ``kiln serve``'s OpenAI frontend (serving/metrics.py: the same ``kiln_*`` names
+for the same numbers). Every metric carries ``model`` and ``version`` (as TensorRT-LLM's) and ``instance`` (each
+model instance is its own kiln LLM).
 
 - ``nv_trt_llm_request_metrics`` (gauge, ``request_type``): active (this instance's requests in flight), max
   (kiln max_batch_size), scheduled (running in the last step), context (running, no token yet), waiting.
@@ -16,9 +17,10 @@ dashboards work), ``kiln_*`` otherwise. Every metric carries ``model`` and ``ver
   the bundled server, 2.51, has histograms).
 - ``kiln_step_batch_size`` (gauge, ``quantile`` 0.5/0.9/0.99 and ``mean``): a summary of sequences per step over
   kiln's recent-step window, as gauges (the runtime keeps the samples; there is no per-step hook).
-- ``kiln_requests_total`` (counter, ``outcome``: finished, aborted, rejected, overloaded), ``kiln_prompt_tokens_total``,
-  ``kiln_generation_tokens_total``, ``kiln_preemptions_total``; ``kiln_prefix_cache_hit_rate``,
-  ``kiln_prefix_cache_blocks`` (gauges).
+- counters ``kiln_requests_finished_total`` (``finish_reason``: stop, length, abort, error),
+  ``kiln_requests_refused_total`` (``reason``: invalid, overloaded: refused by this model before kiln),
+  ``kiln_prompt_tokens_total``, ``kiln_generation_tokens_total``, ``kiln_preemptions_total``; gauges
+  ``kiln_prefix_cache_hit_rate``, ``kiln_kv_cache_blocks_cached``, ``kiln_healthy`` (0 once the step loop failed).
 
 Gauges and counters are refreshed from ``LLM.stats()`` about once a second.
 """
@@ -28,7 +30,7 @@ from __future__ import annotations
 import time
 
 from kiln.runtime import RequestOutput
-from kiln.runtime.metrics import LATENCY_BUCKETS
+from kiln.runtime.metrics import LATENCY_BUCKETS, OUTCOMES
 
 TOKEN_LEN_BUCKETS = [10, 50, 100, 500, 1000]   # TensorRT-LLM's build_1_2_5_buckets(1000)
 
@@ -75,8 +77,10 @@ class TritonMetrics:
         }
         self.batch_size = family("kiln_step_batch_size", "Sequences per step over kiln's recent steps (summary)",
                                  gauge, "quantile", ("0.5", "0.9", "0.99", "mean"))
-        self.requests = family("kiln_requests_total", "Requests by outcome", counter, "outcome",
-                               ("finished", "aborted", "rejected", "overloaded"))
+        self.finished_by = family("kiln_requests_finished_total", "Requests that ended, by finish reason", counter,
+                                  "finish_reason", OUTCOMES)
+        self.refused_by = family("kiln_requests_refused_total", "Requests this model refused before kiln", counter,
+                              "reason", ("invalid", "overloaded"))
         self.tokens = {
             "prompt_tokens": family("kiln_prompt_tokens_total", "Prompt tokens submitted", counter),
             "generation_tokens": family("kiln_generation_tokens_total", "Tokens generated", counter),
@@ -84,13 +88,14 @@ class TritonMetrics:
         }
         self.prefix_hit_rate = family("kiln_prefix_cache_hit_rate", "Share of prefix lookups that found cached blocks",
                                       gauge)
-        self.prefix_blocks = family("kiln_prefix_cache_blocks", "KV blocks holding reusable prefixes", gauge)
-        self._last = {"steps": 0, "prefill_tokens_computed": 0, "requests_finished": 0, "requests_aborted": 0,
-                      "prompt_tokens": 0, "generation_tokens": 0, "preemptions": 0}
+        self.cached_blocks = family("kiln_kv_cache_blocks_cached", "KV blocks holding a reusable prefix", gauge)
+        self.healthy = family("kiln_healthy", "1 while the step loop serves, 0 once it failed", gauge)
+        self._last = {"steps": 0, "prefill_tokens_computed": 0, "prompt_tokens": 0, "generation_tokens": 0,
+                      "preemptions": 0, **{f"outcome_{o}": 0 for o in OUTCOMES}}
 
-    def rejected(self, outcome: str) -> None:
-        """A request refused by the model ("rejected": invalid, "overloaded": over max_queue_size)."""
-        self.requests[outcome].increment(1)
+    def refused(self, reason: str) -> None:
+        """A request this model refused ("invalid", or "overloaded": over max_queue_size)."""
+        self.refused_by[reason].increment(1)
 
     def finished(self, out: RequestOutput) -> None:
         """Histograms of one finished request."""
@@ -102,7 +107,7 @@ class TritonMetrics:
             if value is not None:
                 metric.observe(value)
 
-    def update(self, stats: dict, active: int, generating: int) -> None:
+    def update(self, stats: dict, active: int, generating: int, healthy: bool) -> None:
         """Refresh gauges and counters from ``LLM.stats()``; ``active``/``generating``: this instance's requests
         in flight / those that already have a token."""
         c, g, cfg = stats["counters"], stats["gauges"], stats["config"]
@@ -128,24 +133,25 @@ class TritonMetrics:
         for q, key in (("0.5", "p50"), ("0.9", "p90"), ("0.99", "p99"), ("mean", "mean")):
             if batch[key] is not None:
                 self.batch_size[q].set(batch[key])
-        for outcome in ("finished", "aborted"):
-            self._count(self.requests[outcome], c, f"requests_{outcome}")
+        for outcome, metric in self.finished_by.items():
+            self._count(metric, stats["outcomes"][outcome], f"outcome_{outcome}")
         for name, metric in self.tokens.items():
-            self._count(metric, c, name)
+            self._count(metric, c[name], name)
         self.prefix_hit_rate.set(g["prefix_hit_rate"])
-        self.prefix_blocks.set(g["kv_blocks_cached"])
+        self.cached_blocks.set(g["kv_blocks_cached"])
+        self.healthy.set(1 if healthy else 0)
         self._last["steps"] = c["steps"]
         self._last["prefill_tokens_computed"] = c["prefill_tokens_computed"]
 
-    def _count(self, metric, counters: dict, name: str) -> None:
-        delta = counters[name] - self._last[name]
-        if delta > 0:
-            metric.increment(delta)
-        self._last[name] = counters[name]
+    def _count(self, metric, total: float, key: str) -> None:
+        """Advance a Triton counter to the runtime's running total."""
+        if total > self._last[key]:
+            metric.increment(total - self._last[key])
+        self._last[key] = total
 
     def close(self) -> None:
         """Drop the metrics before their families (the backend requires that order)."""
         for attr in ("request", "kv", "batcher", "general", "input_len", "output_len", "latency", "batch_size",
-                     "requests", "tokens", "prefix_hit_rate", "prefix_blocks"):
+                     "finished_by", "refused_by", "tokens", "prefix_hit_rate", "cached_blocks", "healthy"):
             setattr(self, attr, None)
         self.families.clear()

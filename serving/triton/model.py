@@ -101,7 +101,7 @@ class TritonPythonModel:
             arrays = {t.name(): t.as_numpy() for t in request.inputs()}
             parsed = parse_request(arrays, self.limits, lambda text: self.llm.encode(text)[0], self.decoupled)
         except (BadRequest, InvalidRequestError) as exc:
-            self.metrics.rejected("rejected")
+            self.metrics.refused("invalid")
             return self._refuse(sender, str(exc), pb.TritonError.INVALID_ARG)
         prompt_text = parsed.prompt_text   # what a non-streaming text_output starts with, unless excluded
         echo_prompt = not (parsed.stream or parsed.exclude_input_in_output)
@@ -116,7 +116,7 @@ class TritonPythonModel:
                 self._waiting_first += 1
                 self._live[id(stream)] = stream
         if overloaded:
-            self.metrics.rejected("overloaded")
+            self.metrics.refused("overloaded")
             return self._refuse(sender, f"overloaded: {self.max_queue_size} requests already wait for their first "
                                         "token (max_queue_size); retry later", pb.TritonError.UNAVAILABLE)
         try:
@@ -127,7 +127,7 @@ class TritonPythonModel:
                 self._waiting_first -= 1
                 del self._live[id(stream)]
             if isinstance(exc, InvalidRequestError):
-                self.metrics.rejected("rejected")
+                self.metrics.refused("invalid")
                 return self._refuse(sender, f"invalid request: {exc}", pb.TritonError.INVALID_ARG)
             return self._refuse(sender, f"kiln is not serving: {exc}", pb.TritonError.UNAVAILABLE)
 
@@ -224,7 +224,7 @@ class TritonPythonModel:
         with self._lock:
             active = len(self._live)
             generating = sum(s.has_token for s in self._live.values())
-        self.metrics.update(self.llm.stats(), active, generating)
+        self.metrics.update(self.llm.stats(), active, generating, healthy=self.llm.executor.failure is None)
 
     # ---- shutdown -------------------------------------------------------------------------------------
     def finalize(self) -> None:
