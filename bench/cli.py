@@ -2,6 +2,7 @@
 
     kiln bench --engine DIR --trace trace.csv --length-scale 0.05 --rates 0.5,1,2 --slo-ttft-p95 2s --output out/
     kiln bench --endpoint http://localhost:8000 --api openai --engine DIR --sweep auto --output out/
+    kiln bench --endpoint 127.0.0.1:8001 --api triton --engine DIR --rate 2 --output out/  # serve --frontend triton
     kiln bench --dry-run --rates 10,50 --num-requests 500 --output out/    # the client against a zero-latency stub
     kiln bench compare out-a/result.json out-b/result.json
 """
@@ -104,12 +105,16 @@ def _vocab_and_specials(engine_dir: Path | None, tokenizer: Path | None,
 @click.group(invoke_without_command=True, context_settings={"help_option_names": ["-h", "--help"]})
 @click.option("--engine", "engine_dir", type=click.Path(path_type=Path, exists=True, file_okay=False),
               help="Engine directory: the in-process target, or (with --endpoint) the served engine's facts.")
-@click.option("--endpoint", help="Base URL of an OpenAI-compatible server (e.g. http://127.0.0.1:8000).")
-@click.option("--api", type=click.Choice(["openai"]), default="openai", show_default=True,
-              help="Protocol of --endpoint: streaming /v1/completions.")
-@click.option("--model", help="Model name sent to the endpoint (default: the first of /v1/models).")
+@click.option("--endpoint", help="Base URL of an OpenAI-compatible server (e.g. http://127.0.0.1:8000), or with "
+                                 "--api triton Triton's gRPC address (e.g. 127.0.0.1:8001).")
+@click.option("--api", type=click.Choice(["openai", "triton"]), default="openai", show_default=True,
+              help="Protocol of --endpoint: openai = streaming /v1/completions; triton = gRPC streaming to kiln's "
+                   "Triton model (kiln serve --frontend triton; needs the kiln-llm[triton] extra).")
+@click.option("--model", help="Model name sent to the endpoint (default: openai: the first of /v1/models; "
+                              "triton: kiln).")
 @click.option("--api-key", envvar="KILN_API_KEY", help="Sent as 'Authorization: Bearer KEY' to --endpoint.")
-@click.option("--metrics-url", help="Prometheus metrics of the target (default: ENDPOINT/metrics; 'none' to skip).")
+@click.option("--metrics-url", help="Prometheus metrics of the target (default: openai: ENDPOINT/metrics, triton: "
+                                    "none; 'none' to skip).")
 @click.option("--no-force-lengths", is_flag=True, help="Do not send ignore_eos/min_tokens (servers that reject them).")
 @click.option("--dry-run", is_flag=True, help="Target a zero-latency stub server: measures the client itself.")
 @click.option("--trace", type=click.Path(path_type=Path, dir_okay=False),
@@ -265,6 +270,16 @@ def bench(ctx, engine_dir, endpoint, api, model, api_key, metrics_url, no_force_
 
         with running_stub() as url:
             runs = asyncio.run(main(_OpenAI(url, model=None, request_timeout=request_timeout)))
+    elif endpoint and api == "triton":
+        from kiln.bench.targets import TritonTarget
+
+        mu = None if metrics_url in (None, "none") else metrics_url
+        try:
+            target = TritonTarget(endpoint, model=model, metrics_url=mu, request_timeout=request_timeout,
+                                  force_lengths=not no_force_lengths)
+        except ConnectionError as exc:
+            raise click.ClickException(str(exc)) from None
+        runs = asyncio.run(main(target))
     elif endpoint:
         mu = None if metrics_url == "none" else (metrics_url or "auto")
         runs = asyncio.run(main(_OpenAI(endpoint, model=model, metrics_url=mu, api_key=api_key,

@@ -1,4 +1,5 @@
-"""What a benchmark sends requests to: an in-process ``LLM`` or an OpenAI-compatible HTTP endpoint.
+"""What a benchmark sends requests to: an in-process ``LLM``, an OpenAI-compatible HTTP endpoint, or a kiln model
+behind NVIDIA Triton Inference Server (gRPC streaming).
 
 Both are measured from the client side: a request's clock starts when the client sends it, its first
 token is the first streamed output that carries text or tokens, its last token the last such output.
@@ -280,6 +281,119 @@ class OpenAITarget:
         self._metrics_client.close()
 
 
+class TritonTarget:
+    """A kiln model served by NVIDIA Triton Inference Server (``kiln serve --frontend triton``, or a repository from
+    ``kiln triton-repo``): gRPC streaming (tritonclient's asyncio client), one bidirectional stream per request,
+    with TensorRT-LLM's tensor names as kiln's model takes them (serving/triton/tensors.py): ``input_ids``,
+    ``max_tokens``, ``stream``, and ``end_id`` -1 with ``min_tokens`` to force lengths. The last response is the
+    one with ``finish_reason``; an ``overloaded`` error (the model's max_queue_size) counts as rejected.
+    Server metrics come from Triton's metrics port (``--metrics-url``), summed over model instances."""
+
+    kind = "triton"
+
+    def __init__(self, url: str, *, model: str | None = None, metrics_url: str | None = None,
+                 request_timeout: float | None = None, force_lengths: bool = True):
+        try:
+            import tritonclient.grpc.aio as grpcclient
+        except ImportError:
+            raise ConnectionError("--api triton needs tritonclient: pip install 'kiln-llm[triton]'") from None
+        self.url = url.split("://", 1)[-1].rstrip("/")
+        self.model = model or "kiln"
+        self.metrics_url = metrics_url
+        self.request_timeout = request_timeout
+        self.force_lengths = force_lengths
+        self._grpc = grpcclient
+        self.client = None   # made in the event loop that sends (grpc.aio binds to the loop it starts in)
+        self._metrics_client = None
+
+    def describe(self) -> dict:
+        return {"kind": self.kind, "endpoint": self.url, "model": self.model, "metrics_url": self.metrics_url,
+                "protocol": "gRPC stream_infer, one stream per request",
+                "lengths_forced_with": "end_id -1 + min_tokens" if self.force_lengths else "max_tokens only"}
+
+    def metrics(self) -> dict[str, float]:
+        if not self.metrics_url:
+            return {}
+        import httpx
+
+        if self._metrics_client is None:
+            self._metrics_client = httpx.Client(timeout=5.0)
+        try:
+            r = self._metrics_client.get(self.metrics_url)
+        except Exception:  # noqa: BLE001 - measured from the client only
+            return {}
+        return triton_metrics(parse_prometheus(r.text)) if r.status_code == 200 else {}
+
+    def steps(self) -> list:
+        return []
+
+    def _inputs(self, prompt: list[int], n: int) -> list:
+        import numpy as np
+
+        arrays = {"input_ids": np.array([prompt], np.int32), "max_tokens": np.array([[n]], np.int32),
+                  "stream": np.array([[True]])}
+        if self.force_lengths:
+            arrays.update(end_id=np.array([[-1]], np.int32), min_tokens=np.array([[n]], np.int32))
+        inputs = []
+        for name, arr in arrays.items():
+            x = self._grpc.InferInput(name, list(arr.shape), "BOOL" if arr.dtype == bool else "INT32")
+            x.set_data_from_numpy(arr)
+            inputs.append(x)
+        return inputs
+
+    async def send(self, rec: RequestRecord, prompt: list[int]) -> None:
+        finished = asyncio.Event()
+        request = {"model_name": self.model, "inputs": self._inputs(prompt, rec.output_len),
+                   "request_id": str(rec.index)}
+
+        async def requests():
+            yield request
+            await finished.wait()   # keep the stream open until the last response
+
+        if self.client is None:
+            self.client = self._grpc.InferenceServerClient(self.url)
+        rec.sent = time.perf_counter()
+        responses = self.client.stream_infer(requests(), stream_timeout=self.request_timeout)
+        try:
+            async for result, error in responses:
+                t = time.perf_counter()
+                if error is not None:
+                    message = error.message() if hasattr(error, "message") else str(error)
+                    rec.done, rec.error = t, message[:300]
+                    rec.outcome = REJECTED if "overloaded" in message else FAILED
+                    rec.error_kind = "overloaded" if rec.outcome == REJECTED else "triton_error"
+                    return
+                ids = result.as_numpy("output_ids")
+                n = 0 if ids is None else ids.size
+                if n:
+                    rec.first_token = t if rec.first_token is None else rec.first_token
+                    rec.last_token = t
+                    rec.token_times.append(t)
+                    rec.output_tokens += n
+                reason = result.as_numpy("finish_reason")
+                if reason is not None:
+                    rec.done, rec.finish_reason = t, reason.reshape(-1)[0].decode()
+                    if rec.finish_reason == "abort":
+                        rec.outcome, rec.error_kind = ABORTED, "server_abort"
+                    else:
+                        rec.outcome = COMPLETED
+                    return
+            rec.done, rec.outcome, rec.error_kind = time.perf_counter(), FAILED, "truncated_stream"
+            rec.error = "the stream ended without a finish_reason"
+        except asyncio.CancelledError:
+            responses.cancel()
+            rec.done, rec.outcome, rec.error_kind = time.perf_counter(), ABORTED, "client_timeout"
+            raise
+        finally:
+            finished.set()
+
+    async def close(self) -> None:
+        if self.client is not None:
+            await self.client.close()
+        if self._metrics_client is not None:
+            self._metrics_client.close()
+
+
 def parse_prometheus(text: str | None) -> dict[str, float]:
     """Flat {sample name (with labels): value} of a Prometheus exposition; {} for None."""
     if not text:
@@ -326,6 +440,35 @@ def canonical_metrics(samples: dict[str, float]) -> dict:
                        queue_buckets=histogram_buckets(samples, h))
             break
     return out
+
+
+def triton_metrics(samples: dict[str, float]) -> dict:
+    """Canonical numbers from kiln's Triton model metrics (serving/triton/metrics.py), summed over instances."""
+    def total(name: str, **labels) -> float | None:
+        hits = [v for k, v in samples.items() if k.split("{")[0] == name
+                and all(f'{lk}="{lv}"' in k for lk, lv in labels.items())]
+        return sum(hits) if hits else None
+
+    out = {"running": total("nv_trt_llm_request_metrics", request_type="scheduled"),
+           "waiting": total("nv_trt_llm_request_metrics", request_type="waiting"),
+           "kv_blocks_used": total("nv_trt_llm_kv_cache_block_metrics", kv_cache_block_type="used"),
+           "kv_blocks_total": total("nv_trt_llm_kv_cache_block_metrics", kv_cache_block_type="max"),
+           "preemptions": total("kiln_preemptions_total"),
+           "steps": total("nv_trt_llm_general_metrics", general_type="iteration_counter"),
+           "generation_tokens": total("kiln_generation_tokens_total")}
+    if out["kv_blocks_used"] is not None and out["kv_blocks_total"]:
+        out["kv_usage"] = out["kv_blocks_used"] / out["kv_blocks_total"]
+    queue = "kiln_request_queue_time_seconds"
+    count = total(f"{queue}_count")
+    if count is not None:
+        buckets: dict[float, float] = {}
+        for k, v in samples.items():
+            if k.startswith(f"{queue}_bucket{{"):
+                le = k.split('le="', 1)[1].split('"', 1)[0]
+                key = math.inf if le in ("+Inf", "Inf") else float(le)
+                buckets[key] = buckets.get(key, 0.0) + v
+        out.update(queue_sum=total(f"{queue}_sum") or 0.0, queue_count=count, queue_buckets=sorted(buckets.items()))
+    return {k: v for k, v in out.items() if v is not None}
 
 
 def histogram_buckets(samples: dict[str, float], name: str) -> list[tuple[float, float]]:
