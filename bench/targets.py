@@ -287,7 +287,8 @@ class TritonTarget:
     with TensorRT-LLM's tensor names as kiln's model takes them (serving/triton/tensors.py): ``input_ids``,
     ``max_tokens``, ``stream``, and ``end_id`` -1 with ``min_tokens`` to force lengths. The last response is the
     one with ``finish_reason``; an ``overloaded`` error (the model's max_queue_size) counts as rejected.
-    Server metrics come from Triton's metrics port (``--metrics-url``), summed over model instances."""
+    Server metrics come from Triton's metrics port (``--metrics-url``), summed over model instances; the model
+    refreshes its gauges and counters about once a second, so a short run's deltas can miss its last second."""
 
     kind = "triton"
 

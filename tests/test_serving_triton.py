@@ -612,6 +612,21 @@ def test_serve_reports_a_model_that_fails_to_load(engine, tmp_path):
     assert not served.processes() and not served.shm_files()
 
 
+def test_kiln_bench_triton_target(server, engine, tmp_path):
+    """kiln bench --api triton drives the session's server: every request completes with its forced length, and
+    the server's numbers come from Triton's metrics port."""
+    res = CliRunner().invoke(main, [
+        "bench", "--endpoint", server.grpc, "--api", "triton", "--engine", str(engine.directory), "--rate", "20",
+        "--num-requests", "6", "--prompt-len", "8:24", "--output-len", "12", "--metrics-url", server.metrics_url,
+        "--output", str(tmp_path), "--no-plots", "--no-progress"])
+    assert res.exit_code == 0, res.output
+    run = json.loads((tmp_path / "result.json").read_text())["runs"][0]
+    assert run["requests"]["completed"] == 6 and run["requests"]["short_outputs"] == 0
+    assert all(r["output_tokens"] == 12 for r in run["per_request"])
+    assert run["latency_s"]["tpot"]["count"] == 6
+    assert run["server"]["kv_blocks_total"] > 0   # (counters lag: the model refreshes them once a second)
+
+
 def test_sigterm_stops_everything(server):
     """Last: it stops the session's server (one instance, requests just served) and checks what is left."""
     post(f"{server.http}/v2/models/kiln/generate", {"text_input": PROMPTS[0], "max_tokens": 8})
