@@ -34,6 +34,7 @@ from kiln.contract.errors import (
     ExecutorClosedError,
     InvalidRequestError,
     KilnError,
+    RequestFailedError,
 )
 from kiln.contract.io import (
     DTYPES,
@@ -59,7 +60,7 @@ __all__ = [
     "BuildConfigError", "CheckpointError", "ConfigError", "EngineBounds", "EngineBuildError", "EngineConfig",
     "EngineInputError",
     "EngineLoadError", "ExecutorClosedError", "InvalidRequestError", "KilnError", "MemorySummary", "ModelConfig",
-    "SeqChunk", "TokenizerInfo",
+    "RequestFailedError", "SeqChunk", "TokenizerInfo",
     "check_compatible", "check_inputs", "dim_ranges", "format_table", "human_bytes", "io_spec", "is_engine_dir",
     "kv_bytes_per_token", "kv_cache_shape", "pack_inputs", "rank_file", "read_build_report", "read_engine_config",
     "summary_rows", "torch_dtype",

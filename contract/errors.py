@@ -47,3 +47,12 @@ class InvalidRequestError(KilnError, ValueError):
 
 class ExecutorClosedError(KilnError, RuntimeError):
     """The executor was shut down, or its step loop failed (the message says why); no request can run."""
+
+
+class RequestFailedError(KilnError, RuntimeError):
+    """Requests ended by a failure that was not their fault (the engine raised during their step); the
+    executor goes on serving. ``outputs`` holds the final outputs of the call, failed ones with ``error`` set."""
+
+    def __init__(self, message: str, outputs: list | None = None):
+        super().__init__(message)
+        self.outputs = outputs or []

@@ -10,6 +10,7 @@ from kiln.contract import (
     ExecutorClosedError,
     InvalidRequestError,
     KilnError,
+    RequestFailedError,
 )
 from kiln.runtime.engine import Engine
 from kiln.runtime.executor import Executor, ExecutorConfig
@@ -19,5 +20,6 @@ from kiln.runtime.sampling_params import SamplingParams
 
 __all__ = [
     "ConfigError", "Engine", "EngineInputError", "EngineLoadError", "Executor", "ExecutorClosedError",
-    "ExecutorConfig", "InvalidRequestError", "KilnError", "LLM", "RequestMetrics", "RequestOutput", "SamplingParams",
+    "ExecutorConfig", "InvalidRequestError", "KilnError", "LLM", "RequestFailedError", "RequestMetrics",
+    "RequestOutput", "SamplingParams",
 ]

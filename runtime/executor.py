@@ -3,8 +3,26 @@
 Each step (:meth:`Executor.step`): the scheduler picks the tokens, the contract's packer turns them into
 the engine's inputs, the engine runs, the sampler picks next tokens, the scheduler advances the requests,
 the stop rules end some of them (through the scheduler), and each changed request's output goes to its
-callback. ``submit`` / ``abort`` / ``stats`` are safe from any thread; invalid requests are refused in the
-caller's thread (``InvalidRequestError``) before anything is queued.
+callback. ``submit`` / ``abort`` / ``stats`` are safe from any thread.
+
+No request can break the loop: every field of a request is checked in the caller's thread
+(``InvalidRequestError`` / ``ConfigError``, counted as rejected) before anything is queued.
+
+Failures (the loop never dies silently, and a caller never waits on a loop that is gone):
+
+* The engine (or the packing/sampling around it) raises on a step: only the requests of that step end,
+  with ``finish_reason`` "abort" and ``error`` saying why; their blocks are freed and the loop serves on.
+  The KV pool can be trusted after that: a step writes only into the not-yet-full blocks of its own
+  requests (full blocks, the only ones shared or offered to the prefix cache, are never written again),
+  and a step's blocks are offered to the prefix cache only after it succeeded, so the half-written
+  blocks go back to the free pool unregistered. The scheduler has not advanced any of them yet.
+* The engine fails ``MAX_STEP_FAILURES`` steps in a row (it is broken, not one input), or the loop's own
+  bookkeeping raises (the scheduler's or the KV manager's books are then in doubt): the executor stops.
+  Every request in flight ends with the error, ``failure`` says why (for health checks), and ``submit``
+  raises ``ExecutorClosedError`` naming it.
+* Interpreter exit: an ``atexit`` hook closes every executor still running (aborting its requests and
+  joining its thread) before modules are torn down; a daemon thread left running native kernels into the
+  teardown would crash the interpreter. An executor whose ``LLM`` is garbage-collected is closed too.
 
 The engine is anything with the ``Engine`` interface (``config`` an EngineConfig, ``kv_bytes_per_token``,
 ``allocate_kv_cache(num_blocks)``, ``run(inputs) -> logits``).
@@ -12,21 +30,28 @@ The engine is anything with the ``Engine`` interface (``config`` an EngineConfig
 
 from __future__ import annotations
 
+import atexit
 import itertools
 import logging
+import math
+import numbers
 import threading
 import time
 import traceback
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any, NamedTuple
 
 import torch
 
 from kiln.contract import ConfigError, EngineBounds, ExecutorClosedError, InvalidRequestError, SeqChunk, pack_inputs
+from kiln.runtime.fields import SEED_RANGE, FieldChecks, is_integer
 from kiln.runtime.kv_cache import KVCacheManager, available_memory_bytes, plan_num_blocks
 from kiln.runtime.metrics import RuntimeMetrics, StepRecord
 from kiln.runtime.output_stream import OutputStream
 from kiln.runtime.outputs import RequestOutput
+from kiln.runtime.prompts import prompt_token_ids as checked_token_ids
 from kiln.runtime.request import Request, RequestStatus
 from kiln.runtime.sampler import Sampler
 from kiln.runtime.sampling_params import SamplingParams
@@ -34,6 +59,19 @@ from kiln.runtime.scheduler import CAPACITY_POLICIES, Scheduler, SchedulerConfig
 from kiln.runtime.stopping import stop_by_token
 
 logger = logging.getLogger("kiln.runtime")
+
+MAX_STEP_FAILURES = 3      # consecutive failed engine steps after which the engine is taken to be broken
+EXIT_JOIN_TIMEOUT_S = 60.0  # how long interpreter exit waits for a step in progress to end
+
+_RUNNING: weakref.WeakSet[Executor] = weakref.WeakSet()   # executors whose loop thread may be running
+
+
+@atexit.register
+def _close_at_exit() -> None:
+    """Stop every step loop still running before the interpreter tears its modules down (see the module
+    docstring); their requests end as "abort"."""
+    for executor in list(_RUNNING):
+        executor.close(timeout=EXIT_JOIN_TIMEOUT_S)
 
 
 @dataclass
@@ -59,15 +97,26 @@ class ExecutorConfig:
     metrics_window: int = field(default=4096, metadata={"help": "Steps kept for the recent-steps summary."})
 
     def __post_init__(self) -> None:
-        problems = []
-        if self.capacity_policy not in CAPACITY_POLICIES:
-            problems.append(f"capacity_policy must be one of {list(CAPACITY_POLICIES)}, got {self.capacity_policy!r}")
+        c = FieldChecks()
         for name in ("max_batch_size", "max_num_tokens", "max_kv_cache_tokens"):
-            value = getattr(self, name)
-            if value is not None and value < 1:
-                problems.append(f"{name} must be >= 1 (or None), got {value}")
-        if problems:
-            raise ConfigError("invalid ExecutorConfig: " + "; ".join(problems))
+            setattr(self, name, c.integer(name, getattr(self, name), 1, optional=True))
+        self.kv_cache_memory_fraction = c.number("kv_cache_memory_fraction", self.kv_cache_memory_fraction, 0, 1,
+                                                 lo_open=True, optional=True)
+        c.choice("capacity_policy", self.capacity_policy, CAPACITY_POLICIES)
+        self.enable_prefix_reuse = c.flag("enable_prefix_reuse", self.enable_prefix_reuse)
+        self.seed = c.integer("seed", self.seed, *SEED_RANGE, optional=True)
+        self.metrics_window = c.integer("metrics_window", self.metrics_window, 1)
+        if c.problems:
+            raise ConfigError("invalid ExecutorConfig: " + "; ".join(c.problems))
+
+
+class CheckedRequest(NamedTuple):
+    """A request that passed :meth:`Executor.validate`, its fields normalised."""
+
+    token_ids: list[int]
+    params: SamplingParams
+    max_tokens: int
+    priority: int
 
 
 @dataclass(frozen=True)
@@ -141,7 +190,9 @@ class Executor:
         self._incoming: list[Request] = []
         self._aborts: list[str] = []
         self._live: set[str] = set()          # ids submitted and not yet finished (guarded by _cv)
-        self._streams: dict[str, OutputStream] = {}
+        self._streams: dict[str, OutputStream] = {}   # by request id, until the request ends (loop thread)
+        self._requests: dict[str, Request] = {}       # the same requests' records (loop thread)
+        self._step_failures = 0                       # consecutive failed engine steps
         self._ids = itertools.count()
         self._seq = itertools.count()
         self._closed = False
@@ -154,13 +205,32 @@ class Executor:
     def start(self) -> None:
         if self._thread is None:
             self._thread = threading.Thread(target=self._loop, name="kiln-step-loop", daemon=True)
+            _RUNNING.add(self)
             self._thread.start()
 
-    def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> int:
-        """Effective max_tokens, or InvalidRequestError (nothing is queued)."""
+    def in_loop_thread(self) -> bool:
+        """Is the caller the step loop itself (an output callback)? It must not wait for the loop then."""
+        return self._thread is threading.current_thread()
+
+    def validate(self, prompt: Any, params: SamplingParams | None = None, *, priority: Any = 0,
+                 request_id: Any = None, callback: Any = None, arrival_time: Any = None) -> CheckedRequest:
+        """Check one request in the caller's thread: its token ids (see ``kiln.runtime.prompts``), every
+        SamplingParams field again (it may have changed since construction) and the engine's limits, the
+        priority, id, callback and arrival time. Returns the normalised request; raises InvalidRequestError
+        or ConfigError (both ValueErrors, counted as rejected). Nothing is queued."""
+        try:
+            return self._check(prompt, params, priority, request_id, callback, arrival_time)
+        except (InvalidRequestError, ConfigError):
+            self.metrics.incr("requests_rejected")
+            raise
+
+    def _check(self, prompt, params, priority, request_id, callback, arrival_time) -> CheckedRequest:
+        ids = checked_token_ids(prompt)
+        params = SamplingParams() if params is None else params
         if not isinstance(params, SamplingParams):
             raise InvalidRequestError(f"sampling params must be a SamplingParams, got {type(params).__name__}")
-        bad = [t for t in prompt_token_ids if not (isinstance(t, int) and 0 <= t < self.vocab_size)]
+        params.check()
+        bad = [t for t in ids if not 0 <= t < self.vocab_size]
         if bad:
             raise InvalidRequestError(f"prompt token ids {bad[:5]} are outside the vocabulary [0, {self.vocab_size})")
         bad = [t for t in params.stop_token_ids if not 0 <= t < self.vocab_size]
@@ -170,27 +240,28 @@ class Executor:
             raise InvalidRequestError("stop strings need a tokenizer; the engine directory has no tokenizer.json")
         if params.logprobs is not None and params.logprobs > self.vocab_size:
             raise InvalidRequestError(f"logprobs={params.logprobs} exceeds the vocabulary size {self.vocab_size}")
-        return self.scheduler.resolve_max_tokens(len(prompt_token_ids), params.max_tokens)
+        if not is_integer(priority):
+            raise InvalidRequestError(f"priority must be an integer, got {priority!r:.40} ({type(priority).__name__})")
+        if request_id is not None and not (isinstance(request_id, str) and request_id):
+            raise InvalidRequestError(f"request_id must be a non-empty str, got {request_id!r:.40}")
+        if callback is not None and not callable(callback):
+            raise InvalidRequestError(f"callback must be callable, got {type(callback).__name__}")
+        if arrival_time is not None and not (isinstance(arrival_time, numbers.Real) and math.isfinite(arrival_time)):
+            raise InvalidRequestError(f"arrival_time must be a finite number (time.monotonic()), got {arrival_time!r}")
+        max_tokens = self.scheduler.resolve_max_tokens(len(ids), params.max_tokens)
+        return CheckedRequest(ids, params, max_tokens, int(priority))
 
-    def submit(self, prompt_token_ids: list[int], params: SamplingParams | None = None, *,
+    def submit(self, prompt_token_ids: Any, params: SamplingParams | None = None, *,
                request_id: str | None = None, priority: int = 0, prompt: str | None = None,
                callback: Callable[[RequestOutput], None] | None = None, arrival_time: float | None = None) -> str:
-        """Queue a request; returns its id. ``callback`` receives a RequestOutput after every step that
-        changed it (from the step-loop thread; keep it short) and once more when it finishes."""
-        params = params if params is not None else SamplingParams()
-        try:
-            prompt_token_ids = [int(t) for t in prompt_token_ids]
-        except (TypeError, ValueError):
-            self.metrics.incr("requests_rejected")
-            raise InvalidRequestError("prompt token ids must be integers") from None
-        try:
-            max_tokens = self.validate(prompt_token_ids, params)
-        except InvalidRequestError:
-            self.metrics.incr("requests_rejected")
-            raise
+        """Queue a request (token ids, any form :func:`kiln.runtime.prompts.prompt_token_ids` accepts); returns
+        its id. ``callback`` receives a RequestOutput after every step that changed it (from the step-loop
+        thread; keep it short) and once more when it finishes."""
+        checked = self.validate(prompt_token_ids, params, priority=priority, request_id=request_id,
+                                callback=callback, arrival_time=arrival_time)
         with self._cv:
             if self._closed or self._error is not None:
-                raise ExecutorClosedError(f"the executor is closed{': ' + repr(self._error) if self._error else ''}")
+                raise ExecutorClosedError(self.failure or "the executor is closed")
             if request_id is None:
                 request_id = f"req-{next(self._ids)}"
                 while request_id in self._live:
@@ -198,15 +269,16 @@ class Executor:
             elif request_id in self._live:
                 self.metrics.incr("requests_rejected")
                 raise InvalidRequestError(f"request id {request_id!r} is already in use")
-            req = Request(request_id, prompt_token_ids, params, max_tokens, priority=priority,
-                          arrival_time=arrival_time, seq=next(self._seq), prompt=prompt,
+            req = Request(request_id, checked.token_ids, checked.params, checked.max_tokens,
+                          priority=checked.priority, arrival_time=arrival_time, seq=next(self._seq), prompt=prompt,
                           eos_token_ids=self.eos_token_ids)
             self._streams[request_id] = OutputStream.open(req, self.tokenizer, callback)
+            self._requests[request_id] = req
             self._live.add(request_id)
             self._incoming.append(req)
             self._cv.notify()
         self.metrics.incr("requests_submitted")
-        self.metrics.incr("prompt_tokens", len(prompt_token_ids))
+        self.metrics.incr("prompt_tokens", len(checked.token_ids))
         return request_id
 
     def abort(self, request_id: str) -> None:
@@ -255,16 +327,26 @@ class Executor:
                 self._cv.wait(left if left is not None else 0.1)
         return True
 
-    def close(self) -> None:
-        """Stop the loop; requests still queued or running end with finish_reason "abort"."""
+    def close(self, wait: bool = True, timeout: float | None = None) -> None:
+        """Stop the loop; requests still queued or running end with finish_reason "abort". ``wait``: join the
+        loop thread (at most ``timeout`` seconds), unless called from it."""
         with self._cv:
             self._closed = True
             self._cv.notify_all()
-        if self._thread is not None and self._thread is not threading.current_thread():
-            self._thread.join()
+        thread = self._thread
+        if wait and thread is not None and thread is not threading.current_thread():
+            thread.join(timeout)
+            if thread.is_alive():
+                logger.warning("the step loop did not stop within %s s", timeout)
 
     # ---- the loop -------------------------------------------------------------------------------------
     def _loop(self) -> None:
+        try:
+            self._serve()
+        except BaseException as exc:  # the books are in doubt, or the engine is broken: stop, loudly
+            self._fail(exc)
+
+    def _serve(self) -> None:
         sched = self.scheduler
         while True:
             with self._cv:
@@ -276,31 +358,29 @@ class Executor:
             for req in incoming:
                 sched.add_request(req)
             self._end(sched.finish_requests(aborts, RequestStatus.FINISHED_ABORTED))
-            if aborts:  # freed blocks show in stats() now, not only after the next step (which may never come)
-                self._kv_stats = self.kv.stats().as_dict()
-                self.metrics.set_gauges(sched.num_running, sched.num_waiting, self._kv_stats)
             if closed:
                 self._end(sched.finish_requests(sched.unfinished_ids(), RequestStatus.FINISHED_ABORTED))
                 return
-            if not sched.has_unfinished():
-                continue
-            try:
+            if sched.has_unfinished():
                 self.step()
-            except BaseException as exc:  # the engine failed: end everything, refuse new work
-                self._fail(exc)
-                return
 
     def _fail(self, exc: BaseException) -> None:
-        logger.error("step loop failed: %s", traceback.format_exc())
-        error = f"{type(exc).__name__}: {exc}"
+        """Stop serving: record why, end every request in flight with that error, refuse new work."""
+        logger.error("step loop failed: %s", "".join(traceback.format_exception(exc)))
+        error = f"the step loop failed: {type(exc).__name__}: {exc}"
         with self._cv:
             self._error = exc
-            incoming, self._incoming = self._incoming, []
-        for req in incoming:
-            self.scheduler.add_request(req)
+            self._incoming.clear()   # their streams and records are in _streams/_requests: ended below
+            self._aborts.clear()
         for stream in self._streams.values():
             stream.error = error
-        self._end(self.scheduler.finish_requests(self.scheduler.unfinished_ids(), RequestStatus.FINISHED_ABORTED))
+        try:
+            self._end(self.scheduler.finish_requests(self.scheduler.unfinished_ids(), RequestStatus.FINISHED_ABORTED))
+        except BaseException:
+            logger.exception("the scheduler could not end the requests in flight; ending them directly")
+        for req in list(self._requests.values()):   # not in the scheduler yet, or its books are broken
+            req.status = RequestStatus.FINISHED_ABORTED
+            self._end([req])
 
     def step(self) -> None:
         t0 = time.perf_counter()
@@ -308,15 +388,35 @@ class Executor:
         if not out:
             time.sleep(0.001)  # nothing fits right now (cannot last: admission checks guarantee progress)
             return
-        inputs, rows = self._pack(out)
-        t1 = time.perf_counter()
-        logits = self.engine.run(inputs)   # num_logits may be 0: a step of non-final prefill chunks
-        engine_time = time.perf_counter() - t1
-        sample = self.sampler(logits, [out.scheduled[i].request for i in rows]) if rows else None
+        try:
+            inputs, rows = self._pack(out)
+            t1 = time.perf_counter()
+            logits = self.engine.run(inputs)   # num_logits may be 0: a step of non-final prefill chunks
+            engine_time = time.perf_counter() - t1
+            sample = self.sampler(logits, [out.scheduled[i].request for i in rows]) if rows else None
+        except Exception as exc:
+            self._fail_step(out, exc)
+            return
+        self._step_failures = 0
         sampled = {i: sample.token_ids[j] for j, i in enumerate(rows)} if sample else {}
         new_tokens = self.scheduler.update_from_output(out, sampled)
         self._emit_outputs(new_tokens, sample.logprobs if sample else [])
         self._record_step(out, len(new_tokens), time.perf_counter() - t0, engine_time)
+
+    def _fail_step(self, out: SchedulerOutput, exc: Exception) -> None:
+        """The engine raised on this step: end its requests with the error (see the module docstring for why
+        the pool stays sound), or stop the executor when the engine keeps failing."""
+        self._step_failures += 1
+        logger.error("engine step failed (%d in a row): %s", self._step_failures,
+                     "".join(traceback.format_exception(exc)))
+        if self._step_failures >= MAX_STEP_FAILURES:
+            raise RuntimeError(f"the engine failed {self._step_failures} steps in a row (last: "
+                               f"{type(exc).__name__}: {exc})") from exc
+        ids = [s.request.request_id for s in out.scheduled]
+        for rid in ids:
+            self._streams[rid].error = (f"the engine failed on this request's step ({type(exc).__name__}: {exc}); "
+                                        "other requests go on")
+        self._end(self.scheduler.finish_requests(ids, RequestStatus.FINISHED_ABORTED))
 
     def _pack(self, out: SchedulerOutput) -> tuple[dict[str, torch.Tensor], list[int]]:
         """Contract inputs for the scheduled tokens; also which scheduled entries produce logits."""
@@ -352,15 +452,24 @@ class Executor:
         self._end(ended)
 
     def _end(self, requests: list[Request]) -> None:
-        """Final outputs of requests the scheduler ended."""
+        """Final outputs of requests the scheduler ended. The gauges are refreshed before the requests leave
+        ``_live``, so a caller that saw them end (``wait_idle``) reads fresh stats."""
+        if not requests:
+            return
+        self._refresh_gauges()
         for req in requests:
             stream = self._streams.pop(req.request_id)
+            del self._requests[req.request_id]
             stream.flush()
             self.metrics.record_request(req.metrics, "error" if stream.error else req.status.value)
             with self._cv:
                 self._live.discard(req.request_id)
                 self._cv.notify_all()
             stream.send(req, final=True)
+
+    def _refresh_gauges(self) -> None:
+        self._kv_stats = self.kv.stats().as_dict()
+        self.metrics.set_gauges(self.scheduler.num_running, self.scheduler.num_waiting, self._kv_stats)
 
     def _record_step(self, out: SchedulerOutput, sampled: int, step_time: float, engine_time: float) -> None:
         sched = self.scheduler

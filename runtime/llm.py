@@ -11,7 +11,13 @@ enable_prefix_reuse, seed.
 
 Errors (kiln's family, ``kiln.contract``): ``InvalidRequestError`` (a ValueError) for requests that can
 never be served, ``ConfigError`` (a ValueError) for invalid SamplingParams or options,
-``ExecutorClosedError`` (a RuntimeError) after ``shutdown`` or when the step loop failed.
+``RequestFailedError`` (a RuntimeError) from ``generate`` when the engine failed on some of its requests'
+steps (the LLM serves on), ``ExecutorClosedError`` (a RuntimeError) after ``shutdown``/``close`` or when the
+step loop stopped (``llm.executor.failure`` says why).
+
+Prompts: text, or token ids as a list/tuple of Python or numpy integers or a 1-D integer numpy array or torch
+tensor, the same in every method (``kiln.runtime.prompts``); anything else is refused at submission.
+Exiting the interpreter, or dropping the LLM, without ``shutdown()`` stops the step loop cleanly.
 """
 
 from __future__ import annotations
@@ -19,16 +25,16 @@ from __future__ import annotations
 import asyncio
 import queue
 import threading
+import weakref
 from collections.abc import AsyncIterator, Iterator, Sequence
 from pathlib import Path
 
-from kiln.contract import ConfigError, ExecutorClosedError, InvalidRequestError
+from kiln.contract import ConfigError, ExecutorClosedError, InvalidRequestError, RequestFailedError
 from kiln.runtime.detokenizer import load_tokenizer
 from kiln.runtime.executor import Executor, ExecutorConfig
 from kiln.runtime.outputs import RequestOutput
+from kiln.runtime.prompts import Prompt, check_text, is_single_prompt, prompt_token_ids
 from kiln.runtime.sampling_params import SamplingParams
-
-Prompt = str | Sequence[int]
 
 
 class LLM:
@@ -45,14 +51,31 @@ class LLM:
         self.engine = engine
         self.tokenizer = tokenizer if tokenizer is not None else load_tokenizer(engine.directory)
         self.executor = Executor(engine, config, tokenizer=self.tokenizer)
+        # an LLM dropped without shutdown() still stops its loop (and its requests) when collected
+        weakref.finalize(self, self.executor.close, wait=False).atexit = False
 
     # ---- helpers --------------------------------------------------------------------------------------
     def encode(self, prompt: Prompt) -> tuple[list[int], str | None]:
+        """(token ids, text) of a prompt: text is tokenized, token ids are checked and made plain ints
+        (see ``kiln.runtime.prompts`` for the accepted forms); InvalidRequestError names what is wrong."""
         if isinstance(prompt, str):
+            check_text(prompt)
             if self.tokenizer is None:
                 raise InvalidRequestError("text prompts need a tokenizer; the engine directory has no tokenizer.json")
             return self.tokenizer.encode(prompt).ids, prompt
-        return list(prompt), None
+        return prompt_token_ids(prompt), None
+
+    def _encode_request(self, prompt: Prompt) -> tuple[list[int], str | None]:
+        try:
+            return self.encode(prompt)
+        except InvalidRequestError:
+            self.executor.metrics.incr("requests_rejected")
+            raise
+
+    def _not_in_loop_thread(self, what: str) -> None:
+        if self.executor.in_loop_thread():
+            raise InvalidRequestError(f"{what}() cannot run in an output callback: it would wait for the step loop "
+                                      "that is running the callback; use submit() there")
 
     def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return self.tokenizer.decode(list(token_ids), skip_special_tokens=skip_special_tokens)
@@ -60,7 +83,7 @@ class LLM:
     # ---- API ------------------------------------------------------------------------------------------
     def submit(self, prompt: Prompt, params: SamplingParams | None = None, *, request_id: str | None = None,
                priority: int = 0, callback=None) -> str:
-        ids, text = self.encode(prompt)
+        ids, text = self._encode_request(prompt)
         return self.executor.submit(ids, params, request_id=request_id, priority=priority, prompt=text,
                                     callback=callback)
 
@@ -69,10 +92,18 @@ class LLM:
                  *, priority: int | Sequence[int] = 0, timeout: float | None = None) -> list[RequestOutput]:
         """Run every prompt concurrently; the final RequestOutputs in input order.
 
-        A prompt is a string or a list of token ids (a single prompt may be passed bare). If any request is
-        invalid, none is left running and the InvalidRequestError is raised.
+        A prompt is a string or token ids (a list of ints, a 1-D integer array or tensor); a single prompt may
+        be passed bare. Every request is checked before any is queued: if one is invalid, none runs and its
+        InvalidRequestError (or ConfigError) is raised. On any exception while waiting (a timeout, Ctrl-C),
+        this call's requests are aborted before it propagates. Requests the engine failed raise
+        RequestFailedError (``outputs`` keeps every result); ExecutorClosedError if the step loop stopped.
         """
-        single = isinstance(prompts, str) or (len(prompts) > 0 and isinstance(prompts[0], int))
+        self._not_in_loop_thread("generate")
+        try:
+            single = is_single_prompt(prompts)
+        except InvalidRequestError:
+            self.executor.metrics.incr("requests_rejected")
+            raise
         if single:
             prompts = [prompts]
         n = len(prompts)
@@ -80,9 +111,9 @@ class LLM:
         prios = list(priority) if isinstance(priority, (list, tuple)) else [priority] * n
         if len(params) != n or len(prios) != n:
             raise InvalidRequestError(f"{n} prompts but {len(params)} sampling params and {len(prios)} priorities")
-        encoded = [self.encode(p) for p in prompts]
-        for (ids, _), sp in zip(encoded, params):
-            self.executor.validate(list(ids), sp if sp is not None else SamplingParams())
+        encoded = [self._encode_request(p) for p in prompts]
+        for (ids, _), sp, prio in zip(encoded, params, prios):
+            self.executor.validate(ids, sp, priority=prio)
         results: list[RequestOutput | None] = [None] * n
         done = threading.Event()
         remaining = [n]
@@ -103,18 +134,18 @@ class LLM:
             for i, ((ids, text), sp) in enumerate(zip(encoded, params)):
                 ids_submitted.append(self.executor.submit(ids, sp, priority=prios[i], prompt=text,
                                                           callback=on_output(i)))
-        except BaseException:
+            if n and not done.wait(timeout):
+                raise TimeoutError(f"generate did not finish within {timeout} s; its requests were aborted")
+        except BaseException:   # KeyboardInterrupt included: nothing of this call is left running
             for rid in ids_submitted:
                 self.executor.abort(rid)
             raise
-        if n and not done.wait(timeout):
-            for rid in ids_submitted:
-                self.executor.abort(rid)
-            raise TimeoutError(f"generate did not finish within {timeout} s; its requests were aborted")
-        errors = [r.error for r in results if r is not None and r.error]
-        if errors:
-            raise ExecutorClosedError(f"the step loop failed: {errors[0]}")
-        return results if not single else results[:1]
+        failed = [r for r in results if r is not None and r.error]
+        if failed:
+            if self.executor.failure is not None:
+                raise ExecutorClosedError(failed[0].error)
+            raise RequestFailedError(f"{len(failed)} of {n} requests failed: {failed[0].error}", results)
+        return results
 
     async def generate_async(self, prompt: Prompt, sampling_params: SamplingParams | None = None, *,
                              request_id: str | None = None, priority: int = 0) -> AsyncIterator[RequestOutput]:
@@ -147,6 +178,7 @@ class LLM:
                request_id: str | None = None, priority: int = 0) -> Iterator[RequestOutput]:
         """Blocking iterator of incremental outputs (the thread-based twin of ``generate_async``);
         leaving it early aborts the request."""
+        self._not_in_loop_thread("stream")
         q: queue.SimpleQueue[RequestOutput] = queue.SimpleQueue()
         rid = self.submit(prompt, sampling_params, request_id=request_id, priority=priority, callback=q.put)
         finished = False
@@ -170,7 +202,10 @@ class LLM:
         return self.executor.metrics.summary_text()
 
     def shutdown(self) -> None:
+        """Stop the step loop; requests still running end with finish_reason "abort"."""
         self.executor.close()
+
+    close = shutdown
 
     def __enter__(self) -> LLM:
         return self

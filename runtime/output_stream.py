@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from kiln.runtime.detokenizer import IncrementalDetokenizer
 from kiln.runtime.outputs import RequestOutput
 from kiln.runtime.request import Request
 from kiln.runtime.sampling_params import SamplingParams
-from kiln.runtime.stopping import cut_at_stop_string, stop_hold
+from kiln.runtime.stopping import StopHold, cut_at_stop_string
 
 logger = logging.getLogger("kiln.runtime")
 
@@ -20,18 +20,21 @@ class OutputStream:
     params: SamplingParams
     callback: Callable[[RequestOutput], None] | None
     detok: IncrementalDetokenizer | None
-    hold: int = 0               # characters held back while a stop string could still be completing
+    hold: StopHold = field(init=False)   # the tail held back while a stop string could still be completing
     text: str = ""
     sent_tokens: int = 0
     sent_text: int = 0
     flushed: bool = False
     error: str | None = None
 
+    def __post_init__(self) -> None:
+        self.hold = StopHold(self.params.stop)
+
     @classmethod
     def open(cls, req: Request, tokenizer, callback: Callable[[RequestOutput], None] | None) -> OutputStream:
         detok = (IncrementalDetokenizer(tokenizer, req.prompt_token_ids, req.params.skip_special_tokens)
                  if tokenizer is not None else None)
-        return cls(req.params, callback, detok, hold=stop_hold(req.params))
+        return cls(req.params, callback, detok)
 
     def add_token(self, token: int, last: bool) -> str | None:
         """Detokenize one generated token (flushing the held-back tail when it is the ``last``); returns the
@@ -39,7 +42,7 @@ class OutputStream:
         if self.detok is None:
             return None
         searched = len(self.text)
-        self.text += self.detok.step([token])
+        self._add_text(self.detok.step([token]))
         if last:
             self.flush()
         cut = cut_at_stop_string(self.text, self.params, searched)
@@ -51,12 +54,17 @@ class OutputStream:
 
     def flush(self) -> None:
         if self.detok is not None and not self.flushed:
-            self.text += self.detok.flush()
+            self._add_text(self.detok.flush())
         self.flushed = True
 
+    def _add_text(self, text: str) -> None:
+        self.text += text
+        self.hold.feed(text)
+
     def output(self, req: Request, final: bool) -> RequestOutput:
-        """The request's state now, with what is new since the last output (``final``: nothing held back)."""
-        end = len(self.text) if final else max(self.sent_text, len(self.text) - self.hold)
+        """The request's state now, with what is new since the last output (``final``: nothing held back;
+        otherwise the tail that could still become a stop string is held)."""
+        end = len(self.text) if final else max(self.sent_text, len(self.text) - self.hold.held)
         out = RequestOutput(
             request_id=req.request_id, prompt=req.prompt, prompt_token_ids=req.prompt_token_ids,
             token_ids=list(req.output_token_ids), text=self.text[:end],

@@ -16,12 +16,16 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from kiln.contract import ConfigError
+from kiln.runtime.fields import SEED_RANGE, FieldChecks, is_integer
 
 
 @dataclass
 class SamplingParams:
-    """Per-request options (each field's help says what it does). Invalid values raise ``ConfigError``
-    (a ValueError) at construction."""
+    """Per-request options (each field's help says what it does). Every field is checked for type and range
+    at construction (see ``kiln.runtime.fields``: integers are not floats or bools, numbers are finite, flags
+    are bools, ``stop`` is a string or a list of strings, ``seed`` fits a 64-bit generator seed); a bad value
+    raises ``ConfigError`` (a ValueError) naming the field and what it accepts. Limits that depend on the
+    engine (token ids and ``logprobs`` within the vocabulary) are checked at submission."""
 
     max_tokens: int | None = field(default=16, metadata={
         "help": "Tokens to generate at most (Python API: None = up to the engine's max_seq_len)."})
@@ -54,39 +58,51 @@ class SamplingParams:
     skip_special_tokens: bool = field(default=True, metadata={"help": "Drop special tokens from the text."})
 
     def __post_init__(self) -> None:
-        if isinstance(self.stop, str):
-            self.stop = [self.stop]
-        self.stop = list(self.stop or [])
-        self.stop_token_ids = [int(t) for t in self.stop_token_ids]
+        self.check()
+
+    def check(self) -> None:
+        """Check (and normalise) every field; ConfigError lists each bad one with its allowed range. Run at
+        construction and again at submission (a field may have been changed since)."""
+        c = FieldChecks()
+        self.max_tokens = c.integer("max_tokens", self.max_tokens, 1, optional=True)
+        self.min_tokens = c.integer("min_tokens", self.min_tokens, 0)
+        self.temperature = c.number("temperature", self.temperature, 0)
+        self.top_k = c.integer("top_k", self.top_k, -1)
         if self.top_k == -1:
             self.top_k = 0
-        problems = []
-        if self.max_tokens is not None and self.max_tokens < 1:
-            problems.append(f"max_tokens must be >= 1 (or None), got {self.max_tokens}")
-        if self.min_tokens < 0:
-            problems.append(f"min_tokens must be >= 0, got {self.min_tokens}")
-        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
-            problems.append(f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})")
-        if self.temperature < 0:
-            problems.append(f"temperature must be >= 0, got {self.temperature}")
-        if self.top_k < 0:
-            problems.append(f"top_k must be >= 0 (0 or -1 disables), got {self.top_k}")
-        if not 0.0 < self.top_p <= 1.0:
-            problems.append(f"top_p must be in (0, 1], got {self.top_p}")
-        if not 0.0 <= self.min_p <= 1.0:
-            problems.append(f"min_p must be in [0, 1], got {self.min_p}")
-        if self.repetition_penalty <= 0:
-            problems.append(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
-        if not -2.0 <= self.presence_penalty <= 2.0:
-            problems.append(f"presence_penalty must be in [-2, 2], got {self.presence_penalty}")
-        if not -2.0 <= self.frequency_penalty <= 2.0:
-            problems.append(f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}")
-        if self.logprobs is not None and self.logprobs < 0:
-            problems.append(f"logprobs must be >= 0 or None, got {self.logprobs}")
-        if any(not s for s in self.stop):
-            problems.append("stop strings must be non-empty")
-        if problems:
-            raise ConfigError("invalid SamplingParams: " + "; ".join(problems))
+        self.top_p = c.number("top_p", self.top_p, 0, 1, lo_open=True)
+        self.min_p = c.number("min_p", self.min_p, 0, 1)
+        self.repetition_penalty = c.number("repetition_penalty", self.repetition_penalty, 0, lo_open=True)
+        self.presence_penalty = c.number("presence_penalty", self.presence_penalty, -2, 2)
+        self.frequency_penalty = c.number("frequency_penalty", self.frequency_penalty, -2, 2)
+        self.seed = c.integer("seed", self.seed, *SEED_RANGE, optional=True)
+        self.stop = self._stop_strings(c)
+        self.stop_token_ids = self._stop_token_ids(c)
+        for name in ("include_stop_str_in_output", "ignore_eos", "skip_special_tokens"):
+            setattr(self, name, c.flag(name, getattr(self, name)))
+        self.logprobs = c.integer("logprobs", self.logprobs, 0, optional=True)
+        if is_integer(self.max_tokens) and is_integer(self.min_tokens) and self.min_tokens > self.max_tokens:
+            c.problems.append(f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})")
+        if c.problems:
+            raise ConfigError("invalid SamplingParams: " + "; ".join(c.problems))
+
+    def _stop_strings(self, c: FieldChecks) -> list[str]:
+        stop = [self.stop] if isinstance(self.stop, str) else self.stop
+        if stop is None:
+            return []
+        if not isinstance(stop, (list, tuple)) or not all(isinstance(s, str) for s in stop):
+            c.problems.append(f"stop must be a string or a list of strings, got {stop!r:.60}")
+            return self.stop
+        if not all(stop):
+            c.problems.append("stop strings must be non-empty")
+        return list(stop)
+
+    def _stop_token_ids(self, c: FieldChecks) -> list[int]:
+        ids = self.stop_token_ids
+        if not isinstance(ids, (list, tuple)) or not all(is_integer(t) and t >= 0 for t in ids):
+            c.problems.append(f"stop_token_ids must be a list of integers >= 0, got {ids!r:.60}")
+            return ids
+        return [int(t) for t in ids]
 
     @property
     def needs_penalties(self) -> bool:

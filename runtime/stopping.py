@@ -27,9 +27,56 @@ def stop_by_token(req: Request, max_seq_len: int) -> Stop | None:
     return None
 
 
-def stop_hold(params: SamplingParams) -> int:
-    """Characters a stream holds back while a stop string could still be completing."""
-    return max((len(s) for s in params.stop), default=1) - 1
+class StopHold:
+    """How much of a growing text a stream holds back: the longest suffix that is a proper prefix of some
+    stop string (it may still become one); text that cannot start a stop string is released at once.
+
+    A Knuth-Morris-Pratt automaton per stop string is fed only the new characters, so each step costs what
+    it adds, however long the stop strings are (re-matching every suffix would cost their length squared
+    per token, a stall of the whole step loop with one long stop string)."""
+
+    def __init__(self, stops: list[str]):
+        self.stops = stops
+        self.fallback = [_prefix_function(s) for s in stops]
+        self.matched = [0] * len(stops)   # per stop string: length of the longest suffix that is its prefix
+
+    def feed(self, new_text: str) -> None:
+        for j, s in enumerate(self.stops):
+            k, fallback = self.matched[j], self.fallback[j]
+            for ch in new_text:
+                if k == len(s):
+                    k = fallback[k - 1]
+                while k and s[k] != ch:
+                    k = fallback[k - 1]
+                if s[k] == ch:
+                    k += 1
+            self.matched[j] = k
+
+    @property
+    def held(self) -> int:
+        # a whole stop string matched (the stream ends there): its longest proper prefix that is a suffix
+        return max((k if k < len(s) else f[k - 1] for k, s, f in zip(self.matched, self.stops, self.fallback)),
+                   default=0)
+
+
+def _prefix_function(s: str) -> list[int]:
+    """pi[i] = length of the longest proper prefix of s[:i + 1] that is also its suffix."""
+    pi = [0] * len(s)
+    k = 0
+    for i in range(1, len(s)):
+        while k and s[i] != s[k]:
+            k = pi[k - 1]
+        if s[i] == s[k]:
+            k += 1
+        pi[i] = k
+    return pi
+
+
+def stop_hold(text: str, stops: list[str]) -> int:
+    """Characters at the end of ``text`` a stream holds back (see :class:`StopHold`)."""
+    hold = StopHold(stops)
+    hold.feed(text)
+    return hold.held
 
 
 def cut_at_stop_string(text: str, params: SamplingParams, searched: int) -> tuple[str, str] | None:

@@ -11,6 +11,7 @@ import atexit
 import random
 import shutil
 import tempfile
+import time
 from pathlib import Path
 
 import torch
@@ -66,3 +67,13 @@ def hf_greedy(ckpt: Path, prompt: list[int], max_new_tokens: int, eos_token_id: 
 def random_prompts(n: int, vocab: int, min_len: int, max_len: int, seed: int = 0) -> list[list[int]]:
     rng = random.Random(seed)
     return [[rng.randrange(3, vocab) for _ in range(rng.randint(min_len, max_len))] for _ in range(n)]
+
+
+def assert_no_leak(llm) -> None:
+    """Every request ended and every KV block is back in the free pool, with the books balanced."""
+    assert llm.executor.wait_idle(10)
+    time.sleep(0.05)
+    kv = llm.executor.kv
+    kv.check_consistency()
+    assert kv.num_used_blocks == 0, f"{kv.num_used_blocks} blocks still referenced after every request ended"
+    assert kv.num_free_blocks == kv.num_blocks

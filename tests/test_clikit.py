@@ -61,9 +61,9 @@ def test_generate_has_an_option_per_field_with_the_api_default(cls, exclude):
 
 
 @pytest.mark.parametrize("args, message", [
-    (["--top-p", "0"], "invalid SamplingParams: top_p must be in (0, 1]"),
+    (["--top-p", "0"], "invalid SamplingParams: top_p must be a finite number in (0, 1]"),
     (["--capacity-policy", "fifo"], "capacity_policy must be one of"),
-    (["--max-batch-size", "0"], "max_batch_size must be >= 1"),
+    (["--max-batch-size", "0"], "max_batch_size must be an integer >= 1"),
 ])
 def test_generate_reports_the_dataclass_check(tmp_path, args, message):
     from kiln.runtime.cli import main

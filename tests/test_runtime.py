@@ -14,7 +14,7 @@ import pytest
 
 from kiln.runtime import LLM, InvalidRequestError, RequestOutput, SamplingParams
 
-from runtime_support import get_engine, hf_greedy, random_prompts
+from runtime_support import assert_no_leak, get_engine, hf_greedy, random_prompts
 
 pytestmark = pytest.mark.xdist_group("runtime")   # one worker builds the engines once
 
@@ -67,15 +67,6 @@ def assert_matches_hf(ckpt, prompts, max_tokens, outs, ignore_eos=False):
         stops = not ignore_eos and ref and ref[-1] == 2 and len(ref) <= m
         assert o.finish_reason == ("stop" if stops else "length") or o.token_ids != ref
     assert not bad, "\n".join(bad)
-
-
-def assert_no_leak(llm: LLM):
-    assert llm.executor.wait_idle(10)
-    time.sleep(0.05)
-    kv = llm.executor.kv
-    kv.check_consistency()
-    assert kv.num_used_blocks == 0, f"{kv.num_used_blocks} blocks still referenced after every request ended"
-    assert kv.num_free_blocks == kv.num_blocks
 
 
 @pytest.fixture(scope="module")
