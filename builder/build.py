@@ -31,6 +31,7 @@ from kiln.contract import (
     EngineConfig,
     MemorySummary,
     TokenizerInfo,
+    file_checksum,
     is_engine_dir,
     kv_bytes_per_token,
     rank_file,
@@ -159,12 +160,13 @@ def build_engine(
                     shutil.copy2(ckpt / name, tmp / name)
                     copied.append(name)
             resolved = build.resolved()
+            checksums = {name: file_checksum(tmp / name) for name in [engine_file, *copied]}
             EngineConfig(
                 format_version=FORMAT_VERSION, torch_version=torch.__version__, kiln_version=kiln_version(),
                 backend=build.backend, dtype=build.dtype, kv_cache_dtype=resolved.kv_cache_dtype,
                 quantization=build.quantization, model=model, bounds=build.engine_bounds(), memory=summary,
                 tokenizer=TokenizerInfo(files=copied, eos_token_ids=eos_ids, bos_token_id=bos_id),
-                engine_files=[engine_file], build=resolved.to_dict(),
+                engine_files=[engine_file], checksums=checksums, build=resolved.to_dict(),
             ).write(tmp)
         timings["total"] = round(time.perf_counter() - t_total, 3)
         report = {

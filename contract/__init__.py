@@ -19,10 +19,12 @@ from kiln.contract.engine_config import (
     MemorySummary,
     TokenizerInfo,
     check_compatible,
+    file_checksum,
     is_engine_dir,
     rank_file,
     read_build_report,
     read_engine_config,
+    verify_checksums,
 )
 from kiln.contract.errors import (
     BuildConfigError,
@@ -63,5 +65,5 @@ __all__ = [
     "RequestFailedError", "SeqChunk", "TokenizerInfo",
     "check_compatible", "check_inputs", "dim_ranges", "format_table", "human_bytes", "io_spec", "is_engine_dir",
     "kv_bytes_per_token", "kv_cache_shape", "pack_inputs", "rank_file", "read_build_report", "read_engine_config",
-    "summary_rows", "torch_dtype",
+    "summary_rows", "torch_dtype", "file_checksum", "verify_checksums",
 ]

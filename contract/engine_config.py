@@ -10,18 +10,26 @@ An engine directory is the only thing that passes from ``build-engine`` to the r
 
 Reading is strict: the format version is checked first (an older or newer layout gets the "rebuild"
 error before anything else is read), then every key of the file against the dataclasses below, so a
-missing or mistyped key raises :class:`EngineLoadError` naming it.
+missing or mistyped key raises :class:`EngineLoadError` naming it; then values that are well typed but
+impossible (a zero head count, a NaN epsilon, an EOS id outside the vocabulary) are named the same way.
 
-Format history: 1 (until this version) kept the resolved bounds inside ``build`` and an ``io`` block;
-2 splits the BuildConfig knobs (``build``, readable by ``BuildConfig.from_dict``) from the bounds the
-runtime enforces (``bounds``); the I/O description is derived from the contract (``io_spec``).
-Engines of format 1 are refused with the rebuild message.
+Integrity: ``checksums`` records the SHA-256 of every file the runtime reads (the engine files and the
+tokenizer files) when the engine is built; :func:`verify_checksums` compares them before anything is
+loaded, so a damaged or swapped file is refused instead of serving garbage. config.json itself is
+covered by the strict reader.
+
+Format history: 1 kept the resolved bounds inside ``build`` and an ``io`` block; 2 split the BuildConfig
+knobs (``build``, readable by ``BuildConfig.from_dict``) from the bounds the runtime enforces (``bounds``);
+3 adds ``checksums`` (required: an engine that cannot be verified is rebuilt, not trusted). Engines of
+formats 1 and 2 are refused with the rebuild message.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -33,7 +41,7 @@ from kiln.contract.io import DTYPES, kv_bytes_per_token
 from kiln.contract.model import ModelConfig
 from kiln.contract.typed import read_dataclass
 
-FORMAT_VERSION = 2
+FORMAT_VERSION = 3
 SUPPORTED_FORMAT_VERSIONS = (FORMAT_VERSION,)
 CONFIG_FILE = "config.json"
 REPORT_FILE = "build_report.json"
@@ -99,6 +107,7 @@ class EngineConfig:
     memory: MemorySummary
     tokenizer: TokenizerInfo
     engine_files: list[str]     # rank_file(r) for r in range(tp_size)
+    checksums: dict[str, str]   # file name -> "sha256:<hex>" of every engine and tokenizer file
     build: dict[str, Any]       # the builder's BuildConfig.to_dict() (knobs as resolved): rebuild with it
 
     @property
@@ -126,6 +135,19 @@ class EngineConfig:
             out.append(f"{', '.join(small)}: bounds must be >= 1")
         if self.engine_files != [rank_file(r) for r in range(len(self.engine_files))] or not self.engine_files:
             out.append(f"engine_files={self.engine_files} must be rank0.engine .. rank<tp_size-1>.engine")
+        out += _model_problems(self.model)
+        m = self.memory
+        out += [f"memory.{f.name}={getattr(m, f.name)} must be >= 0" for f in dataclasses.fields(m)
+                if getattr(m, f.name) < 0]
+        bad_eos = [t for t in self.tokenizer.eos_token_ids if not 0 <= t < self.model.vocab_size]
+        if bad_eos:
+            out.append(f"tokenizer.eos_token_ids {bad_eos} are outside the vocabulary [0, {self.model.vocab_size})")
+        out += [f"checksums has no entry for {name}" for name in self.engine_files if name not in self.checksums]
+        for name, digest in self.checksums.items():
+            if Path(name).name != name or name in (".", ".."):
+                out.append(f"checksums names {name!r}, not a file of the engine directory")
+            elif not _CHECKSUM.fullmatch(digest):
+                out.append(f"checksums[{name!r}]={digest!r:.80} is not 'sha256:' and 64 hex digits")
         return out
 
     def to_dict(self) -> dict[str, Any]:
@@ -151,6 +173,45 @@ class EngineConfig:
         return path
 
 
+_CHECKSUM = re.compile(r"sha256:[0-9a-f]{64}")
+_MODEL_DIMS = ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads", "head_dim",
+               "max_position_embeddings")
+
+
+def _model_problems(m: ModelConfig) -> list[str]:
+    out = [f"model.{name}={getattr(m, name)} must be >= 1" for name in _MODEL_DIMS if getattr(m, name) < 1]
+    if m.sliding_window < 0:
+        out.append(f"model.sliding_window={m.sliding_window} must be >= 0 (0: full attention)")
+    out += [f"model.{name}={getattr(m, name)} must be > 0" for name in ("norm_eps", "rope_theta")
+            if not getattr(m, name) > 0]
+    return out
+
+
+def file_checksum(path: str | Path) -> str:
+    """"sha256:<hex>" of a file, read in 1 MiB pieces (a GB-sized engine is never held in memory)."""
+    h = hashlib.sha256()
+    buf = bytearray(1 << 20)
+    view = memoryview(buf)
+    with open(path, "rb", buffering=0) as f:
+        while n := f.readinto(buf):
+            h.update(view[:n])
+    return "sha256:" + h.hexdigest()
+
+
+def verify_checksums(directory: str | Path, config: EngineConfig) -> None:
+    """EngineLoadError naming the first file of the engine directory that is missing or whose content is not
+    what was built (a damaged, truncated or replaced file)."""
+    directory = Path(directory)
+    for name, digest in config.checksums.items():
+        path = directory / name
+        if not path.is_file():
+            raise EngineLoadError(f"{path}: missing; the engine directory is incomplete, rebuild it")
+        actual = file_checksum(path)
+        if actual != digest:
+            raise EngineLoadError(f"{path}: checksum mismatch (built as {digest[:19]}..., now {actual[:19]}...): "
+                                  "the file is damaged or was changed after the build; rebuild the engine")
+
+
 def check_format_version(data: Any, source: str = CONFIG_FILE) -> None:
     """A config.json of a format this kiln reads, else the rebuild error (checked before anything else)."""
     if not isinstance(data, dict):
@@ -160,10 +221,11 @@ def check_format_version(data: Any, source: str = CONFIG_FILE) -> None:
                               "rebuild it")
     fmt = data["format_version"]
     if type(fmt) is not int or fmt not in SUPPORTED_FORMAT_VERSIONS:
+        hint = ("it was written by a newer kiln: upgrade kiln, or rebuild the engine with this kiln's build-engine"
+                if type(fmt) is int and fmt > FORMAT_VERSION else "rebuild the engine with this kiln's build-engine")
         raise EngineLoadError(
-            f"{source}: engine format version {fmt!r} (built by kiln {data.get('kiln_version', '?')}) is not "
-            f"supported by this kiln, which reads format(s) {list(SUPPORTED_FORMAT_VERSIONS)}; rebuild the "
-            "engine with this kiln's build-engine"
+            f"{source}: engine format version {fmt!r} (built by kiln {data.get('kiln_version', '?')!s:.40}) is not "
+            f"supported by this kiln, which reads format(s) {list(SUPPORTED_FORMAT_VERSIONS)}; {hint}"
         )
 
 

@@ -6,6 +6,7 @@ The dataclasses of the engine format are the schema: their field types say what 
 from __future__ import annotations
 
 import dataclasses
+import math
 import types
 import typing
 from typing import Any, TypeVar
@@ -57,7 +58,9 @@ def _check(tp: Any, value: Any, key: str, error: type[Exception]) -> Any:
     }
     if tp in ok:
         if not ok[tp](value):
-            raise error(f"{key!r} must be {_describe(tp)}, got {value!r}")
+            raise error(f"{key!r} must be {_describe(tp)}, got {value!r:.60}")
+        if tp is float and not math.isfinite(value):   # Python's json reads NaN and Infinity
+            raise error(f"{key!r} must be a finite number, got {value!r}")
         return float(value) if tp is float else value
     if origin is list:
         if not isinstance(value, list):

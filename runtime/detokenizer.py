@@ -52,8 +52,17 @@ class IncrementalDetokenizer:
 
 
 def load_tokenizer(engine_dir: str | Path):
-    """The engine directory's tokenizer.json as a ``tokenizers.Tokenizer`` (None if there is none)."""
+    """The engine directory's tokenizer.json as a ``tokenizers.Tokenizer`` (None if there is none);
+    EngineLoadError naming the file when it cannot be read."""
     from tokenizers import Tokenizer
 
+    from kiln.contract import EngineLoadError
+
     path = Path(engine_dir) / "tokenizer.json"
-    return Tokenizer.from_file(str(path)) if path.is_file() else None
+    if not path.is_file():
+        return None
+    try:
+        return Tokenizer.from_file(str(path))
+    except Exception as exc:  # tokenizers raises a bare Exception ("EOF while parsing ...")
+        raise EngineLoadError(f"{path}: not a readable tokenizer ({str(exc).splitlines()[0] if str(exc) else exc!r}); "
+                              "copy tokenizer.json from the checkpoint again or rebuild the engine") from None

@@ -8,6 +8,7 @@ plugin ops registered by importing ``kiln.plugins``.
 
 from __future__ import annotations
 
+import os
 import zipfile
 from pathlib import Path
 from typing import Any
@@ -23,8 +24,11 @@ from kiln.contract import (
     check_inputs,
     kv_cache_shape,
     read_engine_config,
+    verify_checksums,
 )
 from kiln.plugins.native import native_kernels_available
+
+SKIP_CHECKSUM_ENV = "KILN_SKIP_ENGINE_CHECKSUM"   # "1": load without verifying the files' checksums
 
 
 class Engine:
@@ -63,12 +67,20 @@ class Engine:
         return read_engine_config(path)
 
     @classmethod
-    def from_dir(cls, path: str | Path) -> Engine:
+    def from_dir(cls, path: str | Path, verify: bool | None = None) -> Engine:
+        """Load an engine directory. ``verify`` (default: on unless the environment sets
+        ``KILN_SKIP_ENGINE_CHECKSUM=1``) first compares every file with the checksum recorded at build time
+        (about a second per GB: see scripts/bench_engine_load.py), so a damaged engine is refused with
+        EngineLoadError instead of serving garbage."""
         directory = Path(path)
         config = read_engine_config(directory)
         if config.tp_size != 1:
             raise EngineLoadError(f"{directory}: a tensor-parallel engine ({config.tp_size} ranks) needs a "
                                   "multi-rank runtime, which kiln does not have yet")
+        if verify is None:
+            verify = os.environ.get(SKIP_CHECKSUM_ENV, "") != "1"
+        if verify:
+            verify_checksums(directory, config)
         engine_path = directory / config.engine_files[0]
         # Load (compiling on a fresh machine) the plugins' native kernels now, not inside the first
         # request's step, whose TTFT would otherwise carry the one-time compile.

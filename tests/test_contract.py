@@ -30,6 +30,7 @@ from kiln.contract import (
     summary_rows,
 )
 
+SHA = "sha256:" + "ab" * 32
 MODEL = ModelConfig(architecture="LlamaForCausalLM", vocab_size=512, hidden_size=64, intermediate_size=192,
                     num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16, max_position_embeddings=256,
                     rope_scaling={"rope_type": "linear", "factor": 2.0})
@@ -45,7 +46,8 @@ def make_config(**changes) -> EngineConfig:
                              activation_naive_bytes=900, num_buffers=12, kv_bytes_per_token=256,
                              kv_tokens_per_gib=(1 << 30) // 256),
         tokenizer=TokenizerInfo(files=["tokenizer.json"], eos_token_ids=[2], bos_token_id=1),
-        engine_files=["rank0.engine"], build={"dtype": "float32", "max_batch_size": 4},
+        engine_files=["rank0.engine"], checksums={"rank0.engine": "sha256:" + "0" * 64, "tokenizer.json": SHA},
+        build={"dtype": "float32", "max_batch_size": 4},
     )
     return EngineConfig(**{**base, **changes})
 
@@ -75,7 +77,7 @@ def test_engine_config_optional_keys_take_their_defaults():
 
 def _edit(data: dict, path: str, value=..., delete: bool = False) -> dict:
     data = copy.deepcopy(data)
-    *parents, key = path.split(".")
+    *parents, key = path.split(".", 1) if path.startswith("checksums.") else path.split(".")
     node = data
     for p in parents:
         node = node[p]
@@ -109,6 +111,18 @@ def _edit(data: dict, path: str, value=..., delete: bool = False) -> dict:
     ("quantization", "int3", "quantization='int3' is not one of"),
     ("bounds.max_seq_len", 0, "bounds.max_seq_len=0: bounds must be >= 1"),
     ("engine_files", ["engine.pt2"], "engine_files=['engine.pt2'] must be rank0.engine"),
+    ("checksums", None, "key 'checksums' is missing"),
+    ("checksums", {"tokenizer.json": SHA}, "checksums has no entry for rank0.engine"),
+    ("checksums.rank0.engine", "abc", "checksums['rank0.engine']='abc' is not 'sha256:' and 64 hex digits"),
+    ("checksums", {"rank0.engine": SHA, "../x": SHA}, "checksums names '../x', not a file of the engine directory"),
+    ("checksums.tokenizer.json", 5, "'checksums.tokenizer.json' must be a string"),
+    ("model.num_kv_heads", 0, "model.num_kv_heads=0"),
+    ("model.vocab_size", -1, "model.vocab_size=-1"),
+    ("model.norm_eps", float("nan"), "'model.norm_eps' must be a finite number, got nan"),
+    ("model.rope_theta", float("inf"), "'model.rope_theta' must be a finite number"),
+    ("model.sliding_window", -8, "model.sliding_window=-8 must be >= 0"),
+    ("tokenizer.eos_token_ids", [2, 600], "tokenizer.eos_token_ids [600] are outside the vocabulary [0, 512)"),
+    ("memory.weights_bytes", -5, "memory.weights_bytes=-5 must be >= 0"),
 ])
 def test_each_bad_key_is_named(path, value, message):
     data = _edit(make_config().to_dict(), path, value, delete=value is None)
@@ -118,7 +132,7 @@ def test_each_bad_key_is_named(path, value, message):
     assert "rebuild" in str(exc.value)
 
 
-@pytest.mark.parametrize("version", ["2", 2.0, True, None, 1, 3])
+@pytest.mark.parametrize("version", ["3", 3.0, True, None, 1, 2, 4])
 def test_format_version_must_be_a_supported_integer(version):
     data = make_config().to_dict()
     data["format_version"] = version
@@ -139,7 +153,7 @@ def test_engines_of_format_1_get_the_rebuild_error(tmp_path):
     }
     (tmp_path / "config.json").write_text(json.dumps(old))
     with pytest.raises(EngineLoadError, match=r"format version 1 \(built by kiln 0\.1\.0\).*reads format\(s\) "
-                                              r"\[2\]; rebuild the engine with this kiln's build-engine"):
+                                              r"\[3\]; rebuild the engine with this kiln's build-engine"):
         read_engine_config(tmp_path)
 
 
@@ -210,3 +224,56 @@ def test_summary_rows_name_what_both_clis_print():
     assert rows["format / kiln / torch"].startswith(f"{FORMAT_VERSION} / 0.1.0 / ")
     table = format_table(list(rows.items())).splitlines()
     assert table[0] == table[-1] and set(table[0]) == {"-"} and "limits" in table[3]
+
+
+def test_engines_of_format_2_get_the_rebuild_error():
+    """Format 2 (before checksums) is refused like format 1: rebuild to get the checksums."""
+    data = make_config().to_dict()
+    data["format_version"] = 2
+    del data["checksums"]
+    with pytest.raises(EngineLoadError, match=r"format version 2 .*reads format\(s\) \[3\]; rebuild the engine"):
+        EngineConfig.from_dict(data)
+
+
+def _leaves(node, prefix=()):
+    if isinstance(node, dict) and node:
+        for k, v in node.items():
+            yield from _leaves(v, (*prefix, k))
+    elif isinstance(node, list) and node:
+        for i, v in enumerate(node):
+            yield from _leaves(v, (*prefix, i))
+    else:
+        yield prefix
+
+
+HOSTILE_VALUES = [None, "x", -1, 0, 1.5, float("nan"), True, [], {}, [1], 2**70]
+
+
+def test_any_damaged_key_gives_an_engine_load_error_or_a_usable_config():
+    """Every key of config.json deleted or replaced by each hostile value: reading it, and everything the
+    runtime and the CLIs derive from it, raise EngineLoadError or work -- never a KeyError/TypeError."""
+    good = make_config().to_dict()
+    cases = held = 0
+    for path in _leaves(good):
+        if path[0] == "build":
+            continue   # the builder's knobs, read only by BuildConfig.from_dict on a rebuild
+        for value in [...] + HOSTILE_VALUES:
+            data = copy.deepcopy(good)
+            node = data
+            for key in path[:-1]:
+                node = node[key]
+            if value is ...:
+                del node[path[-1]]
+            else:
+                node[path[-1]] = value
+            cases += 1
+            try:
+                cfg = EngineConfig.from_dict(json.loads(json.dumps(data)))
+                summary_rows(cfg)
+                io_spec(cfg)
+                kv_cache_shape(cfg.model, cfg.bounds.tokens_per_block, 4)
+                assert cfg.kv_bytes_per_token > 0
+            except EngineLoadError:
+                pass
+            held += 1
+    assert held == cases > 500

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from kiln.builder import BuildConfig, build_engine
-from kiln.contract import FORMAT_VERSION, EngineConfig, EngineLoadError, io_spec
+from kiln.contract import FORMAT_VERSION, EngineConfig, EngineLoadError, file_checksum, io_spec
 from kiln.runtime import Engine
 
 from paged_batch import PagedBatcher
@@ -130,6 +130,9 @@ def test_engine_directory_contents(engine_of, checkpoint_dir):
     assert cfg["model"]["architecture"] == "LlamaForCausalLM"
     assert cfg["build"]["max_num_tokens"] == 256 and cfg["build"]["kv_cache_dtype"] == "float32"
     assert cfg["tokenizer"]["eos_token_ids"] == [2] and cfg["tokenizer"]["bos_token_id"] == 1
+    # every file the runtime reads has the checksum of what was built
+    assert set(cfg["checksums"]) == {"rank0.engine", *cfg["tokenizer"]["files"]} >= {"tokenizer.json"}
+    assert all(file_checksum(d / name) == digest for name, digest in cfg["checksums"].items())
     # the build section reads back as the BuildConfig that rebuilds this engine; the bounds are resolved from it
     assert BuildConfig.from_dict(cfg["build"]) == BUILD.resolved()
     assert cfg["bounds"]["max_num_logits"] == 256 and cfg["bounds"]["max_blocks_per_seq"] == 32
@@ -316,21 +319,24 @@ def test_load_errors_incompatible(engine_copy):
 
 
 def test_load_errors_corrupt(engine_copy):
+    """Damage is caught by the checksum first; without it (verify=False) by the loader's own checks."""
     path = engine_copy / "rank0.engine"
     data = path.read_bytes()
     path.write_bytes(data[: len(data) // 2])  # truncated
-    with pytest.raises(EngineLoadError, match="corrupt"):
+    with pytest.raises(EngineLoadError, match=r"rank0\.engine: checksum mismatch"):
         Engine.from_dir(engine_copy)
+    with pytest.raises(EngineLoadError, match=r"corrupt engine file \(not a \.pt2 archive\)"):
+        Engine.from_dir(engine_copy, verify=False)
     path.write_bytes(b"this is not an engine" * 100)
-    with pytest.raises(EngineLoadError, match="corrupt"):
-        Engine.from_dir(engine_copy)
+    with pytest.raises(EngineLoadError, match=r"corrupt engine file \(not a \.pt2 archive\)"):
+        Engine.from_dir(engine_copy, verify=False)
     # a valid zip whose contents are damaged
     import zipfile
 
     with zipfile.ZipFile(path, "w") as z:
         z.writestr("archive/data.pkl", b"garbage")
-    with pytest.raises(EngineLoadError, match="corrupt"):
-        Engine.from_dir(engine_copy)
+    with pytest.raises(EngineLoadError, match="the file is corrupt or truncated, rebuild it"):
+        Engine.from_dir(engine_copy, verify=False)
 
 
 # ------------------------------------------------------------------------------ cpu-compiled
