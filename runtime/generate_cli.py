@@ -6,8 +6,8 @@ Its sampling and serving options are the fields of ``SamplingParams`` and ``Exec
 
 from __future__ import annotations
 
-import asyncio
 import json
+import queue
 import sys
 from pathlib import Path
 
@@ -15,10 +15,44 @@ import click
 
 from kiln.clikit import dataclass_options, given
 from kiln.runtime.executor import ExecutorConfig
+from kiln.runtime.outputs import RequestOutput
 from kiln.runtime.sampling_params import SamplingParams
 
 # ExecutorConfig.seed (the default generator's) would clash with the per-request --seed of SamplingParams
 _EXECUTOR_EXCLUDE = ("seed", "metrics_window")
+
+
+def summary_line(out: RequestOutput) -> str:
+    m = out.metrics
+    tpot = f"{m.mean_tpot * 1e3:.1f} ms" if m.mean_tpot is not None else "-"
+    return (f"    [{len(out.token_ids)} tokens, {out.finish_reason}; queue {m.queue_time * 1e3:.1f} ms, "
+            f"TTFT {m.ttft * 1e3:.1f} ms, TPOT {tpot}]")
+
+
+def stream_all(llm, prompts: list[str], params: SamplingParams) -> None:
+    """Submit every prompt at once (they are batched), then print each one's text as it arrives, one prompt
+    after the other: the same layout as without --stream. Any exception (Ctrl-C) aborts them all."""
+    queues: list[queue.SimpleQueue] = [queue.SimpleQueue() for _ in prompts]
+    ids = []
+    try:
+        for prompt, q in zip(prompts, queues):
+            ids.append(llm.submit(prompt, params, callback=q.put))
+        for prompt, q in zip(prompts, queues):
+            click.echo(f"--- {prompt!r}")
+            while True:
+                out = q.get()
+                click.echo(out.delta_text, nl=False)
+                sys.stdout.flush()
+                if out.finished:
+                    break
+            click.echo()
+            if out.error:
+                raise click.ClickException(out.error)
+            click.echo(summary_line(out))
+    except BaseException:
+        for rid in ids:
+            llm.abort(rid)
+        raise
 
 
 @click.command()
@@ -28,7 +62,8 @@ _EXECUTOR_EXCLUDE = ("seed", "metrics_window")
 @click.option("--prompt-file", type=click.File("r"), help="One prompt per line ('-' for stdin).")
 @dataclass_options(SamplingParams)
 @dataclass_options(ExecutorConfig, exclude=_EXECUTOR_EXCLUDE)
-@click.option("--stream", is_flag=True, help="Print text as it is generated (one prompt).")
+@click.option("--stream", is_flag=True, help="Print text as it is generated: every prompt runs at once; each one's "
+                                            "text is printed under its header in turn.")
 @click.option("--json", "as_json", is_flag=True, help="One JSON object per output.")
 @click.option("--quiet-metrics", is_flag=True, help="Do not print the metrics summary.")
 def generate(engine_dir: Path, prompts: tuple[str, ...], prompt_file, stream: bool, as_json: bool,
@@ -49,31 +84,18 @@ def generate(engine_dir: Path, prompts: tuple[str, ...], prompt_file, stream: bo
     except KilnError as exc:
         raise click.ClickException(str(exc)) from None
     try:
-        if stream and len(prompts) == 1 and not as_json:
-            async def run():
-                last = None
-                async for out in llm.generate_async(prompts[0], params):
-                    sys.stdout.write(out.delta_text)
-                    sys.stdout.flush()
-                    last = out
-                return [last]
-
-            outs = asyncio.run(run())
-            click.echo()
+        if stream and not as_json:
+            stream_all(llm, prompts, params)
         else:
-            outs = llm.generate(prompts, params)
-        for out in outs:
-            m = out.metrics
-            if as_json:
-                click.echo(json.dumps({"request_id": out.request_id, "prompt": out.prompt, "text": out.text,
-                                       "token_ids": out.token_ids, "finish_reason": out.finish_reason,
-                                       "metrics": m.as_dict()}))
-            elif not stream:
-                click.echo(f"--- {out.prompt!r}")
-                click.echo(f"{out.text}")
-                tpot = f"{m.mean_tpot * 1e3:.1f} ms" if m.mean_tpot is not None else "-"
-                click.echo(f"    [{len(out.token_ids)} tokens, {out.finish_reason}; queue {m.queue_time * 1e3:.1f} ms, "
-                           f"TTFT {m.ttft * 1e3:.1f} ms, TPOT {tpot}]")
+            for out in llm.generate(prompts, params):
+                if as_json:
+                    click.echo(json.dumps({"request_id": out.request_id, "prompt": out.prompt, "text": out.text,
+                                           "token_ids": out.token_ids, "finish_reason": out.finish_reason,
+                                           "metrics": out.metrics.as_dict()}))
+                else:
+                    click.echo(f"--- {out.prompt!r}")
+                    click.echo(out.text)
+                    click.echo(summary_line(out))
         if not quiet_metrics and not as_json:
             click.echo("--- metrics")
             click.echo(llm.metrics_summary())
