@@ -83,7 +83,11 @@ def _stage(name: str, timings: dict[str, float], progress: Progress | None):
 
 
 def _check_output_dir(ckpt: Path, out: Path) -> None:
-    """The output is replaced wholesale: refuse anything that is not an engine directory we wrote."""
+    """The output is replaced wholesale: refuse anything that is not an engine directory we wrote, or a path
+    that cannot become a directory (checked before any stage runs, named as the user gave it)."""
+    above = next((p for p in out.parents if p.exists()), None)
+    if above is not None and not above.is_dir():
+        raise EngineBuildError(f"output {out}: {above} is not a directory; choose another --output")
     c, o = ckpt.resolve(), out.resolve()
     if o == c or o in c.parents:
         raise EngineBuildError(f"output directory {out} would replace the checkpoint {ckpt}; choose another --output")
@@ -104,18 +108,41 @@ def build_engine(
     progress: Progress | None = None,
 ) -> Path:
     """Build the engine of ``checkpoint_dir`` into ``output_dir`` (created or overwritten); returns it."""
-    from kiln.model_defs import build_model, load_checkpoint, load_config
+    from kiln.model_defs import load_config
 
     build = (build or BuildConfig()).validate()
     check_names(build.disabled_passes)
     ckpt, out = Path(checkpoint_dir), Path(output_dir)
     _check_output_dir(ckpt, out)
-    timings: dict[str, float] = {}
-    t_total = time.perf_counter()
-
     model = load_config(ckpt)
     build.check_model(model)
+    tmp = _make_build_dir(out)
+    try:
+        return _build(ckpt, out, tmp, build, model, progress)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
 
+
+def _make_build_dir(out: Path) -> Path:
+    """The directory the engine is written into before it replaces ``out``; made before the first stage, so an
+    output where nothing can be created fails at once, not after minutes of tracing and exporting."""
+    tmp = out.with_name(out.name + ".tmp-build")
+    try:
+        if tmp.exists():
+            shutil.rmtree(tmp)
+        tmp.mkdir(parents=True)
+    except OSError as exc:
+        raise EngineBuildError(f"output {out}: cannot create {tmp} ({exc.strerror}); choose an --output in a "
+                               "directory you can write to") from None
+    return tmp
+
+
+def _build(ckpt: Path, out: Path, tmp: Path, build: BuildConfig, model, progress: Progress | None) -> Path:
+    """The stages, writing into ``tmp``, which then replaces ``out``."""
+    from kiln.model_defs import build_model, load_checkpoint
+
+    timings: dict[str, float] = {}
+    t_total = time.perf_counter()
     with _stage("load", timings, progress):
         _, weights = load_checkpoint(ckpt, build.dtype)
         module = build_model(model, weights)
@@ -144,45 +171,37 @@ def build_engine(
             kv_bytes_per_token=kv_bytes,
             kv_tokens_per_gib=(1 << 30) // kv_bytes,
         )
-    tmp = out.with_name(out.name + ".tmp-build")
-    if tmp.exists():
-        shutil.rmtree(tmp)
-    tmp.mkdir(parents=True)
-    try:
-        with _stage("compile", timings, progress):
-            engine_file = rank_file(0)
-            backend_stats = BACKENDS[build.backend].compile(ep, tmp / engine_file, trace.example_inputs(model, build))
-        with _stage("write", timings, progress):
-            eos_ids, bos_id = special_tokens(ckpt)
-            copied = []
-            for name in TOKENIZER_FILES:
-                if (ckpt / name).is_file():
-                    shutil.copy2(ckpt / name, tmp / name)
-                    copied.append(name)
-            resolved = build.resolved()
-            checksums = {name: file_checksum(tmp / name) for name in [engine_file, *copied]}
-            EngineConfig(
-                format_version=FORMAT_VERSION, torch_version=torch.__version__, kiln_version=kiln_version(),
-                backend=build.backend, dtype=build.dtype, kv_cache_dtype=resolved.kv_cache_dtype,
-                quantization=build.quantization, model=model, bounds=build.engine_bounds(), memory=summary,
-                tokenizer=TokenizerInfo(files=copied, eos_token_ids=eos_ids, bos_token_id=bos_id),
-                engine_files=[engine_file], checksums=checksums, build=resolved.to_dict(),
-            ).write(tmp)
-        timings["total"] = round(time.perf_counter() - t_total, 3)
-        report = {
-            "checkpoint": str(ckpt.resolve()),
-            "timings_s": timings,
-            "gemms": {"before_passes": gemms_before, "after_passes": gemms_after},
-            "passes": pass_stats,
-            "backend": backend_stats,
-            "memory": dataclasses.asdict(summary),
-            "memory_plan": arena,
-        }
-        (tmp / REPORT_FILE).write_text(json.dumps(report, indent=2, default=str) + "\n")
-        if out.exists():
-            shutil.rmtree(out)
-        tmp.rename(out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+    with _stage("compile", timings, progress):
+        engine_file = rank_file(0)
+        backend_stats = BACKENDS[build.backend].compile(ep, tmp / engine_file, trace.example_inputs(model, build))
+    with _stage("write", timings, progress):
+        eos_ids, bos_id = special_tokens(ckpt)
+        copied = []
+        for name in TOKENIZER_FILES:
+            if (ckpt / name).is_file():
+                shutil.copy2(ckpt / name, tmp / name)
+                copied.append(name)
+        resolved = build.resolved()
+        checksums = {name: file_checksum(tmp / name) for name in [engine_file, *copied]}
+        EngineConfig(
+            format_version=FORMAT_VERSION, torch_version=torch.__version__, kiln_version=kiln_version(),
+            backend=build.backend, dtype=build.dtype, kv_cache_dtype=resolved.kv_cache_dtype,
+            quantization=build.quantization, model=model, bounds=build.engine_bounds(), memory=summary,
+            tokenizer=TokenizerInfo(files=copied, eos_token_ids=eos_ids, bos_token_id=bos_id),
+            engine_files=[engine_file], checksums=checksums, build=resolved.to_dict(),
+        ).write(tmp)
+    timings["total"] = round(time.perf_counter() - t_total, 3)
+    report = {
+        "checkpoint": str(ckpt.resolve()),
+        "timings_s": timings,
+        "gemms": {"before_passes": gemms_before, "after_passes": gemms_after},
+        "passes": pass_stats,
+        "backend": backend_stats,
+        "memory": dataclasses.asdict(summary),
+        "memory_plan": arena,
+    }
+    (tmp / REPORT_FILE).write_text(json.dumps(report, indent=2, default=str) + "\n")
+    if out.exists():
+        shutil.rmtree(out)
+    tmp.rename(out)
     return out

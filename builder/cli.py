@@ -62,7 +62,7 @@ def build_engine_cmd(checkpoint, output, config_path, disabled, **flags) -> None
     click.echo(f"building {checkpoint} -> {output} ({build.backend}, {build.dtype}, quantization {build.quantization})")
     try:
         out = build_engine(checkpoint, output, build, progress=progress)
-    except (KilnError, FileNotFoundError) as exc:
+    except (KilnError, OSError) as exc:   # OSError: the disk filled up, a file vanished during the build
         if started:
             click.echo("")
         raise click.ClickException(str(exc)) from None

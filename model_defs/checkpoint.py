@@ -31,15 +31,24 @@ def family_of(architecture: str) -> ModuleType:
 
 
 def read_hf_config(ckpt_dir: Path) -> dict:
+    if not ckpt_dir.exists():
+        raise CheckpointError(f"checkpoint directory {ckpt_dir} does not exist")
+    if not ckpt_dir.is_dir():
+        raise CheckpointError(f"checkpoint directory {ckpt_dir} is not a directory")
     path = ckpt_dir / "config.json"
     if not path.is_file():
         raise CheckpointError(f"{path}: no config.json; is {ckpt_dir} a Hugging Face checkpoint directory?")
     try:
         hf = json.loads(path.read_text())
-    except json.JSONDecodeError as exc:
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise CheckpointError(f"{path}: not valid JSON ({exc})") from None
-    if not hf.get("architectures"):
+    if not isinstance(hf, dict):
+        raise CheckpointError(f"{path}: must be a JSON object, got {type(hf).__name__}")
+    archs = hf.get("architectures")
+    if not archs:
         raise CheckpointError(f"{path}: 'architectures' is missing; cannot tell which model family this is")
+    if not isinstance(archs, list) or not all(isinstance(a, str) for a in archs):
+        raise CheckpointError(f"{path}: 'architectures' must be a list of model class names, got {archs!r:.60}")
     return hf
 
 
@@ -91,6 +100,10 @@ def weight_files(ckpt_dir: Path) -> list[Path]:
     raise CheckpointError(f"{ckpt_dir}: no model.safetensors or model.safetensors.index.json")
 
 
+def _count_non_finite(t: torch.Tensor) -> int:
+    return t.numel() - int(torch.isfinite(t).sum())
+
+
 def load_checkpoint(ckpt_dir: str | Path,
                     dtype: torch.dtype | str = torch.float32) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
     """Read config and weights, check each tensor against the family's layout, convert to ``dtype``."""
@@ -136,9 +149,19 @@ def load_checkpoint(ckpt_dir: str | Path,
             if not tensor.is_floating_point():
                 raise CheckpointError(f"{path}: tensor {raw_name!r} has dtype {tensor.dtype}, "
                                       "expected a floating-point weight")
+            bad = _count_non_finite(tensor)
+            if bad:
+                raise CheckpointError(f"{path}: tensor {raw_name!r} has {bad} NaN or infinite values; the checkpoint "
+                                      "is damaged (an engine built from it would compute garbage)")
             seen[name] = path
             for kiln_name, value in spec.convert(tensor).items():
-                weights[kiln_name] = value.to(dtype)
+                weights[kiln_name] = value = value.to(dtype)
+                bad = _count_non_finite(value)
+                if bad:
+                    raise CheckpointError(
+                        f"{path}: tensor {raw_name!r} has {bad} value{'s' if bad > 1 else ''} beyond the range of "
+                        f"{dtype} (largest magnitude {tensor.abs().max().item():.3g}); build with a wider --dtype "
+                        "(float32 or bfloat16)")
     missing = [name for name in layout if name not in seen]
     if missing:
         weight_map = index_weight_map(ckpt_dir) or {}

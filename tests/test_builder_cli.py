@@ -83,3 +83,27 @@ def test_output_dir_is_never_a_foreign_directory(checkpoint_dir, tmp_path):
     result = CliRunner().invoke(build_engine_cmd, ["--checkpoint", str(ckpt), "--output", str(foreign)])
     assert result.exit_code != 0 and "refusing to replace it" in result.output
     assert (foreign / "notes.txt").read_text() == "keep me"
+
+
+@pytest.mark.parametrize("where", ["file_parent", "sysfs"])
+def test_an_unusable_output_is_named_before_the_build_starts(checkpoint_dir, tmp_path, monkeypatch, where):
+    """An output whose parent is a file, or where nothing can be created, fails before the load stage, naming
+    the path as it was given (relative stays relative)."""
+    monkeypatch.chdir(tmp_path)
+    if where == "file_parent":
+        (tmp_path / "notes.txt").write_text("a file")
+        given_path, reason = "notes.txt/engine", "notes.txt is not a directory"
+    else:
+        given_path, reason = "/sys/kiln-test-engine", "cannot create"
+    result = CliRunner().invoke(build_engine_cmd, ["--checkpoint", str(checkpoint_dir("gpt2")), "--output", given_path])
+    assert result.exit_code == 1, result.output
+    assert f"output {given_path}: " in result.output and reason in result.output, result.output
+    assert "[1/7] load" not in result.output and "Traceback" not in result.output
+    assert not list(tmp_path.glob("*.tmp-build"))
+
+
+def test_a_missing_checkpoint_is_reported_as_missing(tmp_path):
+    result = CliRunner().invoke(build_engine_cmd, ["--checkpoint", str(tmp_path / "nowhere"),
+                                                   "--output", str(tmp_path / "eng")])
+    assert result.exit_code == 1 and f"checkpoint directory {tmp_path / 'nowhere'} does not exist" in result.output
+    assert not (tmp_path / "eng").exists()

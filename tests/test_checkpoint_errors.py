@@ -282,3 +282,45 @@ def test_train_on_corpus_lowers_the_loss_and_rejects_a_short_corpus():
     assert not model.training
     with pytest.raises(ValueError, match="fewer than a training window"):
         train_on_corpus(model, ids[:10], 1)
+
+
+def test_missing_checkpoint_directory(tmp_path):
+    with pytest.raises(CheckpointError, match=r"checkpoint directory .*nowhere does not exist"):
+        load_config(tmp_path / "nowhere")
+    (tmp_path / "afile").write_text("x")
+    with pytest.raises(CheckpointError, match=r"checkpoint directory .*afile is not a directory"):
+        load_checkpoint(tmp_path / "afile")
+
+
+@pytest.mark.parametrize("content, message", [
+    ("[1, 2]", "config.json: must be a JSON object, got list"),
+    ('"LlamaForCausalLM"', "config.json: must be a JSON object, got str"),
+    ('{"architectures": "LlamaForCausalLM"}', "'architectures' must be a list of model class names, got 'Llama"),
+    ('{"architectures": [7]}', "'architectures' must be a list of model class names, got [7]"),
+])
+def test_config_json_of_the_wrong_shape(llama, content, message):
+    (llama / "config.json").write_text(content)
+    with pytest.raises(CheckpointError) as exc:
+        load_config(llama)
+    assert message in str(exc.value), str(exc.value)
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])
+def test_non_finite_weights_are_named(llama, bad):
+    def poison(t):
+        w = t["model.layers.1.mlp.down_proj.weight"]
+        w[3, 5] = bad
+        w[0, 0] = bad
+    edit_tensors(llama / "model.safetensors", poison)
+    with pytest.raises(CheckpointError, match=r"tensor 'model\.layers\.1\.mlp\.down_proj\.weight' has 2 NaN or "
+                                              r"infinite values"):
+        load_checkpoint(llama)
+
+
+def test_weights_that_overflow_the_build_dtype_are_named(llama):
+    edit_tensors(llama / "model.safetensors", lambda t: t["model.norm.weight"].__setitem__(0, 1e6))
+    load_checkpoint(llama, torch.float32)
+    load_checkpoint(llama, torch.bfloat16)      # bfloat16 has float32's range
+    with pytest.raises(CheckpointError, match=r"tensor 'model\.norm\.weight' has 1 values? beyond the range of "
+                                              r"torch\.float16"):
+        load_checkpoint(llama, torch.float16)
