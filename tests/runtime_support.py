@@ -7,7 +7,9 @@ generation per prompt is cached and shorter ones are its prefixes (greedy decodi
 
 from __future__ import annotations
 
+import asyncio
 import atexit
+import queue
 import random
 import shutil
 import tempfile
@@ -15,6 +17,8 @@ import time
 from pathlib import Path
 
 import torch
+
+from kiln.runtime import SamplingParams
 
 _ENGINES: dict[tuple, object] = {}
 _HF_MODELS: dict[str, object] = {}
@@ -77,3 +81,36 @@ def assert_no_leak(llm) -> None:
     kv.check_consistency()
     assert kv.num_used_blocks == 0, f"{kv.num_used_blocks} blocks still referenced after every request ended"
     assert kv.num_free_blocks == kv.num_blocks
+
+
+# ---- one request through each of the LLM's entry points (the reliability and property tests) -------------
+PROMPT = [5, 6, 7, 8]
+ENTRY_POINTS = ("generate", "stream", "generate_async", "submit")
+
+
+GREEDY = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+
+
+def run_via(llm, how: str, prompt, params, **kw):
+    """The final output of one request through one of the LLM's entry points."""
+    if how == "generate":   # a batch of one (a bare list of strings would be a batch of text prompts)
+        return llm.generate([prompt], params, timeout=60, **kw)[0]
+    if how == "stream":
+        return list(llm.stream(prompt, params, **kw))[-1]
+    if how == "generate_async":
+        async def main():
+            return [out async for out in llm.generate_async(prompt, params, **kw)][-1]
+
+        return asyncio.run(main())
+    q: queue.SimpleQueue = queue.SimpleQueue()
+    llm.submit(prompt, params, callback=q.put, **kw)
+    while not (out := q.get(timeout=60)).finished:
+        pass
+    return out
+
+
+def still_serves(llm, ckpt) -> None:
+    """The LLM returns transformers' greedy output and ends holding no KV block."""
+    (out,) = llm.generate([PROMPT], GREEDY, timeout=60)
+    assert out.token_ids == hf_greedy(ckpt, PROMPT, 6, ignore_eos=True)
+    assert_no_leak(llm)

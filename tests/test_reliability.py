@@ -5,10 +5,8 @@ After each, the LLM still returns transformers' greedy output and holds no KV bl
 
 from __future__ import annotations
 
-import asyncio
 import faulthandler
 import gc
-import queue
 import signal
 import subprocess
 import sys
@@ -29,14 +27,21 @@ from kiln.runtime import (
 )
 from kiln.runtime.executor import MAX_STEP_FAILURES
 
-from runtime_support import assert_no_leak, get_engine, hf_greedy, random_prompts
+from runtime_support import (
+    ENTRY_POINTS,
+    GREEDY,
+    PROMPT,
+    assert_no_leak,
+    get_engine,
+    hf_greedy,
+    random_prompts,
+    run_via,
+    still_serves,
+)
 
 pytestmark = pytest.mark.xdist_group("runtime")
 
 VOCAB = 512
-PROMPT = [5, 6, 7, 8]
-GREEDY = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
-ENTRY_POINTS = ("generate", "stream", "generate_async", "submit")
 
 
 @pytest.fixture(autouse=True)
@@ -51,30 +56,6 @@ def watchdog():
 def llama(checkpoint_dir):
     ckpt = checkpoint_dir("llama")
     return ckpt, get_engine(ckpt)
-
-
-def run_via(llm: LLM, how: str, prompt, params: SamplingParams, **kw):
-    """The final output of one request through one of the LLM's entry points."""
-    if how == "generate":   # a batch of one (a bare list of strings would be a batch of text prompts)
-        return llm.generate([prompt], params, timeout=60, **kw)[0]
-    if how == "stream":
-        return list(llm.stream(prompt, params, **kw))[-1]
-    if how == "generate_async":
-        async def main():
-            return [out async for out in llm.generate_async(prompt, params, **kw)][-1]
-
-        return asyncio.run(main())
-    q: queue.SimpleQueue = queue.SimpleQueue()
-    llm.submit(prompt, params, callback=q.put, **kw)
-    while not (out := q.get(timeout=60)).finished:
-        pass
-    return out
-
-
-def still_serves(llm: LLM, ckpt) -> None:
-    (out,) = llm.generate([PROMPT], GREEDY, timeout=60)
-    assert out.token_ids == hf_greedy(ckpt, PROMPT, 6, ignore_eos=True)
-    assert_no_leak(llm)
 
 
 # ---- defects 1 and 11: malformed sampling fields ------------------------------------------------------------
