@@ -28,6 +28,7 @@ from hypothesis import strategies as st
 from prometheus_client.parser import text_string_to_metric_families
 
 from kiln.runtime import LLM, SamplingParams
+from kiln.runtime.executor import MAX_STEP_FAILURES
 
 from runtime_support import get_engine, random_prompts
 
@@ -628,7 +629,8 @@ def test_sigterm_past_the_shutdown_timeout_aborts_the_rest(engine, tmp_path):
 
 # ---- step-loop failure (in-process server: the fault is injected into the real engine) --------------------
 class FailingEngine:
-    """The real engine, whose ``run`` raises once ``armed`` (a fault in the step loop)."""
+    """The real engine, whose ``run`` raises once ``armed`` (a fault in the step loop: each failed step fails
+    its requests; MAX_STEP_FAILURES in a row stop the executor)."""
 
     def __init__(self, engine):
         self._engine = engine
@@ -664,16 +666,18 @@ def test_step_loop_failure_gives_500_and_unhealthy(engine):
             assert ok.status_code == 200 and ok.json()["choices"][0]["text"] == greedy(llm, [5, 6], 3).text
             r = http.post(CHAT, json={"messages": USER})   # no chat template: a 400 that says how to add one
             assert r.status_code == 400 and "--chat-template" in r.json()["error"]["message"]
-            faulty.armed = True
-            r = http.post(CMPL, json={"prompt": [5, 6], "max_tokens": 3})
-            assert r.status_code == 500 and "injected engine fault" in r.json()["error"]["message"]
-            health = http.get("/health")
-            assert health.status_code == 503 and "injected engine fault" in health.json()["detail"]
+            faulty.armed = True   # one failed step fails its request; the third in a row stops the executor
+            for attempt in range(1, MAX_STEP_FAILURES + 1):
+                r = http.post(CMPL, json={"prompt": [5, 6], "max_tokens": 3})
+                assert r.status_code == 500 and "injected engine fault" in r.json()["error"]["message"]
+                health = http.get("/health")
+                assert health.status_code == (200 if attempt < MAX_STEP_FAILURES else 503), health.text
+            assert "failed 3 steps in a row" in health.json()["detail"]
             r = http.post(CMPL, json={"prompt": [5, 6], "max_tokens": 3})
             assert r.status_code == 503 and "not serving" in r.json()["error"]["message"]
             metrics = http.get("/metrics").text
             assert "kiln_healthy 0.0" in metrics
-            assert 'kiln_requests_finished_total{finish_reason="error"} 1.0' in metrics
+            assert f'kiln_requests_finished_total{{finish_reason="error"}} {float(MAX_STEP_FAILURES)}' in metrics
     finally:
         server.should_exit = True
         thread.join(30)
