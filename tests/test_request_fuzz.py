@@ -20,7 +20,7 @@ from kiln.runtime import LLM, SamplingParams
 
 from runtime_support import ENTRY_POINTS, assert_no_leak, get_engine, run_via, still_serves
 
-pytestmark = pytest.mark.xdist_group("runtime")
+pytestmark = pytest.mark.xdist_group("fuzz")   # its own group: ~40 s beside the runtime tests, not after them
 
 EXAMPLES = 1000
 VOCAB = 512
