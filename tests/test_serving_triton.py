@@ -280,7 +280,7 @@ def test_triton_repo_refuses_bad_options_before_writing(engine, tmp_path):
     cases = {
         ("--instances", "0"): "--instances",
         ("--max-batch-size", "99"): "1..16",
-        ("--max-num-tokens", "0"): "max_num_tokens must be >= 1",
+        ("--max-num-tokens", "0"): "max_num_tokens must be an integer >= 1",
         ("--kv-cache-memory-fraction", "1.5"): "(0, 1]",
         ("--max-kv-cache-tokens", "3"): "one KV block",
         ("--max-queue-size", "-1"): "--max-queue-size",
@@ -331,7 +331,7 @@ def test_runtime_options_from_config_parameters(engine):
         ({"max_batch_size": "four"}, "max_batch_size='four': allowed values are an integer"),
         ({"enable_prefix_reuse": "maybe"}, "enable_prefix_reuse='maybe': allowed values are true or false"),
         ({"max_queue_size": "-1"}, "max_queue_size=-1: allowed values are >= 0"),
-        ({"kv_cache_memory_fraction": "0"}, "kv_cache_memory_fraction=0.0: allowed values are in (0, 1]"),
+        ({"kv_cache_memory_fraction": "0"}, "kv_cache_memory_fraction must be a finite number in (0, 1]"),
         ({"max_num_tokens": "100000"}, "max_num_tokens=100000: allowed values are 1.."),
         ({"capacity_policy": "fifo"}, "capacity_policy must be one of"),
     ]:

@@ -59,9 +59,6 @@ def check_runtime(config: ExecutorConfig, max_queue_size: int, bounds: EngineBou
         value, limit = getattr(config, name), getattr(bounds, name)
         if value is not None and value > limit:
             raise OptionError(name, value, f"1..{limit} (the engine's bound; rebuild it to raise it)")
-    f = config.kv_cache_memory_fraction
-    if f is not None and not 0.0 < f <= 1.0:
-        raise OptionError("kv_cache_memory_fraction", f, "in (0, 1]")
     if config.max_kv_cache_tokens is not None and config.max_kv_cache_tokens < bounds.tokens_per_block:
         raise OptionError("max_kv_cache_tokens", config.max_kv_cache_tokens,
                           f">= {bounds.tokens_per_block} (one KV block)")
