@@ -173,7 +173,8 @@ def _build(ckpt: Path, out: Path, tmp: Path, build: BuildConfig, model, progress
         )
     with _stage("compile", timings, progress):
         engine_file = rank_file(0)
-        backend_stats = BACKENDS[build.backend].compile(ep, tmp / engine_file, trace.example_inputs(model, build))
+        backend_stats = BACKENDS[build.backend].compile(ep, tmp / engine_file, trace.example_inputs(model, build),
+                                                          build)
     with _stage("write", timings, progress):
         eos_ids, bos_id = special_tokens(ckpt)
         copied = []
@@ -182,7 +183,9 @@ def _build(ckpt: Path, out: Path, tmp: Path, build: BuildConfig, model, progress
                 shutil.copy2(ckpt / name, tmp / name)
                 copied.append(name)
         resolved = build.resolved()
-        checksums = {name: file_checksum(tmp / name) for name in [engine_file, *copied]}
+        # every file the runtime reads: the engine files, a backend's side files (an ONNX model's external
+        # weights), the tokenizer files (config.json and build_report.json are not written yet)
+        checksums = {p.name: file_checksum(p) for p in sorted(tmp.iterdir()) if p.is_file()}
         EngineConfig(
             format_version=FORMAT_VERSION, torch_version=torch.__version__, kiln_version=kiln_version(),
             backend=build.backend, dtype=build.dtype, kv_cache_dtype=resolved.kv_cache_dtype,

@@ -21,8 +21,10 @@ from kiln.contract import DTYPES as _TORCH_DTYPES
 DTYPES = tuple(_TORCH_DTYPES)
 KV_DTYPES = ("auto",) + DTYPES
 LOGITS_DTYPES = ("float32",)
+ONNX_OPTIMIZATION = ("disable", "basic", "extended", "all")
 
-__all__ = ["BACKENDS", "DTYPES", "KV_DTYPES", "LOGITS_DTYPES", "QUANTIZATIONS", "BuildConfig", "BuildConfigError"]
+__all__ = ["BACKENDS", "DTYPES", "KV_DTYPES", "LOGITS_DTYPES", "ONNX_OPTIMIZATION", "QUANTIZATIONS", "BuildConfig",
+           "BuildConfigError"]
 
 
 def _knob(default: Any, help: str, choices: tuple[str, ...] | None = None) -> Any:
@@ -33,7 +35,8 @@ def _knob(default: Any, help: str, choices: tuple[str, ...] | None = None) -> An
 @dataclass
 class BuildConfig:
     dtype: str = _knob("float32", "Engine dtype of weights and activations.", DTYPES)
-    backend: str = _knob("cpu", "cpu: a serialized torch.export program; cpu-compiled: an AOTInductor package.",
+    backend: str = _knob("cpu", "cpu: a serialized torch.export program; cpu-compiled: an AOTInductor package; "
+                                "onnx: an ONNX model run by onnxruntime; tensorrt: a TensorRT plan (NVIDIA GPU).",
                          BACKENDS)
     max_batch_size: int = _knob(8, "Most sequences in one step (context and generation together).")
     max_input_len: int = _knob(512, "Longest prompt accepted.")
@@ -50,6 +53,13 @@ class BuildConfig:
     gather_all_logits: bool = _knob(False, "Logits for every token of a step, not only each sequence's last.")
     disabled_passes: list[str] = field(default_factory=list, metadata={
         "help": "Graph passes to skip (build-engine --passes lists them)."})
+    max_num_blocks: int | None = _knob(None, "Largest KV pool (blocks) the engine accepts (default: unbounded; "
+                                             "tensorrt: max_batch_size x max_blocks_per_seq x 4).")
+    onnx_threads: int = _knob(0, "onnx: onnxruntime intra-op threads (0: torch's thread count when loaded).")
+    onnx_optimization: str = _knob("all", "onnx: onnxruntime graph optimization level.", ONNX_OPTIMIZATION)
+    num_tokens_profiles: list[int] = field(default_factory=list, metadata={
+        "help": "tensorrt: one optimization profile per value, covering num_tokens up to it (ascending, the last "
+                "= max_num_tokens; default: one profile)."})
 
     def __post_init__(self) -> None:
         self.validate()
@@ -68,6 +78,7 @@ class BuildConfig:
         choice("backend", BACKENDS)
         choice("kv_cache_dtype", KV_DTYPES)
         choice("quantization", QUANTIZATIONS)
+        choice("onnx_optimization", ONNX_OPTIMIZATION)
         if self.logits_dtype not in LOGITS_DTYPES:
             out.append(f"logits_dtype={self.logits_dtype!r}: the engine contract returns float32 logits; use 'float32'")
         ints = ("max_batch_size", "max_input_len", "max_seq_len", "max_num_tokens", "tokens_per_block", "group_size")
@@ -84,6 +95,15 @@ class BuildConfig:
             bad_int = True
         if not isinstance(self.gather_all_logits, bool):
             out.append(f"gather_all_logits={self.gather_all_logits!r} must be true or false")
+        if self.max_num_blocks is not None and (isinstance(self.max_num_blocks, bool)
+                                                or not isinstance(self.max_num_blocks, int) or self.max_num_blocks < 1):
+            out.append(f"max_num_blocks={self.max_num_blocks!r} must be a positive integer or null")
+        if isinstance(self.onnx_threads, bool) or not isinstance(self.onnx_threads, int) or self.onnx_threads < 0:
+            out.append(f"onnx_threads={self.onnx_threads!r} must be an integer >= 0 (0: torch's thread count)")
+        if not isinstance(self.num_tokens_profiles, list) or not all(
+                isinstance(v, int) and not isinstance(v, bool) and v >= 1 for v in self.num_tokens_profiles):
+            out.append(f"num_tokens_profiles={self.num_tokens_profiles!r} must be a list of positive integers")
+            bad_int = True
         if not isinstance(self.disabled_passes, list) or not all(isinstance(p, str) for p in self.disabled_passes):
             out.append(f"disabled_passes={self.disabled_passes!r} must be a list of pass names")
         if bad_int:
@@ -109,6 +129,16 @@ class BuildConfig:
                 f"opt_num_tokens={self.opt_num_tokens} > max_num_tokens={self.max_num_tokens}; "
                 "lower opt_num_tokens or set it to null"
             )
+        profiles = self.num_tokens_profiles
+        if profiles and self.backend != "tensorrt":
+            out.append(f"num_tokens_profiles={profiles} is for backend 'tensorrt' (this build is "
+                       f"{self.backend!r}); remove it or build with --backend tensorrt")
+        elif profiles and (profiles != sorted(set(profiles)) or profiles[-1] != self.max_num_tokens):
+            out.append(f"num_tokens_profiles={profiles} must be strictly ascending and end at "
+                       f"max_num_tokens={self.max_num_tokens} (e.g. [{self.max_batch_size}, {self.max_num_tokens}])")
+        if self.backend == "onnx" and self.dtype != "float32":
+            out.append(f"dtype={self.dtype!r} with backend 'onnx': onnxruntime's CPU kernels are float32 (no bfloat16 "
+                       "MatMul); use dtype 'float32', or backend 'tensorrt' for 16-bit engines")
         if self.quantization == "int4_weight_only" and self.group_size % 2:
             out.append(f"group_size={self.group_size} must be even for int4 (two weights per byte)")
         if self.quantization != "none" and self.dtype == "float16":
@@ -163,6 +193,13 @@ class BuildConfig:
         return math.ceil(self.max_seq_len / self.tokens_per_block)
 
     @property
+    def resolved_max_num_blocks(self) -> int | None:
+        """The KV pool bound (tensorrt needs one for its optimization profiles; others: unbounded)."""
+        if self.max_num_blocks is not None or self.backend != "tensorrt":
+            return self.max_num_blocks
+        return 4 * self.max_batch_size * self.max_blocks_per_seq
+
+    @property
     def max_num_logits(self) -> int:
         return self.max_num_tokens if self.gather_all_logits else self.max_batch_size
 
@@ -171,18 +208,20 @@ class BuildConfig:
         return EngineBounds(
             max_batch_size=self.max_batch_size, max_num_tokens=self.max_num_tokens, max_input_len=self.max_input_len,
             max_seq_len=self.max_seq_len, tokens_per_block=self.tokens_per_block, max_num_logits=self.max_num_logits,
-            max_blocks_per_seq=self.max_blocks_per_seq,
+            max_blocks_per_seq=self.max_blocks_per_seq, max_num_blocks=self.resolved_max_num_blocks or 0,
         )
 
     def resolved(self) -> BuildConfig:
         """This config with its documented sentinels replaced by what they mean (``kv_cache_dtype: auto``,
         ``opt_num_tokens: null``): what config.json records, and what rebuilds the same engine."""
-        return self.replace(kv_cache_dtype=self.resolved_kv_cache_dtype, opt_num_tokens=self.resolved_opt_num_tokens)
+        return self.replace(kv_cache_dtype=self.resolved_kv_cache_dtype, opt_num_tokens=self.resolved_opt_num_tokens,
+                            max_num_blocks=self.resolved_max_num_blocks)
 
     # ------------------------------------------------------------------ (de)serialization
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
         d["disabled_passes"] = list(self.disabled_passes)
+        d["num_tokens_profiles"] = list(self.num_tokens_profiles)
         return d
 
     @classmethod

@@ -14,6 +14,7 @@ from kiln.contract.engine_config import (
     REPORT_FILE,
     SUPPORTED_FORMAT_VERSIONS,
     TOKENIZER_FILES,
+    TORCH_BACKENDS,
     EngineBounds,
     EngineConfig,
     MemorySummary,
@@ -43,6 +44,7 @@ from kiln.contract.io import (
     INDEX_DTYPES,
     INPUT_AXES,
     INPUT_NAMES,
+    KV_CACHE_OUTPUT,
     OUTPUT_NAME,
     SeqChunk,
     check_inputs,
@@ -58,7 +60,8 @@ from kiln.contract.summary import format_table, human_bytes, summary_rows
 
 __all__ = [
     "BACKENDS", "CONFIG_FILE", "DTYPES", "FORMAT_VERSION", "INDEX_DTYPES", "INPUT_AXES", "INPUT_NAMES",
-    "OUTPUT_NAME", "QUANTIZATIONS", "REPORT_FILE", "SUPPORTED_FORMAT_VERSIONS", "TOKENIZER_FILES",
+    "KV_CACHE_OUTPUT", "OUTPUT_NAME", "QUANTIZATIONS", "REPORT_FILE", "SUPPORTED_FORMAT_VERSIONS", "TOKENIZER_FILES",
+    "TORCH_BACKENDS",
     "BuildConfigError", "CheckpointError", "ConfigError", "EngineBounds", "EngineBuildError", "EngineConfig",
     "EngineInputError",
     "EngineLoadError", "ExecutorClosedError", "InvalidRequestError", "KilnError", "MemorySummary", "ModelConfig",

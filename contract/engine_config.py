@@ -49,7 +49,10 @@ TOKENIZER_FILES = (
     "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
     "vocab.json", "merges.txt", "generation_config.json", "added_tokens.json",
 )
-BACKENDS = ("cpu", "cpu-compiled")   # what the builder writes and the runtime loads today
+BACKENDS = ("cpu", "cpu-compiled", "onnx", "tensorrt")   # what the builder writes and the runtime loads
+# backends whose engine file is a torch artifact, tied to the torch that wrote it (the others are ONNX models
+# and TensorRT plans: their runtime's own checks apply when they are loaded)
+TORCH_BACKENDS = ("cpu", "cpu-compiled")
 QUANTIZATIONS = ("none", "int8_weight_only", "int4_weight_only")
 
 
@@ -69,6 +72,7 @@ class EngineBounds:
     tokens_per_block: int      # KV block size
     max_num_logits: int        # logits rows per step (max_batch_size, or max_num_tokens when all are gathered)
     max_blocks_per_seq: int    # block table width: ceil(max_seq_len / tokens_per_block)
+    max_num_blocks: int = 0    # largest KV pool in blocks (0: unbounded; a tensorrt plan's profiles bound it)
 
 
 @dataclass(frozen=True)
@@ -130,7 +134,8 @@ class EngineConfig:
             if getattr(self, name) not in allowed:
                 out.append(f"{name}={getattr(self, name)!r} is not one of {list(allowed)}")
         b = self.bounds
-        small = [f"bounds.{f.name}={getattr(b, f.name)}" for f in dataclasses.fields(b) if getattr(b, f.name) < 1]
+        small = [f"bounds.{f.name}={getattr(b, f.name)}" for f in dataclasses.fields(b)
+                 if getattr(b, f.name) < (0 if f.name == "max_num_blocks" else 1)]
         if small:
             out.append(f"{', '.join(small)}: bounds must be >= 1")
         if self.engine_files != [rank_file(r) for r in range(len(self.engine_files))] or not self.engine_files:
@@ -234,11 +239,15 @@ def _torch_release(version: str) -> str:
 
 
 def check_compatible(config: EngineConfig, source: str, runnable_backends: tuple[str, ...] = BACKENDS) -> None:
-    """EngineLoadError unless this process can run the engine: its backend, and the torch it was built with
-    (an AOTInductor package links against libtorch: the exact release; an ExportedProgram: major.minor)."""
+    """EngineLoadError unless this process can read the engine: its backend, and for torch artifacts the torch
+    they were built with (an AOTInductor package links against libtorch: the exact release; an
+    ExportedProgram: major.minor). Whether an onnx/tensorrt engine's runtime is installed (and a GPU there)
+    is checked when the engine is loaded, so that its config can still be inspected anywhere."""
     if config.backend not in runnable_backends:
         raise EngineLoadError(f"{source}: backend {config.backend!r} cannot run here; this runtime runs "
                               f"{list(runnable_backends)}")
+    if config.backend not in TORCH_BACKENDS:
+        return
     built, here = _torch_release(config.torch_version), _torch_release(torch.__version__)
     same = built == here if config.backend == "cpu-compiled" else built.split(".")[:2] == here.split(".")[:2]
     if not same:

@@ -24,6 +24,9 @@ INPUT_NAMES = (
     "block_tables", "slot_mapping", "logits_indices", "kv_cache",
 )
 OUTPUT_NAME = "logits"
+# The updated pool, a second output of the graphs that cannot write an input in place (onnx, tensorrt): their
+# runtimes bind it to the kv_cache input's own memory, so the pool is still written in place.
+KV_CACHE_OUTPUT = "kv_cache_out"
 INDEX_DTYPES = {
     "input_ids": torch.int64, "position_ids": torch.int64, "seq_lens": torch.int32, "context_lens": torch.int32,
     "block_tables": torch.int32, "slot_mapping": torch.int64, "logits_indices": torch.int64,
@@ -53,7 +56,7 @@ def dim_ranges(bounds: EngineBounds) -> dict[str, tuple[int, int | None]]:
         "num_logits": (0, bounds.max_num_logits),  # 0: a step of non-final prefill chunks needs no logits
         "num_tokens": (1, bounds.max_num_tokens),
         "max_blocks_per_seq": (1, bounds.max_blocks_per_seq),
-        "num_blocks": (1, None),
+        "num_blocks": (1, bounds.max_num_blocks or None),
     }
 
 

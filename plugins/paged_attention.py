@@ -26,7 +26,10 @@ import torch.nn.functional as F
 
 from kiln.plugins.native import define_native_op
 
-__all__ = ["paged_attention", "paged_attention_reference", "write_kv"]
+__all__ = [
+    "paged_attention", "paged_attention_reference", "write_kv", "paged_attention_functional", "kv_cache_update",
+    "token_layout",
+]
 
 
 def write_kv(kv_cache: torch.Tensor, layer: int, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
@@ -238,3 +241,83 @@ def paged_attention_reference(
                 out[t + i, h] = (weights @ vh).to(q.dtype)
         t += n
     return out
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The functional form, for backends whose graphs cannot write an input in place (onnx, tensorrt): attention
+# reads the pool as it was before the step plus this step's keys/values, and one ``kv_cache_update`` at the
+# end of the graph returns the pool with every layer's new keys/values written (the builder's functional_kv
+# pass rewrites ``paged_attention`` into these). Their ONNX lowering is ``paged_attention_onnx``; the torch
+# implementations below compute the same formulation with the same tensors, so that the formulation is
+# tested against ``paged_attention_reference`` in torch and its lowering against both.
+
+
+def token_layout(seq_lens: torch.Tensor, context_lens: torch.Tensor, num_tokens: int, width: int
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Where each packed token and each gathered context slot belongs, from the step's shapes alone
+    (no data-dependent shape, so that the graph has the contract's dims only).
+
+    ``width`` is the context slots gathered per sequence (block table width x block size). Returns
+    (seq_of_token [T], position [T] (absolute), seq_of_slot [S*width], slot_position [S*width]).
+    """
+    lens = seq_lens.long()
+    ends = torch.cumsum(lens, 0)
+    tok = torch.arange(num_tokens)
+    seq_of = (tok[:, None] >= ends[None, :]).sum(1)
+    pos = context_lens.long()[seq_of] - ends[seq_of] + tok
+    slots = torch.arange(seq_lens.shape[0] * width)
+    return seq_of, pos, slots // width, slots % width
+
+
+def _paged_attention_functional(q, k, v, kv_cache, layer, seq_lens, context_lens, block_tables, slot_mapping,
+                                scale, sliding_window):
+    """Attention of every packed token over its sequence's context, as one masked product.
+
+    Each sequence's context is gathered through its block table ([S * width] slots), this step's keys and
+    values are put at their positions in that copy (not in the pool), and every token attends to every
+    gathered slot under a token-level mask: same sequence, causal with the context offset, inside the
+    sliding window. Slots a sequence never wrote are zeroed (NaN * 0 is NaN). The score matrix is
+    [Hq, T, S * width]: no loop over sequences, shapes from the inputs' dims alone.
+    """
+    t, hq, d = q.shape
+    _, _, _, block_size, hkv, _ = kv_cache.shape
+    s, mb = block_tables.shape
+    width = mb * block_size
+    group = hq // hkv
+    seq_of, pos, slot_seq, slot_pos = token_layout(seq_lens, context_lens, t, width)
+    rows = seq_of * width + pos
+    gathered = kv_cache[layer][:, block_tables.long()].reshape(2, s * width, hkv, d)
+    keys = gathered[0].index_put((rows,), k.to(kv_cache.dtype)).float()
+    values = gathered[1].index_put((rows,), v.to(kv_cache.dtype)).float()
+    written = slot_pos < context_lens.long()[slot_seq]
+    values = torch.where(written[:, None, None], values, 0.0)
+    mask = (slot_seq[None, :] == seq_of[:, None]) & (slot_pos[None, :] <= pos[:, None])
+    if sliding_window > 0:
+        mask &= slot_pos[None, :] > pos[:, None] - sliding_window
+    qh = q.float().reshape(t, hkv, group, d).permute(1, 0, 2, 3).reshape(hkv, t * group, d)
+    scores = qh @ keys.permute(1, 2, 0) * scale                       # [Hkv, T*group, S*width]
+    scores = torch.where(mask.repeat_interleave(group, 0), scores, float("-inf"))
+    out = torch.softmax(scores, -1) @ values.transpose(0, 1)          # [Hkv, T*group, D]
+    return out.reshape(hkv, t, group, d).permute(1, 0, 2, 3).reshape(t, hq, d).to(q.dtype)
+
+
+def _kv_cache_update(kv_cache, keys, values, slot_mapping):
+    """A copy of the pool with layer l's ``keys[l]``/``values[l]`` [T, Hkv, D] at ``slot_mapping``."""
+    out = kv_cache.clone()
+    for layer, (k, v) in enumerate(zip(keys, values)):
+        write_kv(out, layer, k, v, slot_mapping)
+    return out
+
+
+_lib.define(
+    "paged_attention_functional(Tensor q, Tensor k, Tensor v, Tensor kv_cache, SymInt layer, Tensor seq_lens, "
+    "Tensor context_lens, Tensor block_tables, Tensor slot_mapping, float scale, SymInt sliding_window) -> Tensor"
+)
+_lib.impl("paged_attention_functional", _paged_attention_functional, "CompositeExplicitAutograd")
+torch.library.register_fake("kiln::paged_attention_functional", lambda q, *args: torch.empty_like(q), lib=_lib)
+_lib.define("kv_cache_update(Tensor kv_cache, Tensor[] keys, Tensor[] values, Tensor slot_mapping) -> Tensor")
+_lib.impl("kv_cache_update", _kv_cache_update, "CompositeExplicitAutograd")
+torch.library.register_fake("kiln::kv_cache_update", lambda kv_cache, *args: torch.empty_like(kv_cache), lib=_lib)
+
+paged_attention_functional = torch.ops.kiln.paged_attention_functional
+kv_cache_update = torch.ops.kiln.kv_cache_update

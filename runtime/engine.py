@@ -2,8 +2,9 @@
 
 The runtime never imports the model definitions or the builder: ``config.json`` (a checked
 :class:`~kiln.contract.EngineConfig`) describes the engine, and ``rank0.engine`` holds the graph (a
-serialized ExportedProgram, or an AOTInductor package for ``cpu-compiled``), which calls the ``kiln``
-plugin ops registered by importing ``kiln.plugins``.
+serialized ExportedProgram, or an AOTInductor package for ``cpu-compiled``, which call the ``kiln``
+plugin ops registered by importing ``kiln.plugins``; an ONNX model run by onnxruntime for ``onnx``,
+:mod:`kiln.runtime.onnx_runner`; a TensorRT plan for ``tensorrt``, :mod:`kiln.runtime.tensorrt_runner`).
 """
 
 from __future__ import annotations
@@ -49,6 +50,11 @@ class Engine:
         return self.config.torch_kv_dtype
 
     @property
+    def device(self) -> torch.device:
+        """Where the KV pool lives (the GPU for tensorrt engines, else the CPU)."""
+        return getattr(self._fn, "device", torch.device("cpu"))
+
+    @property
     def kv_bytes_per_token(self) -> int:
         return self.config.kv_bytes_per_token
 
@@ -77,6 +83,10 @@ class Engine:
         if config.tp_size != 1:
             raise EngineLoadError(f"{directory}: a tensor-parallel engine ({config.tp_size} ranks) needs a "
                                   "multi-rank runtime, which kiln does not have yet")
+        if config.backend == "tensorrt":   # what is missing (a GPU, TensorRT) is said first, before any file is read
+            from kiln.runtime.tensorrt_runner import require_gpu_and_tensorrt
+
+            require_gpu_and_tensorrt(directory)
         if verify is None:
             verify = os.environ.get(SKIP_CHECKSUM_ENV, "") != "1"
         if verify:
@@ -85,8 +95,18 @@ class Engine:
         # Load (compiling on a fresh machine) the plugins' native kernels now, not inside the first
         # request's step, whose TTFT would otherwise carry the one-time compile.
         native_kernels_available()
+        if config.backend == "tensorrt":
+            from kiln.runtime.tensorrt_runner import TensorRTRunner
+
+            if not engine_path.is_file():
+                raise EngineLoadError(f"{engine_path}: missing; the engine directory is incomplete, rebuild it")
+            return cls(directory, config, TensorRTRunner(engine_path, config))
         if not engine_path.is_file():
             raise EngineLoadError(f"{engine_path}: missing; the engine directory is incomplete, rebuild it")
+        if config.backend == "onnx":
+            from kiln.runtime.onnx_runner import OnnxRunner
+
+            return cls(directory, config, OnnxRunner(engine_path, config))
         if not zipfile.is_zipfile(engine_path):
             raise EngineLoadError(f"{engine_path}: corrupt engine file (not a .pt2 archive); rebuild the engine")
         try:
@@ -110,8 +130,11 @@ class Engine:
         """A zeroed KV pool of ``num_blocks`` blocks in the contract's layout (``kv_cache_shape``)."""
         if num_blocks < 1:
             raise ConfigError(f"num_blocks must be >= 1, got {num_blocks}")
+        if self.config.bounds.max_num_blocks and num_blocks > self.config.bounds.max_num_blocks:
+            raise ConfigError(f"num_blocks={num_blocks} is above this engine's max_num_blocks="
+                              f"{self.config.bounds.max_num_blocks} (rebuild with a larger --max-num-blocks)")
         shape = kv_cache_shape(self.config.model, self.config.bounds.tokens_per_block, num_blocks)
-        return torch.zeros(shape, dtype=self.kv_dtype)
+        return torch.zeros(shape, dtype=self.kv_dtype, device=self.device)
 
     def run(self, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
         """One forward step: contract inputs -> float32 logits [num_logits, vocab] (EngineInputError when the

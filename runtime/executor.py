@@ -159,6 +159,9 @@ def resolve_serving_limits(bounds: EngineBounds, kv_bytes_per_token: int, config
         max_kv_cache_tokens=config.max_kv_cache_tokens, useful_tokens=2 * max_batch_size * bounds.max_seq_len,
         available_bytes=available_bytes,
     )
+    if bounds.max_num_blocks and num_blocks > bounds.max_num_blocks:
+        num_blocks = bounds.max_num_blocks
+        why += f"; capped at the engine's max_num_blocks={num_blocks} (rebuild with a larger one to raise it)"
     return ServingLimits(max_batch_size, max_num_tokens, num_blocks, why, available_bytes)
 
 

@@ -167,8 +167,16 @@ def test_read_engine_config_checks_the_file_and_compatibility(tmp_path):
         read_engine_config(tmp_path)
     make_config().write(tmp_path)
     assert read_engine_config(tmp_path) == make_config()
-    make_config(backend="tensorrt").write(tmp_path)
-    with pytest.raises(EngineLoadError, match="backend 'tensorrt' cannot run here"):
+    make_config(backend="openvino").write(tmp_path)
+    with pytest.raises(EngineLoadError, match="backend 'openvino' cannot run here"):
+        read_engine_config(tmp_path)
+    # an ONNX model or a TensorRT plan does not depend on torch's version; whether their runtime (and a GPU)
+    # is here is checked when the engine is loaded, so their config reads anywhere (kiln inspect)
+    for backend in ("onnx", "tensorrt"):
+        make_config(backend=backend, torch_version="2.1.0").write(tmp_path)
+        assert read_engine_config(tmp_path).backend == backend
+    make_config(backend="cpu", torch_version="2.1.0").write(tmp_path)
+    with pytest.raises(EngineLoadError, match="cannot be loaded by torch"):
         read_engine_config(tmp_path)
 
 

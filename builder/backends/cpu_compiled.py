@@ -11,8 +11,10 @@ from pathlib import Path
 
 import torch
 
+SKIPPED_PASSES = {"functional_kv": "kiln.paged_attention writes the KV pool in place"}
 
-def compile(ep: torch.export.ExportedProgram, path: Path, inputs: dict[str, torch.Tensor]) -> dict:
+
+def compile(ep: torch.export.ExportedProgram, path: Path, inputs: dict[str, torch.Tensor], build=None) -> dict:
     import torch._inductor
 
     buf = io.BytesIO()  # a buffer: the engine file name need not end in .pt2
