@@ -31,6 +31,7 @@ def summary_rows(config: EngineConfig, report: dict[str, Any] | None = None) -> 
         ("KV tokens in 1 GiB", f"{mem.kv_tokens_per_gib:,}"),
     ]
     if report:
+        rows.extend(backend_rows(report.get("backend") or {}))
         rows.append(("GEMMs before/after passes",
                      f"{report['gemms']['before_passes']} -> {report['gemms']['after_passes']}"))
         rows.append(("build time", f"{report['timings_s'].get('total', 0):.1f} s"))
@@ -44,3 +45,35 @@ def format_table(rows: list[tuple[str, str]]) -> str:
     width = max(len(k) for k, _ in rows)
     line = "-" * (width + 3 + max(len(v) for _, v in rows))
     return "\n".join([line, *(f"{k:<{width}} | {v}" for k, v in rows), line])
+
+
+def _ops(facts: dict[str, Any], top: int = 8) -> str:
+    ops = facts.get("nodes_by_op_type", {})
+    shown = ", ".join(f"{k} {v}" for k, v in list(ops.items())[:top])
+    more = f", +{len(ops) - top} more types" if len(ops) > top else ""
+    return f"opset {facts.get('opset')}, {facts.get('num_nodes')} nodes: {shown}{more}"
+
+
+def backend_rows(facts: dict[str, Any]) -> list[tuple[str, str]]:
+    """What the build report says of an onnx model or a TensorRT plan (nothing for the torch backends)."""
+    rows: list[tuple[str, str]] = []
+    if facts.get("format") == "onnx":
+        rows.append(("onnx graph", _ops(facts)))
+        rows.append(("onnx file", f"{human_bytes(facts.get('file_bytes', 0))}"
+                                  + (f", weights in {facts['external_data']}" if facts.get("external_data") else "")))
+        if facts.get("dequantize_nodes"):
+            rows.append(("weight-only GEMMs", f"{facts['dequantize_nodes']} DequantizeLinear "
+                                              f"({facts.get('dequantize_on_initializers')} on initializers)"))
+    elif facts.get("format") == "tensorrt-plan":
+        rows.append(("tensorrt plan", f"{human_bytes(facts.get('plan_bytes', 0))}, {facts.get('module')} "
+                                      f"{facts.get('version')}, built in {facts.get('build_s', 0):.1f} s, "
+                                      f"{facts.get('precision', '')}"))
+        net = facts.get("network", {})
+        rows.append(("tensorrt network", f"{net.get('num_layers')} layers, "
+                                         f"{len(facts.get('engine_layers', []))} engine layers"))
+        for i, profile in enumerate(facts.get("profiles", [])):
+            dims = ", ".join(f"{k} {lo}..{hi} (opt {opt})" for k, (lo, opt, hi) in profile["dims"].items())
+            rows.append((f"profile {i}", dims))
+        if facts.get("onnx"):
+            rows.append(("onnx graph", _ops(facts["onnx"])))
+    return rows

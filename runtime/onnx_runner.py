@@ -43,8 +43,17 @@ class OnnxRunner:
         options.intra_op_num_threads = int(config.build.get("onnx_threads") or 0) or torch.get_num_threads()
         level = OPTIMIZATION_LEVELS[config.build.get("onnx_optimization", "all")]
         options.graph_optimization_level = getattr(ort.GraphOptimizationLevel, level)
+        disabled = []
+        if config.quantization != "none":
+            # onnxruntime fuses DequantizeLinear + MatMul on a constant weight into its MatMulNBits kernel; keep the
+            # activations in fp32 there, as the lowering defines them (its default level 4 quantises them to int8:
+            # 0.12 max logit error against the cpu engine's int8 on the tiny test Llama), and fuse MatMul + residual
+            # Add into Gemm no more, which ran first and kept half the quantized GEMMs from that kernel
+            options.add_session_config_entry("session.qdq_matmulnbits_accuracy_level", "1")
+            disabled.append("MatMulAddFusion")
         try:
-            self.session = ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
+            self.session = ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"],
+                                                disabled_optimizers=disabled)
         except Exception as exc:  # noqa: BLE001 - onnxruntime raises its own exception types
             raise EngineLoadError(f"{path}: onnxruntime cannot load the onnx engine ({type(exc).__name__}: "
                                   f"{str(exc).splitlines()[0][:300] if str(exc) else ''}); the file is corrupt, "
