@@ -41,6 +41,9 @@ class OnnxRunner:
         ort = _onnxruntime()
         options = ort.SessionOptions()
         options.intra_op_num_threads = int(config.build.get("onnx_threads") or 0) or torch.get_num_threads()
+        # onnxruntime's threads spin for a while after each run by default: between steps they would take the
+        # cores from the step loop (scheduler, sampler) and from other engines in the process
+        options.add_session_config_entry("session.intra_op.allow_spinning", "0")
         level = OPTIMIZATION_LEVELS[config.build.get("onnx_optimization", "all")]
         options.graph_optimization_level = getattr(ort.GraphOptimizationLevel, level)
         disabled = []

@@ -76,6 +76,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--skip-compiled", action="store_true", help="leave out cpu-compiled (its build takes minutes)")
+    ap.add_argument("--reuse", action="store_true", help="reuse the engines of an earlier run (no build times)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     from kiln.builder import build_engine
@@ -87,8 +88,9 @@ def main() -> None:
     for v in args.variants.split(","):
         for b in backends:
             out = BENCH / f"engine-onnxbench-{v}-{b}"
-            log(f"build {v} {b} ...")
-            build_engine(ckpt, out, build_config(v, b))
+            if not (args.reuse and (out / "build_report.json").is_file()):
+                log(f"build {v} {b} ...")
+                build_engine(ckpt, out, build_config(v, b))
             reports[v, b] = json.loads((out / "build_report.json").read_text())
             if b != "tensorrt":
                 engines[v, b] = out

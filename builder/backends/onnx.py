@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import io
+import logging
 import time
 from collections import Counter
 from pathlib import Path
@@ -64,7 +65,11 @@ def export(ep: torch.export.ExportedProgram):
     if any(n.op == "call_function" and n.target is torch.ops.kiln.paged_attention.default for n in ep.graph.nodes):
         raise BuildConfigError("backend onnx/tensorrt needs the functional_kv pass (the graph may not write its "
                                "kv_cache input in place); do not disable it")
-    with contextlib.redirect_stdout(io.StringIO()):  # the exporter prints its stages
+    quiet = logging.getLogger("torch.onnx._internal.exporter._registration")   # "torchvision is not installed"
+    level = quiet.level
+    quiet.setLevel(logging.ERROR)
+    with contextlib.redirect_stdout(io.StringIO()), contextlib.ExitStack() as stack:  # the exporter prints stages
+        stack.callback(quiet.setLevel, level)
         program = torch.onnx.export(ep, dynamo=True, opset_version=OPSET, custom_translation_table=lowerings(),
                                     output_names=[OUTPUT_NAME, KV_CACHE_OUTPUT], optimize=True, verbose=False)
     model = program.model
