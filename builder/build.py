@@ -184,8 +184,10 @@ def _build(ckpt: Path, out: Path, tmp: Path, build: BuildConfig, model, progress
                 copied.append(name)
         resolved = build.resolved()
         # every file the runtime reads: the engine files, a backend's side files (an ONNX model's external
-        # weights), the tokenizer files (config.json and build_report.json are not written yet)
-        checksums = {p.name: file_checksum(p) for p in sorted(tmp.iterdir()) if p.is_file()}
+        # weights), the tokenizer files (config.json and build_report.json are not written yet); the engine file
+        # first, so that a directory missing everything is reported by its engine file
+        names = [engine_file, *sorted(p.name for p in tmp.iterdir() if p.is_file() and p.name != engine_file)]
+        checksums = {name: file_checksum(tmp / name) for name in names}
         EngineConfig(
             format_version=FORMAT_VERSION, torch_version=torch.__version__, kiln_version=kiln_version(),
             backend=build.backend, dtype=build.dtype, kv_cache_dtype=resolved.kv_cache_dtype,

@@ -249,8 +249,10 @@ def test_onnx_engine_load_errors(engine_of, tmp_path):
     d = tmp_path / "engine"
     shutil.copytree(src, d)
     (d / "rank0.engine").write_bytes(b"not an onnx model" * 10)
-    with pytest.raises(EngineLoadError, match="onnxruntime cannot load the onnx engine"):
+    with pytest.raises(EngineLoadError, match="checksum mismatch"):
         Engine.from_dir(d)
+    with pytest.raises(EngineLoadError, match="onnxruntime cannot load the onnx engine"):
+        Engine.from_dir(d, verify=False)
 
 
 # ------------------------------------------------------------------------------ tensorrt
@@ -332,3 +334,22 @@ def test_tensorrt_engine_load_without_gpu_does_not_crash(engine_of, tmp_path):
     assert "LOAD-ERROR" in done.stdout and "NVIDIA GPU" in done.stdout, done.stdout
 
 
+
+
+def test_onnx_engine_with_external_weights(checkpoint_dir, engine_of, tmp_path, monkeypatch):
+    """Above 2 GB the weights go to rank0.engine.data (forced here by a zero threshold): it is checksummed
+    with the engine, and the engine runs as the inline one does."""
+    from kiln.builder.backends import onnx as onnx_backend
+
+    monkeypatch.setattr(onnx_backend, "EXTERNAL_DATA_BYTES", 0)
+    out = build_engine(checkpoint_dir("qwen2"), tmp_path / "engine", BUILD.replace(backend="onnx"))
+    cfg = json.loads((out / "config.json").read_text())
+    assert (out / "rank0.engine.data").is_file() and "rank0.engine.data" in cfg["checksums"]
+    assert (out / "rank0.engine").stat().st_size < (out / "rank0.engine.data").stat().st_size
+    eng, ref = Engine.from_dir(out), engine_of("qwen2", backend="onnx")
+    _, got = run_schedule(eng, eng.config.model.vocab_size)
+    _, want = run_schedule(ref, ref.config.model.vocab_size)
+    assert max((got[s][p] - want[s][p]).abs().max().item() for s in want for p in want[s]) == 0.0
+    (out / "rank0.engine.data").unlink()
+    with pytest.raises(EngineLoadError, match=r"rank0\.engine\.data"):
+        Engine.from_dir(out)
