@@ -113,7 +113,8 @@ class Sampler:
             rr = reqs if len(rand_rows) == B else [reqs[i] for i in rand_rows]
             x = logits if len(rand_rows) == B else logits[rand_rows]
             x = x / torch.tensor([r.params.temperature for r in rr]).unsqueeze(1)
-            top_k = torch.tensor([r.params.top_k for r in rr])
+            # top_k beyond the vocabulary keeps every token; clamped so that any int fits the tensor
+            top_k = torch.tensor([min(r.params.top_k, x.shape[1]) for r in rr])
             top_p = torch.tensor([r.params.top_p for r in rr])
             min_p = torch.tensor([r.params.min_p for r in rr])
             if bool((top_k > 0).any() | (top_p < 1).any() | (min_p > 0).any()):

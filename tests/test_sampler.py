@@ -152,3 +152,11 @@ def test_invalid_params_raise():
                 dict(min_tokens=5, max_tokens=2), dict(stop=[""]), dict(presence_penalty=3.0)):
         with pytest.raises(ValueError, match="invalid SamplingParams"):
             SamplingParams(**bad)
+
+
+def test_top_k_beyond_any_integer_width_keeps_every_token():
+    """A top_k of 2**70 (a valid int: larger than the vocabulary) must not overflow the sampler's tensors."""
+    logits = torch.tensor([[1.0, 0.9, 0.8, 0.7, 0.6]])
+    sampler = Sampler(5, seed=0)
+    reqs = [mkreq(SamplingParams(temperature=1.0, top_k=2**70, max_tokens=8), eos=())]
+    assert {sampler(logits, reqs).token_ids[0] for _ in range(200)} == {0, 1, 2, 3, 4}
