@@ -1,7 +1,14 @@
 """build_engine: checkpoint directory -> engine directory (the only thing that passes to the runtime).
 
 Stages: load -> trace -> passes -> re-export -> memory plan -> compile -> write. Each stage is
-timed; ``progress(stage, message)`` is called as stages start and end (the CLI prints it).
+timed; ``progress(stage, message)`` is called as stages start ("start", or "start rank r/N") and end.
+
+Tensor parallelism (``tp_size`` > 1): the checkpoint is loaded once, then each rank's shard of the weights
+(``kiln.model_defs.shard_weights``) goes through trace -> passes -> export -> memory plan -> compile on its
+own, so the fusion passes and weight-only quantization see (and quantize) one rank's shard; the rank's
+graph holds its collectives (``kiln::all_reduce`` after each row-parallel GEMM, ``kiln::all_gather`` of the
+logits). Every rank file is stamped with its rank and the build's id. ``memory`` in config.json is rank 0's
+(every rank has the same shapes).
 """
 
 from __future__ import annotations
@@ -29,12 +36,16 @@ from kiln.contract import (
     TOKENIZER_FILES,
     EngineBuildError,
     EngineConfig,
+    TORCH_BACKENDS,
     MemorySummary,
+    ModelConfig,
+    TensorParallelMapping,
     TokenizerInfo,
     file_checksum,
     is_engine_dir,
     kv_bytes_per_token,
     rank_file,
+    stamp_rank_file,
 )
 
 STAGES = ("load", "trace", "passes", "export", "memory_plan", "compile", "write")
@@ -72,14 +83,15 @@ def special_tokens(ckpt: Path) -> tuple[list[int], int | None]:
 
 
 @contextmanager
-def _stage(name: str, timings: dict[str, float], progress: Progress | None):
+def _stage(name: str, timings: dict[str, float], progress: Progress | None, rank: str = ""):
     if progress:
-        progress(name, "start")
+        progress(name, f"start {rank}".strip())
     t0 = time.perf_counter()
     yield
-    timings[name] = round(time.perf_counter() - t0, 3)
+    took = time.perf_counter() - t0
+    timings[name] = round(timings.get(name, 0.0) + took, 3)   # summed over the ranks
     if progress:
-        progress(name, f"done in {timings[name]:.2f} s")
+        progress(name, f"done in {took:.2f} s")
 
 
 def _check_output_dir(ckpt: Path, out: Path) -> None:
@@ -139,42 +151,28 @@ def _make_build_dir(out: Path) -> Path:
 
 def _build(ckpt: Path, out: Path, tmp: Path, build: BuildConfig, model, progress: Progress | None) -> Path:
     """The stages, writing into ``tmp``, which then replaces ``out``."""
-    from kiln.model_defs import build_model, load_checkpoint
+    from kiln.model_defs import load_checkpoint
 
     timings: dict[str, float] = {}
     t_total = time.perf_counter()
+    mapping = TensorParallelMapping.plan(model, build.tp_size)
     with _stage("load", timings, progress):
         _, weights = load_checkpoint(ckpt, build.dtype)
-        module = build_model(model, weights)
-        del weights
-    with _stage("trace", timings, progress):
-        ep = trace.export(module, model, build)
-    with _stage("passes", timings, progress):
-        gm = ep.module()
-        gemms_before = count_gemms(gm)
-        ctx = PassContext(build=build, model=model)
-        pass_stats = run_passes(gm, ctx, build.disabled_passes)
-        gemms_after = count_gemms(gm)
-        del module, ep
-    with _stage("export", timings, progress):
-        ep = trace.export(gm, model, build)
-        del gm
-    with _stage("memory_plan", timings, progress):
-        arena = memory_plan.plan(ep)
-        kv_bytes = kv_bytes_per_token(model, build.resolved_kv_cache_dtype)
-        summary = MemorySummary(
-            weights_bytes=memory_plan.weights_bytes(ep),
-            activation_peak_bytes=arena["activation_peak_bytes"],
-            activation_live_peak_bytes=arena["live_peak_bytes"],
-            activation_naive_bytes=arena["naive_bytes"],
-            num_buffers=arena["num_buffers"],
-            kv_bytes_per_token=kv_bytes,
-            kv_tokens_per_gib=(1 << 30) // kv_bytes,
-        )
-    with _stage("compile", timings, progress):
-        engine_file = rank_file(0)
-        backend_stats = BACKENDS[build.backend].compile(ep, tmp / engine_file, trace.example_inputs(model, build),
-                                                          build)
+    ranks = [_build_rank(model, weights, mapping, rank, build, tmp, timings, progress)
+             for rank in range(mapping.tp_size)]
+    first = ranks[0]
+    arena = first["memory_plan"]
+    kv_bytes = kv_bytes_per_token(mapping.rank_model(model), build.resolved_kv_cache_dtype)
+    summary = MemorySummary(
+        weights_bytes=first["weights_bytes"],
+        activation_peak_bytes=arena["activation_peak_bytes"],
+        activation_live_peak_bytes=arena["live_peak_bytes"],
+        activation_naive_bytes=arena["naive_bytes"],
+        num_buffers=arena["num_buffers"],
+        kv_bytes_per_token=kv_bytes,
+        kv_tokens_per_gib=(1 << 30) // kv_bytes,
+    )
+    engine_files = [rank_file(r) for r in range(mapping.tp_size)]
     with _stage("write", timings, progress):
         eos_ids, bos_id = special_tokens(ckpt)
         copied = []
@@ -183,30 +181,74 @@ def _build(ckpt: Path, out: Path, tmp: Path, build: BuildConfig, model, progress
                 shutil.copy2(ckpt / name, tmp / name)
                 copied.append(name)
         resolved = build.resolved()
-        # every file the runtime reads: the engine files, a backend's side files (an ONNX model's external
-        # weights), the tokenizer files (config.json and build_report.json are not written yet); the engine file
-        # first, so that a directory missing everything is reported by its engine file
-        names = [engine_file, *sorted(p.name for p in tmp.iterdir() if p.is_file() and p.name != engine_file)]
+        # every file the runtime reads: the engine files (every rank's, stamped), a backend's side files (an ONNX
+        # model's external weights), the tokenizer files (config.json and build_report.json are not written
+        # yet); the engine files first, so that a directory missing everything is reported by its rank 0 file
+        names = [*engine_files, *sorted(p.name for p in tmp.iterdir() if p.is_file() and p.name not in engine_files)]
         checksums = {name: file_checksum(tmp / name) for name in names}
         EngineConfig(
             format_version=FORMAT_VERSION, torch_version=torch.__version__, kiln_version=kiln_version(),
             backend=build.backend, dtype=build.dtype, kv_cache_dtype=resolved.kv_cache_dtype,
             quantization=build.quantization, model=model, bounds=build.engine_bounds(), memory=summary,
             tokenizer=TokenizerInfo(files=copied, eos_token_ids=eos_ids, bos_token_id=bos_id),
-            engine_files=[engine_file], checksums=checksums, build=resolved.to_dict(),
+            engine_files=engine_files, tensor_parallel=mapping, checksums=checksums, build=resolved.to_dict(),
         ).write(tmp)
     timings["total"] = round(time.perf_counter() - t_total, 3)
     report = {
         "checkpoint": str(ckpt.resolve()),
         "timings_s": timings,
-        "gemms": {"before_passes": gemms_before, "after_passes": gemms_after},
-        "passes": pass_stats,
-        "backend": backend_stats,
+        "gemms": first["gemms"],
+        "passes": first["passes"],
+        "backend": first["backend"],
         "memory": dataclasses.asdict(summary),
         "memory_plan": arena,
     }
+    if mapping.tp_size > 1:   # the sections above are rank 0's
+        report["tensor_parallel"] = {
+            "mapping": dataclasses.asdict(mapping),
+            "ranks": [{"rank": r, "weights_bytes": x["weights_bytes"], "gemms": x["gemms"],
+                       "activation_peak_bytes": x["memory_plan"]["activation_peak_bytes"]}
+                      for r, x in enumerate(ranks)],
+        }
     (tmp / REPORT_FILE).write_text(json.dumps(report, indent=2, default=str) + "\n")
     if out.exists():
         shutil.rmtree(out)
     tmp.rename(out)
     return out
+
+def _build_rank(model: ModelConfig, weights: dict[str, torch.Tensor], mapping: TensorParallelMapping, rank: int,
+                build: BuildConfig, out: Path, timings: dict[str, float], progress: Progress | None) -> dict[str, Any]:
+    """trace -> passes -> export -> memory plan -> compile of rank ``rank``'s shard into ``out / rank{rank}.engine``;
+    what the report and config.json need of it. The last rank empties ``weights`` once its shard is cut, so
+    that the passes can free what they replace (with one rank the module holds the checkpoint's tensors)."""
+    from kiln.model_defs import build_model, shard_weights
+
+    label = f"rank {rank + 1}/{mapping.tp_size}" if mapping.tp_size > 1 else ""
+    rank_model = mapping.rank_model(model)    # this rank's heads: the shape of its KV pool input
+    with _stage("trace", timings, progress, label):
+        shard = shard_weights(model, weights, mapping, rank)
+        if rank == mapping.tp_size - 1:
+            weights.clear()
+        module = build_model(model, shard, mapping)
+        del shard
+        ep = trace.export(module, rank_model, build)
+    with _stage("passes", timings, progress, label):
+        gm = ep.module()
+        gemms_before = count_gemms(gm)
+        ctx = PassContext(build=build, model=model)
+        pass_stats = run_passes(gm, ctx, build.disabled_passes)
+        gemms_after = count_gemms(gm)
+        del module, ep
+    with _stage("export", timings, progress, label):
+        ep = trace.export(gm, rank_model, build)
+        del gm
+    with _stage("memory_plan", timings, progress, label):
+        arena = memory_plan.plan(ep)
+        weights_bytes = memory_plan.weights_bytes(ep)
+    with _stage("compile", timings, progress, label):
+        path = out / rank_file(rank)
+        backend_stats = BACKENDS[build.backend].compile(ep, path, trace.example_inputs(rank_model, build), build)
+        if build.backend in TORCH_BACKENDS:   # a .pt2 archive (an ONNX model or TensorRT plan has no place for it)
+            stamp_rank_file(path, rank, mapping)
+    return {"gemms": {"before_passes": gemms_before, "after_passes": gemms_after}, "passes": pass_stats,
+            "backend": backend_stats, "memory_plan": arena, "weights_bytes": weights_bytes}

@@ -53,13 +53,16 @@ def build_engine_cmd(checkpoint, output, config_path, disabled, **flags) -> None
 
     def progress(stage: str, message: str) -> None:
         n = STAGES.index(stage) + 1 if stage in STAGES else 0
-        if message == "start":
+        if message.startswith("start"):
             started[stage] = time.perf_counter()
-            click.echo(f"[{n}/{len(STAGES)}] {stage:<12} ...", nl=False)
+            rank = message.removeprefix("start").strip()   # "rank r/N" of a tensor-parallel build
+            click.echo(f"[{n}/{len(STAGES)}] {stage:<12}{' ' + rank if rank else ''} ...", nl=False)
         else:
             click.echo(f" {message}")
 
-    click.echo(f"building {checkpoint} -> {output} ({build.backend}, {build.dtype}, quantization {build.quantization})")
+    tp = f", {build.tp_size} tensor-parallel ranks" if build.tp_size > 1 else ""
+    click.echo(f"building {checkpoint} -> {output} ({build.backend}, {build.dtype}, quantization {build.quantization}"
+               f"{tp})")
     try:
         out = build_engine(checkpoint, output, build, progress=progress)
     except (KilnError, OSError) as exc:   # OSError: the disk filled up, a file vanished during the build

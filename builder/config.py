@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from kiln.contract import BACKENDS, QUANTIZATIONS, BuildConfigError, EngineBounds
+from kiln.contract import BACKENDS, QUANTIZATIONS, BuildConfigError, EngineBounds, ModelConfig, mapping_problems
 from kiln.contract import DTYPES as _TORCH_DTYPES
 
 DTYPES = tuple(_TORCH_DTYPES)
@@ -51,6 +51,8 @@ class BuildConfig:
     logits_dtype: str = _knob("float32", "Dtype of the logits (the engine contract returns float32).",
                               LOGITS_DTYPES)
     gather_all_logits: bool = _knob(False, "Logits for every token of a step, not only each sequence's last.")
+    tp_size: int = _knob(1, "Tensor-parallel ranks: one engine file per rank, each holding its shard of the weights "
+                            "and KV heads (heads, KV heads and MLP width split; LM head split by vocabulary).")
     disabled_passes: list[str] = field(default_factory=list, metadata={
         "help": "Graph passes to skip (build-engine --passes lists them)."})
     max_num_blocks: int | None = _knob(None, "Largest KV pool (blocks) the engine accepts (default: unbounded; "
@@ -81,7 +83,8 @@ class BuildConfig:
         choice("onnx_optimization", ONNX_OPTIMIZATION)
         if self.logits_dtype not in LOGITS_DTYPES:
             out.append(f"logits_dtype={self.logits_dtype!r}: the engine contract returns float32 logits; use 'float32'")
-        ints = ("max_batch_size", "max_input_len", "max_seq_len", "max_num_tokens", "tokens_per_block", "group_size")
+        ints = ("max_batch_size", "max_input_len", "max_seq_len", "max_num_tokens", "tokens_per_block", "group_size",
+                "tp_size")
         bad_int = False
         for name in ints:
             value = getattr(self, name)
@@ -155,20 +158,24 @@ class BuildConfig:
         return self
 
     def check_model(self, model: Any) -> None:
-        """Problems that need the model: positions, int4 group size vs. the GEMM widths.
+        """Problems that need the model: positions, the tensor-parallel split, int4 group size vs. the GEMM
+        widths (of one rank's shard).
 
         ``model`` is a ModelConfig or its dict (the builder passes the ModelConfig).
         """
-        m = model if isinstance(model, dict) else model.to_dict()
-        issues = []
+        model = ModelConfig.from_dict(model) if isinstance(model, dict) else model
+        m = model.to_dict()
+        issues = mapping_problems(model, self.tp_size)
         max_pos = int(m["max_position_embeddings"])
         if self.max_seq_len > max_pos:
             issues.append(
                 f"max_seq_len={self.max_seq_len} > the model's max_position_embeddings={max_pos}: positions beyond "
                 f"it were never trained; lower max_seq_len to <= {max_pos}"
             )
-        if self.quantization == "int4_weight_only":
-            widths = {int(m["hidden_size"]), int(m["intermediate_size"]), int(m["num_heads"]) * int(m["head_dim"])}
+        if self.quantization == "int4_weight_only" and not issues:
+            tp = self.tp_size   # the row-parallel GEMMs (o_proj, down_proj) read 1 / tp of their input
+            widths = {int(m["hidden_size"]), int(m["intermediate_size"]) // tp,
+                      int(m["num_heads"]) // tp * int(m["head_dim"])}
             bad = sorted(w for w in widths if w % self.group_size)
             if bad:
                 fits = [g for g in (32, 64, 128, 256) if all(w % g == 0 for w in widths)]

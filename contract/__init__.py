@@ -32,6 +32,7 @@ from kiln.contract.errors import (
     CheckpointError,
     ConfigError,
     EngineBuildError,
+    EngineDeadError,
     EngineInputError,
     EngineLoadError,
     ExecutorClosedError,
@@ -57,16 +58,18 @@ from kiln.contract.io import (
 )
 from kiln.contract.model import ModelConfig
 from kiln.contract.summary import format_table, human_bytes, summary_rows
+from kiln.contract.tensor_parallel import TensorParallelMapping, check_rank_file, mapping_problems, stamp_rank_file
 
 __all__ = [
     "BACKENDS", "CONFIG_FILE", "DTYPES", "FORMAT_VERSION", "INDEX_DTYPES", "INPUT_AXES", "INPUT_NAMES",
     "KV_CACHE_OUTPUT", "OUTPUT_NAME", "QUANTIZATIONS", "REPORT_FILE", "SUPPORTED_FORMAT_VERSIONS", "TOKENIZER_FILES",
     "TORCH_BACKENDS",
     "BuildConfigError", "CheckpointError", "ConfigError", "EngineBounds", "EngineBuildError", "EngineConfig",
-    "EngineInputError",
+    "EngineDeadError", "EngineInputError",
     "EngineLoadError", "ExecutorClosedError", "InvalidRequestError", "KilnError", "MemorySummary", "ModelConfig",
-    "RequestFailedError", "SeqChunk", "TokenizerInfo",
+    "RequestFailedError", "SeqChunk", "TensorParallelMapping", "TokenizerInfo",
     "check_compatible", "check_inputs", "dim_ranges", "format_table", "human_bytes", "io_spec", "is_engine_dir",
     "kv_bytes_per_token", "kv_cache_shape", "pack_inputs", "rank_file", "read_build_report", "read_engine_config",
-    "summary_rows", "torch_dtype", "file_checksum", "verify_checksums",
+    "summary_rows", "torch_dtype", "file_checksum", "verify_checksums", "check_rank_file", "mapping_problems",
+    "stamp_rank_file",
 ]

@@ -13,15 +13,17 @@ error before anything else is read), then every key of the file against the data
 missing or mistyped key raises :class:`EngineLoadError` naming it; then values that are well typed but
 impossible (a zero head count, a NaN epsilon, an EOS id outside the vocabulary) are named the same way.
 
-Integrity: ``checksums`` records the SHA-256 of every file the runtime reads (the engine files and the
-tokenizer files) when the engine is built; :func:`verify_checksums` compares them before anything is
-loaded, so a damaged or swapped file is refused instead of serving garbage. config.json itself is
-covered by the strict reader.
+Integrity: ``checksums`` records the SHA-256 of every file the runtime reads (the engine files of every
+rank and the tokenizer files) when the engine is built; :func:`verify_checksums` compares them before
+anything is loaded, so a damaged or swapped file is refused instead of serving garbage. config.json itself
+is covered by the strict reader.
 
 Format history: 1 kept the resolved bounds inside ``build`` and an ``io`` block; 2 split the BuildConfig
 knobs (``build``, readable by ``BuildConfig.from_dict``) from the bounds the runtime enforces (``bounds``);
-3 adds ``checksums`` (required: an engine that cannot be verified is rebuilt, not trusted). Engines of
-formats 1 and 2 are refused with the rebuild message.
+3 adds ``checksums`` (required: an engine that cannot be verified is rebuilt, not trusted); 4 adds
+``tensor_parallel`` (the mapping of the weights and KV heads over ``tp_size`` ranks,
+:class:`~kiln.contract.tensor_parallel.TensorParallelMapping`) and a stamp inside every rank file of a
+torch backend; ``memory`` describes one rank. Engines of formats 1 to 3 are refused with the rebuild message.
 """
 
 from __future__ import annotations
@@ -39,9 +41,10 @@ import torch
 from kiln.contract.errors import EngineLoadError
 from kiln.contract.io import DTYPES, kv_bytes_per_token
 from kiln.contract.model import ModelConfig
+from kiln.contract.tensor_parallel import TensorParallelMapping
 from kiln.contract.typed import read_dataclass
 
-FORMAT_VERSION = 3
+FORMAT_VERSION = 4
 SUPPORTED_FORMAT_VERSIONS = (FORMAT_VERSION,)
 CONFIG_FILE = "config.json"
 REPORT_FILE = "build_report.json"
@@ -77,14 +80,14 @@ class EngineBounds:
 
 @dataclass(frozen=True)
 class MemorySummary:
-    """What the builder's memory plan found, in bytes (at the largest step the bounds allow)."""
+    """What the builder's memory plan found for one rank, in bytes (at the largest step the bounds allow)."""
 
     weights_bytes: int
     activation_peak_bytes: int          # arena size
     activation_live_peak_bytes: int     # largest total of buffers live at once (lower bound on any arena)
     activation_naive_bytes: int         # every buffer its own memory
     num_buffers: int
-    kv_bytes_per_token: int
+    kv_bytes_per_token: int             # of one rank's pool
     kv_tokens_per_gib: int
 
 
@@ -111,16 +114,23 @@ class EngineConfig:
     memory: MemorySummary
     tokenizer: TokenizerInfo
     engine_files: list[str]     # rank_file(r) for r in range(tp_size)
-    checksums: dict[str, str]   # file name -> "sha256:<hex>" of every engine and tokenizer file
+    tensor_parallel: TensorParallelMapping
+    checksums: dict[str, str]   # file name -> "sha256:<hex>" of every engine (all ranks) and tokenizer file
     build: dict[str, Any]       # the builder's BuildConfig.to_dict() (knobs as resolved): rebuild with it
 
     @property
     def tp_size(self) -> int:
-        return len(self.engine_files)
+        return self.tensor_parallel.tp_size
+
+    @property
+    def rank_model(self) -> ModelConfig:
+        """The model as one rank computes it (its heads, KV heads, MLP slice): its KV pool's shape."""
+        return self.tensor_parallel.rank_model(self.model)
 
     @property
     def kv_bytes_per_token(self) -> int:
-        return kv_bytes_per_token(self.model, self.kv_cache_dtype)
+        """Bytes one token takes in ONE rank's KV pool."""
+        return kv_bytes_per_token(self.rank_model, self.kv_cache_dtype)
 
     @property
     def torch_kv_dtype(self) -> torch.dtype:
@@ -138,9 +148,12 @@ class EngineConfig:
                  if getattr(b, f.name) < (0 if f.name == "max_num_blocks" else 1)]
         if small:
             out.append(f"{', '.join(small)}: bounds must be >= 1")
-        if self.engine_files != [rank_file(r) for r in range(len(self.engine_files))] or not self.engine_files:
-            out.append(f"engine_files={self.engine_files} must be rank0.engine .. rank<tp_size-1>.engine")
-        out += _model_problems(self.model)
+        tp = self.tensor_parallel.tp_size
+        if self.engine_files != [rank_file(r) for r in range(tp)]:
+            out.append(f"engine_files={self.engine_files} must be rank0.engine .. rank{tp - 1}.engine "
+                       f"(tensor_parallel.tp_size={tp})")
+        model_problems = _model_problems(self.model)
+        out += model_problems or self.tensor_parallel.problems(self.model)
         m = self.memory
         out += [f"memory.{f.name}={getattr(m, f.name)} must be >= 0" for f in dataclasses.fields(m)
                 if getattr(m, f.name) < 0]

@@ -56,3 +56,8 @@ class RequestFailedError(KilnError, RuntimeError):
     def __init__(self, message: str, outputs: list | None = None):
         super().__init__(message)
         self.outputs = outputs or []
+
+
+class EngineDeadError(KilnError, RuntimeError):
+    """The engine can run no more steps (a tensor-parallel rank's process died, or the engine was closed); the
+    message names the rank. Recreate the LLM (or reload the engine) to serve again."""

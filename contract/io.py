@@ -133,7 +133,7 @@ def pack_inputs(chunks: Sequence[SeqChunk], kv_cache: torch.Tensor, tokens_per_b
 
 def check_inputs(inputs: dict[str, torch.Tensor], config: EngineConfig) -> None:
     """Names, dtypes and sizes against the contract and the engine's bounds (EngineInputError naming the
-    input). Cheap (no data is read); a compiled package would not check them itself."""
+    input; the pool is one rank's). Cheap (no data is read); a compiled package would not check them itself."""
     missing = [n for n in INPUT_NAMES if n not in inputs]
     if missing:
         raise EngineInputError(f"engine inputs missing {missing}; the contract needs {list(INPUT_NAMES)}")
@@ -141,7 +141,7 @@ def check_inputs(inputs: dict[str, torch.Tensor], config: EngineConfig) -> None:
         if inputs[name].dtype != dtype:
             raise EngineInputError(f"engine input {name} has dtype {inputs[name].dtype}, the contract says {dtype}")
     kv, b = inputs["kv_cache"], config.bounds
-    want = kv_cache_shape(config.model, b.tokens_per_block, kv.shape[2] if kv.dim() == 6 else 0)
+    want = kv_cache_shape(config.rank_model, b.tokens_per_block, kv.shape[2] if kv.dim() == 6 else 0)
     if kv.dtype != DTYPES[config.kv_cache_dtype] or tuple(kv.shape) != want:
         fixed = ", ".join(map(str, want[3:]))
         raise EngineInputError(f"kv_cache is {kv.dtype} {list(kv.shape)}; this engine needs "
@@ -168,7 +168,7 @@ def check_inputs(inputs: dict[str, torch.Tensor], config: EngineConfig) -> None:
 
 def io_spec(config: EngineConfig) -> dict[str, Any]:
     """Names, dtypes and shapes (dim names or sizes) of the engine's inputs and output, and each dim's range."""
-    kv = list(kv_cache_shape(config.model, config.bounds.tokens_per_block, 0))
+    kv = list(kv_cache_shape(config.rank_model, config.bounds.tokens_per_block, 0))  # one rank's pool
     shapes: dict[str, list[Any]] = {name: [] for name in INPUT_NAMES}
     for name, axes in INPUT_AXES.items():
         shapes[name] = [axes[a] for a in sorted(axes)] if name != "kv_cache" else [*kv[:2], "num_blocks", *kv[3:]]

@@ -17,18 +17,22 @@ def human_bytes(n: float) -> str:
 
 def summary_rows(config: EngineConfig, report: dict[str, Any] | None = None) -> list[tuple[str, str]]:
     """(label, value) rows of an engine; ``report`` (build_report.json) adds GEMM counts and build time."""
-    m, b, mem = config.model, config.bounds, config.memory
+    m, b, mem, tp = config.model, config.bounds, config.memory, config.tp_size
+    per_rank = " per rank" if tp > 1 else ""
+    kv = config.kv_bytes_per_token     # one rank's
+    kv_all = f" ({kv * tp} B over {tp} ranks)" if tp > 1 else ""
     rows = [
         ("model", f"{m.architecture} ({m.num_layers} layers, hidden {m.hidden_size}, vocab {m.vocab_size})"),
         ("backend / dtype", f"{config.backend} / {config.dtype} (kv {config.kv_cache_dtype}, "
                             f"quantization {config.quantization})"),
         ("limits", f"batch {b.max_batch_size}, tokens/step {b.max_num_tokens}, seq {b.max_seq_len}, "
                    f"block {b.tokens_per_block}"),
-        ("weights", human_bytes(mem.weights_bytes)),
+        ("weights", human_bytes(mem.weights_bytes) + per_rank),
         ("activation peak", f"{human_bytes(mem.activation_peak_bytes)} "
                             f"(no reuse: {human_bytes(mem.activation_naive_bytes)})"),
-        ("KV bytes/token", f"{mem.kv_bytes_per_token} B"),
-        ("KV tokens in 1 GiB", f"{mem.kv_tokens_per_gib:,}"),
+        ("tensor parallel", config.tensor_parallel.describe(m)),
+        ("KV bytes/token", f"{kv} B{per_rank}{kv_all}"),
+        ("KV tokens in 1 GiB", f"{(1 << 30) // kv:,}{per_rank}"),
     ]
     if report:
         rows.extend(backend_rows(report.get("backend") or {}))

@@ -9,8 +9,9 @@ from kiln.model_defs.checkpoint import (
     load_config,
     load_model,
 )
+from kiln.model_defs.tensor_parallel import shard_weights
 
 __all__ = [
     "CheckpointError", "DTYPES", "FAMILIES", "ModelConfig",
-    "build_model", "load_checkpoint", "load_config", "load_model",
+    "build_model", "load_checkpoint", "load_config", "load_model", "shard_weights",
 ]

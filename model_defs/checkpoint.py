@@ -14,7 +14,7 @@ from types import ModuleType
 import torch
 from safetensors import safe_open
 
-from kiln.contract import DTYPES, CheckpointError, ModelConfig
+from kiln.contract import DTYPES, CheckpointError, ModelConfig, TensorParallelMapping
 from kiln.model_defs import gpt2, llama, mistral, qwen2
 from kiln.model_defs.hf_config import UnsupportedConfigError
 
@@ -176,16 +176,20 @@ def load_checkpoint(ckpt_dir: str | Path,
     return config, weights
 
 
-def build_model(config: ModelConfig, weights: dict[str, torch.Tensor]) -> torch.nn.Module:
-    """The family's packed-token module holding ``weights`` (no copy), in eval mode."""
+def build_model(config: ModelConfig, weights: dict[str, torch.Tensor],
+                tp: TensorParallelMapping | None = None) -> torch.nn.Module:
+    """The family's packed-token module holding ``weights`` (no copy), in eval mode; with ``tp`` (more than
+    one rank), the module of one rank, holding that rank's shard (``tensor_parallel.shard_weights``)."""
     family = family_of(config.architecture)
+    tp = tp if tp is not None and tp.tp_size > 1 else None
+    tied = config.tie_word_embeddings and tp is None   # a rank's LM head is a slice: its own weight
     with torch.device("meta"):
-        module = family.create(config)
+        module = family.create(config) if tp is None else family.create(config, tp)
     state = dict(weights)
-    if config.tie_word_embeddings:
+    if tied:
         state["lm_head.weight"] = state["embed_tokens.weight"]
     module.load_state_dict(state, strict=True, assign=True)
-    if config.tie_word_embeddings:
+    if tied:
         module.lm_head.weight = module.embed_tokens.weight
     return module.eval().requires_grad_(False)
 

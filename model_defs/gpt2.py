@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from kiln.contract import ModelConfig
+from kiln.contract import ModelConfig, TensorParallelMapping
 from kiln.model_defs.hf_config import UnsupportedConfigError, require
 from kiln.model_defs.layers import Attention, DecoderLayer, DecoderOnlyLM, GeluMLP, LayerNorm
 from kiln.model_defs.weights import WeightSpec
@@ -51,18 +51,19 @@ def config_from_hf(hf: dict[str, Any]) -> ModelConfig:
     )
 
 
-def create(cfg: ModelConfig) -> DecoderOnlyLM:
+def create(cfg: ModelConfig, tp: TensorParallelMapping | None = None) -> DecoderOnlyLM:
     approximate = _ACTIVATIONS[cfg.hidden_act]
     layers = [
         DecoderLayer(
             LayerNorm(cfg.hidden_size, eps=cfg.norm_eps),
-            Attention(cfg, i, use_rope=False),
+            Attention(cfg, i, use_rope=False, tp=tp),
             LayerNorm(cfg.hidden_size, eps=cfg.norm_eps),
-            GeluMLP(cfg, approximate),
+            GeluMLP(cfg, approximate, tp),
         )
         for i in range(cfg.num_layers)
     ]
-    return DecoderOnlyLM(cfg, layers, LayerNorm(cfg.hidden_size, eps=cfg.norm_eps), None, learned_positions=True)
+    return DecoderOnlyLM(cfg, layers, LayerNorm(cfg.hidden_size, eps=cfg.norm_eps), None, learned_positions=True,
+                         tp=tp)
 
 
 def normalize_hf_name(name: str) -> str:

@@ -4,6 +4,12 @@ Activations are [num_tokens, hidden] with no padding; attention goes through the
 ``kiln::paged_attention`` plugin, which writes this step's K/V into the pool in place.
 The layers are written plainly (``residual + x`` then a norm; separate q/k/v and
 gate/up projections): fusing them is the builder's job, not the model's.
+
+Tensor parallelism (``tp``, a :class:`~kiln.contract.TensorParallelMapping`, None for one rank): the
+module of one rank holds its shard's shapes: q/k/v and gate/up (fc_in) column-parallel (fewer heads, a
+slice of the MLP), o_proj and down_proj (fc_out) row-parallel (``RowParallelLinear``: partial sums
+all-reduced, bias added once), the LM head vocab-parallel (``VocabParallelHead``: logits all-gathered),
+the embedding whole. ``kiln.model_defs.tensor_parallel.shard_weights`` cuts the weights to match.
 """
 
 from __future__ import annotations
@@ -11,10 +17,11 @@ from __future__ import annotations
 from typing import NamedTuple
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 import kiln.plugins  # noqa: F401  (registers torch.ops.kiln.*)
-from kiln.contract import ModelConfig
+from kiln.contract import ModelConfig, TensorParallelMapping
 
 ops = torch.ops.kiln
 
@@ -44,17 +51,50 @@ class LayerNorm(nn.LayerNorm):
     """torch LayerNorm; named here so families pick a norm by config."""
 
 
+class RowParallelLinear(nn.Linear):
+    """A linear whose input features are split over ``tp_size`` ranks: each rank multiplies its slice, the
+    partial sums are all-reduced, then the bias (whole on every rank) is added once. One rank: nn.Linear."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, tp_size: int = 1):
+        super().__init__(in_features // tp_size, out_features, bias=bias)
+        self.tp_size = tp_size
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.tp_size == 1:
+            return super().forward(x)
+        y = ops.all_reduce(F.linear(x, self.weight))
+        return y if self.bias is None else y + self.bias
+
+
+class VocabParallelHead(nn.Linear):
+    """The LM head split by vocabulary rows over ``tp_size`` ranks (``rows_per_rank`` each, the last padded
+    with zero rows): each rank's logits are all-gathered along the vocabulary and the padding cut off."""
+
+    def __init__(self, hidden_size: int, vocab_size: int, rows_per_rank: int, tp_size: int):
+        super().__init__(hidden_size, rows_per_rank, bias=False)
+        self.vocab_size, self.tp_size = vocab_size, tp_size
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        logits = ops.all_gather(F.linear(x, self.weight), self.tp_size)
+        return logits if logits.shape[-1] == self.vocab_size else logits[:, :self.vocab_size]
+
+
+def tp_size_of(tp: TensorParallelMapping | None) -> int:
+    return 1 if tp is None else tp.tp_size
+
+
 class Attention(nn.Module):
     """Multi-head attention with GQA/MQA, optional rotary embedding and sliding window."""
 
-    def __init__(self, cfg: ModelConfig, layer_idx: int, use_rope: bool):
+    def __init__(self, cfg: ModelConfig, layer_idx: int, use_rope: bool, tp: TensorParallelMapping | None = None):
         super().__init__()
         h, d = cfg.hidden_size, cfg.head_dim
-        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, d
-        self.q_proj = nn.Linear(h, cfg.num_heads * d, bias=cfg.attention_bias)
-        self.k_proj = nn.Linear(h, cfg.num_kv_heads * d, bias=cfg.attention_bias)
-        self.v_proj = nn.Linear(h, cfg.num_kv_heads * d, bias=cfg.attention_bias)
-        self.o_proj = nn.Linear(cfg.num_heads * d, h, bias=cfg.attention_out_bias)
+        rank = tp.rank_model(cfg) if tp is not None else cfg   # this rank's heads
+        self.num_heads, self.num_kv_heads, self.head_dim = rank.num_heads, rank.num_kv_heads, d
+        self.q_proj = nn.Linear(h, rank.num_heads * d, bias=cfg.attention_bias)
+        self.k_proj = nn.Linear(h, rank.num_kv_heads * d, bias=cfg.attention_bias)
+        self.v_proj = nn.Linear(h, rank.num_kv_heads * d, bias=cfg.attention_bias)
+        self.o_proj = RowParallelLinear(cfg.num_heads * d, h, cfg.attention_out_bias, tp_size_of(tp))
         self.layer_idx = layer_idx
         self.use_rope = use_rope
         self.scale = d**-0.5
@@ -76,11 +116,13 @@ class Attention(nn.Module):
 class GatedMLP(nn.Module):
     """down(silu(gate(x)) * up(x)): Llama, Mistral, Qwen2."""
 
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, tp: TensorParallelMapping | None = None):
         super().__init__()
-        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias)
-        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
+        n = tp_size_of(tp)
+        inter = cfg.intermediate_size // n
+        self.gate_proj = nn.Linear(cfg.hidden_size, inter, bias=cfg.mlp_bias)
+        self.up_proj = nn.Linear(cfg.hidden_size, inter, bias=cfg.mlp_bias)
+        self.down_proj = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size, cfg.mlp_bias, n)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(ops.silu_mul(self.gate_proj(x), self.up_proj(x)))
@@ -89,10 +131,11 @@ class GatedMLP(nn.Module):
 class GeluMLP(nn.Module):
     """fc_out(gelu(fc_in(x))): GPT-2."""
 
-    def __init__(self, cfg: ModelConfig, approximate: str):
+    def __init__(self, cfg: ModelConfig, approximate: str, tp: TensorParallelMapping | None = None):
         super().__init__()
-        self.fc_in = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=True)
-        self.fc_out = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=True)
+        n = tp_size_of(tp)
+        self.fc_in = nn.Linear(cfg.hidden_size, cfg.intermediate_size // n, bias=True)
+        self.fc_out = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size, True, n)
         self.approximate = approximate
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -129,6 +172,7 @@ class DecoderOnlyLM(nn.Module):
         norm: nn.Module,
         rope_table: torch.Tensor | None,
         learned_positions: bool = False,
+        tp: TensorParallelMapping | None = None,
     ):
         super().__init__()
         self.config = cfg
@@ -136,9 +180,12 @@ class DecoderOnlyLM(nn.Module):
         self.embed_positions = nn.Embedding(cfg.max_position_embeddings, cfg.hidden_size) if learned_positions else None
         self.layers = nn.ModuleList(layers)
         self.norm = norm
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
-        if cfg.tie_word_embeddings:
-            self.lm_head.weight = self.embed_tokens.weight
+        if tp_size_of(tp) > 1:   # its own (sliced) weight even when tied: the embedding stays whole
+            self.lm_head = VocabParallelHead(cfg.hidden_size, cfg.vocab_size, tp.vocab_size_per_rank, tp.tp_size)
+        else:
+            self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+            if cfg.tie_word_embeddings:
+                self.lm_head.weight = self.embed_tokens.weight
         if rope_table is not None:
             self.register_buffer("rope_table", rope_table, persistent=False)
         else:

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from kiln.contract import ModelConfig
+from kiln.contract import ModelConfig, TensorParallelMapping
 from kiln.model_defs.hf_config import UnsupportedConfigError, require, rope_settings
 from kiln.model_defs.layers import Attention, DecoderLayer, DecoderOnlyLM, GatedMLP, RMSNorm
 from kiln.model_defs.weights import WeightSpec, identity_layout, parameter_shapes
@@ -41,20 +41,21 @@ def config_from_hf(hf: dict[str, Any]) -> ModelConfig:
     )
 
 
-def create(cfg: ModelConfig) -> DecoderOnlyLM:
-    """The module with uninitialised weights (build under ``torch.device('meta')`` to get shapes)."""
+def create(cfg: ModelConfig, tp: TensorParallelMapping | None = None) -> DecoderOnlyLM:
+    """The module (of one tensor-parallel rank when ``tp`` is given) with uninitialised weights (build under
+    ``torch.device('meta')`` to get shapes)."""
     layers = [
         DecoderLayer(
             RMSNorm(cfg.hidden_size, cfg.norm_eps),
-            Attention(cfg, i, use_rope=True),
+            Attention(cfg, i, use_rope=True, tp=tp),
             RMSNorm(cfg.hidden_size, cfg.norm_eps),
-            GatedMLP(cfg),
+            GatedMLP(cfg, tp),
         )
         for i in range(cfg.num_layers)
     ]
     inv_freq = rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
     table = cos_sin_table(cfg.max_position_embeddings, inv_freq)
-    return DecoderOnlyLM(cfg, layers, RMSNorm(cfg.hidden_size, cfg.norm_eps), table)
+    return DecoderOnlyLM(cfg, layers, RMSNorm(cfg.hidden_size, cfg.norm_eps), table, tp=tp)
 
 
 def hf_name(kiln_name: str) -> str:

@@ -82,6 +82,20 @@ def test_model_checks():
                 group_size=32).check_model(MODEL.to_dict())
 
 
+def test_tensor_parallel_size_is_checked_against_the_model():
+    BuildConfig(max_seq_len=256, max_input_len=128, tp_size=2).check_model(MODEL)
+    with pytest.raises(BuildConfigError, match=r"tp_size=0 must be a positive integer"):
+        BuildConfig(tp_size=0)
+    with pytest.raises(BuildConfigError, match=r"tp_size=3 does not divide num_heads=4"):
+        BuildConfig(max_seq_len=256, max_input_len=128, tp_size=3).check_model(MODEL)
+    with pytest.raises(BuildConfigError, match=r"tp_size=8 is larger than the model's num_heads=4"):
+        BuildConfig(max_seq_len=256, max_input_len=128, tp_size=8).check_model(MODEL)
+    # int4 groups must divide the GEMM inputs of one rank's shard: o_proj reads 32 of 64 features with 2 ranks
+    with pytest.raises(BuildConfigError, match=r"group_size=64 does not divide .*\[32, 96\]"):
+        BuildConfig(max_seq_len=256, max_input_len=128, quantization="int4_weight_only", group_size=64,
+                    tp_size=2).check_model(MODEL)
+
+
 def test_from_dict_rejects_unknown_keys():
     with pytest.raises(BuildConfigError, match=r"unknown build config key\(s\) \['max_batchsize'\]"):
         BuildConfig.from_dict({"max_batchsize": 4})

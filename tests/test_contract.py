@@ -18,15 +18,19 @@ from kiln.contract import (
     EngineLoadError,
     MemorySummary,
     ModelConfig,
+    BuildConfigError,
     SeqChunk,
+    TensorParallelMapping,
     TokenizerInfo,
     check_inputs,
+    check_rank_file,
     format_table,
     io_spec,
     kv_bytes_per_token,
     kv_cache_shape,
     pack_inputs,
     read_engine_config,
+    stamp_rank_file,
     summary_rows,
 )
 
@@ -46,7 +50,8 @@ def make_config(**changes) -> EngineConfig:
                              activation_naive_bytes=900, num_buffers=12, kv_bytes_per_token=256,
                              kv_tokens_per_gib=(1 << 30) // 256),
         tokenizer=TokenizerInfo(files=["tokenizer.json"], eos_token_ids=[2], bos_token_id=1),
-        engine_files=["rank0.engine"], checksums={"rank0.engine": "sha256:" + "0" * 64, "tokenizer.json": SHA},
+        engine_files=["rank0.engine"], tensor_parallel=TensorParallelMapping.plan(MODEL, 1, build_id="b0"),
+        checksums={"rank0.engine": "sha256:" + "0" * 64, "tokenizer.json": SHA},
         build={"dtype": "float32", "max_batch_size": 4},
     )
     return EngineConfig(**{**base, **changes})
@@ -123,6 +128,11 @@ def _edit(data: dict, path: str, value=..., delete: bool = False) -> dict:
     ("model.sliding_window", -8, "model.sliding_window=-8 must be >= 0"),
     ("tokenizer.eos_token_ids", [2, 600], "tokenizer.eos_token_ids [600] are outside the vocabulary [0, 512)"),
     ("memory.weights_bytes", -5, "memory.weights_bytes=-5 must be >= 0"),
+    ("tensor_parallel", None, "key 'tensor_parallel' is missing"),
+    ("tensor_parallel.tp_size", 2, "engine_files=['rank0.engine'] must be rank0.engine .. rank1.engine"),
+    ("tensor_parallel.num_heads_per_rank", 2, "tensor_parallel.num_heads_per_rank=2, but LlamaForCausalLM over 1 "
+                                              "rank(s) gives 4"),
+    ("tensor_parallel.tp_size", 3, "tensor_parallel: tp_size=3 does not divide num_heads=4"),
 ])
 def test_each_bad_key_is_named(path, value, message):
     data = _edit(make_config().to_dict(), path, value, delete=value is None)
@@ -132,7 +142,7 @@ def test_each_bad_key_is_named(path, value, message):
     assert "rebuild" in str(exc.value)
 
 
-@pytest.mark.parametrize("version", ["3", 3.0, True, None, 1, 2, 4])
+@pytest.mark.parametrize("version", ["3", 3.0, True, None, 1, 2, FORMAT_VERSION + 1])
 def test_format_version_must_be_a_supported_integer(version):
     data = make_config().to_dict()
     data["format_version"] = version
@@ -153,7 +163,7 @@ def test_engines_of_format_1_get_the_rebuild_error(tmp_path):
     }
     (tmp_path / "config.json").write_text(json.dumps(old))
     with pytest.raises(EngineLoadError, match=r"format version 1 \(built by kiln 0\.1\.0\).*reads format\(s\) "
-                                              r"\[3\]; rebuild the engine with this kiln's build-engine"):
+                                              rf"\[{FORMAT_VERSION}\]; rebuild the engine with this kiln's build-engine"):
         read_engine_config(tmp_path)
 
 
@@ -234,12 +244,16 @@ def test_summary_rows_name_what_both_clis_print():
     assert table[0] == table[-1] and set(table[0]) == {"-"} and "limits" in table[3]
 
 
-def test_engines_of_format_2_get_the_rebuild_error():
-    """Format 2 (before checksums) is refused like format 1: rebuild to get the checksums."""
+@pytest.mark.parametrize("version, dropped", [(2, ("checksums", "tensor_parallel")), (3, ("tensor_parallel",))])
+def test_engines_of_formats_2_and_3_get_the_rebuild_error(version, dropped):
+    """Format 2 (before checksums) and 3 (before the tensor-parallel mapping and rank stamps) are refused like
+    format 1: rebuilt, not guessed at."""
     data = make_config().to_dict()
-    data["format_version"] = 2
-    del data["checksums"]
-    with pytest.raises(EngineLoadError, match=r"format version 2 .*reads format\(s\) \[3\]; rebuild the engine"):
+    data["format_version"] = version
+    for key in dropped:
+        del data[key]
+    with pytest.raises(EngineLoadError, match=rf"format version {version} .*reads format\(s\) \[{FORMAT_VERSION}\]; "
+                                              r"rebuild the engine"):
         EngineConfig.from_dict(data)
 
 
@@ -285,3 +299,79 @@ def test_any_damaged_key_gives_an_engine_load_error_or_a_usable_config():
                 pass
             held += 1
     assert held == cases > 500
+
+
+def test_tensor_parallel_mapping_splits_heads_mlp_and_vocab():
+    m = TensorParallelMapping.plan(MODEL, 2, build_id="x")
+    assert (m.num_heads_per_rank, m.num_kv_heads_per_rank, m.kv_head_replicas) == (2, 1, 1)
+    assert (m.intermediate_size_per_rank, m.vocab_size_per_rank) == (96, 256)
+    assert [list(m.kv_heads(r)) for r in range(2)] == [[0], [1]]
+    rank = m.rank_model(MODEL)
+    assert (rank.num_heads, rank.num_kv_heads, rank.intermediate_size, rank.vocab_size) == (2, 1, 96, 512)
+    cfg = make_config(engine_files=["rank0.engine", "rank1.engine"], tensor_parallel=m,
+                      checksums={"rank0.engine": SHA, "rank1.engine": SHA})
+    assert cfg.tp_size == 2 and cfg.kv_bytes_per_token == 256 // 2       # one rank's pool holds half the KV heads
+    assert EngineConfig.from_dict(json.loads(json.dumps(cfg.to_dict()))) == cfg
+    check_inputs(pack_inputs([SeqChunk([1, 2], 0, [0])], torch.zeros(kv_cache_shape(rank, 8, 2),
+                                                                      dtype=torch.bfloat16), 8), cfg)
+    assert io_spec(cfg)["inputs"][-1]["shape"] == [2, 2, "num_blocks", 8, 1, 16]
+    rows = dict(summary_rows(cfg))
+    assert rows["tensor parallel"].startswith("2 ranks, each: 2 heads, 1 KV head(s), MLP 96, LM head 256 vocab rows")
+    assert rows["KV bytes/token"] == "128 B per rank (256 B over 2 ranks)"
+
+
+def test_tensor_parallel_mapping_replicates_kv_heads_and_pads_the_vocabulary():
+    import dataclasses
+
+    m = TensorParallelMapping.plan(MODEL, 4)             # 2 KV heads over 4 ranks: each held by 2 ranks
+    assert (m.num_heads_per_rank, m.num_kv_heads_per_rank, m.kv_head_replicas) == (1, 1, 2)
+    assert [list(m.kv_heads(r)) for r in range(4)] == [[0], [0], [1], [1]]
+    mqa = dataclasses.replace(MODEL, num_kv_heads=1, vocab_size=511)
+    m = TensorParallelMapping.plan(mqa, 2)
+    assert (m.num_kv_heads_per_rank, m.kv_head_replicas, m.vocab_size_per_rank) == (1, 2, 256)
+    assert "replicated on 2 ranks" in m.describe(mqa) and "(1 padding)" in m.describe(mqa)
+    assert TensorParallelMapping.plan(MODEL, 1).rank_model(MODEL) is MODEL
+
+
+@pytest.mark.parametrize("changes, tp, message", [
+    ({}, 3, "tp_size=3 does not divide num_heads=4: each rank takes whole attention heads; use a tp_size that "
+            "divides 4 ([1, 2, 4])"),
+    ({}, 8, "tp_size=8 is larger than the model's num_heads=4"),
+    ({}, 0, "tp_size=0 must be a positive integer"),
+    ({"num_heads": 6, "num_kv_heads": 3}, 2, "tp_size=2 and num_kv_heads=3: KV heads are either split"),
+    ({"intermediate_size": 190}, 4, "tp_size=4 does not divide intermediate_size=190"),
+])
+def test_invalid_tensor_parallel_splits_name_the_numbers(changes, tp, message):
+    import dataclasses
+
+    with pytest.raises(BuildConfigError, match="cannot split the model over tensor-parallel ranks") as exc:
+        TensorParallelMapping.plan(dataclasses.replace(MODEL, **changes), tp)
+    assert message in str(exc.value)
+
+
+def test_rank_files_are_checked_by_their_stamp(tmp_path):
+    import zipfile
+
+    mapping = TensorParallelMapping.plan(MODEL, 2, build_id="build-a")
+
+    def rank_archive(name: str) -> str:
+        with zipfile.ZipFile(tmp_path / name, "w") as z:
+            z.writestr("archive/data.bin", b"weights")
+        return name
+
+    stamp_rank_file(tmp_path / rank_archive("rank1.engine"), 1, mapping)
+    assert check_rank_file(tmp_path, mapping, 1, "rank1.engine") == tmp_path / "rank1.engine"
+    with pytest.raises(EngineLoadError, match=r"rank0\.engine: missing \(rank 0 of 2\)"):
+        check_rank_file(tmp_path, mapping, 0, "rank0.engine")
+    (tmp_path / "rank0.engine").write_bytes((tmp_path / "rank1.engine").read_bytes())   # a copy of rank 1
+    with pytest.raises(EngineLoadError, match=r"rank0\.engine: holds rank 1 of 2 \(build build-a\), but config\.json "
+                                              r"expects rank 0 of 2"):
+        check_rank_file(tmp_path, mapping, 0, "rank0.engine")
+    other = TensorParallelMapping.plan(MODEL, 2, build_id="build-b")
+    with pytest.raises(EngineLoadError, match=r"rank1\.engine: holds rank 1 of 2 \(build build-a\).*\(build build-b\)"):
+        check_rank_file(tmp_path, other, 1, "rank1.engine")
+    with pytest.raises(EngineLoadError, match=r"rank2\.engine: carries no readable rank stamp"):
+        check_rank_file(tmp_path, mapping, 2, rank_archive("rank2.engine"))
+    (tmp_path / "rank3.engine").write_bytes(b"not a zip")
+    with pytest.raises(EngineLoadError, match=r"rank3\.engine: corrupt engine file"):
+        check_rank_file(tmp_path, mapping, 3, "rank3.engine")
