@@ -45,13 +45,18 @@ def main() -> None:
 @click.option("--json", "as_json", is_flag=True, help="Print config.json instead of the table.")
 @click.option("--io", "show_io", is_flag=True, help="Also print the engine's inputs and output (the I/O contract "
                                                     "with this engine's dims and their ranges).")
-@click.option("--load", is_flag=True, help="Also load the engine graph (checks rank0.engine).")
+@click.option("--load", is_flag=True, help="Also load the engine graphs (checks every rank's engine file).")
 def inspect(engine_dir: Path, as_json: bool, show_io: bool, load: bool) -> None:
     """Describe an engine directory: limits, weights, activation peak, KV bytes per token."""
     from kiln.runtime.engine import Engine
 
     try:
-        config = Engine.from_dir(engine_dir).config if load else Engine.read_config(engine_dir)
+        if load:
+            engine = Engine.from_dir(engine_dir)   # every rank's file (a tensor-parallel engine starts its ranks)
+            config = engine.config
+            engine.close()
+        else:
+            config = Engine.read_config(engine_dir)
     except EngineLoadError as exc:
         raise click.ClickException(str(exc)) from None
     if as_json:

@@ -1,16 +1,17 @@
 """Engine: load an engine directory written by ``build-engine`` and run the contract's forward.
 
 The runtime never imports the model definitions or the builder: ``config.json`` (a checked
-:class:`~kiln.contract.EngineConfig`) describes the engine, and ``rank0.engine`` holds the graph (a
-serialized ExportedProgram, or an AOTInductor package for ``cpu-compiled``, which call the ``kiln``
+class:`~kiln.contract.EngineConfig`) describes the engine, and ``rank{r}.engine`` holds the graph of rank r
+(a serialized ExportedProgram, or an AOTInductor package for ``cpu-compiled``, which call the ``kiln``
 plugin ops registered by importing ``kiln.plugins``; an ONNX model run by onnxruntime for ``onnx``,
 :mod:`kiln.runtime.onnx_runner`; a TensorRT plan for ``tensorrt``, :mod:`kiln.runtime.tensorrt_runner`).
+An engine of more than one tensor-parallel rank (``cpu`` / ``cpu-compiled`` only) loads as a
+:class:`~kiln.runtime.tensor_parallel.TensorParallelEngine` (same interface, plus the other ranks).
 """
 
 from __future__ import annotations
 
 import os
-import zipfile
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +24,7 @@ from kiln.contract import (
     EngineConfig,
     EngineLoadError,
     check_inputs,
+    check_rank_file,
     kv_cache_shape,
     read_engine_config,
     verify_checksums,
@@ -73,16 +75,15 @@ class Engine:
         return read_engine_config(path)
 
     @classmethod
-    def from_dir(cls, path: str | Path, verify: bool | None = None) -> Engine:
+    def from_dir(cls, path: str | Path, verify: bool | None = None, *, threads_per_rank: int | None = None) -> Engine:
         """Load an engine directory. ``verify`` (default: on unless the environment sets
-        ``KILN_SKIP_ENGINE_CHECKSUM=1``) first compares every file with the checksum recorded at build time
-        (about a second per GB: see scripts/bench_engine_load.py), so a damaged engine is refused with
-        EngineLoadError instead of serving garbage."""
+        ``KILN_SKIP_ENGINE_CHECKSUM=1``) first compares every file (every rank's) with the checksum recorded at
+        build time (about a second per GB: see scripts/bench_engine_load.py), so a damaged engine is refused
+        with EngineLoadError instead of serving garbage. A tensor-parallel engine (tp_size > 1) starts its
+        other ranks (``threads_per_rank``: their torch threads, see ``kiln.runtime.tensor_parallel``);
+        ``close()`` stops them."""
         directory = Path(path)
         config = read_engine_config(directory)
-        if config.tp_size != 1:
-            raise EngineLoadError(f"{directory}: a tensor-parallel engine ({config.tp_size} ranks) needs a "
-                                  "multi-rank runtime, which kiln does not have yet")
         if config.backend == "tensorrt":   # what is missing (a GPU, TensorRT) is said first, before any file is read
             from kiln.runtime.tensorrt_runner import require_gpu_and_tensorrt
 
@@ -91,39 +92,29 @@ class Engine:
             verify = os.environ.get(SKIP_CHECKSUM_ENV, "") != "1"
         if verify:
             verify_checksums(directory, config)
-        engine_path = directory / config.engine_files[0]
         # Load (compiling on a fresh machine) the plugins' native kernels now, not inside the first
         # request's step, whose TTFT would otherwise carry the one-time compile.
         native_kernels_available()
-        if config.backend == "tensorrt":
-            from kiln.runtime.tensorrt_runner import TensorRTRunner
+        if config.tp_size > 1:
+            from kiln.runtime.tensor_parallel import TensorParallelEngine
 
+            return TensorParallelEngine.start(directory, config, threads_per_rank)
+        engine_path = directory / config.engine_files[0]
+        if config.backend in ("tensorrt", "onnx"):
             if not engine_path.is_file():
                 raise EngineLoadError(f"{engine_path}: missing; the engine directory is incomplete, rebuild it")
-            return cls(directory, config, TensorRTRunner(engine_path, config))
-        if not engine_path.is_file():
-            raise EngineLoadError(f"{engine_path}: missing; the engine directory is incomplete, rebuild it")
-        if config.backend == "onnx":
+            if config.backend == "tensorrt":
+                from kiln.runtime.tensorrt_runner import TensorRTRunner
+
+                return cls(directory, config, TensorRTRunner(engine_path, config))
             from kiln.runtime.onnx_runner import OnnxRunner
 
             return cls(directory, config, OnnxRunner(engine_path, config))
-        if not zipfile.is_zipfile(engine_path):
-            raise EngineLoadError(f"{engine_path}: corrupt engine file (not a .pt2 archive); rebuild the engine")
-        try:
-            if config.backend == "cpu":
-                with open(engine_path, "rb") as f:  # a file object: the name need not end in .pt2
-                    fn = torch.export.load(f).module()
-            else:
-                from torch._inductor import aoti_load_package
+        return cls(directory, config, load_rank_graph(directory, config, 0))
 
-                with open(engine_path, "rb") as f:
-                    fn = aoti_load_package(f)
-        except Exception as exc:
-            raise EngineLoadError(
-                f"{engine_path}: cannot load the {config.backend} engine ({type(exc).__name__}: "
-                f"{str(exc).splitlines()[0] if str(exc) else ''}); the file is corrupt or truncated, rebuild it"
-            ) from exc
-        return cls(directory, config, fn)
+    def close(self) -> None:
+        """Release what the engine holds besides memory (nothing for one rank; a tensor-parallel engine stops
+        its other ranks)."""
 
     # ------------------------------------------------------------------ running
     def allocate_kv_cache(self, num_blocks: int) -> torch.Tensor:
@@ -133,7 +124,7 @@ class Engine:
         if self.config.bounds.max_num_blocks and num_blocks > self.config.bounds.max_num_blocks:
             raise ConfigError(f"num_blocks={num_blocks} is above this engine's max_num_blocks="
                               f"{self.config.bounds.max_num_blocks} (rebuild with a larger --max-num-blocks)")
-        shape = kv_cache_shape(self.config.model, self.config.bounds.tokens_per_block, num_blocks)
+        shape = kv_cache_shape(self.config.rank_model, self.config.bounds.tokens_per_block, num_blocks)
         return torch.zeros(shape, dtype=self.kv_dtype, device=self.device)
 
     def run(self, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
@@ -150,3 +141,22 @@ class Engine:
 
     def __repr__(self) -> str:
         return f"Engine({str(self.directory)!r}, {self.config.model.architecture}, backend={self.backend})"
+
+
+def load_rank_graph(directory: Path, config: EngineConfig, rank: int) -> Any:
+    """The callable graph of rank ``rank``'s engine file, after checking the file is that rank's of this build
+    (EngineLoadError naming the file otherwise)."""
+    engine_path = check_rank_file(directory, config.tensor_parallel, rank, config.engine_files[rank])
+    try:
+        if config.backend == "cpu":
+            with open(engine_path, "rb") as f:  # a file object: the name need not end in .pt2
+                return torch.export.load(f).module()
+        from torch._inductor import aoti_load_package
+
+        with open(engine_path, "rb") as f:
+            return aoti_load_package(f)
+    except Exception as exc:
+        raise EngineLoadError(
+            f"{engine_path}: cannot load the {config.backend} engine ({type(exc).__name__}: "
+            f"{str(exc).splitlines()[0] if str(exc) else ''}); the file is corrupt or truncated, rebuild it"
+        ) from exc

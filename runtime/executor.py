@@ -16,7 +16,8 @@ Failures (the loop never dies silently, and a caller never waits on a loop that 
   requests (full blocks, the only ones shared or offered to the prefix cache, are never written again),
   and a step's blocks are offered to the prefix cache only after it succeeded, so the half-written
   blocks go back to the free pool unregistered. The scheduler has not advanced any of them yet.
-* The engine fails ``MAX_STEP_FAILURES`` steps in a row (it is broken, not one input), or the loop's own
+* The engine fails ``MAX_STEP_FAILURES`` steps in a row (it is broken, not one input), or raises
+  ``EngineDeadError`` (a tensor-parallel rank is gone: no step can run again), or the loop's own
   bookkeeping raises (the scheduler's or the KV manager's books are then in doubt): the executor stops.
   Every request in flight ends with the error, ``failure`` says why (for health checks), and ``submit``
   raises ``ExecutorClosedError`` naming it.
@@ -45,7 +46,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from kiln.contract import ConfigError, EngineBounds, ExecutorClosedError, InvalidRequestError, SeqChunk, pack_inputs
+from kiln.contract import ConfigError, EngineBounds, EngineDeadError, ExecutorClosedError, InvalidRequestError, SeqChunk, pack_inputs
 from kiln.runtime.fields import SEED_RANGE, FieldChecks, is_integer
 from kiln.runtime.kv_cache import KVCacheManager, available_memory_bytes, plan_num_blocks
 from kiln.runtime.metrics import RuntimeMetrics, StepRecord
@@ -262,6 +263,10 @@ class Executor:
         thread; keep it short) and once more when it finishes."""
         checked = self.validate(prompt_token_ids, params, priority=priority, request_id=request_id,
                                 callback=callback, arrival_time=arrival_time)
+        engine_failure = getattr(self.engine, "failure", None)   # a tensor-parallel rank died while idle
+        if engine_failure is not None:
+            self.metrics.incr("requests_rejected")
+            raise ExecutorClosedError(f"the engine cannot run: {engine_failure}; recreate the LLM")
         with self._cv:
             if self._closed or self._error is not None:
                 raise ExecutorClosedError(self.failure or "the executor is closed")
@@ -312,6 +317,9 @@ class Executor:
                 return f"the step loop failed: {type(self._error).__name__}: {self._error}"
             if self._closed:
                 return "the executor is closed"
+        engine_failure = getattr(self.engine, "failure", None)
+        if engine_failure is not None:
+            return f"the engine cannot run: {engine_failure}"
         if self._thread is None or not self._thread.is_alive():
             return "the step loop is not running"
         return None
@@ -409,6 +417,8 @@ class Executor:
     def _fail_step(self, out: SchedulerOutput, exc: Exception) -> None:
         """The engine raised on this step: end its requests with the error (see the module docstring for why
         the pool stays sound), or stop the executor when the engine keeps failing."""
+        if isinstance(exc, EngineDeadError):   # no step can run any more (a tensor-parallel rank is gone): stop now
+            raise exc
         self._step_failures += 1
         logger.error("engine step failed (%d in a row): %s", self._step_failures,
                      "".join(traceback.format_exception(exc)))

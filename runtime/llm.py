@@ -28,6 +28,7 @@ import threading
 import weakref
 from collections.abc import AsyncIterator, Iterator, Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from kiln.contract import ConfigError, ExecutorClosedError, InvalidRequestError, RequestFailedError
 from kiln.runtime.detokenizer import load_tokenizer
@@ -36,23 +37,34 @@ from kiln.runtime.outputs import RequestOutput
 from kiln.runtime.prompts import Prompt, check_text, is_single_prompt, prompt_token_ids
 from kiln.runtime.sampling_params import SamplingParams
 
+if TYPE_CHECKING:
+    from kiln.runtime.engine import Engine
+
 
 class LLM:
     def __init__(self, engine, tokenizer=None, *, config: ExecutorConfig | None = None, **options):
-        """``engine``: an engine directory, or an already loaded ``Engine`` (shared, e.g. by tests).
-        Serving options: an ``ExecutorConfig`` as ``config``, or its fields as keywords."""
+        """``engine``: an engine directory, or an already loaded ``Engine`` (shared, e.g. by tests; its owner
+        closes it). Serving options: an ``ExecutorConfig`` as ``config``, or its fields as keywords.
+        A tensor-parallel engine directory starts its other ranks (see ``kiln.runtime.tensor_parallel``)."""
         if config is not None and options:
             raise ConfigError(f"give either config or its fields as keywords, not both ({sorted(options)})")
         config = config if config is not None else ExecutorConfig(**options)
-        if isinstance(engine, (str, Path)):
+        self._owns_engine = isinstance(engine, (str, Path))   # then shutdown() closes it (a TP engine's ranks)
+        if self._owns_engine:
             from kiln.runtime.engine import Engine
 
             engine = Engine.from_dir(engine)
         self.engine = engine
-        self.tokenizer = tokenizer if tokenizer is not None else load_tokenizer(engine.directory)
-        self.executor = Executor(engine, config, tokenizer=self.tokenizer)
-        # an LLM dropped without shutdown() still stops its loop (and its requests) when collected
-        weakref.finalize(self, self.executor.close, wait=False).atexit = False
+        try:
+            self.tokenizer = tokenizer if tokenizer is not None else load_tokenizer(engine.directory)
+            self.executor = Executor(engine, config, tokenizer=self.tokenizer)
+        except BaseException:
+            if self._owns_engine:
+                engine.close()
+            raise
+        # an LLM dropped without shutdown() still stops its loop (and its requests, and the other ranks of a
+        # tensor-parallel engine it loaded) when collected
+        weakref.finalize(self, _close, self.executor, engine if self._owns_engine else None).atexit = False
 
     # ---- helpers --------------------------------------------------------------------------------------
     def encode(self, prompt: Prompt) -> tuple[list[int], str | None]:
@@ -202,8 +214,11 @@ class LLM:
         return self.executor.metrics.summary_text()
 
     def shutdown(self) -> None:
-        """Stop the step loop; requests still running end with finish_reason "abort"."""
+        """Stop the step loop (requests still running end with finish_reason "abort"); an engine this LLM
+        loaded is closed too (a tensor-parallel engine stops its other ranks)."""
         self.executor.close()
+        if self._owns_engine:
+            self.engine.close()
 
     close = shutdown
 
@@ -212,3 +227,9 @@ class LLM:
 
     def __exit__(self, *exc) -> None:
         self.shutdown()
+
+
+def _close(executor: Executor, engine: Engine | None) -> None:
+    executor.close(wait=False)
+    if engine is not None:
+        engine.close()

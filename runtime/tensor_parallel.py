@@ -1,0 +1,457 @@
+"""Running a tensor-parallel engine: rank 0 leads, the other ranks follow its steps.
+
+``Engine.from_dir`` of an engine built with ``tp_size`` N > 1 returns a :class:`TensorParallelEngine`: rank
+0's graph in this process, and N - 1 ranks that run theirs in lockstep. Everything above the engine (the
+executor's scheduler, KV manager and sampler, ``LLM``, the servers) is unchanged: it sees one engine with
+``run(inputs) -> logits``. Each step, rank 0 broadcasts the step's inputs (``tp_wire``: one flat int64
+tensor) to the other ranks, then every rank runs its graph on its shard and its own KV pool (its KV
+heads); the graphs meet in their collectives (``kiln::all_reduce`` / ``kiln::all_gather``) and every rank
+ends with the same logits. Only rank 0's are used.
+
+Where the other ranks come from:
+
+* by default, N - 1 worker processes started here (``torch.multiprocessing``, spawn), on this machine,
+  rendezvousing through a TCP store on 127.0.0.1;
+* under ``torchrun`` (``WORLD_SIZE`` = N set in the environment), the processes torchrun started, through
+  its rendezvous (so the ranks may span machines): rank 0's ``LLM(engine_dir)`` leads, and on the other
+  ranks the same call serves as a worker until rank 0 shuts down, then exits the process (SystemExit(0)),
+  so one script runs on every rank.
+
+Two gloo process groups of their own (no global ``torch.distributed`` state is touched in the spawned
+setup, so several engines can live in one process): *control* carries the step broadcast (it waits
+without limit: an idle server sends nothing), *compute* the graphs' collectives (a collective waits at
+most ``KILN_TP_TIMEOUT_S`` seconds, default 60, for a rank that hangs). A GPU backend would run *compute*
+on NCCL; the step broadcast stays on the CPU.
+
+Threads: each rank uses ``usable cores // ranks on this machine`` torch threads by default (rank 0 sets it
+for this process too); ``KILN_TP_THREADS`` or ``Engine.from_dir(..., threads_per_rank=)`` sets it.
+
+KV memory: all ranks on one machine share its memory, so ``kv_bytes_per_token`` (what the executor sizes
+the pool by) is one rank's bytes per token times the ranks on this machine, and ``allocate_kv_cache(n)``
+gives every rank a pool of n blocks of its own KV heads.
+
+Failure: a worker that dies closes its sockets and rank 0's next collective fails within milliseconds; a
+watchdog thread also notices the dead process while idle. The engine is then *dead*: the step raises
+:class:`~kiln.contract.EngineDeadError` naming the rank, its pid and exit code, the executor fails its
+requests and refuses new work, the surviving workers are stopped. A new ``LLM`` starts new workers.
+``close()`` (``LLM.shutdown``, and an ``atexit`` hook for engines still open) stops every worker.
+"""
+
+from __future__ import annotations
+
+import atexit
+import datetime
+import logging
+import multiprocessing.connection
+import os
+import signal
+import threading
+import time
+import traceback
+import weakref
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from kiln.contract import (
+    ConfigError,
+    EngineConfig,
+    EngineDeadError,
+    EngineInputError,
+    EngineLoadError,
+    check_inputs,
+    check_rank_file,
+    kv_cache_shape,
+    read_engine_config,
+)
+from kiln.plugins import collectives
+from kiln.runtime.engine import Engine, load_rank_graph
+from kiln.runtime.tp_wire import OP_ALLOC, OP_STEP, OP_STOP, StepChannel
+
+logger = logging.getLogger("kiln.runtime")
+
+TIMEOUT_ENV = "KILN_TP_TIMEOUT_S"
+THREADS_ENV = "KILN_TP_THREADS"
+CONTROL_TIMEOUT = datetime.timedelta(days=3650)   # the step broadcast: workers wait for the next step forever
+STOP_WAIT_S = 10.0
+
+
+def collective_timeout() -> datetime.timedelta:
+    return datetime.timedelta(seconds=float(os.environ.get(TIMEOUT_ENV, "60")))
+
+
+def usable_cores() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:   # pragma: no cover - not Linux
+        return os.cpu_count() or 1
+
+
+def default_threads(ranks_here: int, threads_per_rank: int | None = None) -> int:
+    """Torch threads of each rank: the argument, else KILN_TP_THREADS, else this machine's cores / its ranks."""
+    if threads_per_rank is None and os.environ.get(THREADS_ENV):
+        threads_per_rank = int(os.environ[THREADS_ENV])
+    if threads_per_rank is not None:
+        if threads_per_rank < 1:
+            raise ConfigError(f"threads_per_rank must be >= 1, got {threads_per_rank}")
+        return threads_per_rank
+    return max(1, usable_cores() // ranks_here)
+
+
+def torchrun_world() -> tuple[int, int, int] | None:
+    """(rank, world size, ranks on this machine) when this process was started by torchrun (or another
+    launcher setting torch.distributed's environment) for more than one rank, else None."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world <= 1 or "RANK" not in os.environ:
+        return None
+    return int(os.environ["RANK"]), world, int(os.environ.get("LOCAL_WORLD_SIZE", world))
+
+
+class _Groups:
+    """The control and compute process groups of one rank."""
+
+    def __init__(self, control: dist.ProcessGroup, compute: dist.ProcessGroup):
+        self.control, self.compute = control, compute
+
+    @classmethod
+    def over_store(cls, store: dist.Store, rank: int, world: int) -> _Groups:
+        """Gloo groups on a store of our own (the spawned setup: no global torch.distributed state)."""
+        return cls(dist.ProcessGroupGloo(dist.PrefixStore("kiln/control", store), rank, world, CONTROL_TIMEOUT),
+                   dist.ProcessGroupGloo(dist.PrefixStore("kiln/compute", store), rank, world, collective_timeout()))
+
+    @classmethod
+    def joined(cls) -> _Groups:
+        """Gloo groups over the launcher's rendezvous (torchrun): the default group is created if needed."""
+        if not dist.is_initialized():
+            dist.init_process_group("gloo", timeout=CONTROL_TIMEOUT)
+        return cls(dist.new_group(backend="gloo", timeout=CONTROL_TIMEOUT),
+                   dist.new_group(backend="gloo", timeout=collective_timeout()))
+
+
+class _RankRunner:
+    """One rank's graph and KV pool; ``step`` runs the graph with this rank's collectives group."""
+
+    def __init__(self, config: EngineConfig, fn: Any, groups: _Groups):
+        self.config, self.fn, self.groups = config, fn, groups
+        self.pool: torch.Tensor | None = None
+
+    def allocate(self, num_blocks: int) -> torch.Tensor:
+        self.pool = None   # drop the old pool before the new one is allocated
+        shape = kv_cache_shape(self.config.rank_model, self.config.bounds.tokens_per_block, num_blocks)
+        self.pool = torch.zeros(shape, dtype=self.config.torch_kv_dtype)
+        return self.pool
+
+    def step(self, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
+        collectives.set_group(self.groups.compute)
+        with torch.inference_mode():
+            out = self.fn(**inputs)
+        return out[0] if isinstance(out, (list, tuple)) else out
+
+
+def serve_worker(runner: _RankRunner, channel: StepChannel) -> None:
+    """A follower rank's loop: run every step rank 0 broadcasts, until it says stop."""
+    while True:
+        msg = channel.receive()
+        if msg.op == OP_STOP:
+            return
+        if msg.op == OP_ALLOC:
+            runner.allocate(msg.arg)
+        elif msg.op == OP_STEP:
+            if runner.pool is None:
+                raise RuntimeError("rank 0 sent a step before any KV pool was allocated")
+            runner.step({**msg.inputs, "kv_cache": runner.pool})
+        else:
+            raise RuntimeError(f"unknown message {msg.op} from rank 0")
+
+
+def _exit_with_parent(parent_pid: int) -> None:
+    """A spawned worker outlives no leader: it exits when its parent process is gone (even if the leader was
+    killed before the process groups existed, so no socket would tell)."""
+
+    def watch() -> None:
+        while os.getppid() == parent_pid:
+            time.sleep(0.5)
+        os._exit(1)
+
+    threading.Thread(target=watch, name="kiln-tp-parent-watch", daemon=True).start()
+
+
+def _worker_main(directory: str, rank: int, world: int, port: int, threads: int, conn, parent_pid: int) -> None:
+    """Entry point of a spawned worker process (rank >= 1)."""
+    _exit_with_parent(parent_pid)
+    torch.set_num_threads(threads)
+    try:
+        config = read_engine_config(directory)
+        fn = load_rank_graph(Path(directory), config, rank)
+    except BaseException as exc:   # reported to rank 0, which names it in its EngineLoadError
+        conn.send(("error", f"{type(exc).__name__}: {exc}"))
+        return
+    conn.send(("loaded", os.getpid()))
+    store = dist.TCPStore("127.0.0.1", port, world, False, timeout=datetime.timedelta(seconds=120))
+    groups = _Groups.over_store(store, rank, world)
+    conn.send(("joined", None))
+    conn.close()
+    try:
+        serve_worker(_RankRunner(config, fn, groups), StepChannel(groups.control, config.bounds))
+    except BaseException:
+        # rank 0 is gone (its sockets closed) or this rank's step failed: rank 0 learns it from the
+        # collectives / the exit code; say why here
+        logger.error("kiln tensor-parallel rank %d stops: %s", rank, traceback.format_exc())
+        os._exit(1)
+
+
+class _SpawnedRanks:
+    """The worker processes of ranks 1..N-1 started by this process, and the watchdog over them."""
+
+    def __init__(self, directory: Path, config: EngineConfig, threads: int):
+        import torch.multiprocessing as mp
+
+        self.world = config.tp_size
+        ctx = mp.get_context("spawn")
+        self.store = dist.TCPStore("127.0.0.1", 0, self.world, True, timeout=datetime.timedelta(seconds=120),
+                                   wait_for_workers=False)
+        self.procs = []
+        self.conns = []
+        for rank in range(1, self.world):
+            ours, theirs = ctx.Pipe(duplex=False)
+            p = ctx.Process(target=_worker_main, name=f"kiln-tp-rank{rank}", daemon=True,
+                            args=(str(directory), rank, self.world, self.store.port, threads, theirs, os.getpid()))
+            p.start()
+            theirs.close()
+            self.procs.append(p)
+            self.conns.append(ours)
+        self.death: str | None = None
+        self._closing = False
+
+    @property
+    def pids(self) -> list[int]:
+        return [p.pid for p in self.procs]
+
+    def _await(self, want: str, directory: Path) -> None:
+        """Every worker's next status message (``want``), else EngineLoadError naming the rank and why."""
+        for rank, (p, conn) in enumerate(zip(self.procs, self.conns), start=1):
+            while not conn.poll(0.2):
+                if not p.is_alive():
+                    raise EngineLoadError(f"{directory}: tensor-parallel rank {rank} (pid {p.pid}) exited with code "
+                                          f"{p.exitcode} while starting")
+            try:
+                status, detail = conn.recv()
+            except EOFError:
+                p.join(5)
+                raise EngineLoadError(f"{directory}: tensor-parallel rank {rank} (pid {p.pid}) exited with code "
+                                      f"{p.exitcode} while starting") from None
+            if status == "error":
+                raise EngineLoadError(f"rank {rank}: {detail}")
+            if status != want:
+                raise EngineLoadError(f"{directory}: tensor-parallel rank {rank} said {status!r}, expected {want!r}")
+
+    def join_groups(self, directory: Path) -> _Groups:
+        """Wait until every worker loaded its rank, then form the process groups with them."""
+        self._await("loaded", directory)
+        groups = _Groups.over_store(self.store, 0, self.world)
+        self._await("joined", directory)
+        for conn in self.conns:
+            conn.close()
+        return groups
+
+    def watch(self, on_death) -> None:
+        """Call ``on_death(message)`` from a watchdog thread when a worker exits while the engine is open."""
+
+        def run() -> None:
+            sentinels = {p.sentinel: (rank, p) for rank, p in enumerate(self.procs, start=1)}
+            ready = multiprocessing.connection.wait(list(sentinels))
+            if self._closing:
+                return
+            rank, p = sentinels[ready[0]]
+            p.join(1)
+            self.death = describe_exit(rank, p.pid, p.exitcode)
+            on_death(self.death)
+
+        threading.Thread(target=run, name="kiln-tp-watchdog", daemon=True).start()
+
+    def stop(self, timeout: float = STOP_WAIT_S) -> None:
+        """Wait for the workers to exit (they were told to stop, or the engine is dead); kill stragglers."""
+        self._closing = True
+        deadline = time.monotonic() + timeout
+        for p in self.procs:
+            p.join(max(0.0, deadline - time.monotonic()))
+        for p in self.procs:
+            if p.is_alive():
+                logger.warning("tensor-parallel worker pid %d did not stop; killing it", p.pid)
+                p.kill()
+                p.join(5)
+
+    def kill(self) -> None:
+        self._closing = True
+        for p in self.procs:
+            if p.is_alive():
+                p.kill()
+        for p in self.procs:
+            p.join(5)
+
+
+def describe_exit(rank: int, pid: int | None, code: int | None) -> str:
+    killed = code is not None and code < 0 and -code in signal.valid_signals()
+    how = f"killed by {signal.Signals(-code).name}" if killed else f"exit code {code}"
+    return f"tensor-parallel rank {rank} (pid {pid}) died ({how})"
+
+
+_open_engines: weakref.WeakSet[TensorParallelEngine] = weakref.WeakSet()
+
+
+@atexit.register
+def _close_open_engines() -> None:
+    for engine in list(_open_engines):
+        engine.close()
+
+
+class TensorParallelEngine(Engine):
+    """Rank 0 of a tensor-parallel engine: its own graph, and the other ranks following its steps."""
+
+    def __init__(self, directory: Path, config: EngineConfig, fn: Any, groups: _Groups,
+                 workers: _SpawnedRanks | None, ranks_here: int):
+        super().__init__(directory, config, fn)
+        self._runner = _RankRunner(config, fn, groups)
+        self._channel = StepChannel(groups.control, config.bounds)
+        self._workers = workers
+        self._ranks_here = ranks_here
+        self._lock = threading.Lock()       # one message at a time on the control group
+        self._dead: str | None = None
+        self._closed = False
+        _open_engines.add(self)
+        if workers is not None:
+            workers.watch(self._on_worker_death)
+
+    # ---- starting -----------------------------------------------------------------------------------------
+    @classmethod
+    def start(cls, directory: Path, config: EngineConfig, threads_per_rank: int | None = None) -> Engine:
+        """Rank 0 with its workers (spawned, or torchrun's); on a follower rank under torchrun, serve and exit."""
+        for rank in range(config.tp_size):   # every rank's file, before any process starts
+            check_rank_file(directory, config.tensor_parallel, rank, config.engine_files[rank])
+        joined = torchrun_world()
+        if joined is not None:
+            return cls._join(directory, config, threads_per_rank, *joined)
+        threads = default_threads(config.tp_size, threads_per_rank)
+        torch.set_num_threads(threads)
+        logger.info("tensor-parallel engine %s: %d ranks on this machine, %d torch thread(s) each", directory,
+                    config.tp_size, threads)
+        workers = _SpawnedRanks(directory, config, threads)
+        try:
+            fn = load_rank_graph(directory, config, 0)
+            groups = workers.join_groups(directory)
+        except BaseException:
+            workers.kill()
+            raise
+        return cls(directory, config, fn, groups, workers, config.tp_size)
+
+    @classmethod
+    def _join(cls, directory: Path, config: EngineConfig, threads_per_rank: int | None, rank: int, world: int,
+              ranks_here: int) -> Engine:
+        if world != config.tp_size:
+            raise EngineLoadError(f"{directory}: launched as {world} ranks (WORLD_SIZE={world}) but the engine has "
+                                  f"tp_size={config.tp_size}; start {config.tp_size} processes "
+                                  f"(torchrun --nproc-per-node {config.tp_size} ...)")
+        torch.set_num_threads(default_threads(ranks_here, threads_per_rank))
+        fn = load_rank_graph(directory, config, rank)
+        groups = _Groups.joined()
+        if rank == 0:
+            return cls(directory, config, fn, groups, None, ranks_here)
+        serve_worker(_RankRunner(config, fn, groups), StepChannel(groups.control, config.bounds))
+        raise SystemExit(0)   # rank 0 shut down: this rank's process has nothing else to do
+
+    # ---- the Engine interface -----------------------------------------------------------------------------
+    @property
+    def kv_bytes_per_token(self) -> int:
+        """Bytes one token takes in the pools of all ranks on this machine (they share its memory)."""
+        return self.config.kv_bytes_per_token * self._ranks_here
+
+    @property
+    def worker_pids(self) -> list[int]:
+        """Process ids of the ranks this process started (empty under torchrun)."""
+        return self._workers.pids if self._workers is not None else []
+
+    @property
+    def failure(self) -> str | None:
+        """Why the engine cannot run (a rank died, or it was closed); None while it can."""
+        return self._dead or ("the engine is closed" if self._closed else None)
+
+    def allocate_kv_cache(self, num_blocks: int) -> torch.Tensor:
+        """A zeroed pool of ``num_blocks`` blocks of rank 0's KV heads; every other rank allocates its part. It
+        replaces the previous pool (its steps are refused from now on)."""
+        if num_blocks < 1:
+            raise ConfigError(f"num_blocks must be >= 1, got {num_blocks}")
+        with self._lock:
+            self._check_alive()
+            self._channel.send(OP_ALLOC, num_blocks)
+            return self._runner.allocate(num_blocks)
+
+    def run(self, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
+        """One step on every rank: ``inputs['kv_cache']`` must be the pool the last ``allocate_kv_cache``
+        returned (rank 0's part; the other ranks use theirs)."""
+        check_inputs(inputs, self.config)
+        if inputs["kv_cache"] is not self._runner.pool:
+            raise EngineInputError("kv_cache is not the pool this engine's last allocate_kv_cache returned: the other "
+                                   "ranks hold their part of that pool only (a tensor-parallel engine serves one pool, "
+                                   "so one LLM, at a time)")
+        with self._lock:
+            self._check_alive()
+            try:
+                self._channel.send_step(inputs)
+                logits = self._runner.step(inputs)
+            except BaseException as exc:
+                raise self._declare_dead(exc) from exc
+        return logits if logits.dtype == torch.float32 else logits.float()
+
+    __call__ = run
+
+    def close(self) -> None:
+        """Stop every other rank (idempotent). The engine cannot run afterwards."""
+        if self._closed:
+            return
+        acquired = self._lock.acquire(timeout=STOP_WAIT_S)   # let a running step end first
+        try:
+            self._closed = True
+            _open_engines.discard(self)
+            if self._dead is None:
+                try:
+                    self._channel.send(OP_STOP)
+                except Exception as exc:   # a rank is gone: the workers are stopped below either way
+                    logger.warning("could not tell the tensor-parallel ranks to stop: %s", exc)
+            if self._workers is not None:
+                self._workers.stop()
+        finally:
+            if acquired:
+                self._lock.release()
+
+    # ---- failure ------------------------------------------------------------------------------------------
+    def _check_alive(self) -> None:
+        if self._dead is not None:
+            raise EngineDeadError(f"{self._dead}; the engine cannot run any more: recreate the LLM")
+        if self._closed:
+            raise EngineDeadError("the tensor-parallel engine is closed")
+
+    def _on_worker_death(self, message: str) -> None:
+        logger.error("%s", message)
+        if self._dead is None:
+            self._dead = message
+
+    def _declare_dead(self, exc: BaseException) -> EngineDeadError:
+        """A step failed after its broadcast: the ranks are out of step for good. Name the rank that died when
+        one did (its exit is seen within a second of the failed collective), stop the others."""
+        if self._workers is not None:
+            deadline = time.monotonic() + 2.0
+            while self._workers.death is None and time.monotonic() < deadline:
+                time.sleep(0.02)
+            self._dead = self._workers.death
+        if self._dead is None:
+            self._dead = f"a tensor-parallel step failed on rank 0 ({type(exc).__name__}: {exc})"
+        if self._workers is not None:
+            self._workers.kill()
+        _open_engines.discard(self)
+        return EngineDeadError(f"{self._dead}; the engine cannot run any more: recreate the LLM")
+
+    def __repr__(self) -> str:
+        return (f"TensorParallelEngine({str(self.directory)!r}, {self.config.model.architecture}, "
+                f"backend={self.backend}, tp_size={self.config.tp_size})")
