@@ -12,13 +12,13 @@ import torch
 
 from kiln.contract import (
     FORMAT_VERSION,
+    BuildConfigError,
     EngineBounds,
     EngineConfig,
     EngineInputError,
     EngineLoadError,
     MemorySummary,
     ModelConfig,
-    BuildConfigError,
     SeqChunk,
     TensorParallelMapping,
     TokenizerInfo,
@@ -163,7 +163,8 @@ def test_engines_of_format_1_get_the_rebuild_error(tmp_path):
     }
     (tmp_path / "config.json").write_text(json.dumps(old))
     with pytest.raises(EngineLoadError, match=r"format version 1 \(built by kiln 0\.1\.0\).*reads format\(s\) "
-                                              rf"\[{FORMAT_VERSION}\]; rebuild the engine with this kiln's build-engine"):
+                                              rf"\[{FORMAT_VERSION}\]; rebuild the engine with this kiln's "
+                                              "build-engine"):
         read_engine_config(tmp_path)
 
 
