@@ -27,7 +27,11 @@ class EngineFacts:
 
     weights_bytes: all weights as stored. streamed_weight_bytes: what one step reads (weights minus the
     embedding table, of which a step gathers only a few rows). matmul_params: weights multiplied per token
-    (2 FLOPs each); lm_head_params: multiplied once per sampled sequence. origin: where each number came from.
+    (2 FLOPs each); lm_head_params: multiplied once per sampled sequence. embedding_bytes: the embedding table
+    (whole on every tensor-parallel rank). origin: where each number came from.
+
+    tp_size > 1: the facts of a tensor-parallel engine, whose weights, streamed weights, KV bytes per token and
+    activation peak are ONE rank's (what a device holds); the model's shape and GEMM counts stay whole.
     """
 
     name: str
@@ -37,6 +41,7 @@ class EngineFacts:
     num_heads: int
     num_kv_heads: int
     head_dim: int
+    intermediate_size: int
     vocab_size: int
     dtype: str
     quantization: str
@@ -47,6 +52,9 @@ class EngineFacts:
     matmul_params: int
     lm_head_params: int
     bounds: EngineBounds
+    embedding_bytes: int = 0
+    tie_word_embeddings: bool = False
+    tp_size: int = 1
     special_token_ids: list[int] = field(default_factory=list)   # eos / bos: kept out of synthetic prompts
     origin: dict = field(default_factory=dict)
 
@@ -79,23 +87,29 @@ def engine_facts(engine_dir: str | Path) -> EngineFacts:
     except EngineLoadError as exc:
         raise FactsError(str(exc)) from None
     m, mem = cfg.model, cfg.memory
-    embed = 0 if m.tie_word_embeddings else m.vocab_size * m.hidden_size * _DTYPE_BYTES[cfg.dtype]
+    table = m.vocab_size * m.hidden_size * _DTYPE_BYTES[cfg.dtype]
+    # the embedding table is not streamed, unless it is also the LM head (tied, one rank)
+    embed = 0 if m.tie_word_embeddings and cfg.tp_size == 1 else table
     tok = cfg.tokenizer
     src = f"engine {Path(engine_dir) / 'config.json'}"
+    per_rank = f" (one rank of {cfg.tp_size})" if cfg.tp_size > 1 else ""
     return EngineFacts(
         name=str(engine_dir), architecture=m.architecture, num_layers=m.num_layers, hidden_size=m.hidden_size,
-        num_heads=m.num_heads, num_kv_heads=m.num_kv_heads, head_dim=m.head_dim, vocab_size=m.vocab_size,
+        num_heads=m.num_heads, num_kv_heads=m.num_kv_heads, head_dim=m.head_dim,
+        intermediate_size=m.intermediate_size, vocab_size=m.vocab_size,
         dtype=cfg.dtype, quantization=cfg.quantization, weights_bytes=mem.weights_bytes,
         streamed_weight_bytes=max(mem.weights_bytes - embed, 0), kv_bytes_per_token=cfg.kv_bytes_per_token,
         activation_peak_bytes=mem.activation_peak_bytes, matmul_params=m.num_layers * _layer_params(m.to_dict()),
-        lm_head_params=m.vocab_size * m.hidden_size, bounds=cfg.bounds,
+        lm_head_params=m.vocab_size * m.hidden_size, bounds=cfg.bounds, embedding_bytes=table,
+        tie_word_embeddings=m.tie_word_embeddings, tp_size=cfg.tp_size,
         special_token_ids=sorted(set(tok.eos_token_ids)
                                  | ({tok.bos_token_id} if tok.bos_token_id is not None else set())),
         origin={
-            "weights_bytes": f"{src} memory.weights_bytes (builder's memory plan)",
-            "streamed_weight_bytes": "weights_bytes minus the untied embedding table (vocab x hidden x dtype)",
-            "kv_bytes_per_token": f"{src}: 2 x layers x kv_heads x head_dim x kv dtype (kiln.contract)",
-            "activation_peak_bytes": f"{src} memory.activation_peak_bytes (arena at the max profile)",
+            "weights_bytes": f"{src} memory.weights_bytes (builder's memory plan){per_rank}",
+            "streamed_weight_bytes": "weights_bytes minus the embedding table (vocab x hidden x dtype) unless it is "
+                                     f"the LM head{per_rank}",
+            "kv_bytes_per_token": f"{src}: 2 x layers x kv_heads x head_dim x kv dtype (kiln.contract){per_rank}",
+            "activation_peak_bytes": f"{src} memory.activation_peak_bytes (arena at the max profile){per_rank}",
             "bounds": f"{src} bounds",
             "matmul_params": "decoder layers' GEMM weights, from the model shape in config.json",
         },
@@ -145,7 +159,8 @@ def hf_facts(config_path: str | Path, dtype: str = "bfloat16", quantization: str
     max_seq_len = max_seq_len or max_pos
     facts = EngineFacts(
         name=str(path), architecture=arch, num_layers=layers, hidden_size=h, num_heads=heads, num_kv_heads=kv_heads,
-        head_dim=head_dim, vocab_size=vocab, dtype=dtype, quantization=quantization, weights_bytes=weights,
+        head_dim=head_dim, intermediate_size=inter, vocab_size=vocab, dtype=dtype, quantization=quantization,
+        weights_bytes=weights, embedding_bytes=embed, tie_word_embeddings=tied,
         streamed_weight_bytes=weights - (0 if tied else embed),
         kv_bytes_per_token=2 * layers * kv_heads * head_dim * elem,
         activation_peak_bytes=int(max_num_tokens * (4 * h + 2 * inter) * elem + max_batch_size * vocab * 4),

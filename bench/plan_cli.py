@@ -36,7 +36,8 @@ _EXCLUDE = ("seed", "metrics_window", "enable_prefix_reuse", "kv_cache_memory_fr
 @click.option("--memory", help="Memory per device instead of the table's (e.g. 80GiB).")
 @click.option("--bandwidth", type=float, help="Memory bandwidth in GB/s (overrides the device's).")
 @click.option("--flops", type=float, help="Peak TFLOP/s (overrides the device's).")
-@click.option("--tp", type=int, default=1, show_default=True, help="Tensor parallel: devices per instance.")
+@click.option("--tp", type=int, default=None,
+              help="Tensor parallel: devices per instance (default: the engine's tp_size; 1 with --hf-config).")
 @click.option("--trace", type=click.Path(path_type=Path, dir_okay=False), help="Workload lengths from a trace file.")
 @click.option("--window", help="START:END seconds of the trace.")
 @click.option("--max-requests", type=int, help="The first N requests of the trace (window).")

@@ -1,9 +1,13 @@
 """Capacity planner: KV pool, concurrency, step time and instances for an engine, a device and a workload.
 
-Memory. ``available`` = device memory - weights / tp (what the runtime's ``kv_cache_memory_fraction``
-applies to: the memory free once the engine is loaded). The pool is sized by
-``kiln.runtime.executor.resolve_serving_limits``, the function the executor itself calls, so the planner's
-block count is the runtime's for the same options (tests/test_bench_plan.py checks it against ``LLM``).
+Memory. ``available`` = device memory - the weights one device holds (what the runtime's
+``kv_cache_memory_fraction`` applies to: the memory free once the engine is loaded). With tensor parallelism
+(kiln's layout, ``kiln.contract.TensorParallelMapping``) a device holds 1 / tp of the layers and of the LM
+head, the whole embedding table (and, for tied embeddings, its LM head slice besides), and its KV heads:
+``max(kv_heads / tp, 1)`` of them (fewer KV heads than devices are replicated, as the builder does).
+The pool is sized by ``kiln.runtime.executor.resolve_serving_limits``, the function the executor itself
+calls, so the planner's block count is the runtime's for the same options (tests/test_bench_plan.py checks
+it against ``LLM``).
 
 Concurrency. A request holds ``ceil((prompt + output - 1) / tokens_per_block)`` blocks at its longest
 (the scheduler's ``blocks_for_request``); at a percentile's lengths the pool holds ``num_blocks // that``
@@ -15,12 +19,19 @@ head of the queue needs room for its own blocks).
 
 Step time (per device, additive: the memory and compute phases of kiln's kernels do not overlap much,
 and ``a + b x tokens`` is what ``--calibration`` fits):
-    t_step = (streamed weights / tp + KV bytes read / tp) / bandwidth
+    t_step = (streamed weights / tp + KV bytes read per device) / bandwidth
            + (2 x matmul params / tp x tokens + 2 x lm_head params / tp x sequences + attention FLOPs / tp) / FLOP/s
-           + t_allreduce
+           + t_allreduce + t_allgather
     t_allreduce = layers x 2 x [2 (tp - 1) / tp x tokens x hidden x activation bytes / link bandwidth
-                                + 2 (tp - 1) x 5 us]       (two ring all-reduces of the hidden state per layer)
+                                + 2 (tp - 1) x 5 us]       (two ring all-reduces of the hidden state per layer:
+                                                            after the row-parallel o_proj and down_proj)
+    t_allgather = (tp - 1) / tp x sequences x vocab x activation bytes / link bandwidth + (tp - 1) x 5 us
+                                                           (the vocab-parallel LM head's logits, once per step)
     attention FLOPs = 4 x layers x heads x head_dim x context, per token.
+Per token and layer the all-reduces move 2 x 2 (tp - 1) / tp x hidden x activation bytes through each device's
+link (Llama-3-8B, bf16, tp 2: 16 KiB); per sampled sequence the gather moves (tp - 1) / tp x vocab x activation
+bytes (128256 x 2 B / 2: 125 KiB). The runtime's step broadcast of the inputs (8 bytes per token and per block
+table entry, host side) is not modelled: it is on the CPU, beside the launch of the step.
 The pure roofline ``max(bytes / bandwidth, FLOPs / peak)`` is printed too (a lower bound).
 
 Load (a mean-value model, steady state at rate L per instance): every step carries the decodes of the
@@ -42,6 +53,7 @@ import numpy as np
 
 from kiln.bench.devices import Device
 from kiln.bench.engine_facts import EngineFacts
+from kiln.contract import BuildConfigError, ModelConfig, TensorParallelMapping
 from kiln.runtime.executor import ExecutorConfig, resolve_serving_limits
 from kiln.runtime.kv_cache import cdiv
 
@@ -109,7 +121,38 @@ def allreduce_seconds(layers: int, hidden: int, elem_bytes: int, tokens: float, 
     return layers * 2 * per
 
 
-def plan(facts: EngineFacts, device: Device, workload: WorkloadStats, *, tp: int = 1,
+def allgather_seconds(vocab: int, elem_bytes: int, seqs: float, tp: int, link_bandwidth: float) -> float:
+    """The vocab-parallel LM head's ring all-gather of one step's logits rows (``vocab`` padded to a multiple
+    of tp, in the activation dtype): (tp - 1) / tp of them pass each link, in tp - 1 hops."""
+    if tp == 1:
+        return 0.0
+    return (tp - 1) / tp * seqs * vocab * elem_bytes / link_bandwidth + (tp - 1) * ALLREDUCE_HOP_S
+
+
+def tp_mapping(facts: EngineFacts, tp: int) -> TensorParallelMapping:
+    """kiln's split of the model over ``tp`` devices (PlanError naming the numbers when the builder would refuse)."""
+    model = ModelConfig(architecture=facts.architecture, vocab_size=facts.vocab_size, hidden_size=facts.hidden_size,
+                        intermediate_size=facts.intermediate_size, num_layers=facts.num_layers,
+                        num_heads=facts.num_heads, num_kv_heads=facts.num_kv_heads, head_dim=facts.head_dim,
+                        max_position_embeddings=facts.bounds.max_seq_len)
+    try:
+        return TensorParallelMapping.plan(model, tp, build_id="")
+    except BuildConfigError as exc:
+        raise PlanError(str(exc)) from None
+
+
+def device_share(facts: EngineFacts, mapping: TensorParallelMapping) -> tuple[float, float, int]:
+    """(weights, streamed weights, KV bytes per token) one device holds under ``mapping``."""
+    tp = mapping.tp_size
+    if facts.tp_size > 1 or tp == 1:   # a tensor-parallel engine's facts are one rank's already
+        return facts.weights_bytes, facts.streamed_weight_bytes, facts.kv_bytes_per_token
+    table = facts.embedding_bytes      # whole on every device; a tied LM head is a slice of it besides
+    weights = (facts.weights_bytes - table) / tp + table + (table / tp if facts.tie_word_embeddings else 0)
+    kv = facts.kv_bytes_per_token * mapping.num_kv_heads_per_rank // facts.num_kv_heads
+    return weights, facts.streamed_weight_bytes / tp, kv
+
+
+def plan(facts: EngineFacts, device: Device, workload: WorkloadStats, *, tp: int | None = None,
          max_batch_size: int | None = None, max_num_tokens: int | None = None,
          kv_cache_memory_fraction: float | None | str = "recommended", max_kv_cache_tokens: int | None = None,
          available_bytes: int | None = None, headroom: float = 0.10, percentile: int = 95,
@@ -119,15 +162,19 @@ def plan(facts: EngineFacts, device: Device, workload: WorkloadStats, *, tp: int
 
     Serving options mean what they mean to ``LLM(...)``, except ``kv_cache_memory_fraction``, which defaults
     to the recommended fraction instead of the runtime's 0.9 (None: no memory limit, as in ExecutorConfig).
+    ``tp`` None: the engine's tensor-parallel size (1 for a model not built yet).
     """
+    if tp is None:
+        tp = facts.tp_size
     if tp < 1:
         raise PlanError(f"--tp must be >= 1, got {tp}")
-    if tp > 1 and facts.num_kv_heads % tp:
-        raise PlanError(f"{facts.num_kv_heads} KV heads cannot be split over tp={tp} devices evenly")
+    if facts.tp_size > 1 and tp != facts.tp_size:
+        raise PlanError(f"the engine was built for {facts.tp_size} tensor-parallel ranks: plan it with --tp "
+                        f"{facts.tp_size} (plan its one-rank build or --hf-config for another --tp)")
+    mapping = tp_mapping(facts, tp)
     b = facts.bounds
     block = b.tokens_per_block
-    weights_dev = facts.weights_bytes / tp
-    kv_dev = facts.kv_bytes_per_token // tp
+    weights_dev, streamed_dev, kv_dev = device_share(facts, mapping)
     out: dict = {"inputs": {}, "memory": {}, "concurrency": {}, "settings": {}, "step_time": {}, "load": {}}
     inp = out["inputs"]
     inp["engine"] = _v(facts.name, "--engine / --hf-config")
@@ -138,12 +185,14 @@ def plan(facts: EngineFacts, device: Device, workload: WorkloadStats, *, tp: int
     mem = out["memory"]
     if available_bytes is None:
         available_bytes = int(device.memory_bytes - weights_dev)
-        avail_src = f"device memory {device.memory_bytes / 2**30:.2f} GiB ({device.source}) - weights / tp"
+        avail_src = f"device memory {device.memory_bytes / 2**30:.2f} GiB ({device.source}) - weights per device"
     else:
         avail_src = "given (memory free after the engine is loaded)"
     mem["device_memory"] = _v(device.memory_bytes, device.source, "B")
-    per_tp = f" / tp {tp}" if tp > 1 else ""
-    mem["weights_per_device"] = _v(int(weights_dev), facts.origin.get("weights_bytes", "") + per_tp, "B")
+    per_tp = f" / tp {tp}" if tp > 1 and facts.tp_size == 1 else ""
+    weights_src = (f" split over tp {tp}: (weights - embedding table) / tp + the embedding table"
+                   + (" + its tied LM head slice" if facts.tie_word_embeddings else "")) if per_tp else ""
+    mem["weights_per_device"] = _v(int(weights_dev), facts.origin.get("weights_bytes", "") + weights_src, "B")
     mem["activation_peak"] = _v(facts.activation_peak_bytes, facts.origin.get("activation_peak_bytes", "")
                                 + (" (not divided by tp: hidden states are replicated)" if tp > 1 else ""), "B")
     mem["available_after_weights"] = _v(available_bytes, avail_src, "B")
@@ -167,7 +216,10 @@ def plan(facts: EngineFacts, device: Device, workload: WorkloadStats, *, tp: int
         raise PlanError(str(exc)) from None
     pool_src = "kiln.runtime.executor.resolve_serving_limits (the executor's own sizing): " + limits.kv_plan
     mem["kv_cache_memory_fraction"] = _v(fraction, frac_src)
-    mem["kv_bytes_per_token_per_device"] = _v(kv_dev, facts.origin.get("kv_bytes_per_token", "") + per_tp, "B")
+    kv_src = (f" x {mapping.num_kv_heads_per_rank} of {facts.num_kv_heads} KV heads per device"
+              + (f" (each replicated on {mapping.kv_head_replicas})" if mapping.kv_head_replicas > 1 else "")
+              if per_tp else "")
+    mem["kv_bytes_per_token_per_device"] = _v(kv_dev, facts.origin.get("kv_bytes_per_token", "") + kv_src, "B")
     mem["kv_pool_blocks"] = _v(limits.num_blocks, pool_src, "blocks")
     mem["kv_pool_tokens"] = _v(limits.num_blocks * block, f"blocks x tokens_per_block {block}", "tokens")
     mem["kv_pool_bytes"] = _v(limits.num_blocks * block * kv_dev, "tokens x KV bytes per token per device", "B")
@@ -230,13 +282,15 @@ def plan(facts: EngineFacts, device: Device, workload: WorkloadStats, *, tp: int
     link = device.link_bandwidth
     hd = facts.num_heads * facts.head_dim
 
-    def allreduce(tokens: float) -> float:
+    def allreduce(tokens: float, seqs: float) -> float:
+        """Tensor-parallel communication of a step: the all-reduces of the hidden states and the logits gather."""
         if tp > 1 and link is None:
             raise PlanError(f"device {device.name} has no interconnect figure for --tp {tp}")
-        return allreduce_seconds(facts.num_layers, facts.hidden_size, elem, tokens, tp, link or 0.0)
+        return (allreduce_seconds(facts.num_layers, facts.hidden_size, elem, tokens, tp, link or 0.0)
+                + allgather_seconds(mapping.vocab_size_per_rank * tp, elem, seqs, tp, link or 0.0))
 
     def t_mem(kv_tokens: float) -> float:
-        return (facts.streamed_weight_bytes / tp + kv_tokens * kv_dev) / bw
+        return (streamed_dev + kv_tokens * kv_dev) / bw
 
     def t_compute(tokens: float, seqs: float, ctx_tokens: float) -> float:
         flops = (2 * facts.matmul_params * tokens + 2 * facts.lm_head_params * seqs
@@ -249,18 +303,20 @@ def plan(facts: EngineFacts, device: Device, workload: WorkloadStats, *, tp: int
     ctx_mean = workload.prompt["mean"] + workload.output["mean"] / 2
     for batch in sorted({1, limit}):
         kv_tok = batch * ctx_mean
-        m, c, a = t_mem(kv_tok), t_compute(batch, batch, kv_tok), allreduce(batch)
+        m, c, a = t_mem(kv_tok), t_compute(batch, batch, kv_tok), allreduce(batch, batch)
         stime[f"decode_step_batch_{batch}"] = _v(
-            m + c + a, f"weights {facts.streamed_weight_bytes / tp / 1e6:.0f} MB + KV "
+            m + c + a, f"weights {streamed_dev / 1e6:.0f} MB + KV "
                        f"{kv_tok * kv_dev / 1e6:.1f} MB read: {m * 1e3:.2f} ms; FLOPs: "
-                       f"{c * 1e3:.2f} ms; all-reduce {a * 1e3:.2f} ms (mean context {ctx_mean:.0f} tokens)", "s")
+                       f"{c * 1e3:.2f} ms; all-reduce + logits gather {a * 1e3:.2f} ms (mean context "
+                       f"{ctx_mean:.0f} tokens)", "s")
         stime[f"decode_step_batch_{batch}_roofline_max"] = _v(max(m, c) + a, "max(memory, compute) + all-reduce", "s")
     # ---- load model
-    A = t_mem(0) + allreduce(0)
-    per_token = t_compute(1, 0, 0) + (allreduce(1) - allreduce(0))
+    A = t_mem(0) + allreduce(0, 0)
+    per_token = t_compute(1, 0, 0) + (allreduce(1, 0) - allreduce(0, 0))
+    per_sequence = allreduce(0, 1) - allreduce(0, 0)    # the logits gather of a sampled sequence
     Pm, Om = workload.prompt["mean"], workload.output["mean"]
     # decode tokens: GEMMs, lm_head, KV read + attention; prefill tokens + causal attention
-    K = (Om * (per_token + t_compute(0, 1, ctx_mean) + ctx_mean * kv_dev / bw)
+    K = (Om * (per_token + per_sequence + t_compute(0, 1, ctx_mean) + ctx_mean * kv_dev / bw)
          + Pm * per_token + t_compute(0, 0, workload.prompt_sq_mean / 2))     # prefill tokens + causal attention
     lam_sat = 1.0 / K
     chunk_budget = limits.max_num_tokens

@@ -10,7 +10,14 @@ from click.testing import CliRunner
 from kiln.bench.devices import GB, GiB, get_device, parse_bytes
 from kiln.bench.engine_facts import engine_facts, hf_facts
 from kiln.bench.plan_cli import plan as plan_cmd
-from kiln.bench.planner import ALLREDUCE_HOP_S, PlanError, WorkloadStats, allreduce_seconds, plan
+from kiln.bench.planner import (
+    ALLREDUCE_HOP_S,
+    PlanError,
+    WorkloadStats,
+    allgather_seconds,
+    allreduce_seconds,
+    plan,
+)
 
 from runtime_support import get_engine
 
@@ -87,17 +94,43 @@ def test_tensor_parallel_divides_memory_and_adds_allreduce(tmp_path):
     w = WorkloadStats.from_percentiles(4000, 500, context_mean=1500, output_mean=200)
     one = plan(f, get_device("h100-80gb"), w)
     two = plan(f, get_device("h100-80gb"), w, tp=2)
-    assert two["memory"]["weights_per_device"]["value"] == f.weights_bytes // 2
+    table = 128256 * 4096 * 2    # the embedding table stays whole on each device
+    assert two["memory"]["weights_per_device"]["value"] == int((f.weights_bytes - table) / 2 + table)
     assert two["memory"]["kv_bytes_per_token_per_device"]["value"] == f.kv_bytes_per_token // 2
     assert two["memory"]["kv_pool_blocks"]["value"] > 2 * one["memory"]["kv_pool_blocks"]["value"] * 0.99
-    assert "all-reduce 0.00 ms" in one["step_time"]["decode_step_batch_1"]["source"]
-    assert "all-reduce 0.00 ms" not in two["step_time"]["decode_step_batch_1"]["source"]
+    assert "all-reduce + logits gather 0.00 ms" in one["step_time"]["decode_step_batch_1"]["source"]
+    assert "all-reduce + logits gather 0.00 ms" not in two["step_time"]["decode_step_batch_1"]["source"]
     # 2 all-reduces of hidden x 2 B per token per layer, ring over 2 devices, 5 us per hop
     expect = 32 * 2 * (2 * 1 / 2 * 16 * 4096 * 2 / 450e9 + 2 * 1 * ALLREDUCE_HOP_S)
     assert allreduce_seconds(32, 4096, 2, 16, 2, 450e9) == pytest.approx(expect)
     assert allreduce_seconds(32, 4096, 2, 16, 1, 450e9) == 0.0
-    with pytest.raises(PlanError, match="cannot be split"):
+    # and the vocab-parallel LM head's logits, gathered once per step: (tp - 1) / tp of 16 rows of the vocabulary
+    assert allgather_seconds(128256, 2, 16, 2, 450e9) == pytest.approx(1 / 2 * 16 * 128256 * 2 / 450e9
+                                                                       + ALLREDUCE_HOP_S)
+    with pytest.raises(PlanError, match="tp_size=3 does not divide num_heads=32"):
         plan(f, get_device("h100-80gb"), w, tp=3)
+    # 8 KV heads over 16 devices: replicated (2 devices hold each), as the builder does
+    sixteen = plan(f, get_device("h100-80gb"), w, tp=16)["memory"]["kv_bytes_per_token_per_device"]
+    assert sixteen["value"] == f.kv_bytes_per_token // 8 and "replicated on 2" in sixteen["source"]
+
+
+def test_a_tensor_parallel_engine_is_planned_per_rank(checkpoint_dir, tmp_path):
+    """A TP engine's facts are one rank's: planned as they are, on as many devices as it has ranks."""
+    from kiln.builder import BuildConfig, build_engine
+
+    from runtime_support import TEST_BUILD
+
+    one = engine_facts(get_engine(checkpoint_dir("llama")).directory)
+    two = engine_facts(build_engine(checkpoint_dir("llama"), tmp_path / "tp2", BuildConfig(**TEST_BUILD, tp_size=2)))
+    assert two.tp_size == 2 and two.kv_bytes_per_token == one.kv_bytes_per_token // 2
+    assert one.weights_bytes / 2 < two.weights_bytes < one.weights_bytes
+    w = WorkloadStats.from_percentiles(60, 30)
+    dev = get_device("h100-80gb")
+    p = plan(two, dev, w)
+    assert p["inputs"]["tp"]["value"] == 2 and p["memory"]["weights_per_device"]["value"] == two.weights_bytes
+    assert p["memory"]["kv_bytes_per_token_per_device"]["value"] == two.kv_bytes_per_token
+    with pytest.raises(PlanError, match="built for 2 tensor-parallel ranks: plan it with --tp 2"):
+        plan(two, dev, w, tp=1)
 
 
 def test_weights_that_do_not_fit_are_refused(tmp_path):
