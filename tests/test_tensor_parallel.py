@@ -163,6 +163,14 @@ def test_24_concurrent_greedy_requests_match_transformers(case, engines, checkpo
     assert biggest >= 8, "requests were not batched"
 
 
+def test_cpu_compiled_tp2_engine_matches_tp1(engines):
+    """The collectives survive AOTInductor: a compiled package calls kiln::all_reduce / all_gather back."""
+    tp1, aoti = engines("llama", 1), engines("llama", 2, backend="cpu-compiled")
+    assert aoti.config.backend == "cpu-compiled"
+    err = max_diff(schedule_logits(aoti), schedule_logits(tp1))
+    assert err <= FP32_ATOL, err
+
+
 def test_int8_mqa_quantizes_each_shard(engines):
     """Weight-only int8 runs per shard (the row-parallel GEMMs get per-channel scales of their half of the
     input): the TP=2 int8 engine is as close to fp32 as the TP=1 int8 engine is."""
