@@ -45,6 +45,7 @@ import logging
 import multiprocessing.connection
 import os
 import signal
+import sys
 import threading
 import time
 import traceback
@@ -199,7 +200,14 @@ def _worker_main(directory: str, rank: int, world: int, port: int, threads: int,
         # rank 0 is gone (its sockets closed) or this rank's step failed: rank 0 learns it from the
         # collectives / the exit code; say why here
         logger.error("kiln tensor-parallel rank %d stops: %s", rank, traceback.format_exc())
-        os._exit(1)
+        code = 1
+    else:
+        code = 0
+    # no interpreter teardown: nothing is left to flush but stdio, and tearing down gloo's threads and
+    # sockets under the interpreter's finalizers is what can go wrong
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 class _SpawnedRanks:
@@ -372,6 +380,14 @@ class TensorParallelEngine(Engine):
         """Process ids of the ranks this process started (empty under torchrun)."""
         return self._workers.pids if self._workers is not None else []
 
+    def comm_stats(self) -> dict[str, float]:
+        """Calls and seconds of rank 0 in the step broadcast and (this process's) collectives since start: the
+        collectives' time includes waiting for the slowest rank to arrive (``scripts/bench_tp.py`` reads it)."""
+        out = {"broadcast_calls": self._channel.calls, "broadcast_seconds": self._channel.seconds}
+        for op, s in collectives.stats().items():
+            out.update({f"{op}_calls": s["calls"], f"{op}_seconds": s["seconds"], f"{op}_bytes": s["bytes"]})
+        return out
+
     @property
     def failure(self) -> str | None:
         """Why the engine cannot run (a rank died, or it was closed); None while it can."""
@@ -421,6 +437,9 @@ class TensorParallelEngine(Engine):
                     logger.warning("could not tell the tensor-parallel ranks to stop: %s", exc)
             if self._workers is not None:
                 self._workers.stop()
+                self._workers.store = None
+            # the groups' sockets and threads go now, not under the interpreter's finalizers at exit
+            self._runner.groups = self._channel.group = None
         finally:
             if acquired:
                 self._lock.release()
