@@ -19,6 +19,7 @@ from kiln.contract import BACKENDS, QUANTIZATIONS, BuildConfigError, EngineBound
 from kiln.contract import DTYPES as _TORCH_DTYPES
 
 DTYPES = tuple(_TORCH_DTYPES)
+TP_BACKENDS = ("cpu", "cpu-compiled")   # backends whose graphs can hold kiln's collectives (plugin ops)
 KV_DTYPES = ("auto",) + DTYPES
 LOGITS_DTYPES = ("float32",)
 ONNX_OPTIMIZATION = ("disable", "basic", "extended", "all")
@@ -142,6 +143,10 @@ class BuildConfig:
         if self.backend == "onnx" and self.dtype != "float32":
             out.append(f"dtype={self.dtype!r} with backend 'onnx': onnxruntime's CPU kernels are float32 (no bfloat16 "
                        "MatMul); use dtype 'float32', or backend 'tensorrt' for 16-bit engines")
+        if self.tp_size > 1 and self.backend not in TP_BACKENDS:
+            out.append(f"tp_size={self.tp_size} with backend={self.backend!r}: tensor-parallel engines build for "
+                       f"{list(TP_BACKENDS)} (the collectives have no lowering for {self.backend!r} yet); use "
+                       "tp_size=1 or one of those backends")
         if self.quantization == "int4_weight_only" and self.group_size % 2:
             out.append(f"group_size={self.group_size} must be even for int4 (two weights per byte)")
         if self.quantization != "none" and self.dtype == "float16":

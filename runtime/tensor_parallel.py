@@ -68,6 +68,7 @@ from kiln.contract import (
     read_engine_config,
 )
 from kiln.plugins import collectives
+from kiln.plugins.native import native_kernels_available
 from kiln.runtime.engine import Engine, load_rank_graph
 from kiln.runtime.tp_wire import OP_ALLOC, OP_STEP, OP_STOP, StepChannel
 
@@ -185,6 +186,7 @@ def _worker_main(directory: str, rank: int, world: int, port: int, threads: int,
     torch.set_num_threads(threads)
     try:
         config = read_engine_config(directory)
+        native_kernels_available()   # now, not in the first step (rank 0 compiled them if they were missing)
         fn = load_rank_graph(Path(directory), config, rank)
     except BaseException as exc:   # reported to rank 0, which names it in its EngineLoadError
         conn.send(("error", f"{type(exc).__name__}: {exc}"))
@@ -464,8 +466,11 @@ class TensorParallelEngine(Engine):
             while self._workers.death is None and time.monotonic() < deadline:
                 time.sleep(0.02)
             self._dead = self._workers.death
-        if self._dead is None:
-            self._dead = f"a tensor-parallel step failed on rank 0 ({type(exc).__name__}: {exc})"
+        if self._dead is None:   # no rank exited: one hung (a collective timed out), or rank 0's own graph failed
+            first = str(exc).splitlines()[0][:300] if str(exc) else ""
+            self._dead = (f"a tensor-parallel step failed on rank 0 ({type(exc).__name__}: {first}); a rank that "
+                          f"does not answer fails its collectives after {collective_timeout().total_seconds():g} s "
+                          f"({TIMEOUT_ENV})")
         if self._workers is not None:
             self._workers.kill()
         _open_engines.discard(self)

@@ -317,6 +317,23 @@ def test_a_worker_killed_mid_generation_fails_the_requests_within_seconds(engine
     assert worker not in {p.pid for p in multiprocessing.active_children()}
 
 
+def test_a_hung_worker_fails_the_step_after_the_collective_timeout(engines, monkeypatch):
+    monkeypatch.setenv("KILN_TP_TIMEOUT_S", "2")   # read by both ranks when their groups are formed
+    directory = engines("gpt2", 2).directory
+    before = child_pids(os.getpid())
+    llm = LLM(directory)
+    try:
+        (worker,) = llm.engine.worker_pids
+        os.kill(worker, signal.SIGSTOP)   # alive, but answering nothing
+        t0 = time.monotonic()
+        with pytest.raises(ExecutorClosedError, match=r"step failed on rank 0 .*after 2 s \(KILN_TP_TIMEOUT_S\)"):
+            llm.generate([5, 6, 7], SamplingParams(max_tokens=4))
+        assert time.monotonic() - t0 < 10
+    finally:
+        llm.shutdown()
+    assert not alive(worker) and child_pids(os.getpid()) == before
+
+
 def test_missing_or_mismatched_rank_files_are_named(engines, tmp_path):
     src = engines("gpt2", 2).directory
     before = child_pids(os.getpid())
