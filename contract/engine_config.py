@@ -149,7 +149,7 @@ class EngineConfig:
         if small:
             out.append(f"{', '.join(small)}: bounds must be >= 1")
         tp = self.tensor_parallel.tp_size
-        if self.engine_files != [rank_file(r) for r in range(tp)]:
+        if len(self.engine_files) != tp or self.engine_files != [rank_file(r) for r in range(tp)]:
             out.append(f"engine_files={self.engine_files} must be rank0.engine .. rank{tp - 1}.engine "
                        f"(tensor_parallel.tp_size={tp})")
         model_problems = _model_problems(self.model)

@@ -46,7 +46,15 @@ from typing import Any, NamedTuple
 
 import torch
 
-from kiln.contract import ConfigError, EngineBounds, EngineDeadError, ExecutorClosedError, InvalidRequestError, SeqChunk, pack_inputs
+from kiln.contract import (
+    ConfigError,
+    EngineBounds,
+    EngineDeadError,
+    ExecutorClosedError,
+    InvalidRequestError,
+    SeqChunk,
+    pack_inputs,
+)
 from kiln.runtime.fields import SEED_RANGE, FieldChecks, is_integer
 from kiln.runtime.kv_cache import KVCacheManager, available_memory_bytes, plan_num_blocks
 from kiln.runtime.metrics import RuntimeMetrics, StepRecord

@@ -18,9 +18,10 @@ Where the other ranks come from:
   so one script runs on every rank.
 
 Two gloo process groups of their own (no global ``torch.distributed`` state is touched in the spawned
-setup, so several engines can live in one process): *control* carries the step broadcast (it waits
-without limit: an idle server sends nothing), *compute* the graphs' collectives (a collective waits at
-most ``KILN_TP_TIMEOUT_S`` seconds, default 60, for a rank that hangs). A GPU backend would run *compute*
+setup, so several engines can live in one process): *control* carries the step broadcast (a worker waits
+for it without limit: an idle server sends nothing; rank 0's send waits at most ``KILN_TP_TIMEOUT_S``),
+*compute* the graphs' collectives (a collective waits at most ``KILN_TP_TIMEOUT_S`` seconds, default 60,
+for a rank that hangs). A GPU backend would run *compute*
 on NCCL; the step broadcast stays on the CPU.
 
 Threads: each rank uses ``usable cores // ranks on this machine`` torch threads by default (rank 0 sets it
@@ -84,6 +85,13 @@ def collective_timeout() -> datetime.timedelta:
     return datetime.timedelta(seconds=float(os.environ.get(TIMEOUT_ENV, "60")))
 
 
+def control_timeout(rank: int) -> datetime.timedelta:
+    """How long a step broadcast may wait: without limit on a worker (an idle server sends nothing for hours),
+    the collectives' limit on rank 0, whose broadcast to a rank that hangs (stopped, not dead: its sockets
+    stay open) would otherwise block forever. Gloo's timeouts are each process's own."""
+    return collective_timeout() if rank == 0 else CONTROL_TIMEOUT
+
+
 def usable_cores() -> int:
     try:
         return len(os.sched_getaffinity(0))
@@ -120,7 +128,7 @@ class _Groups:
     @classmethod
     def over_store(cls, store: dist.Store, rank: int, world: int) -> _Groups:
         """Gloo groups on a store of our own (the spawned setup: no global torch.distributed state)."""
-        return cls(dist.ProcessGroupGloo(dist.PrefixStore("kiln/control", store), rank, world, CONTROL_TIMEOUT),
+        return cls(dist.ProcessGroupGloo(dist.PrefixStore("kiln/control", store), rank, world, control_timeout(rank)),
                    dist.ProcessGroupGloo(dist.PrefixStore("kiln/compute", store), rank, world, collective_timeout()))
 
     @classmethod
@@ -128,7 +136,7 @@ class _Groups:
         """Gloo groups over the launcher's rendezvous (torchrun): the default group is created if needed."""
         if not dist.is_initialized():
             dist.init_process_group("gloo", timeout=CONTROL_TIMEOUT)
-        return cls(dist.new_group(backend="gloo", timeout=CONTROL_TIMEOUT),
+        return cls(dist.new_group(backend="gloo", timeout=control_timeout(dist.get_rank())),
                    dist.new_group(backend="gloo", timeout=collective_timeout()))
 
 

@@ -36,6 +36,8 @@ def test_defaults_are_valid_and_round_trip():
     (dict(max_num_blocks=0), ["max_num_blocks=0"]),
     (dict(onnx_threads=-1), ["onnx_threads=-1"]),
     (dict(onnx_optimization="max"), ["onnx_optimization='max'"]),
+    (dict(backend="onnx", tp_size=2), ["tp_size=2 with backend='onnx'", "no lowering for 'onnx'", "'cpu-compiled'"]),
+    (dict(backend="tensorrt", tp_size=4), ["tp_size=4 with backend='tensorrt'", "use tp_size=1"]),
     (dict(quantization="int3"), ["quantization='int3'"]),
     (dict(kv_cache_dtype="int8"), ["kv_cache_dtype='int8'"]),
     (dict(logits_dtype="bfloat16"), ["logits_dtype", "float32"]),

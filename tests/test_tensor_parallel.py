@@ -334,15 +334,21 @@ def test_a_hung_worker_fails_the_step_after_the_collective_timeout(engines, monk
     assert not alive(worker) and child_pids(os.getpid()) == before
 
 
-def test_missing_or_mismatched_rank_files_are_named(engines, tmp_path):
+def test_missing_or_mismatched_rank_files_are_named(engines, tmp_path, monkeypatch):
     src = engines("gpt2", 2).directory
     before = child_pids(os.getpid())
     missing = Path(shutil.copytree(src, tmp_path / "missing"))
     (missing / "rank1.engine").unlink()
-    with pytest.raises(EngineLoadError, match=r"missing/rank1\.engine: missing \(rank 1 of 2\)"):
+    with pytest.raises(EngineLoadError, match=r"missing/rank1\.engine: missing; the engine directory is incomplete"):
         Engine.from_dir(missing)
     swapped = Path(shutil.copytree(src, tmp_path / "swapped"))
     shutil.copy(swapped / "rank0.engine", swapped / "rank1.engine")
+    with pytest.raises(EngineLoadError, match=r"swapped/rank1\.engine: checksum mismatch"):   # every rank checksummed
+        LLM(swapped)
+    # without the checksums (KILN_SKIP_ENGINE_CHECKSUM=1) the rank stamps still name the file
+    monkeypatch.setenv("KILN_SKIP_ENGINE_CHECKSUM", "1")
+    with pytest.raises(EngineLoadError, match=r"missing/rank1\.engine: missing \(rank 1 of 2\)"):
+        Engine.from_dir(missing)
     with pytest.raises(EngineLoadError, match=r"swapped/rank1\.engine: holds rank 0 of 2 .* expects rank 1 of 2"):
         LLM(swapped)
     assert child_pids(os.getpid()) == before   # refused before any worker started
