@@ -333,8 +333,13 @@ def test_load_errors_corrupt(engine_copy):
     # a valid zip whose contents are damaged
     import zipfile
 
+    from kiln.contract import read_engine_config, stamp_rank_file
+
     with zipfile.ZipFile(path, "w") as z:
         z.writestr("archive/data.pkl", b"garbage")
+    with pytest.raises(EngineLoadError, match=r"rank0\.engine: carries no readable rank stamp"):
+        Engine.from_dir(engine_copy, verify=False)
+    stamp_rank_file(path, 0, read_engine_config(engine_copy).tensor_parallel)   # this build's rank 0, in name only
     with pytest.raises(EngineLoadError, match="the file is corrupt or truncated, rebuild it"):
         Engine.from_dir(engine_copy, verify=False)
 
