@@ -45,7 +45,9 @@ from kiln.contract import (
     is_engine_dir,
     kv_bytes_per_token,
     rank_file,
+    save_weights,
     stamp_rank_file,
+    weights_file,
 )
 
 STAGES = ("load", "trace", "passes", "export", "memory_plan", "compile", "write")
@@ -111,6 +113,11 @@ def _check_output_dir(ckpt: Path, out: Path) -> None:
                 f"output directory {out} is not empty and does not hold a kiln engine; "
                 "refusing to replace it (choose an empty or new directory)"
             )
+
+
+def program_weights(ep: torch.export.ExportedProgram) -> dict[str, torch.Tensor]:
+    """Every tensor the program reads, by the name its graph (and a package compiled from it) uses."""
+    return {**ep.state_dict, **{k: v for k, v in ep.constants.items() if isinstance(v, torch.Tensor)}}
 
 
 def build_engine(
@@ -181,9 +188,10 @@ def _build(ckpt: Path, out: Path, tmp: Path, build: BuildConfig, model, progress
                 shutil.copy2(ckpt / name, tmp / name)
                 copied.append(name)
         resolved = build.resolved()
-        # every file the runtime reads: the engine files (every rank's, stamped), a backend's side files (an ONNX
-        # model's external weights), the tokenizer files (config.json and build_report.json are not written
-        # yet); the engine files first, so that a directory missing everything is reported by its rank 0 file
+        # every file the runtime reads: the engine files (every rank's, stamped), the weights files, a backend's
+        # side files (an ONNX model's external weights), the tokenizer files (config.json and build_report.json
+        # are not written yet); the engine files first, so that a directory missing everything is reported by
+        # its rank 0 file
         names = [*engine_files, *sorted(p.name for p in tmp.iterdir() if p.is_file() and p.name not in engine_files)]
         checksums = {name: file_checksum(tmp / name) for name in names}
         EngineConfig(
@@ -247,7 +255,10 @@ def _build_rank(model: ModelConfig, weights: dict[str, torch.Tensor], mapping: T
         weights_bytes = memory_plan.weights_bytes(ep)
     with _stage("compile", timings, progress, label):
         path = out / rank_file(rank)
-        backend_stats = BACKENDS[build.backend].compile(ep, path, trace.example_inputs(rank_model, build), build)
+        backend = BACKENDS[build.backend]
+        backend_stats = backend.compile(ep, path, trace.example_inputs(rank_model, build), build)
+        if getattr(backend, "SEPARATE_WEIGHTS", False):   # the graph holds none: rank{r}.weights, mapped at load
+            backend_stats["weights_bytes"] = save_weights(program_weights(ep), out / weights_file(rank))
         if build.backend in TORCH_BACKENDS:   # a .pt2 archive (an ONNX model or TensorRT plan has no place for it)
             stamp_rank_file(path, rank, mapping)
     return {"gemms": {"before_passes": gemms_before, "after_passes": gemms_after}, "passes": pass_stats,

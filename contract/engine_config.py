@@ -4,7 +4,10 @@ An engine directory is the only thing that passes from ``build-engine`` to the r
 
     config.json          EngineConfig.to_dict(): format, versions, backend, precision, model, bounds,
                          memory summary, tokenizer, engine files, and the BuildConfig it was built with
-    rank{r}.engine       the compiled graph of tensor-parallel rank r (rank0.engine when tp_size = 1)
+    rank{r}.engine       the compiled graph of tensor-parallel rank r (rank0.engine when tp_size = 1), without
+                         its weights
+    rank{r}.weights      the weights of rank r, each stored once and mapped at load (kiln.contract.weights;
+                         cpu and cpu-compiled engines: an onnx or tensorrt graph file keeps its weights)
     build_report.json    stage timings, pass statistics, the memory plan (for people; nothing loads it)
     tokenizer files      copied from the checkpoint
 
@@ -14,16 +17,19 @@ missing or mistyped key raises :class:`EngineLoadError` naming it; then values t
 impossible (a zero head count, a NaN epsilon, an EOS id outside the vocabulary) are named the same way.
 
 Integrity: ``checksums`` records the SHA-256 of every file the runtime reads (the engine files of every
-rank and the tokenizer files) when the engine is built; :func:`verify_checksums` compares them before
-anything is loaded, so a damaged or swapped file is refused instead of serving garbage. config.json itself
-is covered by the strict reader.
+rank, their weights files and the tokenizer files) when the engine is built; :func:`verify_checksums`
+compares them before anything is loaded, so a damaged or swapped file is refused instead of serving
+garbage. config.json itself is covered by the strict reader.
 
 Format history: 1 kept the resolved bounds inside ``build`` and an ``io`` block; 2 split the BuildConfig
 knobs (``build``, readable by ``BuildConfig.from_dict``) from the bounds the runtime enforces (``bounds``);
 3 adds ``checksums`` (required: an engine that cannot be verified is rebuilt, not trusted); 4 adds
 ``tensor_parallel`` (the mapping of the weights and KV heads over ``tp_size`` ranks,
 :class:`~kiln.contract.tensor_parallel.TensorParallelMapping`) and a stamp inside every rank file of a
-torch backend; ``memory`` describes one rank. Engines of formats 1 to 3 are refused with the rebuild message.
+torch backend; ``memory`` describes one rank; 5 moves the weights of ``cpu`` and ``cpu-compiled`` engines
+out of the graph files into ``rank{r}.weights`` (before, an AOTInductor package held them in its shared
+library, and the loaded process held them twice). Engines of formats 1 to 4 are refused with the rebuild
+message.
 """
 
 from __future__ import annotations
@@ -43,8 +49,9 @@ from kiln.contract.io import DTYPES, kv_bytes_per_token
 from kiln.contract.model import ModelConfig
 from kiln.contract.tensor_parallel import TensorParallelMapping
 from kiln.contract.typed import read_dataclass
+from kiln.contract.weights import weights_file
 
-FORMAT_VERSION = 4
+FORMAT_VERSION = 5
 SUPPORTED_FORMAT_VERSIONS = (FORMAT_VERSION,)
 CONFIG_FILE = "config.json"
 REPORT_FILE = "build_report.json"
@@ -56,6 +63,9 @@ BACKENDS = ("cpu", "cpu-compiled", "onnx", "tensorrt")   # what the builder writ
 # backends whose engine file is a torch artifact, tied to the torch that wrote it (the others are ONNX models
 # and TensorRT plans: their runtime's own checks apply when they are loaded)
 TORCH_BACKENDS = ("cpu", "cpu-compiled")
+# backends whose graph file holds no weights: they are in rank{r}.weights (an ONNX model keeps its own, inline
+# or as external data; a TensorRT plan holds them)
+SEPARATE_WEIGHTS_BACKENDS = TORCH_BACKENDS
 QUANTIZATIONS = ("none", "int8_weight_only", "int4_weight_only")
 
 
@@ -115,7 +125,7 @@ class EngineConfig:
     tokenizer: TokenizerInfo
     engine_files: list[str]     # rank_file(r) for r in range(tp_size)
     tensor_parallel: TensorParallelMapping
-    checksums: dict[str, str]   # file name -> "sha256:<hex>" of every engine (all ranks) and tokenizer file
+    checksums: dict[str, str]   # file name -> "sha256:<hex>" of every engine, weights (all ranks) and tokenizer file
     build: dict[str, Any]       # the builder's BuildConfig.to_dict() (knobs as resolved): rebuild with it
 
     @property
@@ -126,6 +136,13 @@ class EngineConfig:
     def rank_model(self) -> ModelConfig:
         """The model as one rank computes it (its heads, KV heads, MLP slice): its KV pool's shape."""
         return self.tensor_parallel.rank_model(self.model)
+
+    @property
+    def weights_files(self) -> list[str]:
+        """The weights file of each rank, for a backend that keeps its weights out of the graph file."""
+        if self.backend not in SEPARATE_WEIGHTS_BACKENDS:
+            return []
+        return [weights_file(r) for r in range(len(self.engine_files))]   # not tp_size: a hostile one is huge
 
     @property
     def kv_bytes_per_token(self) -> int:
@@ -160,7 +177,8 @@ class EngineConfig:
         bad_eos = [t for t in self.tokenizer.eos_token_ids if not 0 <= t < self.model.vocab_size]
         if bad_eos:
             out.append(f"tokenizer.eos_token_ids {bad_eos} are outside the vocabulary [0, {self.model.vocab_size})")
-        out += [f"checksums has no entry for {name}" for name in self.engine_files if name not in self.checksums]
+        out += [f"checksums has no entry for {name}" for name in [*self.engine_files, *self.weights_files]
+                if name not in self.checksums]
         for name, digest in self.checksums.items():
             if Path(name).name != name or name in (".", ".."):
                 out.append(f"checksums names {name!r}, not a file of the engine directory")

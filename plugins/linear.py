@@ -4,36 +4,35 @@ Ops (all registered in the ``kiln`` namespace, with a fake kernel for ``torch.ex
 
 ``kiln::weight_only_linear(x, qweight, scales, bias, bits, group_size) -> y``
     ``x`` [..., in] fp32 or bf16 (fp16 also accepted); ``y`` [..., out] in ``x``'s dtype.
-    bits=8: ``qweight`` int8 [out, in] or packed [out/8, in/16, 8, 16] (``pack_rows``), ``scales``
-    fp32 [out] (per output channel; group_size ignored).
+    bits=8: ``qweight`` int8 [out, in], in panels [out/16, in/2, 16, 2] (``pack_panels``, what the
+    builder stores) or in 8-row tiles [out/8, in/16, 8, 16] (``pack_rows``); ``scales`` fp32 [out]
+    (per output channel; group_size ignored).
     bits=4: ``qweight`` uint8 [out, in//2] in kiln's packed layout, ``scales`` fp32
     [out, in//group_size].
 ``kiln::bf16_linear(x, weight, bias) -> y``
-    ``weight`` bf16 [out, in], or packed [out/8, in/16, 8, 16] (``pack_rows``: tiles of 8 rows
-    stored so that a GEMV tile is one sequential stream; the builder packs the engine's weights);
-    ``y`` in ``x``'s dtype; accumulation in fp32.
+    ``weight`` bf16 [out, in], in panels [out/16, in/2, 16, 2] or in 8-row tiles; ``y`` in ``x``'s
+    dtype; accumulation in fp32.
 ``kiln::fp32_linear(x, weight, bias) -> y``
-    ``weight`` fp32 [out, in] or packed as for bf16: ``F.linear`` through kiln's kernels (torch's
-    fp32 GEMV reads one weight stream per core and reaches ~70% of the bandwidth on the project's
-    AVX2 machine, and its sgemm is slow at small M there); :func:`kernel_max_m` sends larger M to torch.
+    ``weight`` fp32 [out, in], in panels [out/16, in, 16] or in 8-row tiles: ``F.linear`` through
+    kiln's kernels; :func:`kernel_max_m` sends larger M to torch for the non-panel layouts.
 
-The weight formats (quantisation, int4 nibbles, packed rows) are :mod:`kiln.plugins.weight_format`.
+The weight formats (quantisation, int4 nibbles, panels, 8-row tiles) are :mod:`kiln.plugins.weight_format`.
 
-Activations: the int8/int4 kernels quantise x on the fly to int16 with one scale per row (error
-<= max|x_row|/65534, orders of magnitude below the weight quantisation error; outputs match the
-dequantise+F.linear reference to ~1e-5 relative) and compute the dot products with integer
-multiply-adds, which is twice as fast as int->float conversion + FMA on AVX2 (a call whose x
-holds NaN/inf computes in fp32 instead, so they propagate as in the reference). bf16 weights
-are widened to fp32 (exact) and accumulated in fp32. bf16 activations are widened, and the outputs
-rounded to bf16 (as torch rounds), inside the kernel call.
+Panels (``csrc/panel_kernels.h``): one register-blocked kernel per weight type serves every M, decode
+and prefill, in one call: each panel is a sequential stream of 16 outputs' weights per k, multiplied by
+broadcast elements of MR rows of x (AVX-512: 12 rows x 2 panels; AVX2: 6 x 1). int8 weights run in
+integers (x quantised on the fly to int16 with one scale per row: error <= max|x_row|/65534, orders of
+magnitude below the weight quantisation error; a call whose x holds NaN/inf computes in fp32, so they
+propagate as in the reference); bf16 weights with bf16 x use the CPU's bf16 dot product where it has one
+(AVX512_BF16: products exact, fp32 accumulation), else they are widened to fp32. The vector width is
+chosen at run time (:func:`kiln.plugins.native.panel_isa`): the library runs on any AVX2 CPU.
 
-Kernels: C++ (AVX2 + FMA + OpenMP, ``csrc/linear_kernels.cpp``; dispatcher glue in
-``csrc/linear_ops.cpp``), in the native library (:mod:`kiln.plugins.native`); the ops' CPU kernels
-run in C++ with no Python per call. Dispatch on M (rows of ``x``): small M (decode) runs streaming
-GEMV kernels (each weight byte is read once per call, nothing is dequantised in memory, all M rows
-computed from one pass over the weights for M <= 4, passes of 4 rows above); M > 64 runs on 64-row
-chunks; above :func:`kernel_max_m` (bf16: 64) the weight is dequantised in row chunks for torch's
-sgemm (the Python implementations below). Without the native library the plain-torch references run.
+Other layouts: small M (decode) runs streaming GEMV kernels (each weight byte read once per call,
+nothing dequantised in memory, passes of up to 4 rows); M > 64 runs on 64-row chunks; above
+:func:`kernel_max_m` (bf16: 64) the weight is dequantised in row chunks for torch's sgemm (the Python
+implementations below). Kernels: C++ (``csrc/linear_kernels.cpp``; dispatcher glue in
+``csrc/linear_ops.cpp``), in the native library (:mod:`kiln.plugins.native`); the ops' CPU kernels run
+in C++ with no Python per call. Without the native library the plain-torch references run.
 """
 
 from __future__ import annotations
@@ -45,7 +44,15 @@ import torch.nn.functional as F
 
 from kiln.plugins import native
 from kiln.plugins.native import ABI, define_native_op
-from kiln.plugins.weight_format import check_int4_group, dequantize, is_packed, qweight_shape, unpack_rows, weight_shape
+from kiln.plugins.weight_format import (
+    check_int4_group,
+    dequantize,
+    is_packed,
+    is_panel,
+    qweight_shape,
+    unpack,
+    weight_shape,
+)
 
 __all__ = [
     "weight_only_linear", "bf16_linear", "fp32_linear",
@@ -71,8 +78,7 @@ def weight_only_linear_reference(x, qweight, scales, bias, bits: int, group_size
 def float_linear_reference(x, weight, bias):
     """fp32/bf16 weights (plain or packed): ``F.linear`` in fp32, cast to x's dtype (the reference of
     both float ops)."""
-    if is_packed(weight):
-        weight = unpack_rows(weight)
+    weight = unpack(weight)
     y = F.linear(x.float(), weight.float(), None if bias is None else bias.float())
     return y.to(x.dtype)
 
@@ -86,9 +92,9 @@ fp32_linear_reference = bf16_linear_reference = float_linear_reference
 
 
 def kernel_max_m(kind: str) -> int:
-    """Largest M (rows of x) that weights of ``kind`` ('bf16', 'int8', 'int4', 'fp32') run through the
-    kernels; above it torch's sgemm runs (on weights dequantised in row chunks). 0 when the native
-    kernels are unavailable."""
+    """Largest M (rows of x) that weights of ``kind`` ('bf16', 'int8', 'int4', 'fp32', or a layout's name such
+    as 'fp32_panel') run through the kernels; above it torch's sgemm runs (on weights dequantised in row
+    chunks). Panel layouts: unlimited. 0 when the native kernels are unavailable."""
     lib = native.library()
     return int(lib.kiln_ops_max_m(ABI.weight_types[kind])) if lib is not None else 0
 
@@ -135,7 +141,8 @@ def _native(wtype: str, x: torch.Tensor, w: torch.Tensor, scales, bias, group_si
         y = x2.new_empty(0, n)
     elif m <= lib.kiln_ops_max_m(wt):
         y = torch.empty(m, n, dtype=torch.float32)
-        xp, yp, step = x2.data_ptr(), y.data_ptr(), ABI.max_m
+        xp, yp = x2.data_ptr(), y.data_ptr()
+        step = m if wtype.endswith("_panel") else ABI.max_m  # the panel kernels take any M
         for m0 in range(0, m, step):
             mc = min(step, m - m0)
             rc = lib.kiln_linear(wt, w.data_ptr(), sp, group_size, xp + 4 * m0 * k, mc, n, k, bp,
@@ -196,7 +203,7 @@ def _weight_only_linear_py(x, qweight, scales, bias, bits, group_size):
     _check_wol(x, qweight, scales, bias, bits, group_size)
     n, k = qweight_shape(qweight, bits)
     if bits == 8:
-        wtype = "int8_packed" if is_packed(qweight) else "int8"
+        wtype = "int8_panel" if is_panel(qweight) else "int8_packed" if is_packed(qweight) else "int8"
     else:
         wtype = "int4"
     y = _native(wtype, x, qweight, scales, bias, group_size if bits == 4 else 0, n, k)
@@ -213,10 +220,13 @@ def _float_linear_py(kind: str, x, weight, bias):
         raise ValueError(f"{kind}_linear: x {tuple(x.shape)} does not match weight {tuple(weight.shape)} "
                          f"({k} input features)")
     dtype = torch.float32 if kind == "fp32" else torch.bfloat16
-    wtype = f"{kind}_packed" if is_packed(weight) else kind
+    if is_panel(weight):  # the kernels read fp32 panels one k per step, bf16 panels in pairs of k
+        wtype = f"{kind}_panel" if weight.dim() == (3 if kind == "fp32" else 4) else None
+    else:
+        wtype = f"{kind}_packed" if is_packed(weight) else kind
     y = None
     m = x.numel() // max(1, x.shape[-1])
-    if weight.dtype == dtype and (kind != "fp32" or m <= kernel_max_m("fp32")):
+    if wtype and weight.dtype == dtype and (kind != "fp32" or m <= kernel_max_m(wtype)):
         y = _native(wtype, x, weight, None, bias, 0, n, k)
     return y if y is not None else float_linear_reference(x, weight, bias)
 

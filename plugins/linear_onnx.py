@@ -1,9 +1,9 @@
 """ONNX lowerings of kiln's linears (see :mod:`kiln.plugins.linear`): ``DequantizeLinear`` + ``MatMul``.
 
-The weights arrive in kiln's kernel formats (:mod:`kiln.plugins.weight_format`: 8-row tiles, kiln's int4
-nibble order); the lowering turns them back into [in, out] with standard ops (Transpose/Reshape, nibble
-shifts) that the exporter folds into new initializers, so the engine stores each weight once, in the
-layout below.
+The weights arrive in kiln's kernel formats (:mod:`kiln.plugins.weight_format`: 8-row tiles, 16-row
+panels, kiln's int4 nibble order); the lowering turns them back into [in, out] with standard ops
+(Transpose/Reshape, nibble shifts) that the exporter folds into new initializers, so the engine stores
+each weight once, in the layout below.
 
 - int8: ``DequantizeLinear`` per output channel (axis 1 of [in, out], scales [out]). TensorRT reads it as
   weight-only int8; onnxruntime runs it as written.
@@ -24,18 +24,24 @@ import torch
 
 import kiln.plugins.linear  # noqa: F401  (registers the ops)
 from kiln.plugins.onnx_ops import FLOAT, ints, op
-from kiln.plugins.weight_format import K_STEP, ROW_TILE
+from kiln.plugins.weight_format import K_STEP, PAIR, PANEL, ROW_TILE
 
 INT4 = 22   # onnx.TensorProto.INT4
 INT8 = 3    # onnx.TensorProto.INT8
 
 
 def _unpacked_rows(weight):
-    """[out, in] of a weight plain or in 8-row tiles [out/8, in/16, 8, 16] (static shapes)."""
+    """[out, in] of a weight plain, in 8-row tiles [out/8, in/16, 8, 16] or in panels ([out/16, in, 16]
+    fp32, [out/16, in/2, 16, 2] bf16/int8) (static shapes)."""
     shape = list(weight.shape)
     if len(shape) == 4 and shape[2:] == [ROW_TILE, K_STEP]:
         tiles = op.Transpose(weight, perm=[0, 2, 1, 3])
         return op.Reshape(tiles, ints([shape[0] * ROW_TILE, shape[1] * K_STEP]))
+    if len(shape) == 4 and shape[2:] == [PANEL, PAIR]:
+        panels = op.Transpose(weight, perm=[0, 2, 1, 3])
+        return op.Reshape(panels, ints([shape[0] * PANEL, shape[1] * PAIR]))
+    if len(shape) == 3 and shape[2] == PANEL:
+        return op.Reshape(op.Transpose(weight, perm=[0, 2, 1]), ints([shape[0] * PANEL, shape[1]]))
     return weight
 
 

@@ -43,7 +43,7 @@ import torch
 __all__ = [
     "ABI", "CSRC_DIR", "SOURCES", "HEADERS", "CFLAGS", "LDFLAGS", "LIBRARY_NAME", "PREBUILT",
     "build_key", "library", "native_kernels_available", "set_native_kernels_enabled",
-    "native_kernels_disabled", "native_op_ready", "define_native_op",
+    "native_kernels_disabled", "native_op_ready", "define_native_op", "panel_isa", "set_panel_isa",
 ]
 
 logger = logging.getLogger("kiln.plugins")
@@ -67,10 +67,12 @@ _KEY_MARK = b"kiln-build-key:"  # csrc/kiln_kernels.h: kiln_build_key = "kiln-bu
 class Abi:
     """The C++ constants Python needs, as ``csrc/kiln_kernels.h`` defines them."""
 
-    weight_types: dict[str, int]  # kiln_linear's weight type ids: "bf16", "int8_packed", ...
+    weight_types: dict[str, int]  # kiln_linear's weight type ids: "bf16", "int8_packed", "fp32_panel", ...
     row_tile: int  # packed weights [out/row_tile, in/k_step, row_tile, k_step]
     k_step: int
-    max_m: int  # rows of x per kiln_linear call (bigger M is cut into calls of this size)
+    max_m: int  # rows of x per kiln_linear call (bigger M is cut into calls of this size; panels: any M)
+    panel: int  # panel layouts: fp32 [out/panel, in, panel], bf16/int8 [out/panel, in/pair, panel, pair]
+    pair: int
 
 
 def _read_abi(header: Path) -> Abi:
@@ -78,7 +80,7 @@ def _read_abi(header: Path) -> Abi:
     consts = {name: int(v) for name, v in re.findall(r"constexpr\s+\w+\s+KILN_([A-Z0-9_]+)\s*=\s*(\d+)\s*;", text)}
     wtypes = {name.lower(): int(v) for name, v in re.findall(r"\bKILN_W_([A-Z0-9_]+)\s*=\s*(\d+)", text)}
     try:
-        return Abi(wtypes, consts["ROW_TILE"], consts["K_STEP"], consts["MAX_M"])
+        return Abi(wtypes, consts["ROW_TILE"], consts["K_STEP"], consts["MAX_M"], consts["PANEL"], consts["PAIR"])
     except KeyError as exc:
         raise RuntimeError(f"{header}: constant KILN_{exc.args[0]} not found; the header and "
                            f"kiln/plugins/native.py disagree") from None
@@ -168,6 +170,9 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.kiln_linear.restype = ctypes.c_int
     lib.kiln_dequant_rows.argtypes = [ctypes.c_int, ptr, ptr, i64, i64, i64, i64, i64, ptr, ctypes.c_int]
     lib.kiln_dequant_rows.restype = ctypes.c_int
+    lib.kiln_panel_isa.restype = ctypes.c_int
+    lib.kiln_set_panel_isa.argtypes = [ctypes.c_int]
+    lib.kiln_set_panel_isa.restype = ctypes.c_int
     lib.kiln_stream_sum.argtypes = [ptr, i64, ctypes.c_int]
     lib.kiln_stream_sum.restype = ctypes.c_double
     lib.kiln_ops_set_enabled.argtypes = [ctypes.c_int]
@@ -210,6 +215,22 @@ def library() -> ctypes.CDLL | None:
 def native_kernels_available() -> bool:
     """True if the native kernels are enabled and loaded (loads them on the first call)."""
     return library() is not None
+
+
+def panel_isa() -> int:
+    """Vector width (bits) of the panel kernels: 512 on CPUs with AVX-512 (F, BW, VL, DQ, VNNI), else 256;
+    0 without the native library. ``KILN_PANEL_ISA=256`` forces AVX2."""
+    lib = library()
+    return int(lib.kiln_panel_isa()) if lib is not None else 0
+
+
+def set_panel_isa(bits: int) -> int:
+    """Use the panel kernels of ``bits`` (256: AVX2, 512: AVX-512 where the CPU has it, 0: the best one);
+    returns the width now in use (tests compare both)."""
+    lib = library()
+    if lib is None:
+        raise RuntimeError("the native kernels are unavailable or disabled")
+    return int(lib.kiln_set_panel_isa(int(bits)))
 
 
 def set_native_kernels_enabled(enabled: bool) -> None:

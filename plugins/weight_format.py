@@ -18,6 +18,13 @@ Packed rows (fp32, bf16 and int8 weights): [out, in] -> [out/8, in/16, 8, 16], e
 [n//8, k//16, n%8, k%16], so that the 8 rows a GEMV tile reads together lie in one contiguous block
 per 16 input elements and a tile is one sequential stream (the tile shape is the C++ header's,
 :data:`kiln.plugins.native.ABI`).
+
+Panels (what the builder stores; the GEMM kernels' layout, ``csrc/panel_kernels.h``): 16 output rows per
+panel, one sequential stream each, holding for every k the 16 rows' weights side by side, so that one
+vector load feeds 16 outputs. fp32: [out, in] -> [out/16, in, 16], element (n, k) at [n//16, k, n%16];
+bf16 and int8 keep pairs of consecutive k together: [out/16, in/2, 16, 2], element (n, k) at
+[n//16, k//2, n%16, k%2] (one 32-bit lane holds a bf16 pair, or an int8 pair for a 16-bit
+multiply-add).
 """
 
 from __future__ import annotations
@@ -29,9 +36,11 @@ from kiln.plugins.native import ABI
 __all__ = [
     "ROW_TILE", "K_STEP", "quantize_int8", "quantize_int4", "check_int4_group", "pack_int4", "unpack_int4",
     "can_pack_rows", "is_packed", "pack_rows", "unpack_rows", "weight_shape", "qweight_shape", "dequantize",
+    "PANEL", "PAIR", "can_pack_panels", "is_panel", "pack_panels", "unpack_panels", "unpack",
 ]
 
 ROW_TILE, K_STEP = ABI.row_tile, ABI.k_step  # packed weights: tiles of 8 rows, 16 input elements per step
+PANEL, PAIR = ABI.panel, ABI.pair  # panels: 16 output rows; bf16/int8 interleave pairs of k
 
 
 def quantize_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -147,8 +156,54 @@ def unpack_rows(packed: torch.Tensor) -> torch.Tensor:
     return packed.permute(0, 2, 1, 3).reshape(a * ROW_TILE, b * K_STEP)
 
 
+def _pairs(dtype: torch.dtype) -> bool:
+    return dtype != torch.float32  # fp32 panels hold one k per step, bf16/int8 pairs
+
+
+def can_pack_panels(weight: torch.Tensor) -> bool:
+    """True if a 2-D [out, in] weight fits the panel layout (out % 16 == 0; in even for bf16 and int8)."""
+    return (weight.dim() == 2 and weight.shape[0] % PANEL == 0 and weight.shape[0] > 0
+            and (not _pairs(weight.dtype) or weight.shape[1] % PAIR == 0))
+
+
+def is_panel(weight: torch.Tensor) -> bool:
+    """[out/16, in, 16] or [out/16, in/2, 16, 2]: a weight in the panel layout."""
+    return ((weight.dim() == 3 and weight.shape[2] == PANEL)
+            or (weight.dim() == 4 and tuple(weight.shape[2:]) == (PANEL, PAIR)))
+
+
+def pack_panels(weight: torch.Tensor) -> torch.Tensor:
+    """[out, in] -> the panel layout of its dtype (fp32 [out/16, in, 16]; bf16, int8 [out/16, in/2, 16, 2])."""
+    if not can_pack_panels(weight):
+        raise ValueError(f"pack_panels needs a 2-D weight with out % {PANEL} == 0 (and an even in for "
+                         f"{weight.dtype}), got shape {tuple(weight.shape)}")
+    n, k = weight.shape
+    if _pairs(weight.dtype):
+        return weight.reshape(n // PANEL, PANEL, k // PAIR, PAIR).permute(0, 2, 1, 3).contiguous()
+    return weight.reshape(n // PANEL, PANEL, k).permute(0, 2, 1).contiguous()
+
+
+def unpack_panels(panels: torch.Tensor) -> torch.Tensor:
+    """Inverse of :func:`pack_panels`: -> [out, in]."""
+    if panels.dim() == 4:
+        a, b = panels.shape[:2]
+        return panels.permute(0, 2, 1, 3).reshape(a * PANEL, b * PAIR)
+    return panels.permute(0, 2, 1).reshape(panels.shape[0] * PANEL, panels.shape[1])
+
+
+def unpack(weight: torch.Tensor) -> torch.Tensor:
+    """[out, in] of a weight in any layout (plain, 8-row tiles, panels)."""
+    if is_panel(weight):
+        return unpack_panels(weight)
+    if is_packed(weight):
+        return unpack_rows(weight)
+    return weight
+
+
 def weight_shape(weight: torch.Tensor) -> tuple[int, int]:
-    """(out, in) of a plain [out, in] or packed [out/8, in/16, 8, 16] weight (fp32, bf16 or int8)."""
+    """(out, in) of a plain [out, in], packed [out/8, in/16, 8, 16] or panel weight (fp32, bf16 or int8)."""
+    if is_panel(weight):
+        return weight.shape[0] * PANEL, weight.shape[1] * (PAIR if weight.dim() == 4 else 1)
     if is_packed(weight):
         return weight.shape[0] * ROW_TILE, weight.shape[1] * K_STEP
     if weight.dim() != 2:
@@ -169,7 +224,7 @@ def qweight_shape(qweight: torch.Tensor, bits: int) -> tuple[int, int]:
 def dequantize(qweight: torch.Tensor, scales: torch.Tensor, bits: int, group_size: int) -> torch.Tensor:
     """fp32 [out, in] weight that the quantised form stands for."""
     if bits == 8:
-        q = unpack_rows(qweight) if is_packed(qweight) else qweight
+        q = unpack(qweight)
         return q.float() * scales.float()[:, None]
     if bits == 4:
         q = unpack_int4(qweight).float()

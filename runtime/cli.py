@@ -45,25 +45,29 @@ def main() -> None:
 @click.option("--json", "as_json", is_flag=True, help="Print config.json instead of the table.")
 @click.option("--io", "show_io", is_flag=True, help="Also print the engine's inputs and output (the I/O contract "
                                                     "with this engine's dims and their ranges).")
-@click.option("--load", is_flag=True, help="Also load the engine graphs (checks every rank's engine file).")
+@click.option("--load", is_flag=True, help="Also load the engine (every rank's file), run its largest step and report "
+                                           "the process's peak resident memory against weights + KV pool + activations "
+                                           "(rank 0's).")
 def inspect(engine_dir: Path, as_json: bool, show_io: bool, load: bool) -> None:
     """Describe an engine directory: limits, weights, activation peak, KV bytes per token."""
     from kiln.runtime.engine import Engine
+    from kiln.runtime.memory import largest_step_check
 
     try:
-        if load:
-            engine = Engine.from_dir(engine_dir)   # every rank's file (a tensor-parallel engine starts its ranks)
-            config = engine.config
-            engine.close()
-        else:
-            config = Engine.read_config(engine_dir)
+        config = Engine.read_config(engine_dir)
+        memory = largest_step_check(engine_dir) if load else None
     except EngineLoadError as exc:
         raise click.ClickException(str(exc)) from None
     if as_json:
-        click.echo(json.dumps(config.to_dict(), indent=2))
+        data = config.to_dict()
+        if memory is not None:
+            data["loaded_memory"] = memory.to_dict()
+        click.echo(json.dumps(data, indent=2))
         return
     report = read_build_report(engine_dir)
     click.echo(format_table(summary_rows(config, report)))
+    if memory is not None:
+        click.echo("loaded, largest step: " + memory.summary())
     if report and report.get("passes"):
         def stats(v) -> str:
             return "off" if v == "disabled" else ", ".join(f"{a}={b}" for a, b in v.items()

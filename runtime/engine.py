@@ -7,6 +7,9 @@ plugin ops registered by importing ``kiln.plugins``; an ONNX model run by onnxru
 :mod:`kiln.runtime.onnx_runner`; a TensorRT plan for ``tensorrt``, :mod:`kiln.runtime.tensorrt_runner`).
 An engine of more than one tensor-parallel rank (``cpu`` / ``cpu-compiled`` only) loads as a
 :class:`~kiln.runtime.tensor_parallel.TensorParallelEngine` (same interface, plus the other ranks).
+The ``cpu`` and ``cpu-compiled`` graphs hold no weights: ``rank{r}.weights`` is mapped, not read
+(:func:`kiln.contract.load_weights`), and its tensors given to the graph as they are, so the process
+holds each weight once.
 """
 
 from __future__ import annotations
@@ -26,12 +29,53 @@ from kiln.contract import (
     check_inputs,
     check_rank_file,
     kv_cache_shape,
+    load_weights,
     read_engine_config,
     verify_checksums,
+    weights_file,
 )
 from kiln.plugins.native import native_kernels_available
+from kiln.runtime.aoti_runner import AotiRunner
 
 SKIP_CHECKSUM_ENV = "KILN_SKIP_ENGINE_CHECKSUM"   # "1": load without verifying the files' checksums
+
+
+def import_loader(backend: str) -> None:
+    """Import the torch modules that load a ``backend`` engine (tens of MB and ~1-2 s for ``cpu``, once per
+    process; a cpu-compiled engine needs none: kiln.runtime.aoti_runner)."""
+    if backend == "cpu":
+        import torch._export.serde.serialize  # noqa: F401
+
+
+def _attach_weights(module: torch.nn.Module, weights: dict[str, torch.Tensor]) -> None:
+    """Put the weights file's tensors where the loaded program's meta placeholders are (by name)."""
+    for name, t in weights.items():
+        owner_path, _, leaf = name.rpartition(".")
+        try:
+            owner = module.get_submodule(owner_path) if owner_path else module
+        except AttributeError:
+            continue  # a weight this program does not read
+        if leaf in owner._parameters:
+            owner._parameters[leaf] = torch.nn.Parameter(t, requires_grad=False)
+        elif leaf in owner._buffers:
+            owner._buffers[leaf] = t
+        elif isinstance(getattr(owner, leaf, None), torch.Tensor):
+            setattr(owner, leaf, t)
+    read = [n.target for m in module.modules() if isinstance(m, torch.fx.GraphModule)
+            for n in m.graph.nodes if n.op == "get_attr"]
+    tensors = [*module.named_parameters(), *module.named_buffers()]
+    tensors += [(name, _resolve(module, name)) for name in read]
+    missing = sorted({n for n, t in tensors if isinstance(t, torch.Tensor) and t.is_meta})
+    if missing:
+        raise EngineLoadError(f"the weights file has no tensor for {missing[:5]} ({len(missing)} missing); "
+                              "the engine files do not belong together, rebuild the engine")
+
+
+def _resolve(module: torch.nn.Module, name: str):
+    obj = module
+    for part in name.split("."):
+        obj = getattr(obj, part, None)
+    return obj
 
 
 class Engine:
@@ -117,15 +161,17 @@ class Engine:
         its other ranks)."""
 
     # ------------------------------------------------------------------ running
-    def allocate_kv_cache(self, num_blocks: int) -> torch.Tensor:
-        """A zeroed KV pool of ``num_blocks`` blocks in the contract's layout (``kv_cache_shape``)."""
+    def allocate_kv_cache(self, num_blocks: int, zeroed: bool = True) -> torch.Tensor:
+        """A KV pool of ``num_blocks`` blocks in the contract's layout (``kv_cache_shape``), zeroed unless
+        ``zeroed=False`` (then the caller zeroes it before the first step, on the thread that will run them)."""
         if num_blocks < 1:
             raise ConfigError(f"num_blocks must be >= 1, got {num_blocks}")
         if self.config.bounds.max_num_blocks and num_blocks > self.config.bounds.max_num_blocks:
             raise ConfigError(f"num_blocks={num_blocks} is above this engine's max_num_blocks="
                               f"{self.config.bounds.max_num_blocks} (rebuild with a larger --max-num-blocks)")
         shape = kv_cache_shape(self.config.rank_model, self.config.bounds.tokens_per_block, num_blocks)
-        return torch.zeros(shape, dtype=self.kv_dtype, device=self.device)
+        alloc = torch.zeros if zeroed else torch.empty
+        return alloc(shape, dtype=self.kv_dtype, device=self.device)
 
     def run(self, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
         """One forward step: contract inputs -> float32 logits [num_logits, vocab] (EngineInputError when the
@@ -144,17 +190,26 @@ class Engine:
 
 
 def load_rank_graph(directory: Path, config: EngineConfig, rank: int) -> Any:
-    """The callable graph of rank ``rank``'s engine file, after checking the file is that rank's of this build
-    (EngineLoadError naming the file otherwise)."""
+    """The callable graph of rank ``rank``'s engine file with its weights (``rank{r}.weights``, mapped) in
+    place, after checking the file is that rank's of this build (EngineLoadError naming the file otherwise)."""
     engine_path = check_rank_file(directory, config.tensor_parallel, rank, config.engine_files[rank])
+    import_loader(config.backend)
+    weights = load_weights(directory / weights_file(rank))
     try:
         if config.backend == "cpu":
             with open(engine_path, "rb") as f:  # a file object: the name need not end in .pt2
-                return torch.export.load(f).module()
-        from torch._inductor import aoti_load_package
-
-        with open(engine_path, "rb") as f:
-            return aoti_load_package(f)
+                fn = torch.export.load(f).module()
+            _attach_weights(fn, weights)
+            return fn
+        fn = AotiRunner(engine_path)
+        missing = sorted(set(fn.get_constant_fqns()) - set(weights))
+        if missing:
+            raise EngineLoadError(f"the weights file has no tensor for {missing[:5]} ({len(missing)} "
+                                  "missing); the engine files do not belong together, rebuild the engine")
+        fn.load_constants(weights)   # read in place: no copy into a buffer of the model's own
+        return fn
+    except EngineLoadError:
+        raise
     except Exception as exc:
         raise EngineLoadError(
             f"{engine_path}: cannot load the {config.backend} engine ({type(exc).__name__}: "

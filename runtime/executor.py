@@ -190,7 +190,12 @@ class Executor:
         num_blocks = limits.num_blocks
         logger.info(limits.kv_plan)
         self.kv_plan = limits.kv_plan
-        self.kv_cache = engine.allocate_kv_cache(num_blocks)
+        # zeroed by the step loop (_loop), not here: zeroing a large pool is a 2-thread OpenMP loop, and a
+        # process whose main thread has run one has two OpenMP thread teams on these cores; libgomp then
+        # stops spinning between parallel regions (more of its threads than CPUs), and every region of the
+        # step loop's thread pays a sleep and a wake-up (~180 a decode step: bf16 cpu-compiled 246M, 9.5-10
+        # ms a step when the loop's thread is the only one with a team, 12.2-15 ms otherwise)
+        self.kv_cache = engine.allocate_kv_cache(num_blocks, zeroed=False)
         self.kv = KVCacheManager(num_blocks, self.block_size, config.enable_prefix_reuse, model.sliding_window)
         self.scheduler = Scheduler(sched_config, self.kv)
         self.sampler = Sampler(self.vocab_size, config.seed)
@@ -361,6 +366,7 @@ class Executor:
     # ---- the loop -------------------------------------------------------------------------------------
     def _loop(self) -> None:
         try:
+            self.kv_cache.zero_()   # on this thread: see __init__
             self._serve()
         except BaseException as exc:  # the books are in doubt, or the engine is broken: stop, loudly
             self._fail(exc)

@@ -403,9 +403,10 @@ class TensorParallelEngine(Engine):
         """Why the engine cannot run (a rank died, or it was closed); None while it can."""
         return self._dead or ("the engine is closed" if self._closed else None)
 
-    def allocate_kv_cache(self, num_blocks: int) -> torch.Tensor:
+    def allocate_kv_cache(self, num_blocks: int, zeroed: bool = True) -> torch.Tensor:
         """A zeroed pool of ``num_blocks`` blocks of rank 0's KV heads; every other rank allocates its part. It
-        replaces the previous pool (its steps are refused from now on)."""
+        replaces the previous pool (its steps are refused from now on). Always zeroed (``zeroed`` is
+        Engine.allocate_kv_cache's: the ranks allocate their parts together)."""
         if num_blocks < 1:
             raise ConfigError(f"num_blocks must be >= 1, got {num_blocks}")
         with self._lock:

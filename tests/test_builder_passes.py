@@ -188,10 +188,10 @@ def test_fast_linear(checkpoint_dir, llama):
     assert stats["replaced"] == {"float32": count_gemms(gm)}
     assert len(targets(new, torch.ops.kiln.fp32_linear.default)) == count_gemms(gm)
     assert len(targets(new, torch.ops.aten.linear.default)) == 0
-    # every weight of the tiny Llama fits the 8-row tiles: all are stored packed, none twice
+    # every weight of the tiny Llama fits the 16-row panels: all are stored packed, none twice
     assert stats["packed"] == count_gemms(gm) and stats["plain"] == 0
     shapes = [tuple(attr(new, n.args[1].target).shape) for n in targets(new, torch.ops.kiln.fp32_linear.default)]
-    assert all(len(s) == 4 and s[2:] == (8, 16) for s in shapes), shapes
+    assert all(len(s) == 3 and s[2] == 16 for s in shapes), shapes
     assert weights_bytes(new) == weights_bytes(gm)
     torch.testing.assert_close(run_steps(new, cfg), run_steps(gm, cfg), atol=1e-5, rtol=1e-5)
 

@@ -51,7 +51,7 @@ def make_config(**changes) -> EngineConfig:
                              kv_tokens_per_gib=(1 << 30) // 256),
         tokenizer=TokenizerInfo(files=["tokenizer.json"], eos_token_ids=[2], bos_token_id=1),
         engine_files=["rank0.engine"], tensor_parallel=TensorParallelMapping.plan(MODEL, 1, build_id="b0"),
-        checksums={"rank0.engine": "sha256:" + "0" * 64, "tokenizer.json": SHA},
+        checksums={"rank0.engine": "sha256:" + "0" * 64, "rank0.weights": SHA, "tokenizer.json": SHA},
         build={"dtype": "float32", "max_batch_size": 4},
     )
     return EngineConfig(**{**base, **changes})
@@ -118,6 +118,7 @@ def _edit(data: dict, path: str, value=..., delete: bool = False) -> dict:
     ("engine_files", ["engine.pt2"], "engine_files=['engine.pt2'] must be rank0.engine"),
     ("checksums", None, "key 'checksums' is missing"),
     ("checksums", {"tokenizer.json": SHA}, "checksums has no entry for rank0.engine"),
+    ("checksums", {"rank0.engine": SHA, "tokenizer.json": SHA}, "checksums has no entry for rank0.weights"),
     ("checksums.rank0.engine", "abc", "checksums['rank0.engine']='abc' is not 'sha256:' and 64 hex digits"),
     ("checksums", {"rank0.engine": SHA, "../x": SHA}, "checksums names '../x', not a file of the engine directory"),
     ("checksums.tokenizer.json", 5, "'checksums.tokenizer.json' must be a string"),
@@ -142,7 +143,8 @@ def test_each_bad_key_is_named(path, value, message):
     assert "rebuild" in str(exc.value)
 
 
-@pytest.mark.parametrize("version", ["3", 3.0, True, None, 1, 2, FORMAT_VERSION + 1])
+@pytest.mark.parametrize("version", [str(FORMAT_VERSION), float(FORMAT_VERSION), True, None, 1, 2, 3, 4,
+                                     FORMAT_VERSION + 1])
 def test_format_version_must_be_a_supported_integer(version):
     data = make_config().to_dict()
     data["format_version"] = version
@@ -245,10 +247,11 @@ def test_summary_rows_name_what_both_clis_print():
     assert table[0] == table[-1] and set(table[0]) == {"-"} and "limits" in table[3]
 
 
-@pytest.mark.parametrize("version, dropped", [(2, ("checksums", "tensor_parallel")), (3, ("tensor_parallel",))])
-def test_engines_of_formats_2_and_3_get_the_rebuild_error(version, dropped):
-    """Format 2 (before checksums) and 3 (before the tensor-parallel mapping and rank stamps) are refused like
-    format 1: rebuilt, not guessed at."""
+@pytest.mark.parametrize("version, dropped", [(2, ("checksums", "tensor_parallel")), (3, ("tensor_parallel",)),
+                                              (4, ())])
+def test_engines_of_formats_2_to_4_get_the_rebuild_error(version, dropped):
+    """Format 2 (before checksums), 3 (before the tensor-parallel mapping and rank stamps) and 4 (weights inside
+    the graph files) are refused like format 1: rebuilt, not guessed at."""
     data = make_config().to_dict()
     data["format_version"] = version
     for key in dropped:
@@ -310,7 +313,7 @@ def test_tensor_parallel_mapping_splits_heads_mlp_and_vocab():
     rank = m.rank_model(MODEL)
     assert (rank.num_heads, rank.num_kv_heads, rank.intermediate_size, rank.vocab_size) == (2, 1, 96, 512)
     cfg = make_config(engine_files=["rank0.engine", "rank1.engine"], tensor_parallel=m,
-                      checksums={"rank0.engine": SHA, "rank1.engine": SHA})
+                      checksums={"rank0.engine": SHA, "rank1.engine": SHA, "rank0.weights": SHA, "rank1.weights": SHA})
     assert cfg.tp_size == 2 and cfg.kv_bytes_per_token == 256 // 2       # one rank's pool holds half the KV heads
     assert EngineConfig.from_dict(json.loads(json.dumps(cfg.to_dict()))) == cfg
     check_inputs(pack_inputs([SeqChunk([1, 2], 0, [0])], torch.zeros(kv_cache_shape(rank, 8, 2),

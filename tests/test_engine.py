@@ -122,7 +122,8 @@ def test_fp32_engine_matches_transformers(family, engine_of, checkpoint_dir):
 def test_engine_directory_contents(engine_of, checkpoint_dir):
     engine = engine_of("llama")
     d = engine.directory
-    for name in ("config.json", "rank0.engine", "build_report.json", "tokenizer.json", "tokenizer_config.json"):
+    for name in ("config.json", "rank0.engine", "rank0.weights", "build_report.json", "tokenizer.json",
+                 "tokenizer_config.json"):
         assert (d / name).is_file(), name
     cfg = json.loads((d / "config.json").read_text())
     assert cfg["format_version"] == FORMAT_VERSION and cfg["backend"] == "cpu"
@@ -131,7 +132,7 @@ def test_engine_directory_contents(engine_of, checkpoint_dir):
     assert cfg["build"]["max_num_tokens"] == 256 and cfg["build"]["kv_cache_dtype"] == "float32"
     assert cfg["tokenizer"]["eos_token_ids"] == [2] and cfg["tokenizer"]["bos_token_id"] == 1
     # every file the runtime reads has the checksum of what was built
-    assert set(cfg["checksums"]) == {"rank0.engine", *cfg["tokenizer"]["files"]} >= {"tokenizer.json"}
+    assert set(cfg["checksums"]) == {"rank0.engine", "rank0.weights", *cfg["tokenizer"]["files"]} >= {"tokenizer.json"}
     assert all(file_checksum(d / name) == digest for name, digest in cfg["checksums"].items())
     # the build section reads back as the BuildConfig that rebuilds this engine; the bounds are resolved from it
     assert BuildConfig.from_dict(cfg["build"]) == BUILD.resolved()
@@ -292,6 +293,9 @@ def _edit_config(d, **changes):
 def test_load_errors_missing(tmp_path, engine_copy):
     with pytest.raises(EngineLoadError, match="not an engine directory"):
         Engine.from_dir(tmp_path / "nowhere")
+    (engine_copy / "rank0.weights").unlink()
+    with pytest.raises(EngineLoadError, match=r"rank0\.weights: missing"):
+        Engine.from_dir(engine_copy)
     (engine_copy / "rank0.engine").unlink()
     with pytest.raises(EngineLoadError, match=r"rank0\.engine: missing"):
         Engine.from_dir(engine_copy)
@@ -344,7 +348,42 @@ def test_load_errors_corrupt(engine_copy):
         Engine.from_dir(engine_copy, verify=False)
 
 
+def test_load_errors_weights(engine_copy):
+    """The weights file: truncated, not a weights file, or missing a tensor the graph reads (the checksum
+    refuses each first; these are the loader's own errors behind it)."""
+    from kiln.contract import load_weights, save_weights
+
+    path = engine_copy / "rank0.weights"
+    weights = {k: v.clone() for k, v in load_weights(path).items()}
+    data = path.read_bytes()
+    path.write_bytes(data[: len(data) // 2])
+    with pytest.raises(EngineLoadError, match=r"rank0\.weights: checksum mismatch"):
+        Engine.from_dir(engine_copy)
+    with pytest.raises(EngineLoadError, match=r"rank0\.weights: not a readable weights file.*rebuild"):
+        Engine.from_dir(engine_copy, verify=False)
+    torch.save([1, 2, 3], path)
+    with pytest.raises(EngineLoadError, match="not a kiln weights file"):
+        Engine.from_dir(engine_copy, verify=False)
+    dropped = sorted(weights)[0]
+    save_weights({k: v for k, v in weights.items() if k != dropped}, path)
+    with pytest.raises(EngineLoadError, match=rf"no tensor for \['{dropped}'\].*do not belong together"):
+        Engine.from_dir(engine_copy, verify=False)
+
+
 # ------------------------------------------------------------------------------ cpu-compiled
+def test_a_package_compiled_for_avx512_is_refused_on_a_cpu_without_it(monkeypatch, tmp_path):
+    """An AOTInductor package built on an AVX-512 machine would die of SIGILL on an AVX2-only one: named."""
+    from kiln.runtime import aoti_runner
+
+    monkeypatch.setattr(aoti_runner, "cpu_capability", lambda: "AVX2")
+    with pytest.raises(EngineLoadError, match=r"compiled for AVX512 AVX512_VNNI .*this CPU has AVX2; rebuild the "
+                                              r"engine on this machine"):
+        aoti_runner.check_package_isa("AVX512 AVX512_VNNI", tmp_path / "rank0.engine")
+    aoti_runner.check_package_isa("AVX2", tmp_path / "rank0.engine")
+    monkeypatch.setattr(aoti_runner, "cpu_capability", lambda: "AVX512")
+    aoti_runner.check_package_isa("AVX512 AVX512_VNNI", tmp_path / "rank0.engine")
+
+
 @pytest.mark.slow
 @pytest.mark.xdist_group("aoti")
 def test_cpu_compiled_engine_matches_transformers(checkpoint_dir, tmp_path_factory):
@@ -359,6 +398,14 @@ def test_cpu_compiled_engine_matches_transformers(checkpoint_dir, tmp_path_facto
     inputs = b.step([("x", [5, 6, 7, 8, 9])])
     engine.run(inputs)
     assert inputs["kv_cache"].abs().sum() > 0
+    # the package holds no weights: they come from rank0.weights, and one missing is named
+    from kiln.contract import load_weights, save_weights
+
+    weights = {k: v.clone() for k, v in load_weights(out / "rank0.weights").items()}
+    save_weights({k: v for k, v in weights.items() if k != "norm.weight"}, out / "rank0.weights")
+    with pytest.raises(EngineLoadError, match=r"no tensor for \['norm\.weight'\].*do not belong together"):
+        Engine.from_dir(out, verify=False)
+    save_weights(weights, out / "rank0.weights")
     cfg = json.loads((out / "config.json").read_text())
     major_minor = ".".join(torch.__version__.split(".")[:2])
     _edit_config(out, torch_version=major_minor + ".99")  # a compiled package needs the exact torch release

@@ -1,6 +1,6 @@
 """Damaged engine directories are refused at load with EngineLoadError naming the file or key: a few hundred
-bytes flipped inside rank0.engine (still a valid archive), a damaged tokenizer, config.json values that are
-well typed but impossible. The checksum check is skipped only when asked."""
+bytes flipped inside rank0.engine or rank0.weights (still valid archives), a damaged tokenizer, config.json
+values that are well typed but impossible. The checksum check is skipped only when asked."""
 
 from __future__ import annotations
 
@@ -33,22 +33,27 @@ def flip_bytes(path, count=400) -> None:
     path.write_bytes(bytes(data))
 
 
-def test_flipped_bytes_in_the_engine_file_are_refused(engine_dir, monkeypatch):
-    path = engine_dir / "rank0.engine"
+@pytest.mark.parametrize("name", ["rank0.engine", "rank0.weights"])
+def test_flipped_bytes_in_an_engine_file_are_refused(engine_dir, monkeypatch, name):
+    path = engine_dir / name
     flip_bytes(path)
     assert zipfile.is_zipfile(path)        # still an archive: only the recorded checksum tells
     with zipfile.ZipFile(path) as z:
-        assert z.testzip() is not None     # (an entry's CRC is off, which torch's loader does not check)
-    with pytest.raises(EngineLoadError, match=r"rank0\.engine: checksum mismatch .* damaged or was changed after "
+        assert z.testzip() is not None     # (an entry's CRC is off, which torch's loaders do not check)
+    with pytest.raises(EngineLoadError, match=rf"{name}: checksum mismatch .* damaged or was changed after "
                                               r"the build; rebuild the engine"):
         Engine.from_dir(engine_dir)
     with pytest.raises(EngineLoadError, match="checksum mismatch"):
         LLM(engine_dir)
     result = CliRunner().invoke(kiln_main, ["inspect", str(engine_dir), "--load"])
     assert result.exit_code == 1 and "checksum mismatch" in result.output
-    Engine.from_dir(engine_dir, verify=False)           # skipped only when asked: it loads (and would serve garbage)
-    monkeypatch.setenv("KILN_SKIP_ENGINE_CHECKSUM", "1")
-    Engine.from_dir(engine_dir)
+    if name == "rank0.weights":   # flipped tensor data: it loads when the check is skipped (and would serve garbage)
+        Engine.from_dir(engine_dir, verify=False)
+        monkeypatch.setenv("KILN_SKIP_ENGINE_CHECKSUM", "1")
+        Engine.from_dir(engine_dir)
+    else:                         # the graph file (no weights) holds the program's text: its loader fails too
+        with pytest.raises(EngineLoadError, match="rank0.engine: cannot load the cpu engine"):
+            Engine.from_dir(engine_dir, verify=False)
 
 
 @pytest.mark.parametrize("content", [b"", b'{"version": "1.0", "model": {', b"\x00" * 64])
@@ -75,6 +80,7 @@ def test_a_missing_checksummed_file_is_named(engine_dir):
     ("tokenizer", "eos_token_ids", [2, 10**6], "tokenizer.eos_token_ids [1000000] are outside the vocabulary"),
     (None, "format_version", "3", "engine format version '3'"),
     (None, "format_version", 2, "engine format version 2"),
+    (None, "format_version", 3, "engine format version 3"),
 ])
 def test_config_json_damage_is_named_by_llm_and_inspect(engine_dir, section, key, value, message):
     path = engine_dir / "config.json"

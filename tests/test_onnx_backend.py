@@ -81,6 +81,8 @@ class Probe(torch.nn.Module):
         self.register_buffer("q8", q8)
         self.register_buffer("s8", s8)
         self.register_buffer("q8_packed", wf.pack_rows(q8))
+        self.register_buffer("w_panels", wf.pack_panels(w))      # the layout the builder stores
+        self.register_buffer("q8_panels", wf.pack_panels(q8))
         q4, s4 = wf.quantize_int4(torch.randn(48, 160, generator=g), 32)   # 160: two 64-blocks and a tail
         self.register_buffer("q4", q4)
         self.register_buffer("s4", s4)
@@ -97,7 +99,9 @@ class Probe(torch.nn.Module):
                 ops.gelu(x, "tanh"), ops.gelu(x, "none"), ops.fp32_linear(xw, self.w_packed, self.bias),
                 ops.weight_only_linear(xw, self.q8, self.s8, self.bias, 8, 0),
                 ops.weight_only_linear(xw, self.q8_packed, self.s8, None, 8, 0),
-                ops.weight_only_linear(xw4, self.q4, self.s4, self.bias, 4, 32), attn, pool)
+                ops.weight_only_linear(xw4, self.q4, self.s4, self.bias, 4, 32),
+                ops.fp32_linear(xw, self.w_panels, None), ops.weight_only_linear(xw, self.q8_panels, self.s8, self.bias,
+                                                                                 8, 0), attn, pool)
 
 
 def probe_inputs():
@@ -128,7 +132,9 @@ def probe_references(m: Probe, a: dict[str, torch.Tensor]) -> list[torch.Tensor]
             gelu_reference(a["x"], "none"), float_linear_reference(a["xw"], wf.unpack_rows(m.w_packed), m.bias),
             weight_only_linear_reference(a["xw"], m.q8, m.s8, m.bias, 8, 0),
             weight_only_linear_reference(a["xw"], m.q8, m.s8, None, 8, 0),
-            weight_only_linear_reference(a["xw4"], m.q4, m.s4, m.bias, 4, 32), attn, pool]
+            weight_only_linear_reference(a["xw4"], m.q4, m.s4, m.bias, 4, 32),
+            float_linear_reference(a["xw"], wf.unpack(m.w_panels), None),
+            weight_only_linear_reference(a["xw"], m.q8, m.s8, m.bias, 8, 0), attn, pool]
 
 
 @pytest.mark.parametrize("window", [0, 5])
@@ -149,7 +155,8 @@ def test_every_plugin_lowering_matches_its_reference(window, tmp_path):
     got = session.run(None, feed)
     want = probe_references(m, args)
     names = ["rms_norm", "fused_norm", "fused_sum", "rotary_q", "rotary_k", "silu_mul", "gelu_tanh", "gelu",
-             "fp32_linear_packed", "int8", "int8_packed", "int4", "paged_attention", "kv_cache_update"]
+             "fp32_linear_packed", "int8", "int8_packed", "int4", "fp32_linear_panels", "int8_panels",
+             "paged_attention", "kv_cache_update"]
     assert len(got) == len(want) == len(names)
     for name, g, w in zip(names, got, want):
         err = (torch.from_numpy(g) - w).abs().max().item()

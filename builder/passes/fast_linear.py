@@ -1,15 +1,14 @@
 """Remaining float GEMMs -> the plugin's streaming-GEMV linears: ``kiln.fp32_linear`` / ``kiln.bf16_linear``.
 
 Decode is a GEMV per weight matrix: its speed is the rate at which the weights stream from
-memory. torch's fp32 GEMV reads one weight stream per core, short of the bandwidth on the AVX2
-machines, and its bf16 GEMV is slower than fp32 per byte; the plugin's kernels stream the weights
-and switch to a GEMM for large M (prefill), so the same op serves both (``scripts/bench_kernels.py``
-measures both against torch).
+memory; prefill and batched decode are GEMMs. The plugin's kernels serve both from one weight
+layout (``scripts/bench_kernels.py`` measures them against torch).
 
-Weights are stored packed (``pack_rows``: tiles of 8 rows, [out/8, in/16, 8, 16]) where the shape
-allows, so that each tile the kernel reads is one sequential stream instead of 8 rows that share
-cache sets and split the hardware prefetcher's attention. A weight that another op also reads (an
-lm_head tied to the embedding table) stays plain: packing it would store it twice.
+Weights are stored in panels where the shape allows (``pack_panels``: 16 output rows per panel, each
+k's 16 weights side by side, [out/16, in, 16] for fp32 and [out/16, in/2, 16, 2] for bf16), so that
+each panel the kernel reads is one sequential stream and one vector load feeds 16 outputs for every
+row of x. A weight that another op also reads (an lm_head tied to the embedding table) stays plain:
+packing it would store it twice.
 """
 
 from __future__ import annotations
@@ -26,7 +25,7 @@ from kiln.builder.passes.common import (
 
 NAME = "fast_linear"
 DESCRIPTION = ("float32 / bfloat16 GEMMs -> kiln.fp32_linear / kiln.bf16_linear on weights packed in "
-               "8-row tiles (streaming GEMV at decode)")
+               "16-row panels (streaming GEMV at decode, register-blocked GEMM for prefill)")
 
 
 def _shared_weights(gm: fx.GraphModule) -> set[int]:
@@ -43,7 +42,7 @@ def _shared_weights(gm: fx.GraphModule) -> set[int]:
 def run(gm: fx.GraphModule, ctx) -> dict:
     import torch
 
-    from kiln.plugins.weight_format import can_pack_rows, pack_rows
+    from kiln.plugins.weight_format import can_pack_panels, pack_panels
 
     ops = {torch.float32: torch.ops.kiln.fp32_linear.default, torch.bfloat16: torch.ops.kiln.bf16_linear.default}
     shared = _shared_weights(gm)
@@ -59,10 +58,10 @@ def run(gm: fx.GraphModule, ctx) -> dict:
         if op is None or w.dim() != 2 or (x is not None and x.dtype != w.dtype):
             continue
         w_node = node.args[1]
-        if can_pack_rows(w) and id(w) not in shared:
+        if can_pack_panels(w) and id(w) not in shared:
             if id(w) not in packed_cache:
                 name = node.args[1].target.removesuffix(".weight").removesuffix("_weight") + "_packed"
-                packed_cache[id(w)] = add_weight(gm, name, pack_rows(w), node)
+                packed_cache[id(w)] = add_weight(gm, name, pack_panels(w), node)
             w_node = packed_cache[id(w)]
             packed += 1
         else:

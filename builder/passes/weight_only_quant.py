@@ -3,7 +3,7 @@
 Weights are quantized at build time (int8: per output channel; int4: group-wise along the input,
 ``group_size`` weights per scale) by the plugin's ``quantize_int8`` / ``quantize_int4``; activations
 stay in the engine dtype. The lm_head is quantized too (it is the largest single GEMM at decode).
-int8 weights are stored in 8-row tiles where the shape allows (``pack_rows``: each tile one sequential
+int8 weights are stored in panels of 16 rows where the shape allows (``pack_panels``: each panel one sequential
 stream, as in ``fast_linear``).
 """
 
@@ -54,8 +54,8 @@ def run(gm: fx.GraphModule, ctx) -> dict:
             continue  # left in the engine dtype (reported)
         if bits == 8:
             qweight, scales = fmt.quantize_int8(w.float())
-            if fmt.can_pack_rows(qweight):  # 8-row tiles: one sequential stream per tile (fast_linear)
-                qweight = fmt.pack_rows(qweight)
+            if fmt.can_pack_panels(qweight):  # panels of 16 rows: the GEMM kernels' layout (fast_linear)
+                qweight = fmt.pack_panels(qweight)
                 packed += 1
         else:
             qweight, scales = fmt.quantize_int4(w.float(), group)

@@ -15,8 +15,13 @@
 // rows a GEMV tile reads together are one sequential stream.
 constexpr int KILN_ROW_TILE = 8;
 constexpr int KILN_K_STEP = 16;
-// Rows of x one kiln_linear call takes at most; bigger M is cut into calls of this size.
+// Rows of x one kiln_linear call takes at most; bigger M is cut into calls of this size (the panel
+// layouts below take any M in one call).
 constexpr int64_t KILN_MAX_M = 64;
+// Panel layouts (what the builder stores): panels of KILN_PANEL output rows, one sequential stream each;
+// fp32 [N/16][K][16], bf16 and int8 [N/16][K/2][16][2] (pairs of consecutive k). See panel_kernels.h.
+constexpr int KILN_PANEL = 16;
+constexpr int KILN_PAIR = 2;
 
 // Weight types of kiln_linear / kiln_dequant_rows (Python names them by the lower-cased suffix).
 enum KilnWeightType : int {
@@ -27,14 +32,20 @@ enum KilnWeightType : int {
   KILN_W_BF16_PACKED = 4,  // the packed layouts of the above
   KILN_W_FP32_PACKED = 5,
   KILN_W_INT8_PACKED = 6,
+  KILN_W_FP32_PANEL = 7,   // the panel layouts of fp32, bf16, int8
+  KILN_W_BF16_PANEL = 8,
+  KILN_W_INT8_PANEL = 9,
 };
 
 // The weight type without its layout (the kernels' M limits are per kind): one of the first four.
 constexpr int kiln_weight_kind(int wtype) {
-  return wtype == KILN_W_BF16_PACKED ? KILN_W_BF16
-       : wtype == KILN_W_FP32_PACKED ? KILN_W_FP32
-       : wtype == KILN_W_INT8_PACKED ? KILN_W_INT8
+  return wtype == KILN_W_BF16_PACKED || wtype == KILN_W_BF16_PANEL ? KILN_W_BF16
+       : wtype == KILN_W_FP32_PACKED || wtype == KILN_W_FP32_PANEL ? KILN_W_FP32
+       : wtype == KILN_W_INT8_PACKED || wtype == KILN_W_INT8_PANEL ? KILN_W_INT8
        : wtype;
+}
+constexpr bool kiln_is_panel(int wtype) {
+  return wtype == KILN_W_FP32_PANEL || wtype == KILN_W_BF16_PANEL || wtype == KILN_W_INT8_PANEL;
 }
 constexpr int KILN_NUM_KINDS = 4;
 
@@ -52,6 +63,11 @@ int kiln_linear(int wtype, const void* w, const float* scales, int64_t group_siz
 // Dequantize rows [n0, n1) to fp32 out[(n - n0) * K + k].
 int kiln_dequant_rows(int wtype, const void* w, const float* scales, int64_t group_size, int64_t N, int64_t K,
                       int64_t n0, int64_t n1, float* out, int nthreads);
+// The vector width the panel kernels use: 512 (AVX-512 with BW and VNNI, when the CPU has them) or 256
+// (AVX2 + FMA). kiln_set_panel_isa(0) picks the best the CPU has, 256 forces AVX2 (tests compare both);
+// a width the CPU lacks is refused (returns the width in use).
+int kiln_panel_isa();
+int kiln_set_panel_isa(int bits);
 // Sum of n floats read with nthreads threads: the streaming read the benchmarks compare the GEMVs with.
 double kiln_stream_sum(const float* p, int64_t n, int nthreads);
 

@@ -42,7 +42,9 @@
 #include <omp.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
+#include <cstdlib>
 #include <cstdint>
 #include <cstring>
 #include <type_traits>
@@ -675,6 +677,217 @@ bool int4_supported(int64_t K, int64_t group_size) {
   return K % 64 == 0 && group_size > 0 && group_size % 16 == 0 && K % group_size == 0;
 }
 
+// ---- panel layouts: GEMM kernels for any M, per instruction set -------------------------------------
+// (panel_kernels.h). AVX2 + FMA is what the library is compiled for; the AVX-512 copy is compiled with
+// its own target and used only when the CPU has AVX-512 F/BW/VL and VNNI (checked at run time).
+
+namespace k256 {
+struct Isa {
+  using V = __m256;
+  using VI = __m256i;
+  static constexpr int L = 8;
+  // float path: 6 rows x 1 panel (12 accumulators of the 16 registers); int path 4 x 1 (8)
+  static constexpr int MR_BIG = 6, NP_BIG = 1, MR_INT = 4, NP_INT = 1;
+  static constexpr int64_t MC = 96;
+  static inline V zero() { return _mm256_setzero_ps(); }
+  static inline V set1(float v) { return _mm256_set1_ps(v); }
+  static inline V load(const float* p) { return _mm256_loadu_ps(p); }
+  static inline void store(float* p, V v) { _mm256_storeu_ps(p, v); }
+  static inline V bcast(const float* p) { return _mm256_broadcast_ss(p); }
+  static inline V fma(V a, V b, V c) { return _mm256_fmadd_ps(a, b, c); }
+  static inline V add(V a, V b) { return _mm256_add_ps(a, b); }
+  static inline V mul(V a, V b) { return _mm256_mul_ps(a, b); }
+  // 8 outputs x 2 k of bf16 (32 bytes) -> k even (s = 0) or odd (s = 1) as fp32
+  static inline V bf16_pair(const uint16_t* p, int s) {
+    const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+    return _mm256_castsi256_ps(s ? _mm256_and_si256(w, _mm256_set1_epi32(int(0xFFFF0000u))) : _mm256_slli_epi32(w, 16));
+  }
+  // 8 outputs x 2 k of int8 (16 bytes) -> k even or odd as fp32
+  static inline V i8_pair(const int8_t* p, int s) {
+    const __m256i w = _mm256_cvtepi16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+    return _mm256_cvtepi32_ps(s ? _mm256_srai_epi32(w, 8) : _mm256_srai_epi32(_mm256_slli_epi32(w, 24), 24));
+  }
+  static inline VI izero() { return _mm256_setzero_si256(); }
+  static inline VI iset1(int32_t v) { return _mm256_set1_epi32(v); }
+  static inline VI i16_pairs(const int8_t* p) {
+    return _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  }
+  static inline VI dot_pairs(VI acc, VI w, VI x) { return _mm256_add_epi32(acc, _mm256_madd_epi16(w, x)); }
+  static inline V cvt(VI v) { return _mm256_cvtepi32_ps(v); }
+  static inline VI iload(const void* p) { return _mm256_loadu_si256(static_cast<const __m256i*>(p)); }
+  static inline V dot_bf16(V acc, VI, VI) { return acc; }  // no bf16 dot product in AVX2: never called
+};
+#include "panel_kernels.h"
+}  // namespace k256
+
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx512bf16,avx2,fma,f16c")
+namespace k512 {
+struct Isa {
+  using V = __m512;
+  using VI = __m512i;
+  static constexpr int L = 16;
+  // float path: 12 rows x 2 panels (24 accumulators of the 32 registers); int path 8 x 2 (16)
+  static constexpr int MR_BIG = 12, NP_BIG = 2, MR_INT = 8, NP_INT = 2;
+  static constexpr int64_t MC = 96;
+  static inline V zero() { return _mm512_setzero_ps(); }
+  static inline V set1(float v) { return _mm512_set1_ps(v); }
+  static inline V load(const float* p) { return _mm512_loadu_ps(p); }
+  static inline void store(float* p, V v) { _mm512_storeu_ps(p, v); }
+  static inline V bcast(const float* p) { return _mm512_set1_ps(*p); }
+  static inline V fma(V a, V b, V c) { return _mm512_fmadd_ps(a, b, c); }
+  static inline V add(V a, V b) { return _mm512_add_ps(a, b); }
+  static inline V mul(V a, V b) { return _mm512_mul_ps(a, b); }
+  static inline V bf16_pair(const uint16_t* p, int s) {
+    const __m512i w = _mm512_loadu_si512(p);
+    return _mm512_castsi512_ps(s ? _mm512_and_si512(w, _mm512_set1_epi32(int(0xFFFF0000u))) : _mm512_slli_epi32(w, 16));
+  }
+  static inline V i8_pair(const int8_t* p, int s) {
+    const __m512i w = _mm512_cvtepi16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+    return _mm512_cvtepi32_ps(s ? _mm512_srai_epi32(w, 8) : _mm512_srai_epi32(_mm512_slli_epi32(w, 24), 24));
+  }
+  static inline VI izero() { return _mm512_setzero_si512(); }
+  static inline VI iset1(int32_t v) { return _mm512_set1_epi32(v); }
+  static inline VI i16_pairs(const int8_t* p) {
+    return _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  }
+  static inline VI dot_pairs(VI acc, VI w, VI x) { return _mm512_dpwssd_epi32(acc, w, x); }
+  static inline V cvt(VI v) { return _mm512_cvtepi32_ps(v); }
+  static inline VI iload(const void* p) { return _mm512_loadu_si512(p); }
+  static inline V dot_bf16(V acc, VI w, VI x) { return _mm512_dpbf16_ps(acc, (__m512bh)w, (__m512bh)x); }
+};
+#include "panel_kernels.h"
+}  // namespace k512
+#pragma GCC pop_options
+
+bool cpu_has_avx512() {
+  __builtin_cpu_init();
+  return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+         __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") &&
+         __builtin_cpu_supports("avx512vnni");
+}
+
+bool cpu_has_avx512_bf16() {
+  static const bool has = cpu_has_avx512() && __builtin_cpu_supports("avx512bf16");
+  return has;
+}
+
+int best_panel_isa() {
+  static const int best = cpu_has_avx512() ? 512 : 256;
+  return best;
+}
+
+std::atomic<int> g_panel_isa{0};  // 0: not chosen yet
+
+int panel_isa() {
+  int isa = g_panel_isa.load(std::memory_order_relaxed);
+  if (isa == 0) {
+    isa = best_panel_isa();
+    if (const char* env = std::getenv("KILN_PANEL_ISA")) {
+      if (std::atoi(env) == 256) isa = 256;
+    }
+    g_panel_isa.store(isa);
+  }
+  return isa;
+}
+
+// x as fp32 [M][K]: widened from bf16 into a per-thread buffer, or used as it is
+const float* x_fp32(const void* xin, int64_t M, int64_t K, bool bf16_io) {
+  if (!bf16_io) return static_cast<const float*>(xin);
+  thread_local std::vector<float> buf;
+  buf.resize(size_t(M * K));
+  const uint16_t* xb = static_cast<const uint16_t*>(xin);
+  const int64_t n = M * K;
+  int64_t j = 0;
+  for (; j + 8 <= n; j += 8)
+    _mm256_storeu_ps(buf.data() + j, _mm256_castsi256_ps(_mm256_slli_epi32(
+        _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(xb + j))), 16)));
+  for (; j < n; ++j) buf[j] = bf16_bits_to_f32(xb[j]);
+  return buf.data();
+}
+
+// Symmetric int16 per row, as prep_int16 (xq = round(x / sx), sx = max|x| / 32767) but over every element
+// of a row; false if x holds a NaN or an infinity.
+bool quantize_rows_int16(const float* x, int64_t M, int64_t K, int16_t* xq, float* sx) {
+  const __m256 absmask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+  const __m256 lim = _mm256_set1_ps(32767.0f), nlim = _mm256_set1_ps(-32767.0f);
+  for (int64_t m = 0; m < M; ++m) {
+    const float* r = x + m * K;
+    __m256 mx = _mm256_setzero_ps(), bad = _mm256_setzero_ps();
+    int64_t k = 0;
+    for (; k + 8 <= K; k += 8) {
+      const __m256 v = _mm256_loadu_ps(r + k);
+      mx = _mm256_max_ps(mx, _mm256_and_ps(v, absmask));
+      bad = _mm256_add_ps(bad, _mm256_mul_ps(v, _mm256_setzero_ps()));
+    }
+    float amax = 0.0f, badf = hsum(bad);
+    for (; k < K; ++k) {
+      amax = std::max(amax, std::fabs(r[k]));
+      badf += r[k] * 0.0f;
+    }
+    if (badf != 0.0f || !(badf == badf)) return false;
+    alignas(32) float t[8];
+    _mm256_store_ps(t, mx);
+    for (float v : t) amax = std::max(amax, v);
+    const float s = amax > 0.0f ? amax / 32767.0f : 1.0f;
+    sx[m] = s;
+    const float inv = 1.0f / s;
+    const __m256 vinv = _mm256_set1_ps(inv);
+    int16_t* q = xq + m * K;
+    k = 0;
+    for (; k + 16 <= K; k += 16) {
+      const __m256 a = _mm256_min_ps(_mm256_max_ps(_mm256_mul_ps(_mm256_loadu_ps(r + k), vinv), nlim), lim);
+      const __m256 b = _mm256_min_ps(_mm256_max_ps(_mm256_mul_ps(_mm256_loadu_ps(r + k + 8), vinv), nlim), lim);
+      const __m256i p = _mm256_packs_epi32(_mm256_cvtps_epi32(a), _mm256_cvtps_epi32(b));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + k), _mm256_permute4x64_epi64(p, 0xD8));
+    }
+    for (; k < K; ++k) q[k] = int16_t(std::nearbyint(std::min(32767.0f, std::max(-32767.0f, r[k] * inv))));
+  }
+  return true;
+}
+
+// y = x @ W^T (+ bias) for a panel-layout weight; 0, or 2 when the shape does not fit the layout.
+int run_panel(int wtype, const void* w, const float* scales, const void* xin, int64_t M, int64_t N, int64_t K,
+              const float* bias, void* yout, int nthreads, bool bf16_io) {
+  if (N % KILN_PANEL != 0 || (wtype != KILN_W_FP32_PANEL && K % KILN_PAIR != 0)) return 2;
+  const bool wide = panel_isa() == 512;
+  const bool int8 = wtype == KILN_W_INT8_PANEL;
+  k256::Epilogue ep256{int8 ? scales : nullptr, bias, bf16_io ? nullptr : static_cast<float*>(yout),
+                       bf16_io ? static_cast<uint16_t*>(yout) : nullptr, N};
+  k512::Epilogue ep512{ep256.wscale, ep256.bias, ep256.y, ep256.yb, N};
+  const bool dot_bf16 = wtype == KILN_W_BF16_PANEL && wide && bf16_io && cpu_has_avx512_bf16();
+  const float* x = dot_bf16 ? nullptr : x_fp32(xin, M, K, bf16_io);
+  if (int8) {
+    thread_local std::vector<int16_t> xq;
+    thread_local std::vector<float> sx;
+    xq.resize(size_t(M * K));
+    sx.resize(size_t(M));
+    const auto* wq = static_cast<const int8_t*>(w);
+    if (quantize_rows_int16(x, M, K, xq.data(), sx.data())) {
+      if (wide) k512::panel_gemm_int8(wq, M, N, K, xq.data(), sx.data(), ep512, nthreads);
+      else k256::panel_gemm_int8(wq, M, N, K, xq.data(), sx.data(), ep256, nthreads);
+      return 0;
+    }
+    if (wide) k512::panel_gemm_float<k512::PanelInt8>(wq, M, N, K, x, ep512, nthreads);  // NaN/inf in x
+    else k256::panel_gemm_float<k256::PanelInt8>(wq, M, N, K, x, ep256, nthreads);
+    return 0;
+  }
+  if (wtype == KILN_W_BF16_PANEL) {
+    const auto* wb = static_cast<const uint16_t*>(w);
+    if (dot_bf16) {  // bf16 x: one dot-product instruction per pair
+      k512::panel_gemm_bf16dot(wb, M, N, K, static_cast<const uint16_t*>(xin), ep512, nthreads);
+      return 0;
+    }
+    if (wide) k512::panel_gemm_float<k512::PanelBf16>(wb, M, N, K, x, ep512, nthreads);
+    else k256::panel_gemm_float<k256::PanelBf16>(wb, M, N, K, x, ep256, nthreads);
+    return 0;
+  }
+  const auto* wf = static_cast<const float*>(w);
+  if (wide) k512::panel_gemm_float<k512::PanelF32>(wf, M, N, K, x, ep512, nthreads);
+  else k256::panel_gemm_float<k256::PanelF32>(wf, M, N, K, x, ep256, nthreads);
+  return 0;
+}
+
 // Calls f with the weight view of type wtype; returns 0, or 2 when the shape does not fit the layout,
 // 3 for an unknown weight type.
 template <class F>
@@ -714,7 +927,9 @@ __attribute__((used, visibility("default"))) extern const char kiln_build_key[] 
 int kiln_linear(int wtype, const void* w, const float* scales, int64_t group_size,
                 const void* x, int64_t M, int64_t N, int64_t K, const float* bias, void* y,
                 int nthreads, int bf16_io) {
-  if (M < 1 || M > MAX_M || N < 1 || K < 1) return 1;
+  if (M < 1 || N < 1 || K < 1) return 1;
+  if (kiln_is_panel(wtype)) return run_panel(wtype, w, scales, x, M, N, K, bias, y, nthreads, bf16_io != 0);
+  if (M > MAX_M) return 1;
   return with_weight(wtype, w, scales, group_size, N, K, [&](const auto& wv) {
     run_linear(wv, x, M, N, K, bias, y, bf16_io != 0, nthreads);
   });
@@ -722,6 +937,14 @@ int kiln_linear(int wtype, const void* w, const float* scales, int64_t group_siz
 
 // Like the GEMV kernels it reads 8 streams at once per thread (tiles of 8 rows of 4096 floats): on
 // Zen 1 one stream per core reaches less than half the bandwidth.
+int kiln_panel_isa() { return panel_isa(); }
+
+int kiln_set_panel_isa(int bits) {
+  if (bits == 0) bits = best_panel_isa();
+  if (bits == 256 || (bits == 512 && best_panel_isa() == 512)) g_panel_isa.store(bits);
+  return panel_isa();
+}
+
 double kiln_stream_sum(const float* p, int64_t n, int nthreads) {
   constexpr int64_t L = 4096, S = 8;
   const int64_t tiles = n / (L * S);

@@ -57,6 +57,19 @@ bool packed_rows(const at::Tensor& w) {
   return w.dim() == 4 && w.size(2) == KILN_ROW_TILE && w.size(3) == KILN_K_STEP;
 }
 
+// a weight in the panel layout: fp32 [N/16, K, 16], bf16 / int8 [N/16, K/2, 16, 2]
+bool panel_layout(const at::Tensor& w) {
+  if (w.scalar_type() == at::kFloat) return w.dim() == 3 && w.size(2) == KILN_PANEL;
+  return w.dim() == 4 && w.size(2) == KILN_PANEL && w.size(3) == KILN_PAIR;
+}
+
+// (N, K) of a plain [N, K], 8-row-tile or panel weight
+std::pair<int64_t, int64_t> weight_nk(const at::Tensor& w) {
+  if (panel_layout(w)) return {w.size(0) * KILN_PANEL, w.dim() == 3 ? w.size(1) : w.size(1) * KILN_PAIR};
+  if (packed_rows(w)) return {w.size(0) * KILN_ROW_TILE, w.size(1) * KILN_K_STEP};
+  return {w.size(0), w.dim() == 2 ? w.size(1) : 0};
+}
+
 bool act_ok(const at::Tensor& x, int64_t K) {
   const auto t = x.scalar_type();
   return x.dim() >= 1 && x.size(-1) == K && x.numel() > 0 &&
@@ -71,7 +84,8 @@ at::Tensor run(int wtype, const at::Tensor& x, const at::Tensor& w, const float*
   const bool bf16_io = x.scalar_type() == at::kBFloat16;
   at::Tensor x2 = x.reshape({-1, K});
   const int64_t M = x2.size(0);
-  if (M > g_max_m[kiln_weight_kind(wtype)].load(std::memory_order_relaxed)) return at::Tensor();
+  const bool panel = kiln_is_panel(wtype);  // any M in one call
+  if (!panel && M > g_max_m[kiln_weight_kind(wtype)].load(std::memory_order_relaxed)) return at::Tensor();
   if (!bf16_io && x2.scalar_type() != at::kFloat) x2 = x2.to(at::kFloat);
   x2 = x2.contiguous();
   at::Tensor b;
@@ -86,8 +100,9 @@ at::Tensor run(int wtype, const at::Tensor& x, const at::Tensor& w, const float*
   char* yp = static_cast<char*>(y.data_ptr());
   const int64_t es = x2.element_size();
   const int nt = at::get_num_threads();
-  for (int64_t m0 = 0; m0 < M; m0 += KILN_MAX_M) {
-    const int64_t mc = std::min(KILN_MAX_M, M - m0);
+  const int64_t step = panel ? M : KILN_MAX_M;
+  for (int64_t m0 = 0; m0 < M; m0 += step) {
+    const int64_t mc = std::min(step, M - m0);
     if (kiln_linear(wtype, w.const_data_ptr(), scales, gs, xp + m0 * K * es, mc, N, K, bp, yp + m0 * N * es, nt,
                     bf16_io) != 0)
       return at::Tensor();
@@ -101,15 +116,16 @@ at::Tensor run(int wtype, const at::Tensor& x, const at::Tensor& w, const float*
 at::Tensor weight_only_linear_cpu(const at::Tensor& x, const at::Tensor& qweight,
                                   const at::Tensor& scales, const OptT& bias, int64_t bits,
                                   int64_t group_size) {
-  const bool packed = bits == 8 && packed_rows(qweight);
-  if (!g_enabled.load(std::memory_order_relaxed) || !(qweight.dim() == 2 || packed))
+  const bool panel = bits == 8 && qweight.scalar_type() == at::kChar && panel_layout(qweight);
+  const bool packed = bits == 8 && !panel && packed_rows(qweight);
+  if (!g_enabled.load(std::memory_order_relaxed) || !(qweight.dim() == 2 || packed || panel))
     return wol_py(x, qweight, scales, bias, bits, group_size);
-  const int64_t N = packed ? qweight.size(0) * KILN_ROW_TILE : qweight.size(0);
+  const int64_t N = weight_nk(qweight).first;
   int wtype = -1;
   int64_t K = 0;
   if (bits == 8 && qweight.scalar_type() == at::kChar && scales.dim() == 1 && scales.size(0) == N) {
-    wtype = packed ? KILN_W_INT8_PACKED : KILN_W_INT8;
-    K = packed ? qweight.size(1) * KILN_K_STEP : qweight.size(1);
+    wtype = panel ? KILN_W_INT8_PANEL : packed ? KILN_W_INT8_PACKED : KILN_W_INT8;
+    K = weight_nk(qweight).second;
   } else if (bits == 4 && qweight.scalar_type() == at::kByte && group_size > 0) {
     K = 2 * qweight.size(1);
     if (K % group_size == 0 && scales.dim() == 2 && scales.size(0) == N && scales.size(1) == K / group_size)
@@ -129,16 +145,17 @@ at::Tensor weight_only_linear_cpu(const at::Tensor& x, const at::Tensor& qweight
 template <int WTYPE>
 at::Tensor float_linear_cpu(const at::Tensor& x, const at::Tensor& weight, const OptT& bias) {
   const auto wdtype = WTYPE == KILN_W_BF16 ? at::kBFloat16 : at::kFloat;
-  const bool packed = packed_rows(weight);
-  if (!g_enabled.load(std::memory_order_relaxed) || !(weight.dim() == 2 || packed) ||
+  const bool panel = weight.scalar_type() == wdtype && panel_layout(weight);
+  const bool packed = !panel && packed_rows(weight);
+  if (!g_enabled.load(std::memory_order_relaxed) || !(weight.dim() == 2 || packed || panel) ||
       weight.scalar_type() != wdtype || weight.size(0) == 0)
     return float_linear_py<WTYPE>(x, weight, bias);
-  const int64_t N = packed ? weight.size(0) * KILN_ROW_TILE : weight.size(0);
-  const int64_t K = packed ? weight.size(1) * KILN_K_STEP : weight.size(1);
+  const auto [N, K] = weight_nk(weight);
   if (!act_ok(x, K)) return float_linear_py<WTYPE>(x, weight, bias);
   const at::Tensor w = weight.contiguous();
-  at::Tensor y = run(packed ? (WTYPE == KILN_W_BF16 ? KILN_W_BF16_PACKED : KILN_W_FP32_PACKED) : WTYPE, x, w,
-                     nullptr, bias, 0, N, K);
+  const int wtype = panel ? (WTYPE == KILN_W_BF16 ? KILN_W_BF16_PANEL : KILN_W_FP32_PANEL)
+                  : packed ? (WTYPE == KILN_W_BF16 ? KILN_W_BF16_PACKED : KILN_W_FP32_PACKED) : WTYPE;
+  at::Tensor y = run(wtype, x, w, nullptr, bias, 0, N, K);
   return y.defined() ? y : float_linear_py<WTYPE>(x, weight, bias);
 }
 
@@ -158,6 +175,7 @@ int kiln_ops_enabled() { return g_enabled.load(std::memory_order_relaxed); }
 
 // wtype: any weight type; the limit is its kind's (packed and plain layouts share one).
 int64_t kiln_ops_max_m(int wtype) {
+  if (kiln_is_panel(wtype)) return UNLIMITED;  // the panel kernels take any M
   const int kind = kiln_weight_kind(wtype);
   return kind >= 0 && kind < KILN_NUM_KINDS ? g_max_m[kind].load() : 0;
 }

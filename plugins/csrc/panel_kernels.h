@@ -1,0 +1,287 @@
+// The panel-layout GEMM kernels, written once for any vector width: linear_kernels.cpp includes this file
+// once per instruction set (AVX2 + FMA, AVX-512), inside a namespace that first defines `struct Isa`
+// (the vector type and the few operations below) and under that instruction set's `#pragma GCC target`.
+// So: no include guard, and nothing here may name an intrinsic directly.
+//
+// Layout (kiln_kernels.h, KILN_PANEL = 16 output rows per panel; N % 16 == 0):
+//   fp32        [N/16][K][16]          element (n, k) at ((n/16) * K + k) * 16 + n % 16
+//   bf16, int8  [N/16][K/2][16][2]     (K even) element (n, k) at ((n/16) * K/2 + k/2) * 32 + (n%16) * 2 + k%2
+// A panel is one sequential stream; each of its steps holds the 16 outputs' weights for one k (fp32) or
+// two consecutive k (bf16 and int8 pairs), so the kernels never reduce across lanes: y[m, n0:n0+16] +=
+// x[m, k] * W[n0:n0+16, k] with x[m, k] broadcast, and the same code serves one row of x (decode) and
+// thousands (prefill).
+//
+// Register blocking (the micro-kernels below take MR rows of x and NP panels):
+//   float path (fp32 and bf16 weights, and int8 weights when x holds NaN/inf): MR x NP*16 fp32
+//     accumulators; the weights of a step are decoded once (bf16: a shift or a mask; int8: widen and
+//     convert) and used by MR fused multiply-adds each.
+//   int path (int8 weights): x quantised per row to int16 (kiln's usual scheme, error <= max|x_row| /
+//     65534), int16 weight pairs times a broadcast pair of x into int32 lanes (AVX-512 VNNI vpdpwssd, or
+//     vpmaddwd + vpaddd), flushed to fp32 every FLUSH_PAIRS pairs; row and channel scales at the end.
+// Tiles for the threads: MC rows of x (kept in L2) x NP panels (kept in L1/L2 while the MC rows pass).
+
+constexpr int VP = 16 / Isa::L;  // vectors per panel step
+
+// ---- weight steps -----------------------------------------------------------------------------------
+// decode(p, s, v): the fp32 vector v (lanes n = v*L .. v*L+L-1) of sub-step s (k + s) of the step at p
+
+struct PanelF32 {
+  using T = float;
+  static constexpr int S = 1;             // k per step
+  static constexpr int64_t STEP = 16;     // elements per step
+  static inline Isa::V decode(const float* p, int, int v) { return Isa::load(p + v * Isa::L); }
+};
+
+struct PanelBf16 {
+  using T = uint16_t;
+  static constexpr int S = 2;
+  static constexpr int64_t STEP = 32;
+  static inline Isa::V decode(const uint16_t* p, int s, int v) { return Isa::bf16_pair(p + v * 2 * Isa::L, s); }
+};
+
+struct PanelInt8 {
+  using T = int8_t;
+  static constexpr int S = 2;
+  static constexpr int64_t STEP = 32;
+  static inline Isa::V decode(const int8_t* p, int s, int v) { return Isa::i8_pair(p + v * 2 * Isa::L, s); }
+};
+
+// ---- epilogue -----------------------------------------------------------------------------------------
+// One output row segment of 16 * NP values: times the row scale and the channel scales, plus the bias,
+// stored as fp32 or as bf16 (rounded to nearest even, as torch rounds).
+struct Epilogue {
+  const float* wscale;  // [N] channel scales (int8) or null
+  const float* bias;    // [N] or null
+  float* y;             // [M][N] fp32 output, or null
+  uint16_t* yb;         // [M][N] bf16 output, or null
+  int64_t N;
+  inline void store(int64_t m, int64_t n0, const Isa::V* acc, int nvec, float rscale) const {
+    alignas(64) float tmp[Isa::L];
+    for (int j = 0; j < nvec; ++j) {
+      const int64_t n = n0 + int64_t(j) * Isa::L;
+      Isa::V v = acc[j];
+      if (rscale != 1.0f) v = Isa::mul(v, Isa::set1(rscale));
+      if (wscale) v = Isa::mul(v, Isa::load(wscale + n));
+      if (bias) v = Isa::add(v, Isa::load(bias + n));
+      if (y) {
+        Isa::store(y + m * N + n, v);
+      } else {
+        Isa::store(tmp, v);
+        for (int l = 0; l < Isa::L; ++l) yb[m * N + n + l] = f32_to_bf16_bits(tmp[l]);
+      }
+    }
+  }
+};
+
+// ---- float path ---------------------------------------------------------------------------------------
+
+template <class W, int MR, int NP>
+inline void panel_float(const typename W::T* w, int64_t pstride, const float* x, int64_t ldx, int64_t K,
+                        const Epilogue& ep, int64_t m0, int64_t n0) {
+  Isa::V acc[MR][NP][VP];
+  for (int i = 0; i < MR; ++i)
+    for (int p = 0; p < NP; ++p)
+      for (int v = 0; v < VP; ++v) acc[i][p][v] = Isa::zero();
+  const int64_t steps = K / W::S;
+  for (int64_t t = 0; t < steps; ++t) {
+    const typename W::T* q = w + t * W::STEP;
+    for (int s = 0; s < W::S; ++s) {
+      Isa::V wv[NP][VP];
+      for (int p = 0; p < NP; ++p)
+        for (int v = 0; v < VP; ++v) wv[p][v] = W::decode(q + p * pstride, s, v);
+      const float* xk = x + t * W::S + s;
+      for (int i = 0; i < MR; ++i) {
+        const Isa::V xb = Isa::bcast(xk + i * ldx);
+        for (int p = 0; p < NP; ++p)
+          for (int v = 0; v < VP; ++v) acc[i][p][v] = Isa::fma(xb, wv[p][v], acc[i][p][v]);
+      }
+    }
+  }
+  for (int i = 0; i < MR; ++i) ep.store(m0 + i, n0, &acc[i][0][0], NP * VP, 1.0f);
+}
+
+// ---- int path (int8 weights) ---------------------------------------------------------------------------
+// xq: [M][K] int16 (row m scaled by sx[m]); read as int32 words, each a (k even, k odd) pair.
+constexpr int64_t FLUSH_PAIRS = 128;  // 128 pairs x 2 x 127 x 32767 < 2^31
+
+template <int MR, int NP>
+inline void panel_int8(const int8_t* w, int64_t pstride, const int32_t* xq, int64_t ldxq, const float* sx,
+                       int64_t K, const Epilogue& ep, int64_t m0, int64_t n0) {
+  Isa::V facc[MR][NP][VP];
+  for (int i = 0; i < MR; ++i)
+    for (int p = 0; p < NP; ++p)
+      for (int v = 0; v < VP; ++v) facc[i][p][v] = Isa::zero();
+  const int64_t pairs = K / 2;
+  for (int64_t t0 = 0; t0 < pairs; t0 += FLUSH_PAIRS) {
+    const int64_t t1 = std::min(pairs, t0 + FLUSH_PAIRS);
+    Isa::VI acc[MR][NP][VP];
+    for (int i = 0; i < MR; ++i)
+      for (int p = 0; p < NP; ++p)
+        for (int v = 0; v < VP; ++v) acc[i][p][v] = Isa::izero();
+    for (int64_t t = t0; t < t1; ++t) {
+      Isa::VI wv[NP][VP];
+      for (int p = 0; p < NP; ++p)
+        for (int v = 0; v < VP; ++v) wv[p][v] = Isa::i16_pairs(w + p * pstride + t * 32 + v * 2 * Isa::L);
+      for (int i = 0; i < MR; ++i) {
+        const Isa::VI xb = Isa::iset1(xq[i * ldxq + t]);
+        for (int p = 0; p < NP; ++p)
+          for (int v = 0; v < VP; ++v) acc[i][p][v] = Isa::dot_pairs(acc[i][p][v], wv[p][v], xb);
+      }
+    }
+    for (int i = 0; i < MR; ++i)
+      for (int p = 0; p < NP; ++p)
+        for (int v = 0; v < VP; ++v) facc[i][p][v] = Isa::add(facc[i][p][v], Isa::cvt(acc[i][p][v]));
+  }
+  for (int i = 0; i < MR; ++i) ep.store(m0 + i, n0, &facc[i][0][0], NP * VP, sx[i]);
+}
+
+// ---- bf16 dot path (bf16 weights, bf16 x, CPUs with AVX512_BF16) ---------------------------------------
+// xp: [M][K] bf16 read as int32 words, each a (k even, k odd) pair; one vdpbf16ps per step and row adds
+// both products of the pair to 16 fp32 lanes (products exact, fp32 accumulation).
+
+template <int MR, int NP>
+inline void panel_bf16dot(const uint16_t* w, int64_t pstride, const int32_t* xp, int64_t ldxp, int64_t K,
+                          const Epilogue& ep, int64_t m0, int64_t n0) {
+  Isa::V acc[MR][NP][VP];
+  for (int i = 0; i < MR; ++i)
+    for (int p = 0; p < NP; ++p)
+      for (int v = 0; v < VP; ++v) acc[i][p][v] = Isa::zero();
+  const int64_t pairs = K / 2;
+  for (int64_t t = 0; t < pairs; ++t) {
+    Isa::VI wv[NP][VP];
+    for (int p = 0; p < NP; ++p)
+      for (int v = 0; v < VP; ++v) wv[p][v] = Isa::iload(w + p * pstride + t * 32 + v * 2 * Isa::L);
+    for (int i = 0; i < MR; ++i) {
+      const Isa::VI xb = Isa::iset1(xp[i * ldxp + t]);
+      for (int p = 0; p < NP; ++p)
+        for (int v = 0; v < VP; ++v) acc[i][p][v] = Isa::dot_bf16(acc[i][p][v], wv[p][v], xb);
+    }
+  }
+  for (int i = 0; i < MR; ++i) ep.store(m0 + i, n0, &acc[i][0][0], NP * VP, 1.0f);
+}
+
+// ---- tiles and threads -----------------------------------------------------------------------------------
+
+// Rows m0..m1 of x against panels g*NP .. g*NP+NP-1: the big micro-kernel, then the tail in pieces.
+template <class W, int NP, int MRB>
+inline void tile_float(const typename W::T* w, int64_t K, const float* x, int64_t m0, int64_t m1, int64_t g,
+                       const Epilogue& ep) {
+  const int64_t pstride = (K / W::S) * W::STEP;  // elements per panel
+  const typename W::T* wp = w + g * NP * pstride;
+  const int64_t n0 = g * NP * 16;
+  int64_t m = m0;
+  for (; m + MRB <= m1; m += MRB) panel_float<W, MRB, NP>(wp, pstride, x + m * K, K, K, ep, m, n0);
+  if constexpr (MRB > 4) for (; m + 4 <= m1; m += 4) panel_float<W, 4, NP>(wp, pstride, x + m * K, K, K, ep, m, n0);
+  if constexpr (MRB > 2) for (; m + 2 <= m1; m += 2) panel_float<W, 2, NP>(wp, pstride, x + m * K, K, K, ep, m, n0);
+  for (; m < m1; ++m) panel_float<W, 1, NP>(wp, pstride, x + m * K, K, K, ep, m, n0);
+}
+
+template <int NP, int MRB>
+inline void tile_int8(const int8_t* w, int64_t K, const int32_t* xq, const float* sx, int64_t m0, int64_t m1,
+                      int64_t g, const Epilogue& ep) {
+  const int64_t pstride = K * 16;
+  const int8_t* wp = w + g * NP * pstride;
+  const int64_t n0 = g * NP * 16;
+  const int64_t ld = K / 2;
+  int64_t m = m0;
+  for (; m + MRB <= m1; m += MRB) panel_int8<MRB, NP>(wp, pstride, xq + m * ld, ld, sx + m, K, ep, m, n0);
+  if constexpr (MRB > 4) for (; m + 4 <= m1; m += 4) panel_int8<4, NP>(wp, pstride, xq + m * ld, ld, sx + m, K, ep, m, n0);
+  if constexpr (MRB > 2) for (; m + 2 <= m1; m += 2) panel_int8<2, NP>(wp, pstride, xq + m * ld, ld, sx + m, K, ep, m, n0);
+  for (; m < m1; ++m) panel_int8<1, NP>(wp, pstride, xq + m * ld, ld, sx + m, K, ep, m, n0);
+}
+
+template <int NP, int MRB>
+inline void tile_bf16dot(const uint16_t* w, int64_t K, const int32_t* xp, int64_t m0, int64_t m1, int64_t g,
+                         const Epilogue& ep) {
+  const int64_t pstride = K * 16;
+  const uint16_t* wp = w + g * NP * pstride;
+  const int64_t n0 = g * NP * 16;
+  const int64_t ld = K / 2;
+  int64_t m = m0;
+  for (; m + MRB <= m1; m += MRB) panel_bf16dot<MRB, NP>(wp, pstride, xp + m * ld, ld, K, ep, m, n0);
+  if constexpr (MRB > 4) for (; m + 4 <= m1; m += 4) panel_bf16dot<4, NP>(wp, pstride, xp + m * ld, ld, K, ep, m, n0);
+  if constexpr (MRB > 2) for (; m + 2 <= m1; m += 2) panel_bf16dot<2, NP>(wp, pstride, xp + m * ld, ld, K, ep, m, n0);
+  for (; m < m1; ++m) panel_bf16dot<1, NP>(wp, pstride, xp + m * ld, ld, K, ep, m, n0);
+}
+
+// Tiles (row block of MC rows, group of NP panels), row-block major so that a thread's consecutive tiles
+// share their rows of x; dynamic chunks so that a thread preempted by another process holds back little.
+template <class F>
+inline void for_tiles(int64_t M, int64_t groups, int64_t MC, int nthreads, F&& f) {
+  const int64_t mblocks = (M + MC - 1) / MC;
+  const int64_t ntiles = mblocks * groups;
+  const int nt = int(std::max<int64_t>(1, std::min<int64_t>(nthreads, ntiles)));
+  const int64_t chunk = std::max<int64_t>(1, ntiles / (int64_t(nt) * 16));
+#pragma omp parallel for num_threads(nt) schedule(dynamic, chunk)
+  for (int64_t t = 0; t < ntiles; ++t) {
+    const int64_t mb = t / groups;
+    f(mb * MC, std::min(M, mb * MC + MC), t % groups);
+  }
+}
+
+// y[M, N] = x[M, K] @ W^T (* channel scales) (+ bias) for a panel-layout weight of type W.
+// x: fp32 [M][K]. Float path.
+template <class W>
+void panel_gemm_float(const typename W::T* w, int64_t M, int64_t N, int64_t K, const float* x,
+                      const Epilogue& ep, int nthreads) {
+  if (M < 4) {
+    // decode: 4 panels per call, a few independent streams and accumulator chains per thread
+    if ((N / 16) % 4 == 0) {
+      for_tiles(M, N / 64, M, nthreads, [&](int64_t m0, int64_t m1, int64_t g) {
+        tile_float<W, 4, 2>(w, K, x, m0, m1, g, ep);
+      });
+      return;
+    }
+    for_tiles(M, N / 16, M, nthreads, [&](int64_t m0, int64_t m1, int64_t g) {
+      tile_float<W, 1, 2>(w, K, x, m0, m1, g, ep);
+    });
+    return;
+  }
+  if ((N / 16) % Isa::NP_BIG == 0) {
+    for_tiles(M, N / (16 * Isa::NP_BIG), Isa::MC, nthreads, [&](int64_t m0, int64_t m1, int64_t g) {
+      tile_float<W, Isa::NP_BIG, Isa::MR_BIG>(w, K, x, m0, m1, g, ep);
+    });
+  } else {
+    for_tiles(M, N / 16, Isa::MC, nthreads, [&](int64_t m0, int64_t m1, int64_t g) {
+      tile_float<W, 1, Isa::MR_BIG>(w, K, x, m0, m1, g, ep);
+    });
+  }
+}
+
+// Int path for int8 panels: xq [M][K] int16 (K even), sx [M].
+inline void panel_gemm_int8(const int8_t* w, int64_t M, int64_t N, int64_t K, const int16_t* xq16,
+                            const float* sx, const Epilogue& ep, int nthreads) {
+  const int32_t* xq = reinterpret_cast<const int32_t*>(xq16);
+  if (M < 4 && (N / 16) % 4 == 0) {
+    for_tiles(M, N / 64, M, nthreads, [&](int64_t m0, int64_t m1, int64_t g) {
+      tile_int8<4, 2>(w, K, xq, sx, m0, m1, g, ep);
+    });
+  } else if ((N / 16) % Isa::NP_INT == 0) {
+    for_tiles(M, N / (16 * Isa::NP_INT), Isa::MC, nthreads, [&](int64_t m0, int64_t m1, int64_t g) {
+      tile_int8<Isa::NP_INT, Isa::MR_INT>(w, K, xq, sx, m0, m1, g, ep);
+    });
+  } else {
+    for_tiles(M, N / 16, Isa::MC, nthreads, [&](int64_t m0, int64_t m1, int64_t g) {
+      tile_int8<1, Isa::MR_INT>(w, K, xq, sx, m0, m1, g, ep);
+    });
+  }
+}
+
+// bf16 dot path: x bf16 [M][K] (K even).
+inline void panel_gemm_bf16dot(const uint16_t* w, int64_t M, int64_t N, int64_t K, const uint16_t* xb,
+                               const Epilogue& ep, int nthreads) {
+  const int32_t* xp = reinterpret_cast<const int32_t*>(xb);
+  if (M < 4 && (N / 16) % 4 == 0) {
+    for_tiles(M, N / 64, M, nthreads, [&](int64_t m0, int64_t m1, int64_t g) {
+      tile_bf16dot<4, 2>(w, K, xp, m0, m1, g, ep);
+    });
+  } else if ((N / 16) % Isa::NP_BIG == 0) {
+    for_tiles(M, N / (16 * Isa::NP_BIG), Isa::MC, nthreads, [&](int64_t m0, int64_t m1, int64_t g) {
+      tile_bf16dot<Isa::NP_BIG, Isa::MR_BIG>(w, K, xp, m0, m1, g, ep);
+    });
+  } else {
+    for_tiles(M, N / 16, Isa::MC, nthreads, [&](int64_t m0, int64_t m1, int64_t g) {
+      tile_bf16dot<1, Isa::MR_BIG>(w, K, xp, m0, m1, g, ep);
+    });
+  }
+}

@@ -1,0 +1,144 @@
+"""The panel-layout GEMM kernels (plugins/csrc/panel_kernels.h) against the plain-torch references: every
+weight type, both instruction sets this CPU runs (AVX2 always, AVX-512 where present), decode and prefill
+row counts, bias, bf16 activations, non-finite x, and the layout itself."""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from kiln.plugins import linear
+from kiln.plugins import native as native_lib
+from kiln.plugins import weight_format as fmt
+
+SHAPES = [(16, 2), (48, 34), (64, 64), (96, 1024), (32, 2816)]  # (out, in): one panel, odd pair counts, big K
+ROWS = [1, 2, 3, 4, 5, 7, 12, 13, 16, 25, 97, 200]              # every micro-kernel and its tails, >1 tile
+
+
+@pytest.fixture(params=[256, 512])
+def isa(request, native):
+    if request.param == 512 and native_lib.set_panel_isa(0) != 512:
+        pytest.skip("this CPU has no AVX-512 (F/BW/VL/DQ/VNNI)")
+    assert native_lib.set_panel_isa(request.param) == request.param
+    yield request.param
+    native_lib.set_panel_isa(0)
+
+
+def _rel(y, ref):
+    return ((y.float() - ref.float()).abs().max() / ref.float().abs().max().clamp_min(1e-30)).item()
+
+
+def test_panel_layout_round_trip():
+    for dtype in (torch.float32, torch.bfloat16, torch.int8):
+        w = (torch.randn(48, 34) * 50).to(dtype)
+        p = fmt.pack_panels(w)
+        assert p.shape == ((3, 34, 16) if dtype == torch.float32 else (3, 17, 16, 2))
+        assert fmt.is_panel(p) and fmt.weight_shape(p) == (48, 34) and torch.equal(fmt.unpack_panels(p), w)
+        # element (n, k) where the kernels read it
+        n, k = 37, 21
+        flat = p.reshape(-1)
+        i = ((n // 16) * 34 + k) * 16 + n % 16 if dtype == torch.float32 else \
+            ((n // 16) * 17 + k // 2) * 32 + (n % 16) * 2 + k % 2
+        assert flat[i] == w[n, k]
+    with pytest.raises(ValueError, match="out % 16"):
+        fmt.pack_panels(torch.randn(24, 32))
+    with pytest.raises(ValueError, match="even in"):
+        fmt.pack_panels(torch.randn(32, 33).bfloat16())
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+def test_fp32_and_bf16_panels(isa, shape):
+    n, k = shape
+    torch.manual_seed(n * k)
+    w, b = torch.randn(n, k) * 0.05, torch.randn(n)
+    wb = w.bfloat16()
+    pf, pb = fmt.pack_panels(w), fmt.pack_panels(wb)
+    for m in ROWS:
+        x = torch.randn(m, k)
+        y = linear.fp32_linear(x, pf, b)
+        assert _rel(y, x @ w.t() + b) < 1e-5, (m, "fp32")
+        y = linear.bf16_linear(x, pb, b)  # fp32 x, bf16 weights: fp32 out
+        assert y.dtype == torch.float32 and _rel(y, x @ wb.float().t() + b) < 1e-5, (m, "bf16 w")
+        xb = x.bfloat16()  # a bf16 engine's activations: bf16 out, rounded as torch rounds
+        ref = (xb.float() @ wb.float().t() + b).bfloat16()
+        y = linear.bf16_linear(xb, pb, b)
+        assert y.dtype == torch.bfloat16 and _rel(y, ref) < 1e-2, (m, "bf16 x")
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+def test_int8_panels(isa, shape):
+    n, k = shape
+    torch.manual_seed(n + k)
+    q, s = fmt.quantize_int8(torch.randn(n, k))
+    b = torch.randn(n)
+    p = fmt.pack_panels(q)
+    for m in ROWS:
+        x = torch.randn(m, k)
+        ref = linear.weight_only_linear_reference(x, q, s, b, 8, 0)
+        assert _rel(linear.weight_only_linear(x, p, s, b, 8, 0), ref) < 1e-4, m
+        assert _rel(linear.weight_only_linear(x.bfloat16(), p, s, b, 8, 0),
+                    linear.weight_only_linear_reference(x.bfloat16(), q, s, b, 8, 0)) < 1e-2, m
+
+
+def test_int8_panels_propagate_nan_and_inf(isa):
+    q, s = fmt.quantize_int8(torch.randn(64, 64))
+    x = torch.randn(5, 64)
+    x[1, 3], x[3, 7] = float("nan"), float("inf")
+    y = linear.weight_only_linear(x, fmt.pack_panels(q), s, None, 8, 0)
+    ref = linear.weight_only_linear_reference(x, q, s, None, 8, 0)
+    assert torch.equal(torch.isnan(y), torch.isnan(ref)) and torch.equal(torch.isinf(y), torch.isinf(ref))
+    ok = torch.isfinite(ref).all(1)
+    assert ok.sum() == 3
+    assert _rel(y[ok], ref[ok]) < 1e-4
+
+
+def test_isa_choice_is_explicit(native):
+    best = native_lib.set_panel_isa(0)
+    assert best in (256, 512) and native_lib.panel_isa() == best
+    assert native_lib.set_panel_isa(256) == 256
+    assert native_lib.set_panel_isa(1024) == 256  # not a width: refused, nothing changes
+    native_lib.set_panel_isa(0)
+
+
+def test_a_panel_of_the_other_weight_kind_runs_the_reference(native):
+    """A bf16 weight in the fp32 panel shape is not what the bf16 kernels read: the reference runs."""
+    w = torch.randn(32, 16).bfloat16()
+    odd = w.reshape(2, 16, 16).permute(0, 2, 1).contiguous()  # [out/16, in, 16]
+    x = torch.randn(3, 16)
+    torch.testing.assert_close(linear.bf16_linear(x, odd), x @ w.float().t(), atol=1e-5, rtol=1e-5)
+
+
+def test_avx512_instructions_only_in_the_kernels_cpuid_chooses(native):
+    """The library must run on AVX2-only CPUs (the wheel's prebuilt one included): every EVEX-encoded
+    (AVX-512) instruction sits in a k512:: function, compiled under its own ``#pragma GCC target`` and
+    entered only when CPUID reports AVX-512 (best_panel_isa); nothing else was compiled for AVX-512."""
+    objdump = shutil.which("objdump")
+    if objdump is None:
+        pytest.skip("objdump (binutils) is not installed")
+    out = subprocess.run([objdump, "-d", "-C", "--insn-width=16", native_lib.library()._name],
+                         capture_output=True, text=True, check=True).stdout
+    func, evex = None, set()
+    for line in out.splitlines():
+        head = re.match(r"^[0-9a-f]+ <(.+)>:$", line)
+        if head:
+            func = head.group(1)
+            continue
+        cols = line.split("\t")
+        if len(cols) >= 3 and re.match(r"\s*(67 )?62 ", cols[1]):   # 0x62 opens an EVEX prefix in 64-bit code
+            evex.add(func)
+    assert any("k512::" in f for f in evex), "no AVX-512 kernel found: the check would see nothing"
+    assert all("k512::" in f for f in evex), sorted(f for f in evex if "k512::" not in f)[:10]
+
+
+def test_env_var_forces_the_avx2_kernels():
+    """KILN_PANEL_ISA=256 (how CI on an AVX-512 machine covers the AVX2 path end to end)."""
+    code = "from kiln.plugins import native; print(native.panel_isa())"
+    out = subprocess.run([sys.executable, "-c", code], env={**os.environ, "KILN_PANEL_ISA": "256"},
+                         capture_output=True, text=True, check=True).stdout.split()
+    assert out[-1] == "256"
