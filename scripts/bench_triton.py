@@ -3,6 +3,11 @@ its Triton target (gRPC streaming to ``kiln serve --frontend triton``'s model), 
 one process; TTFT/TPOT p50/p95 and e2e side by side.
 
     .venv/bin/python scripts/bench_triton.py [--size small] [--requests 32] [--rate 2] [--pairs 4]
+    .venv/bin/python scripts/bench_triton.py --size 246m --concurrency 8 --requests 32 --prompt-len 128 --output-len 32
+
+With ``--concurrency N`` the workload is closed-loop instead of Poisson: N streams, each sending its next request
+when the last one ends, so every step decodes about N sequences in both modes and TPOT compares the same steps
+(a Poisson workload's TPOT also moves with how the requests happened to overlap in each run).
 
 Both targets time requests the same way, from the client (kiln.bench.targets): TTFT = first token received -
 request sent, TPOT = (last token - first token) / (tokens - 1) (a first token that arrives late makes TPOT look
@@ -23,6 +28,7 @@ import os
 import socket
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import numpy as np
@@ -60,6 +66,8 @@ def main() -> int:
     ap.add_argument("--output-len", default="64:192", help="N or LOW:HIGH")
     ap.add_argument("--max-batch-size", type=int, default=16)
     ap.add_argument("--max-kv-cache-tokens", type=int, default=16384)
+    ap.add_argument("--concurrency", type=int, default=None,
+                    help="closed loop: this many streams, each sending its next request when one ends (no --rate)")
     ap.add_argument("--pairs", type=int, default=4, help="pairs of in-process / Triton runs, order alternating")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()
@@ -67,7 +75,8 @@ def main() -> int:
 
     from kiln.bench import workload as wl
     from kiln.bench.runner import run_rate
-    from kiln.bench.targets import InProcessTarget, RequestRecord, TritonTarget
+    from kiln.bench.stats import summary
+    from kiln.bench.targets import COMPLETED, InProcessTarget, RequestRecord, TritonTarget
     from kiln.runtime import LLM, Engine, ExecutorConfig
     from kiln.serving.triton.launcher import Ports, TritonServer
     from kiln.serving.triton.repository import RepoOptions, render_repository
@@ -81,7 +90,8 @@ def main() -> int:
                                  output_len=wl.LengthSpec.parse(args.output_len)).at_rate(args.rate)
     synth = wl.PromptSynthesizer(vocab, args.seed)
     runtime = ExecutorConfig(max_batch_size=args.max_batch_size, max_kv_cache_tokens=args.max_kv_cache_tokens)
-    log(f"workload: {args.requests} requests, Poisson {args.rate} req/s, prompts {args.prompt_len}, outputs "
+    arrivals = f"closed loop, {args.concurrency} streams" if args.concurrency else f"Poisson {args.rate} req/s"
+    log(f"workload: {args.requests} requests, {arrivals}, prompts {args.prompt_len}, outputs "
         f"{args.output_len} ({work.totals()['output_tokens']} tokens), engine {engine_dir.name}")
 
     names = ("in-process LLM", "Triton gRPC streaming")
@@ -96,16 +106,41 @@ def main() -> int:
             server.wait_ready(600)
             llm = LLM(engine_dir, config=runtime)
 
+            async def run_closed(target, run_index: int) -> dict:
+                """The workload's requests through ``args.concurrency`` streams; the run dict run_rate returns,
+                with the fields this script reads."""
+                sem = asyncio.Semaphore(args.concurrency)
+                records = [RequestRecord(spec.index, 0.0, spec.prompt_len, spec.output_len) for spec in work.requests]
+
+                async def one(rec, spec):
+                    async with sem:
+                        await target.send(rec, synth.prompt(spec, run_index))
+
+                start = time.perf_counter()
+                await asyncio.gather(*(one(r, s) for r, s in zip(records, work.requests)))
+                wall = time.perf_counter() - start
+                done = [r for r in records if r.outcome == COMPLETED]
+                return {"latency_s": {"ttft": summary(r.ttft for r in done), "tpot": summary(r.tpot for r in done),
+                                      "e2e": summary(r.done - r.sent for r in done)},
+                        "throughput": {"output_tokens_per_s": sum(r.output_tokens for r in done) / wall},
+                        "per_request": [{"output_tokens": r.output_tokens} for r in records],
+                        "requests": {"completed": len(done), "scheduled": len(records)}}
+
+            async def run_workload(target, run_index: int) -> dict:
+                if args.concurrency:
+                    return await run_closed(target, run_index)
+                return await run_rate(target, work, synth, progress=False, run_index=run_index)
+
             async def measure(name: str, run_index: int) -> dict:
                 target = InProcessTarget(llm) if name == names[0] else TritonTarget(server.urls["grpc"])
                 pids = [os.getpid()] + ([] if name == names[0] else server.processes())
                 try:
                     if run_index == 0:   # unmeasured: the first runs of an engine's shapes are slower
-                        await run_rate(target, work, synth, progress=False, run_index=10_000)
+                        await run_workload(target, 10_000)
                     for i in range(2):   # and the first requests of a connection
                         await target.send(RequestRecord(-1 - i, 0.0, 16, 4), synth.warmup_prompt(i, 16))
                     cpu0 = cpu_seconds(pids)
-                    run = await run_rate(target, work, synth, progress=False, run_index=1 + run_index)
+                    run = await run_workload(target, 1 + run_index)
                     run["cpu_s"] = cpu_seconds(pids) - cpu0
                     return run
                 finally:
@@ -129,7 +164,7 @@ def main() -> int:
 
     rows = {name: [row(r) for r in runs] for name, runs in results.items()}
     print()
-    print(f"{args.requests} requests, Poisson {args.rate} req/s, prompts {args.prompt_len}, outputs {args.output_len}, "
+    print(f"{args.requests} requests, {arrivals}, prompts {args.prompt_len}, outputs {args.output_len}, "
           f"{args.size} {args.dtype}, kiln max_batch_size {args.max_batch_size}, {args.pairs} pairs (medians); "
           f"all completed: {all(r['completed'] for rs in rows.values() for r in rs)}")
     print(f"{'':24} {'TTFT p50':>9} {'TTFT p95':>9} {'TPOT p50':>9} {'TPOT p95':>9} {'e2e p50':>9} "
