@@ -401,7 +401,9 @@ def test_http_generate_stream_sse(server, llm):
 
 def test_grpc_16_concurrent_streams_batch_in_flight(server, llm):
     prompts = [f"{PROMPTS[i % 4]} {i}" for i in range(16)]
-    lengths = [24 + 3 * i for i in range(16)]
+    # long enough that the streams overlap however slowly 16 gRPC clients connect (at 24-69 tokens, steps of a
+    # few ms could finish early streams before the last ones arrived: 1.9 tokens a step in one CI run)
+    lengths = [64 + 8 * i for i in range(16)]
     refs = llm.generate(prompts, [SamplingParams(max_tokens=n, temperature=0, ignore_eos=True) for n in lengths])
     before = metrics(server)
     clients = [StreamClient(server.grpc) for _ in range(16)]
