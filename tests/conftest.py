@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import faulthandler
 import warnings
 from pathlib import Path
 
@@ -71,3 +72,13 @@ def native():
         ok = native_lib.native_kernels_available()
     assert ok, "native kernels did not build"
     return native_lib.library()
+
+
+@pytest.fixture
+def hang_watchdog():
+    """For modules whose bugs show up as hangs (the step loop, collectives): after 240 s the worker exits with
+    every thread's traceback instead of stalling the suite. Modules opt in with
+    ``pytest.mark.usefixtures("hang_watchdog")``."""
+    faulthandler.dump_traceback_later(240, exit=True)
+    yield
+    faulthandler.cancel_dump_traceback_later()

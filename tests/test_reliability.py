@@ -5,7 +5,6 @@ After each, the LLM still returns transformers' greedy output and holds no KV bl
 
 from __future__ import annotations
 
-import faulthandler
 import gc
 import signal
 import subprocess
@@ -39,17 +38,9 @@ from runtime_support import (
     still_serves,
 )
 
-pytestmark = pytest.mark.xdist_group("runtime")
+pytestmark = [pytest.mark.xdist_group("runtime"), pytest.mark.usefixtures("hang_watchdog")]
 
 VOCAB = 512
-
-
-@pytest.fixture(autouse=True)
-def watchdog():
-    """A hang ends the worker with tracebacks instead of stalling the suite."""
-    faulthandler.dump_traceback_later(240, exit=True)
-    yield
-    faulthandler.cancel_dump_traceback_later()
 
 
 @pytest.fixture(scope="module")

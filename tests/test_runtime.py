@@ -5,7 +5,6 @@ seeded sampling, stop strings, abort, invalid requests."""
 from __future__ import annotations
 
 import asyncio
-import faulthandler
 import random
 import threading
 import time
@@ -16,17 +15,10 @@ from kiln.runtime import LLM, InvalidRequestError, RequestOutput, SamplingParams
 
 from runtime_support import assert_no_leak, get_engine, hf_greedy, random_prompts
 
-pytestmark = pytest.mark.xdist_group("runtime")   # one worker builds the engines once
+# one worker builds the engines once
+pytestmark = [pytest.mark.xdist_group("runtime"), pytest.mark.usefixtures("hang_watchdog")]
 
 VOCAB = 512
-
-
-@pytest.fixture(autouse=True)
-def watchdog():
-    """A scheduling bug shows up as a hang: end the worker with tracebacks instead of stalling the suite."""
-    faulthandler.dump_traceback_later(240, exit=True)
-    yield
-    faulthandler.cancel_dump_traceback_later()
 
 
 def workload(n=48, seed=0, min_len=1, max_len=90):

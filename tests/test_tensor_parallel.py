@@ -10,7 +10,6 @@ which run in one xdist group; each is closed when the module ends.
 
 from __future__ import annotations
 
-import faulthandler
 import json
 import multiprocessing
 import os
@@ -37,7 +36,7 @@ from kiln.runtime.cli import main as kiln_main
 from paged_batch import PagedBatcher
 from runtime_support import hf_greedy, random_prompts
 
-pytestmark = pytest.mark.xdist_group("tp")
+pytestmark = [pytest.mark.xdist_group("tp"), pytest.mark.usefixtures("hang_watchdog")]
 
 VOCAB = 512
 BUILD = BuildConfig(max_batch_size=16, max_input_len=96, max_seq_len=128, max_num_tokens=128, tokens_per_block=8,
@@ -46,14 +45,6 @@ BUILD = BuildConfig(max_batch_size=16, max_input_len=96, max_seq_len=128, max_nu
 CASES = {"llama": ("llama", {}), "mistral": ("mistral", {}), "qwen2": ("qwen2", {}), "gpt2": ("gpt2", {}),
          "mqa": ("llama", {"num_key_value_heads": 1})}
 FP32_ATOL = 1e-4
-
-
-@pytest.fixture(autouse=True)
-def watchdog():
-    """A collective that never returns shows up as a hang: end the worker with tracebacks instead."""
-    faulthandler.dump_traceback_later(240, exit=True)
-    yield
-    faulthandler.cancel_dump_traceback_later()
 
 
 @pytest.fixture(scope="module")
