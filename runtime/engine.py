@@ -160,6 +160,12 @@ class Engine:
         """Release what the engine holds besides memory (nothing for one rank; a tensor-parallel engine stops
         its other ranks)."""
 
+    @property
+    def failure(self) -> str | None:
+        """Why the engine can no longer run a step, or None. A one-rank engine always can; a tensor-parallel
+        engine cannot once a rank died (the executor refuses new work and health checks report it)."""
+        return None
+
     # ------------------------------------------------------------------ running
     def allocate_kv_cache(self, num_blocks: int, zeroed: bool = True) -> torch.Tensor:
         """A KV pool of ``num_blocks`` blocks in the contract's layout (``kv_cache_shape``), zeroed unless

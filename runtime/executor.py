@@ -276,7 +276,7 @@ class Executor:
         thread; keep it short) and once more when it finishes."""
         checked = self.validate(prompt_token_ids, params, priority=priority, request_id=request_id,
                                 callback=callback, arrival_time=arrival_time)
-        engine_failure = getattr(self.engine, "failure", None)   # a tensor-parallel rank died while idle
+        engine_failure = self.engine.failure   # a tensor-parallel rank died while idle
         if engine_failure is not None:
             self.metrics.incr("requests_rejected")
             raise ExecutorClosedError(f"the engine cannot run: {engine_failure}; recreate the LLM")
@@ -330,7 +330,7 @@ class Executor:
                 return f"the step loop failed: {type(self._error).__name__}: {self._error}"
             if self._closed:
                 return "the executor is closed"
-        engine_failure = getattr(self.engine, "failure", None)
+        engine_failure = self.engine.failure
         if engine_failure is not None:
             return f"the engine cannot run: {engine_failure}"
         if self._thread is None or not self._thread.is_alive():
