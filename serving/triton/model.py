@@ -37,6 +37,9 @@ from kiln.serving.triton.repository import check_runtime, read_parameters
 
 CANCEL_CHECK_S = 0.1
 STATS_PERIOD_S = 1.0
+# finalize's wait for the sender thread: well inside tritonserver's exit timeout (10 s), which a slower
+# finalize turns into a non-graceful exit with code 1
+SENDER_JOIN_S = 3.0
 _STOP = object()
 
 
@@ -76,6 +79,7 @@ class TritonPythonModel:
         self._live: dict[int, _Stream] = {}      # id(stream) -> stream, for cancellation checks and gauges
         self._waiting_first = 0                  # live streams without a token yet (the admission queue)
         self._outbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._stopping = threading.Event()   # set by finalize: no more metrics or cancellation round trips
         self._sender = threading.Thread(target=self._send_loop, name="kiln-triton-sender", daemon=True)
         self._sender.start()
         mode = "decoupled" if self.decoupled else "one response per request"
@@ -162,6 +166,8 @@ class TritonPythonModel:
                 self._deliver(stream, outs)
             if stop:
                 return
+            if self._stopping.is_set():
+                continue   # each is a round trip to tritonserver, which is unloading the model and may not answer
             now = time.monotonic()
             if now >= next_cancel_check:
                 next_cancel_check = now + CANCEL_CHECK_S
@@ -229,7 +235,8 @@ class TritonPythonModel:
     # ---- shutdown -------------------------------------------------------------------------------------
     def finalize(self) -> None:
         """Stop kiln (requests still in flight end with an UNAVAILABLE error), then the sender thread."""
+        self._stopping.set()
         self.llm.shutdown()
         self._outbox.put(_STOP)
-        self._sender.join(timeout=10)
+        self._sender.join(timeout=SENDER_JOIN_S)
         self.metrics.close()
