@@ -18,7 +18,9 @@ from kiln.plugins import native as native_lib
 from kiln.plugins import weight_format as fmt
 
 SHAPES = [(16, 2), (48, 34), (64, 64), (96, 1024), (32, 2816)]  # (out, in): one panel, odd pair counts, big K
-ROWS = [1, 2, 3, 4, 5, 7, 12, 13, 16, 25, 97, 200]              # every micro-kernel and its tails, >1 tile
+# every micro-kernel and its tails, the one-pass batched-decode kernel (13..16 rows on AVX-512), the prefetching
+# batched-decode bound (32 / 33 rows), >1 tile
+ROWS = [1, 2, 3, 4, 5, 7, 12, 13, 14, 15, 16, 17, 24, 25, 32, 33, 97, 200]
 
 
 @pytest.fixture(params=[256, 512])
@@ -63,6 +65,9 @@ def test_fp32_and_bf16_panels(isa, shape):
         x = torch.randn(m, k)
         y = linear.fp32_linear(x, pf, b)
         assert _rel(y, x @ w.t() + b) < 1e-5, (m, "fp32")
+        y = linear.fp32_linear(x.bfloat16(), pf, b)  # bf16 activations, fp32 weights: bf16 out
+        ref = (x.bfloat16().float() @ w.t() + b).bfloat16()
+        assert y.dtype == torch.bfloat16 and _rel(y, ref) < 1e-2, (m, "fp32 w, bf16 x")
         y = linear.bf16_linear(x, pb, b)  # fp32 x, bf16 weights: fp32 out
         assert y.dtype == torch.float32 and _rel(y, x @ wb.float().t() + b) < 1e-5, (m, "bf16 w")
         xb = x.bfloat16()  # a bf16 engine's activations: bf16 out, rounded as torch rounds
@@ -86,15 +91,16 @@ def test_int8_panels(isa, shape):
                     linear.weight_only_linear_reference(x.bfloat16(), q, s, b, 8, 0)) < 1e-2, m
 
 
-def test_int8_panels_propagate_nan_and_inf(isa):
+@pytest.mark.parametrize("rows", [5, 16])  # 16: the one-pass float kernel on AVX-512
+def test_int8_panels_propagate_nan_and_inf(isa, rows):
     q, s = fmt.quantize_int8(torch.randn(64, 64))
-    x = torch.randn(5, 64)
+    x = torch.randn(rows, 64)
     x[1, 3], x[3, 7] = float("nan"), float("inf")
     y = linear.weight_only_linear(x, fmt.pack_panels(q), s, None, 8, 0)
     ref = linear.weight_only_linear_reference(x, q, s, None, 8, 0)
     assert torch.equal(torch.isnan(y), torch.isnan(ref)) and torch.equal(torch.isinf(y), torch.isinf(ref))
     ok = torch.isfinite(ref).all(1)
-    assert ok.sum() == 3
+    assert ok.sum() == rows - 2
     assert _rel(y[ok], ref[ok]) < 1e-4
 
 

@@ -688,8 +688,13 @@ struct Isa {
   static constexpr int L = 8;
   // float path: 6 rows x 1 panel (12 accumulators of the 16 registers); int path 4 x 1 (8)
   static constexpr int MR_BIG = 6, NP_BIG = 1, MR_INT = 4, NP_INT = 1;
+  // no one-pass small-batch kernel (16 accumulators would take every register) and no software prefetch
+  // (not measured on an AVX2-only CPU)
+  static constexpr int MR_ONEPASS = 0;
+  static constexpr int64_t PF_ONEPASS = 0, PF_SMALL = 0;
   static constexpr int64_t MC = 96;
   static inline V zero() { return _mm256_setzero_ps(); }
+  static inline void prefetch(const void* p) { _mm_prefetch(static_cast<const char*>(p), _MM_HINT_T0); }
   static inline V set1(float v) { return _mm256_set1_ps(v); }
   static inline V load(const float* p) { return _mm256_loadu_ps(p); }
   static inline void store(float* p, V v) { _mm256_storeu_ps(p, v); }
@@ -729,8 +734,15 @@ struct Isa {
   static constexpr int L = 16;
   // float path: 12 rows x 2 panels (24 accumulators of the 32 registers); int path 8 x 2 (16)
   static constexpr int MR_BIG = 12, NP_BIG = 2, MR_INT = 8, NP_INT = 2;
+  // 13..16 rows (batched decode): one pass of 16 rows x 1 panel over the weights (panel_float_kmajor)
+  static constexpr int MR_ONEPASS = 16;
+  // Software prefetch distance (bytes ahead in a weight panel) of the passes that stream the weights from
+  // memory at up to 16 rows: with the FMA units busy, the hardware prefetcher alone keeps too few lines in
+  // flight for one or two streams per core (measured on Zen 5; the distances are the best of a sweep).
+  static constexpr int64_t PF_ONEPASS = 8192, PF_SMALL = 4096;
   static constexpr int64_t MC = 96;
   static inline V zero() { return _mm512_setzero_ps(); }
+  static inline void prefetch(const void* p) { _mm_prefetch(static_cast<const char*>(p), _MM_HINT_T0); }
   static inline V set1(float v) { return _mm512_set1_ps(v); }
   static inline V load(const float* p) { return _mm512_loadu_ps(p); }
   static inline void store(float* p, V v) { _mm512_storeu_ps(p, v); }
