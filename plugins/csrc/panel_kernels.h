@@ -77,9 +77,10 @@ struct Epilogue {
 
 // ---- float path ---------------------------------------------------------------------------------------
 
-template <class W, int MR, int NP>
+// PF: prefetch Isa::PF_SMALL bytes ahead in each panel (the pass that streams a tile from memory)
+template <class W, int MR, int NP, bool PF = false>
 inline void panel_float(const typename W::T* w, int64_t pstride, const float* x, int64_t ldx, int64_t K,
-                        const Epilogue& ep, int64_t m0, int64_t n0, int64_t pf = 0) {
+                        const Epilogue& ep, int64_t m0, int64_t n0) {
   Isa::V acc[MR][NP][VP];
   for (int i = 0; i < MR; ++i)
     for (int p = 0; p < NP; ++p)
@@ -87,8 +88,8 @@ inline void panel_float(const typename W::T* w, int64_t pstride, const float* x,
   const int64_t steps = K / W::S;
   for (int64_t t = 0; t < steps; ++t) {
     const typename W::T* q = w + t * W::STEP;
-    if (pf)
-      for (int p = 0; p < NP; ++p) Isa::prefetch(reinterpret_cast<const char*>(q + p * pstride) + pf);
+    if constexpr (PF)
+      for (int p = 0; p < NP; ++p) Isa::prefetch(reinterpret_cast<const char*>(q + p * pstride) + Isa::PF_SMALL);
     for (int s = 0; s < W::S; ++s) {
       Isa::V wv[NP][VP];
       for (int p = 0; p < NP; ++p)
@@ -107,10 +108,10 @@ inline void panel_float(const typename W::T* w, int64_t pstride, const float* x,
 // Batched decode (13..16 rows): all rows in one pass over the weights, so the FMAs overlap the weight stream
 // from memory instead of a second pass re-reading each tile from L2 while memory idles. x is packed k-major
 // (xp[k][MR], rows >= `rows` zero): the MR broadcasts of a step read one cache line, where MR rows of x
-// K * 4 bytes apart would share one L1 set (K = 1024: 16 rows, 12 ways). pf: prefetch distance in bytes.
+// K * 4 bytes apart would share one L1 set (K = 1024: 16 rows, 12 ways).
 template <class W, int MR, int NP>
 inline void panel_float_kmajor(const typename W::T* w, int64_t pstride, const float* xp, int64_t K,
-                               const Epilogue& ep, int64_t m0, int64_t n0, int64_t pf, int rows) {
+                               const Epilogue& ep, int64_t m0, int64_t n0, int rows) {
   Isa::V acc[MR][NP][VP];
 #pragma GCC unroll 32
   for (int i = 0; i < MR; ++i)
@@ -119,8 +120,7 @@ inline void panel_float_kmajor(const typename W::T* w, int64_t pstride, const fl
   const int64_t steps = K / W::S;
   for (int64_t t = 0; t < steps; ++t) {
     const typename W::T* q = w + t * W::STEP;
-    if (pf)
-      for (int p = 0; p < NP; ++p) Isa::prefetch(reinterpret_cast<const char*>(q + p * pstride) + pf);
+    for (int p = 0; p < NP; ++p) Isa::prefetch(reinterpret_cast<const char*>(q + p * pstride) + Isa::PF_ONEPASS);
     for (int s = 0; s < W::S; ++s) {
       Isa::V wv[NP][VP];
       for (int p = 0; p < NP; ++p)
@@ -155,9 +155,9 @@ inline const float* pack_kmajor(const float* x, int64_t M, int64_t K, int MR) {
 // xq: [M][K] int16 (row m scaled by sx[m]); read as int32 words, each a (k even, k odd) pair.
 constexpr int64_t FLUSH_PAIRS = 128;  // 128 pairs x 2 x 127 x 32767 < 2^31
 
-template <int MR, int NP>
+template <int MR, int NP, bool PF = false>
 inline void panel_int8(const int8_t* w, int64_t pstride, const int32_t* xq, int64_t ldxq, const float* sx,
-                       int64_t K, const Epilogue& ep, int64_t m0, int64_t n0, int64_t pf = 0) {
+                       int64_t K, const Epilogue& ep, int64_t m0, int64_t n0) {
   Isa::V facc[MR][NP][VP];
   for (int i = 0; i < MR; ++i)
     for (int p = 0; p < NP; ++p)
@@ -170,8 +170,9 @@ inline void panel_int8(const int8_t* w, int64_t pstride, const int32_t* xq, int6
       for (int p = 0; p < NP; ++p)
         for (int v = 0; v < VP; ++v) acc[i][p][v] = Isa::izero();
     for (int64_t t = t0; t < t1; ++t) {
-      if (pf && (t & 1) == 0)  // a step is 32 bytes: one prefetch per 64-byte line
-        for (int p = 0; p < NP; ++p) Isa::prefetch(w + p * pstride + t * 32 + pf);
+      if constexpr (PF)
+        if ((t & 1) == 0)  // a step is 32 bytes: one prefetch per 64-byte line
+          for (int p = 0; p < NP; ++p) Isa::prefetch(w + p * pstride + t * 32 + Isa::PF_SMALL);
       Isa::VI wv[NP][VP];
       for (int p = 0; p < NP; ++p)
         for (int v = 0; v < VP; ++v) wv[p][v] = Isa::i16_pairs(w + p * pstride + t * 32 + v * 2 * Isa::L);
@@ -192,17 +193,18 @@ inline void panel_int8(const int8_t* w, int64_t pstride, const int32_t* xq, int6
 // xp: [M][K] bf16 read as int32 words, each a (k even, k odd) pair; one vdpbf16ps per step and row adds
 // both products of the pair to 16 fp32 lanes (products exact, fp32 accumulation).
 
-template <int MR, int NP>
+template <int MR, int NP, bool PF = false>
 inline void panel_bf16dot(const uint16_t* w, int64_t pstride, const int32_t* xp, int64_t ldxp, int64_t K,
-                          const Epilogue& ep, int64_t m0, int64_t n0, int64_t pf = 0) {
+                          const Epilogue& ep, int64_t m0, int64_t n0) {
   Isa::V acc[MR][NP][VP];
   for (int i = 0; i < MR; ++i)
     for (int p = 0; p < NP; ++p)
       for (int v = 0; v < VP; ++v) acc[i][p][v] = Isa::zero();
   const int64_t pairs = K / 2;
   for (int64_t t = 0; t < pairs; ++t) {
-    if (pf)
-      for (int p = 0; p < NP; ++p) Isa::prefetch(reinterpret_cast<const char*>(w + p * pstride + t * 32) + pf);
+    if constexpr (PF)
+      for (int p = 0; p < NP; ++p)
+        Isa::prefetch(reinterpret_cast<const char*>(w + p * pstride + t * 32) + Isa::PF_SMALL);
     Isa::VI wv[NP][VP];
     for (int p = 0; p < NP; ++p)
       for (int v = 0; v < VP; ++v) wv[p][v] = Isa::iload(w + p * pstride + t * 32 + v * 2 * Isa::L);
@@ -218,55 +220,61 @@ inline void panel_bf16dot(const uint16_t* w, int64_t pstride, const int32_t* xp,
 // ---- tiles and threads -----------------------------------------------------------------------------------
 
 // Rows m0..m1 of x against panels g*NP .. g*NP+NP-1: the big micro-kernel, then the tail in pieces.
-template <class W, int NP, int MRB>
+// PF: the first pass over the tile (the one that streams its weights from memory) prefetches.
+template <class W, int NP, int MRB, bool PF = false>
 inline void tile_float(const typename W::T* w, int64_t K, const float* x, int64_t m0, int64_t m1, int64_t g,
-                       const Epilogue& ep, int64_t pf = 0) {
+                       const Epilogue& ep) {
   const int64_t pstride = (K / W::S) * W::STEP;  // elements per panel
   const typename W::T* wp = w + g * NP * pstride;
   const int64_t n0 = g * NP * 16;
   int64_t m = m0;
-  // the first pass over the tile streams its weights from memory: only that one prefetches
-  const auto first = [&] { return m == m0 ? pf : 0; };
-  for (; m + MRB <= m1; m += MRB) panel_float<W, MRB, NP>(wp, pstride, x + m * K, K, K, ep, m, n0, first());
-  if constexpr (MRB > 4)
-    for (; m + 4 <= m1; m += 4) panel_float<W, 4, NP>(wp, pstride, x + m * K, K, K, ep, m, n0, first());
-  if constexpr (MRB > 2)
-    for (; m + 2 <= m1; m += 2) panel_float<W, 2, NP>(wp, pstride, x + m * K, K, K, ep, m, n0, first());
-  for (; m < m1; ++m) panel_float<W, 1, NP>(wp, pstride, x + m * K, K, K, ep, m, n0, first());
+  const auto pass = [&](auto rows) {
+    constexpr int R = decltype(rows)::value;
+    if (PF && m == m0) panel_float<W, R, NP, PF>(wp, pstride, x + m * K, K, K, ep, m, n0);
+    else panel_float<W, R, NP>(wp, pstride, x + m * K, K, K, ep, m, n0);
+  };
+  for (; m + MRB <= m1; m += MRB) pass(std::integral_constant<int, MRB>{});
+  if constexpr (MRB > 4) for (; m + 4 <= m1; m += 4) pass(std::integral_constant<int, 4>{});
+  if constexpr (MRB > 2) for (; m + 2 <= m1; m += 2) pass(std::integral_constant<int, 2>{});
+  for (; m < m1; ++m) pass(std::integral_constant<int, 1>{});
 }
 
-template <int NP, int MRB>
+template <int NP, int MRB, bool PF = false>
 inline void tile_int8(const int8_t* w, int64_t K, const int32_t* xq, const float* sx, int64_t m0, int64_t m1,
-                      int64_t g, const Epilogue& ep, int64_t pf = 0) {
+                      int64_t g, const Epilogue& ep) {
   const int64_t pstride = K * 16;
   const int8_t* wp = w + g * NP * pstride;
   const int64_t n0 = g * NP * 16;
   const int64_t ld = K / 2;
   int64_t m = m0;
-  const auto first = [&] { return m == m0 ? pf : 0; };
-  for (; m + MRB <= m1; m += MRB) panel_int8<MRB, NP>(wp, pstride, xq + m * ld, ld, sx + m, K, ep, m, n0, first());
-  if constexpr (MRB > 4)
-    for (; m + 4 <= m1; m += 4) panel_int8<4, NP>(wp, pstride, xq + m * ld, ld, sx + m, K, ep, m, n0, first());
-  if constexpr (MRB > 2)
-    for (; m + 2 <= m1; m += 2) panel_int8<2, NP>(wp, pstride, xq + m * ld, ld, sx + m, K, ep, m, n0, first());
-  for (; m < m1; ++m) panel_int8<1, NP>(wp, pstride, xq + m * ld, ld, sx + m, K, ep, m, n0, first());
+  const auto pass = [&](auto rows) {
+    constexpr int R = decltype(rows)::value;
+    if (PF && m == m0) panel_int8<R, NP, PF>(wp, pstride, xq + m * ld, ld, sx + m, K, ep, m, n0);
+    else panel_int8<R, NP>(wp, pstride, xq + m * ld, ld, sx + m, K, ep, m, n0);
+  };
+  for (; m + MRB <= m1; m += MRB) pass(std::integral_constant<int, MRB>{});
+  if constexpr (MRB > 4) for (; m + 4 <= m1; m += 4) pass(std::integral_constant<int, 4>{});
+  if constexpr (MRB > 2) for (; m + 2 <= m1; m += 2) pass(std::integral_constant<int, 2>{});
+  for (; m < m1; ++m) pass(std::integral_constant<int, 1>{});
 }
 
-template <int NP, int MRB>
+template <int NP, int MRB, bool PF = false>
 inline void tile_bf16dot(const uint16_t* w, int64_t K, const int32_t* xp, int64_t m0, int64_t m1, int64_t g,
-                         const Epilogue& ep, int64_t pf = 0) {
+                         const Epilogue& ep) {
   const int64_t pstride = K * 16;
   const uint16_t* wp = w + g * NP * pstride;
   const int64_t n0 = g * NP * 16;
   const int64_t ld = K / 2;
   int64_t m = m0;
-  const auto first = [&] { return m == m0 ? pf : 0; };
-  for (; m + MRB <= m1; m += MRB) panel_bf16dot<MRB, NP>(wp, pstride, xp + m * ld, ld, K, ep, m, n0, first());
-  if constexpr (MRB > 4)
-    for (; m + 4 <= m1; m += 4) panel_bf16dot<4, NP>(wp, pstride, xp + m * ld, ld, K, ep, m, n0, first());
-  if constexpr (MRB > 2)
-    for (; m + 2 <= m1; m += 2) panel_bf16dot<2, NP>(wp, pstride, xp + m * ld, ld, K, ep, m, n0, first());
-  for (; m < m1; ++m) panel_bf16dot<1, NP>(wp, pstride, xp + m * ld, ld, K, ep, m, n0, first());
+  const auto pass = [&](auto rows) {
+    constexpr int R = decltype(rows)::value;
+    if (PF && m == m0) panel_bf16dot<R, NP, PF>(wp, pstride, xp + m * ld, ld, K, ep, m, n0);
+    else panel_bf16dot<R, NP>(wp, pstride, xp + m * ld, ld, K, ep, m, n0);
+  };
+  for (; m + MRB <= m1; m += MRB) pass(std::integral_constant<int, MRB>{});
+  if constexpr (MRB > 4) for (; m + 4 <= m1; m += 4) pass(std::integral_constant<int, 4>{});
+  if constexpr (MRB > 2) for (; m + 2 <= m1; m += 2) pass(std::integral_constant<int, 2>{});
+  for (; m < m1; ++m) pass(std::integral_constant<int, 1>{});
 }
 
 // Tiles (row block of MC rows, group of NP panels), row-block major so that a thread's consecutive tiles
@@ -287,9 +295,7 @@ inline void for_tiles(int64_t M, int64_t groups, int64_t MC, int nthreads, F&& f
 // Software prefetch distance for the GEMMs of a batched decode step (up to SMALL_M rows: one row block, each
 // tile's weights streamed from memory once); prefill's row blocks are compute-bound and run without.
 constexpr int64_t SMALL_M = 32;
-inline int64_t small_batch_prefetch(int64_t M) {
-  return M <= SMALL_M ? Isa::PF_SMALL : 0;
-}
+inline bool small_batch_prefetch(int64_t M) { return Isa::PF_SMALL > 0 && M <= SMALL_M; }
 
 // y[M, N] = x[M, K] @ W^T (* channel scales) (+ bias) for a panel-layout weight of type W.
 // x: fp32 [M][K]. Float path.
@@ -314,16 +320,16 @@ void panel_gemm_float(const typename W::T* w, int64_t M, int64_t N, int64_t K, c
       const float* xp = pack_kmajor(x, M, K, Isa::MR_ONEPASS);
       const int64_t pstride = (K / W::S) * W::STEP;
       for_tiles(1, N / 16, 1, nthreads, [&](int64_t, int64_t, int64_t g) {
-        panel_float_kmajor<W, Isa::MR_ONEPASS, 1>(w + g * pstride, pstride, xp, K, ep, 0, g * 16,
-                                                   Isa::PF_ONEPASS, int(M));
+        panel_float_kmajor<W, Isa::MR_ONEPASS, 1>(w + g * pstride, pstride, xp, K, ep, 0, g * 16, int(M));
       });
       return;
     }
   }
   if ((N / 16) % Isa::NP_BIG == 0) {
-    const int64_t pf = small_batch_prefetch(M);
+    const bool pf = small_batch_prefetch(M);
     for_tiles(M, N / (16 * Isa::NP_BIG), Isa::MC, nthreads, [&](int64_t m0, int64_t m1, int64_t g) {
-      tile_float<W, Isa::NP_BIG, Isa::MR_BIG>(w, K, x, m0, m1, g, ep, pf);
+      if (pf) tile_float<W, Isa::NP_BIG, Isa::MR_BIG, true>(w, K, x, m0, m1, g, ep);
+      else tile_float<W, Isa::NP_BIG, Isa::MR_BIG>(w, K, x, m0, m1, g, ep);
     });
   } else {
     for_tiles(M, N / 16, Isa::MC, nthreads, [&](int64_t m0, int64_t m1, int64_t g) {
@@ -341,9 +347,10 @@ inline void panel_gemm_int8(const int8_t* w, int64_t M, int64_t N, int64_t K, co
       tile_int8<4, 2>(w, K, xq, sx, m0, m1, g, ep);
     });
   } else if ((N / 16) % Isa::NP_INT == 0) {
-    const int64_t pf = small_batch_prefetch(M);
+    const bool pf = small_batch_prefetch(M);
     for_tiles(M, N / (16 * Isa::NP_INT), Isa::MC, nthreads, [&](int64_t m0, int64_t m1, int64_t g) {
-      tile_int8<Isa::NP_INT, Isa::MR_INT>(w, K, xq, sx, m0, m1, g, ep, pf);
+      if (pf) tile_int8<Isa::NP_INT, Isa::MR_INT, true>(w, K, xq, sx, m0, m1, g, ep);
+      else tile_int8<Isa::NP_INT, Isa::MR_INT>(w, K, xq, sx, m0, m1, g, ep);
     });
   } else {
     for_tiles(M, N / 16, Isa::MC, nthreads, [&](int64_t m0, int64_t m1, int64_t g) {
@@ -361,9 +368,10 @@ inline void panel_gemm_bf16dot(const uint16_t* w, int64_t M, int64_t N, int64_t 
       tile_bf16dot<4, 2>(w, K, xp, m0, m1, g, ep);
     });
   } else if ((N / 16) % Isa::NP_BIG == 0) {
-    const int64_t pf = small_batch_prefetch(M);
+    const bool pf = small_batch_prefetch(M);
     for_tiles(M, N / (16 * Isa::NP_BIG), Isa::MC, nthreads, [&](int64_t m0, int64_t m1, int64_t g) {
-      tile_bf16dot<Isa::NP_BIG, Isa::MR_BIG>(w, K, xp, m0, m1, g, ep, pf);
+      if (pf) tile_bf16dot<Isa::NP_BIG, Isa::MR_BIG, true>(w, K, xp, m0, m1, g, ep);
+      else tile_bf16dot<Isa::NP_BIG, Isa::MR_BIG>(w, K, xp, m0, m1, g, ep);
     });
   } else {
     for_tiles(M, N / 16, Isa::MC, nthreads, [&](int64_t m0, int64_t m1, int64_t g) {
