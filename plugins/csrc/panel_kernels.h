@@ -295,7 +295,8 @@ inline void for_tiles(int64_t M, int64_t groups, int64_t MC, int nthreads, F&& f
 // Software prefetch distance for the GEMMs of a batched decode step (up to SMALL_M rows: one row block, each
 // tile's weights streamed from memory once); prefill's row blocks are compute-bound and run without.
 constexpr int64_t SMALL_M = 32;
-inline bool small_batch_prefetch(int64_t M) { return Isa::PF_SMALL > 0 && M <= SMALL_M; }
+constexpr bool PREFETCHING = Isa::PF_SMALL > 0;  // false: no prefetching kernel instances at all
+inline bool small_batch_prefetch(int64_t M) { return PREFETCHING && M <= SMALL_M; }
 
 // y[M, N] = x[M, K] @ W^T (* channel scales) (+ bias) for a panel-layout weight of type W.
 // x: fp32 [M][K]. Float path.
@@ -328,7 +329,7 @@ void panel_gemm_float(const typename W::T* w, int64_t M, int64_t N, int64_t K, c
   if ((N / 16) % Isa::NP_BIG == 0) {
     const bool pf = small_batch_prefetch(M);
     for_tiles(M, N / (16 * Isa::NP_BIG), Isa::MC, nthreads, [&](int64_t m0, int64_t m1, int64_t g) {
-      if (pf) tile_float<W, Isa::NP_BIG, Isa::MR_BIG, true>(w, K, x, m0, m1, g, ep);
+      if (pf) tile_float<W, Isa::NP_BIG, Isa::MR_BIG, PREFETCHING>(w, K, x, m0, m1, g, ep);
       else tile_float<W, Isa::NP_BIG, Isa::MR_BIG>(w, K, x, m0, m1, g, ep);
     });
   } else {
@@ -349,7 +350,7 @@ inline void panel_gemm_int8(const int8_t* w, int64_t M, int64_t N, int64_t K, co
   } else if ((N / 16) % Isa::NP_INT == 0) {
     const bool pf = small_batch_prefetch(M);
     for_tiles(M, N / (16 * Isa::NP_INT), Isa::MC, nthreads, [&](int64_t m0, int64_t m1, int64_t g) {
-      if (pf) tile_int8<Isa::NP_INT, Isa::MR_INT, true>(w, K, xq, sx, m0, m1, g, ep);
+      if (pf) tile_int8<Isa::NP_INT, Isa::MR_INT, PREFETCHING>(w, K, xq, sx, m0, m1, g, ep);
       else tile_int8<Isa::NP_INT, Isa::MR_INT>(w, K, xq, sx, m0, m1, g, ep);
     });
   } else {
@@ -370,7 +371,7 @@ inline void panel_gemm_bf16dot(const uint16_t* w, int64_t M, int64_t N, int64_t 
   } else if ((N / 16) % Isa::NP_BIG == 0) {
     const bool pf = small_batch_prefetch(M);
     for_tiles(M, N / (16 * Isa::NP_BIG), Isa::MC, nthreads, [&](int64_t m0, int64_t m1, int64_t g) {
-      if (pf) tile_bf16dot<Isa::NP_BIG, Isa::MR_BIG, true>(w, K, xp, m0, m1, g, ep);
+      if (pf) tile_bf16dot<Isa::NP_BIG, Isa::MR_BIG, PREFETCHING>(w, K, xp, m0, m1, g, ep);
       else tile_bf16dot<Isa::NP_BIG, Isa::MR_BIG>(w, K, xp, m0, m1, g, ep);
     });
   } else {

@@ -313,6 +313,14 @@ void write_kv_typed(const Tensor& src, Tensor& kv, int64_t offset, const int64_t
     write_slots(s, kv.data_ptr<BF>() + offset, slots, tokens, row);
 }
 
+// Software prefetch of the KV rows KV_AHEAD positions ahead in decode attention.
+constexpr int64_t KV_AHEAD = 16;
+template <typename T>
+inline void prefetch_row(const T* p, int64_t n) {
+  const char* c = reinterpret_cast<const char*>(p);
+  for (int64_t b = 0; b < n * int64_t(sizeof(T)); b += 64) _mm_prefetch(c + b, _MM_HINT_T0);
+}
+
 template <typename Q, typename KV>
 void decode_attention(const Q* q, const KV* kpool, const KV* vpool, Q* out, const std::vector<int64_t>& rows,
                       const std::vector<int64_t>& seqs, const int32_t* ctx_lens, const int32_t* tables,
@@ -350,6 +358,11 @@ void decode_attention(const Q* q, const KV* kpool, const KV* vpool, Q* out, cons
             const int64_t pos = lo + p0 + u;
             kr[u] = kpool + table[pos / block_size] * block_stride + (pos % block_size) * slot_stride + h * d;
           }
+          if (p0 + 8 + KV_AHEAD <= len)  // the rows two passes ahead: scattered blocks defeat the prefetcher
+            for (int u = 0; u < 8; ++u) {
+              const int64_t pos = lo + p0 + KV_AHEAD + u;
+              prefetch_row(kpool + table[pos / block_size] * block_stride + (pos % block_size) * slot_stride + h * d, d);
+            }
           for (int64_t g = 0; g < group; ++g) {
             const float* qg = qf.data() + g * d;
             __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0, a7 = a0;
@@ -412,6 +425,11 @@ void decode_attention(const Q* q, const KV* kpool, const KV* vpool, Q* out, cons
             for (int64_t p = 0; p < len; ++p) {
               const int64_t pos = lo + p;
               const KV* vr = vpool + table[pos / block_size] * block_stride + (pos % block_size) * slot_stride + h * d + jb;
+              if (g == 0 && p + KV_AHEAD < len) {  // the first query head of the group reads V from memory
+                const int64_t pa = pos + KV_AHEAD;
+                prefetch_row(vpool + table[pa / block_size] * block_stride + (pa % block_size) * slot_stride + h * d + jb,
+                             64);
+              }
               const __m256 w = _mm256_set1_ps(sg[p]);
               r0 = _mm256_fmadd_ps(w, load8(vr), r0);
               r1 = _mm256_fmadd_ps(w, load8(vr + 8), r1);
