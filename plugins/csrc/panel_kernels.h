@@ -20,7 +20,8 @@
 //     vpmaddwd + vpaddd), flushed to fp32 every FLUSH_PAIRS pairs; row and channel scales at the end.
 // Tiles for the threads: MC rows of x (kept in L2) x NP panels (kept in L1/L2 while the MC rows pass).
 // Batched decode (M <= SMALL_M): each tile's weights come from memory once, so the first pass over a tile
-// prefetches ahead (Isa::PF_SMALL); on AVX-512, 13..16 rows run in a single pass (panel_float_kmajor).
+// prefetches ahead (Isa::PF_SMALL); on AVX-512, 13..16 rows run in a single pass (panel_float_kmajor,
+// panel_bf16dot_kmajor).
 
 constexpr int VP = 16 / Isa::L;  // vectors per panel step
 
@@ -138,11 +139,12 @@ inline void panel_float_kmajor(const typename W::T* w, int64_t pstride, const fl
 }
 
 // x [M][K] -> xp [K][MR] (M <= MR; rows M.. zero), in blocks of 64 k so that the rows are read in order and
-// the block's lines of xp stay in L1.
-inline const float* pack_kmajor(const float* x, int64_t M, int64_t K, int MR) {
-  thread_local std::vector<float> buf;
-  buf.assign(size_t(MR * K), 0.0f);
-  float* xp = buf.data();
+// the block's lines of xp stay in L1. T: float (fp32 x) or int32_t (pairs of bf16 x).
+template <class T>
+inline const T* pack_kmajor(const T* x, int64_t M, int64_t K, int MR) {
+  thread_local std::vector<T> buf;
+  buf.assign(size_t(MR * K), T(0));
+  T* xp = buf.data();
   for (int64_t k0 = 0; k0 < K; k0 += 64) {
     const int64_t k1 = std::min(K, k0 + 64);
     for (int64_t i = 0; i < M; ++i)
@@ -215,6 +217,29 @@ inline void panel_bf16dot(const uint16_t* w, int64_t pstride, const int32_t* xp,
     }
   }
   for (int i = 0; i < MR; ++i) ep.store(m0 + i, n0, &acc[i][0][0], NP * VP, 1.0f);
+}
+
+// The one-pass batched-decode kernel of the bf16 dot path (as panel_float_kmajor): xp [K/2][MR] bf16 pairs.
+template <int MR>
+inline void panel_bf16dot_kmajor(const uint16_t* w, const int32_t* xp, int64_t K, const Epilogue& ep, int64_t m0,
+                                 int64_t n0, int rows) {
+  Isa::V acc[MR][VP];
+#pragma GCC unroll 32
+  for (int i = 0; i < MR; ++i)
+    for (int v = 0; v < VP; ++v) acc[i][v] = Isa::zero();
+  const int64_t pairs = K / 2;
+  for (int64_t t = 0; t < pairs; ++t) {
+    Isa::prefetch(reinterpret_cast<const char*>(w + t * 32) + Isa::PF_ONEPASS);
+    Isa::VI wv[VP];
+    for (int v = 0; v < VP; ++v) wv[v] = Isa::iload(w + t * 32 + v * 2 * Isa::L);
+    const int32_t* xk = xp + t * MR;
+#pragma GCC unroll 32
+    for (int i = 0; i < MR; ++i) {
+      const Isa::VI xb = Isa::iset1(xk[i]);
+      for (int v = 0; v < VP; ++v) acc[i][v] = Isa::dot_bf16(acc[i][v], wv[v], xb);
+    }
+  }
+  for (int i = 0; i < rows; ++i) ep.store(m0 + i, n0, &acc[i][0], VP, 1.0f);
 }
 
 // ---- tiles and threads -----------------------------------------------------------------------------------
@@ -364,6 +389,16 @@ inline void panel_gemm_int8(const int8_t* w, int64_t M, int64_t N, int64_t K, co
 inline void panel_gemm_bf16dot(const uint16_t* w, int64_t M, int64_t N, int64_t K, const uint16_t* xb,
                                const Epilogue& ep, int nthreads) {
   const int32_t* xp = reinterpret_cast<const int32_t*>(xb);
+  if constexpr (Isa::MR_ONEPASS > 0) {
+    if (M > Isa::MR_BIG && M <= Isa::MR_ONEPASS) {
+      const int32_t* xk = pack_kmajor(xp, M, K / 2, Isa::MR_ONEPASS);
+      const int64_t pstride = K * 16;
+      for_tiles(1, N / 16, 1, nthreads, [&](int64_t, int64_t, int64_t g) {
+        panel_bf16dot_kmajor<Isa::MR_ONEPASS>(w + g * pstride, xk, K, ep, 0, g * 16, int(M));
+      });
+      return;
+    }
+  }
   if (M < 4 && (N / 16) % 4 == 0) {
     for_tiles(M, N / 64, M, nthreads, [&](int64_t m0, int64_t m1, int64_t g) {
       tile_bf16dot<4, 2>(w, K, xp, m0, m1, g, ep);
