@@ -718,6 +718,7 @@ struct Isa {
     return _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
   }
   static inline VI dot_pairs(VI acc, VI w, VI x) { return _mm256_add_epi32(acc, _mm256_madd_epi16(w, x)); }
+  static inline VI iadd(VI a, VI b) { return _mm256_add_epi32(a, b); }
   static inline V cvt(VI v) { return _mm256_cvtepi32_ps(v); }
   static inline VI iload(const void* p) { return _mm256_loadu_si256(static_cast<const __m256i*>(p)); }
   static inline V dot_bf16(V acc, VI, VI) { return acc; }  // no bf16 dot product in AVX2: never called
@@ -764,6 +765,7 @@ struct Isa {
     return _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
   }
   static inline VI dot_pairs(VI acc, VI w, VI x) { return _mm512_dpwssd_epi32(acc, w, x); }
+  static inline VI iadd(VI a, VI b) { return _mm512_add_epi32(a, b); }
   static inline V cvt(VI v) { return _mm512_cvtepi32_ps(v); }
   static inline VI iload(const void* p) { return _mm512_loadu_si512(p); }
   static inline V dot_bf16(V acc, VI w, VI x) { return _mm512_dpbf16_ps(acc, (__m512bh)w, (__m512bh)x); }

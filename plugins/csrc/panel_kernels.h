@@ -191,6 +191,42 @@ inline void panel_int8(const int8_t* w, int64_t pstride, const int32_t* xq, int6
   for (int i = 0; i < MR; ++i) ep.store(m0 + i, n0, &facc[i][0][0], NP * VP, sx[i]);
 }
 
+// Decode (one row of x), one panel: its K/2 pair steps dealt in turn to ROW_CHAINS independent int32
+// accumulators per vector, which are summed (exactly, in int32) before each flush, so the result is
+// bitwise that of panel_int8<1, NP>. panel_gemm_int8 gives each thread a contiguous run of panels, so
+// that a thread reads one sequential stream: the hardware prefetcher keeps far more of it in flight than
+// of 4 interleaved panel streams, and the chains keep the loop issuing loads as fast as they arrive.
+constexpr int ROW_CHAINS = 4;
+
+inline void panel_int8_row(const int8_t* w, const int32_t* xq, float sx, int64_t K, const Epilogue& ep,
+                           int64_t n0) {
+  Isa::V facc[VP];
+  for (int v = 0; v < VP; ++v) facc[v] = Isa::zero();
+  const int64_t pairs = K / 2;
+  for (int64_t t0 = 0; t0 < pairs; t0 += FLUSH_PAIRS) {
+    const int64_t t1 = std::min(pairs, t0 + FLUSH_PAIRS);
+    Isa::VI acc[ROW_CHAINS][VP];
+    for (int c = 0; c < ROW_CHAINS; ++c)
+      for (int v = 0; v < VP; ++v) acc[c][v] = Isa::izero();
+    int64_t t = t0;
+    for (; t + ROW_CHAINS <= t1; t += ROW_CHAINS)
+      for (int c = 0; c < ROW_CHAINS; ++c) {
+        const Isa::VI xb = Isa::iset1(xq[t + c]);
+        for (int v = 0; v < VP; ++v)
+          acc[c][v] = Isa::dot_pairs(acc[c][v], Isa::i16_pairs(w + (t + c) * 32 + v * 2 * Isa::L), xb);
+      }
+    for (; t < t1; ++t) {
+      const Isa::VI xb = Isa::iset1(xq[t]);
+      for (int v = 0; v < VP; ++v)
+        acc[0][v] = Isa::dot_pairs(acc[0][v], Isa::i16_pairs(w + t * 32 + v * 2 * Isa::L), xb);
+    }
+    for (int c = 1; c < ROW_CHAINS; ++c)
+      for (int v = 0; v < VP; ++v) acc[0][v] = Isa::iadd(acc[0][v], acc[c][v]);
+    for (int v = 0; v < VP; ++v) facc[v] = Isa::add(facc[v], Isa::cvt(acc[0][v]));
+  }
+  ep.store(0, n0, facc, VP, sx);
+}
+
 // ---- bf16 dot path (bf16 weights, bf16 x, CPUs with AVX512_BF16) ---------------------------------------
 // xp: [M][K] bf16 read as int32 words, each a (k even, k odd) pair; one vdpbf16ps per step and row adds
 // both products of the pair to 16 fp32 lanes (products exact, fp32 accumulation).
@@ -368,6 +404,15 @@ void panel_gemm_float(const typename W::T* w, int64_t M, int64_t N, int64_t K, c
 inline void panel_gemm_int8(const int8_t* w, int64_t M, int64_t N, int64_t K, const int16_t* xq16,
                             const float* sx, const Epilogue& ep, int nthreads) {
   const int32_t* xq = reinterpret_cast<const int32_t*>(xq16);
+  if (M == 1) {
+    // decode: panels in contiguous runs, one per thread (static schedule), so each thread streams one
+    // sequential run of memory
+    const int64_t panels = N / 16, pstride = K * 16;
+    const int nt = int(std::max<int64_t>(1, std::min<int64_t>(nthreads, panels)));
+#pragma omp parallel for num_threads(nt) schedule(static)
+    for (int64_t p = 0; p < panels; ++p) panel_int8_row(w + p * pstride, xq, sx[0], K, ep, p * 16);
+    return;
+  }
   if (M < 4 && (N / 16) % 4 == 0) {
     for_tiles(M, N / 64, M, nthreads, [&](int64_t m0, int64_t m1, int64_t g) {
       tile_int8<4, 2>(w, K, xq, sx, m0, m1, g, ep);
