@@ -4,12 +4,19 @@ Prints, per shape and M (tokens): time per call and GB/s of *weights* streamed (
 time; activations are negligible at small M), plus GFLOP/s. Compare ratios within one run: other
 processes on the machine add noise, so each case keeps the best of several repeats.
 
+kiln's kernels read the weights in the layout the builder stores (panels of 16 rows where the shape
+allows); "plain rows" is the [out, in] layout. By default a case calls one weight over and over, so a
+weight that fits the caches is read from them; ``--from-memory`` hands each call the next of enough
+copies to overflow the last-level cache, as a decode step reads every layer's weights from memory once.
+
     .venv/bin/python scripts/bench_kernels.py [--shapes 4096x5504,1024x2816] [--m 1,16] [--threads N]
+                                              [--from-memory]
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import sys
 import time
 
@@ -34,6 +41,15 @@ def bench(fn, min_time: float = 0.3) -> tuple[float, float]:
     return times[0], times[len(times) // 2]
 
 
+def rotation(t: torch.Tensor, nbytes: int):
+    """A callable returning, in turn, ``t`` and copies of it, together at least ``nbytes``."""
+    copies = [t] + [t.clone() for _ in range(-(-nbytes // (t.numel() * t.element_size())) - 1)]
+    if len(copies) == 1:
+        return lambda: t
+    it = itertools.cycle(copies)
+    return lambda: next(it)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shapes", default="4096x5504,1024x2816", help="comma list of OUTxIN weight shapes")
@@ -41,6 +57,8 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=0, help="torch threads (default: all)")
     ap.add_argument("--group-size", type=int, default=128)
     ap.add_argument("--min-time", type=float, default=0.4, help="seconds per case")
+    ap.add_argument("--from-memory", action="store_true",
+                    help="each call reads the next of copies of the weight totalling 256 MiB (not the caches)")
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -70,31 +88,34 @@ def main() -> None:
         wb = w.bfloat16()
         q8, s8 = fmt.quantize_int8(w)
         q4, s4 = fmt.quantize_int4(w, args.group_size)
-        # the builder stores fp32/bf16/int8 weights packed in 8-row tiles where the shape allows
-        pack = fmt.pack_rows if fmt.can_pack_rows(w) else (lambda t: t)
-        wp, wbp, q8p = pack(w), pack(wb), pack(q8)
-        print(f"\n== weight {n}x{k} ({n * k / 1e6:.1f}M elements), int4 group {args.group_size}", flush=True)
+        # the builder stores fp32/bf16/int8 weights in panels where the shape allows
+        pack = fmt.pack_panels if fmt.can_pack_panels(w) else (lambda t: t)
+        copies_bytes = (256 << 20) if args.from_memory else 0
+        W, WB, Q8, Q4 = (rotation(t, copies_bytes) for t in (w, wb, q8, q4))
+        WP, WBP, Q8P = (rotation(pack(t), copies_bytes) for t in (w, wb, q8))
+        print(f"\n== weight {n}x{k} ({n * k / 1e6:.1f}M elements), int4 group {args.group_size}"
+              f"{', from memory' if args.from_memory else ''}", flush=True)
         print(header, flush=True)
         for m in (int(v) for v in args.m.split(",")):
             x = torch.randn(m, k)
             xb = x.bfloat16()
             cases = [
-                ("F.linear fp32", 4 * n * k, lambda: F.linear(x, w)),
-                ("kiln fp32_linear", 4 * n * k, lambda: linear.fp32_linear(x, wp)),
-                ("kiln fp32_linear (plain rows)", 4 * n * k, lambda: linear.fp32_linear(x, w)),
-                ("F.linear bf16", 2 * n * k, lambda: F.linear(xb, wb)),
-                ("kiln bf16_linear (x fp32)", 2 * n * k, lambda: linear.bf16_linear(x, wbp)),
-                ("kiln bf16_linear (x bf16)", 2 * n * k, lambda: linear.bf16_linear(xb, wbp)),
-                ("kiln bf16_linear (plain rows)", 2 * n * k, lambda: linear.bf16_linear(x, wb)),
+                ("F.linear fp32", 4 * n * k, lambda: F.linear(x, W())),
+                ("kiln fp32_linear", 4 * n * k, lambda: linear.fp32_linear(x, WP())),
+                ("kiln fp32_linear (plain rows)", 4 * n * k, lambda: linear.fp32_linear(x, W())),
+                ("F.linear bf16", 2 * n * k, lambda: F.linear(xb, WB())),
+                ("kiln bf16_linear (x fp32)", 2 * n * k, lambda: linear.bf16_linear(x, WBP())),
+                ("kiln bf16_linear (x bf16)", 2 * n * k, lambda: linear.bf16_linear(xb, WBP())),
+                ("kiln bf16_linear (plain rows)", 2 * n * k, lambda: linear.bf16_linear(x, WB())),
             ]
             if int8pack is not None:
-                cases.append(("torch _weight_int8pack_mm", n * k, lambda: int8pack(xb, q8, s8.bfloat16())))
+                cases.append(("torch _weight_int8pack_mm", n * k, lambda: int8pack(xb, Q8(), s8.bfloat16())))
             cases += [
-                ("kiln int8 (x fp32)", n * k, lambda: linear.weight_only_linear(x, q8p, s8, None, 8, 0)),
-                ("kiln int8 (x bf16)", n * k, lambda: linear.weight_only_linear(xb, q8p, s8, None, 8, 0)),
-                ("kiln int8 (plain rows)", n * k, lambda: linear.weight_only_linear(x, q8, s8, None, 8, 0)),
+                ("kiln int8 (x fp32)", n * k, lambda: linear.weight_only_linear(x, Q8P(), s8, None, 8, 0)),
+                ("kiln int8 (x bf16)", n * k, lambda: linear.weight_only_linear(xb, Q8P(), s8, None, 8, 0)),
+                ("kiln int8 (plain rows)", n * k, lambda: linear.weight_only_linear(x, Q8(), s8, None, 8, 0)),
                 (f"kiln int4 g{args.group_size} (x fp32)", n * k // 2 + s4.numel() * 4,
-                 lambda: linear.weight_only_linear(x, q4, s4, None, 4, args.group_size)),
+                 lambda: linear.weight_only_linear(x, Q4(), s4, None, 4, args.group_size)),
             ]
             ref_ms = None
             for name, nbytes, fn in cases:
