@@ -91,6 +91,19 @@ def test_int8_panels(isa, shape):
                     linear.weight_only_linear_reference(x.bfloat16(), q, s, b, 8, 0)) < 1e-2, m
 
 
+@pytest.mark.parametrize("shape", SHAPES)
+def test_int8_panels_one_row_is_bitwise_a_row_of_many(isa, shape):
+    """Decode (one row of x) runs its own kernel (a sequential stream per thread, several accumulator
+    chains); its int32 sums are exact, so each row equals, bit for bit, that row of a multi-row call."""
+    n, k = shape
+    torch.manual_seed(n * k)
+    q, s = fmt.quantize_int8(torch.randn(n, k))
+    p, x = fmt.pack_panels(q), torch.randn(3, k)
+    y = linear.weight_only_linear(x, p, s, None, 8, 0)
+    for i in range(3):
+        assert torch.equal(linear.weight_only_linear(x[i:i + 1], p, s, None, 8, 0), y[i:i + 1]), i
+
+
 @pytest.mark.parametrize("rows", [5, 16])  # 16: the one-pass float kernel on AVX-512
 def test_int8_panels_propagate_nan_and_inf(isa, rows):
     q, s = fmt.quantize_int8(torch.randn(64, 64))
