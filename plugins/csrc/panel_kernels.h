@@ -18,6 +18,7 @@
 //   int path (int8 weights): x quantised per row to int16 (kiln's usual scheme, error <= max|x_row| /
 //     65534), int16 weight pairs times a broadcast pair of x into int32 lanes (AVX-512 VNNI vpdpwssd, or
 //     vpmaddwd + vpaddd), flushed to fp32 every FLUSH_PAIRS pairs; row and channel scales at the end.
+//     One row of x (decode) runs panel_int8_row: a panel at a time, one sequential stream per thread.
 // Tiles for the threads: MC rows of x (kept in L2) x NP panels (kept in L1/L2 while the MC rows pass).
 // Batched decode (M <= SMALL_M): each tile's weights come from memory once, so the first pass over a tile
 // prefetches ahead (Isa::PF_SMALL); on AVX-512, 13..16 rows run in a single pass (panel_float_kmajor,
