@@ -23,7 +23,8 @@ and prefill, in one call: each panel is a sequential stream of 16 outputs' weigh
 broadcast elements of MR rows of x (AVX-512: 12 rows x 2 panels; AVX2: 6 x 1). int8 weights run in
 integers (x quantised on the fly to int16 with one scale per row: error <= max|x_row|/65534, orders of
 magnitude below the weight quantisation error; a call whose x holds NaN/inf computes in fp32, so they
-propagate as in the reference; one row of x, i.e. decode, reads one sequential stream per thread); bf16 weights with bf16 x use the CPU's bf16 dot product where it has one
+propagate as in the reference; one row of x, i.e. decode, reads one sequential stream per thread);
+bf16 weights with bf16 x use the CPU's bf16 dot product where it has one
 (AVX512_BF16: products exact, fp32 accumulation), else they are widened to fp32. The vector width is
 chosen at run time (:func:`kiln.plugins.native.panel_isa`): the library runs on any AVX2 CPU.
 
