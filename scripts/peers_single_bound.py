@@ -60,11 +60,14 @@ def read_rate(kiln_py: str) -> float:
     return float(subprocess.run([kiln_py, "-c", code], capture_output=True, text=True, check=True).stdout.split()[-1])
 
 
-def decode_tok_s(cmd: list[str], prompts: Path) -> float | None:
+def decode_tok_s(cmd: list[str], prompts: Path) -> tuple[float | None, str]:
+    """(decode tok/s, "") of one single-stream run, or (None, the last line it wrote to stderr)."""
     env = dict(os.environ, THREADS="2", OMP_NUM_THREADS="2")
-    out = subprocess.run(cmd + [str(prompts), "single"], capture_output=True, text=True, env=env, timeout=600).stdout
-    lines = [line for line in out.splitlines() if line.startswith("RESULT ")]
-    return json.loads(lines[-1][7:])["decode_tok_s"] if lines else None
+    proc = subprocess.run(cmd + [str(prompts), "single"], capture_output=True, text=True, env=env, timeout=600)
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
+    if lines:
+        return json.loads(lines[-1][7:])["decode_tok_s"], ""
+    return None, (proc.stderr.strip().splitlines() or [f"exit code {proc.returncode}"])[-1]
 
 
 def main() -> int:
@@ -74,6 +77,8 @@ def main() -> int:
     ap.add_argument("--classes", default="fp32,bf16,int8")
     ap.add_argument("--kiln-python", default=sys.executable)
     args = ap.parse_args()
+    if not (PEERS / "bench_kiln.py").is_file():
+        ap.error(f"the peers' scripts are not in {PEERS}: set PEERS_SCRIPTS to the shared/peers folder")
     params = streamed_params(args.peers_dir / "models" / "small")
     table = engines(args.peers_dir, args.kiln_python)
     classes = args.classes.split(",")
@@ -84,10 +89,10 @@ def main() -> int:
         for cls in classes:
             for name, bytes_per, cmd in table[cls]:
                 before = read_rate(args.kiln_python)
-                tok_s = decode_tok_s(cmd, args.peers_dir / "prompts.json")
+                tok_s, error = decode_tok_s(cmd, args.peers_dir / "prompts.json")
                 rate = (before + read_rate(args.kiln_python)) / 2
                 if tok_s is None:
-                    print(f"round {r + 1} {name}: failed")
+                    print(f"round {r + 1} {name}: failed: {error}")
                     continue
                 gbs = tok_s * params * bytes_per / 1e9
                 runs.setdefault(name, {})[r] = (tok_s, gbs / rate)
