@@ -14,7 +14,7 @@ Where the other ranks come from:
   rendezvousing through a TCP store on 127.0.0.1;
 * under ``torchrun`` (``WORLD_SIZE`` = N set in the environment), the processes torchrun started, through
   its rendezvous (so the ranks may span machines): rank 0's ``LLM(engine_dir)`` leads, and on the other
-  ranks the same call serves as a worker until rank 0 shuts down, then exits the process (SystemExit(0)),
+  ranks the same call serves as a worker until rank 0 shuts down, then exits the process (exit code 0),
   so one script runs on every rank.
 
 Two gloo process groups of their own (no global ``torch.distributed`` state is touched in the spawned
@@ -377,7 +377,12 @@ class TensorParallelEngine(Engine):
         if rank == 0:
             return cls(directory, config, fn, groups, None, ranks_here)
         serve_worker(_RankRunner(config, fn, groups), StepChannel(groups.control, config.bounds))
-        raise SystemExit(0)   # rank 0 shut down: this rank's process has nothing else to do
+        # rank 0 shut down: this rank's process has nothing else to do. It exits as a spawned worker does, without
+        # interpreter teardown: gloo's default group torn down under the finalizers, its peer gone, can abort
+        # the process (SIGABRT: seen once in a loaded test run)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
 
     # ---- the Engine interface -----------------------------------------------------------------------------
     @property
