@@ -681,6 +681,9 @@ bool int4_supported(int64_t K, int64_t group_size) {
 // (panel_kernels.h). AVX2 + FMA is what the library is compiled for; the AVX-512 copy is compiled with
 // its own target and used only when the CPU has AVX-512 F/BW/VL and VNNI (checked at run time).
 
+// The same instruction for every vector width (panel_kernels.h names no intrinsic itself).
+inline void prefetch_line(const void* p) { _mm_prefetch(static_cast<const char*>(p), _MM_HINT_T0); }
+
 namespace k256 {
 struct Isa {
   using V = __m256;
@@ -694,7 +697,6 @@ struct Isa {
   static constexpr int64_t PF_ONEPASS = 0, PF_SMALL = 0;
   static constexpr int64_t MC = 96;
   static inline V zero() { return _mm256_setzero_ps(); }
-  static inline void prefetch(const void* p) { _mm_prefetch(static_cast<const char*>(p), _MM_HINT_T0); }
   static inline V set1(float v) { return _mm256_set1_ps(v); }
   static inline V load(const float* p) { return _mm256_loadu_ps(p); }
   static inline void store(float* p, V v) { _mm256_storeu_ps(p, v); }
@@ -743,7 +745,6 @@ struct Isa {
   static constexpr int64_t PF_ONEPASS = 8192, PF_SMALL = 4096;
   static constexpr int64_t MC = 96;
   static inline V zero() { return _mm512_setzero_ps(); }
-  static inline void prefetch(const void* p) { _mm_prefetch(static_cast<const char*>(p), _MM_HINT_T0); }
   static inline V set1(float v) { return _mm512_set1_ps(v); }
   static inline V load(const float* p) { return _mm512_loadu_ps(p); }
   static inline void store(float* p, V v) { _mm512_storeu_ps(p, v); }

@@ -91,7 +91,7 @@ inline void panel_float(const typename W::T* w, int64_t pstride, const float* x,
   for (int64_t t = 0; t < steps; ++t) {
     const typename W::T* q = w + t * W::STEP;
     if constexpr (PF)
-      for (int p = 0; p < NP; ++p) Isa::prefetch(reinterpret_cast<const char*>(q + p * pstride) + Isa::PF_SMALL);
+      for (int p = 0; p < NP; ++p) prefetch_line(reinterpret_cast<const char*>(q + p * pstride) + Isa::PF_SMALL);
     for (int s = 0; s < W::S; ++s) {
       Isa::V wv[NP][VP];
       for (int p = 0; p < NP; ++p)
@@ -122,7 +122,7 @@ inline void panel_float_kmajor(const typename W::T* w, int64_t pstride, const fl
   const int64_t steps = K / W::S;
   for (int64_t t = 0; t < steps; ++t) {
     const typename W::T* q = w + t * W::STEP;
-    for (int p = 0; p < NP; ++p) Isa::prefetch(reinterpret_cast<const char*>(q + p * pstride) + Isa::PF_ONEPASS);
+    for (int p = 0; p < NP; ++p) prefetch_line(reinterpret_cast<const char*>(q + p * pstride) + Isa::PF_ONEPASS);
     for (int s = 0; s < W::S; ++s) {
       Isa::V wv[NP][VP];
       for (int p = 0; p < NP; ++p)
@@ -175,7 +175,7 @@ inline void panel_int8(const int8_t* w, int64_t pstride, const int32_t* xq, int6
     for (int64_t t = t0; t < t1; ++t) {
       if constexpr (PF)
         if ((t & 1) == 0)  // a step is 32 bytes: one prefetch per 64-byte line
-          for (int p = 0; p < NP; ++p) Isa::prefetch(w + p * pstride + t * 32 + Isa::PF_SMALL);
+          for (int p = 0; p < NP; ++p) prefetch_line(w + p * pstride + t * 32 + Isa::PF_SMALL);
       Isa::VI wv[NP][VP];
       for (int p = 0; p < NP; ++p)
         for (int v = 0; v < VP; ++v) wv[p][v] = Isa::i16_pairs(w + p * pstride + t * 32 + v * 2 * Isa::L);
@@ -216,8 +216,8 @@ inline void panel_int8_row(const int8_t* w, const int32_t* xq, float sx, int64_t
     int64_t t = t0;
     for (; t + ROW_CHAINS <= t1; t += ROW_CHAINS) {
       // the ROW_CHAINS steps' two 64-byte lines, ROW_PREFETCH bytes ahead (into the next panel at the end)
-      Isa::prefetch(w + t * 32 + ROW_PREFETCH);
-      Isa::prefetch(w + t * 32 + 64 + ROW_PREFETCH);
+      prefetch_line(w + t * 32 + ROW_PREFETCH);
+      prefetch_line(w + t * 32 + 64 + ROW_PREFETCH);
       for (int c = 0; c < ROW_CHAINS; ++c) {
         const Isa::VI xb = Isa::iset1(xq[t + c]);
         for (int v = 0; v < VP; ++v)
@@ -251,7 +251,7 @@ inline void panel_bf16dot(const uint16_t* w, int64_t pstride, const int32_t* xp,
   for (int64_t t = 0; t < pairs; ++t) {
     if constexpr (PF)
       for (int p = 0; p < NP; ++p)
-        Isa::prefetch(reinterpret_cast<const char*>(w + p * pstride + t * 32) + Isa::PF_SMALL);
+        prefetch_line(reinterpret_cast<const char*>(w + p * pstride + t * 32) + Isa::PF_SMALL);
     Isa::VI wv[NP][VP];
     for (int p = 0; p < NP; ++p)
       for (int v = 0; v < VP; ++v) wv[p][v] = Isa::iload(w + p * pstride + t * 32 + v * 2 * Isa::L);
@@ -274,7 +274,7 @@ inline void panel_bf16dot_kmajor(const uint16_t* w, const int32_t* xp, int64_t K
     for (int v = 0; v < VP; ++v) acc[i][v] = Isa::zero();
   const int64_t pairs = K / 2;
   for (int64_t t = 0; t < pairs; ++t) {
-    Isa::prefetch(reinterpret_cast<const char*>(w + t * 32) + Isa::PF_ONEPASS);
+    prefetch_line(reinterpret_cast<const char*>(w + t * 32) + Isa::PF_ONEPASS);
     Isa::VI wv[VP];
     for (int v = 0; v < VP; ++v) wv[v] = Isa::iload(w + t * 32 + v * 2 * Isa::L);
     const int32_t* xk = xp + t * MR;
@@ -289,7 +289,18 @@ inline void panel_bf16dot_kmajor(const uint16_t* w, const int32_t* xp, int64_t K
 
 // ---- tiles and threads -----------------------------------------------------------------------------------
 
-// Rows m0..m1 of x against panels g*NP .. g*NP+NP-1: the big micro-kernel, then the tail in pieces.
+// Rows m0..m1 in blocks for the micro-kernels: MRB rows at a time, then the tail in 4, 2 and 1;
+// f(std::integral_constant<int, rows>, first row of the block).
+template <int MRB, class F>
+inline void for_row_blocks(int64_t m0, int64_t m1, F&& f) {
+  int64_t m = m0;
+  for (; m + MRB <= m1; m += MRB) f(std::integral_constant<int, MRB>{}, m);
+  if constexpr (MRB > 4) for (; m + 4 <= m1; m += 4) f(std::integral_constant<int, 4>{}, m);
+  if constexpr (MRB > 2) for (; m + 2 <= m1; m += 2) f(std::integral_constant<int, 2>{}, m);
+  for (; m < m1; ++m) f(std::integral_constant<int, 1>{}, m);
+}
+
+// Rows m0..m1 of x against panels g*NP .. g*NP+NP-1 (for_row_blocks).
 // PF: the first pass over the tile (the one that streams its weights from memory) prefetches.
 template <class W, int NP, int MRB, bool PF = false>
 inline void tile_float(const typename W::T* w, int64_t K, const float* x, int64_t m0, int64_t m1, int64_t g,
@@ -297,16 +308,12 @@ inline void tile_float(const typename W::T* w, int64_t K, const float* x, int64_
   const int64_t pstride = (K / W::S) * W::STEP;  // elements per panel
   const typename W::T* wp = w + g * NP * pstride;
   const int64_t n0 = g * NP * 16;
-  int64_t m = m0;
-  const auto pass = [&](auto rows) {
+  const auto pass = [&](auto rows, int64_t m) {
     constexpr int R = decltype(rows)::value;
     if (PF && m == m0) panel_float<W, R, NP, PF>(wp, pstride, x + m * K, K, K, ep, m, n0);
     else panel_float<W, R, NP>(wp, pstride, x + m * K, K, K, ep, m, n0);
   };
-  for (; m + MRB <= m1; m += MRB) pass(std::integral_constant<int, MRB>{});
-  if constexpr (MRB > 4) for (; m + 4 <= m1; m += 4) pass(std::integral_constant<int, 4>{});
-  if constexpr (MRB > 2) for (; m + 2 <= m1; m += 2) pass(std::integral_constant<int, 2>{});
-  for (; m < m1; ++m) pass(std::integral_constant<int, 1>{});
+  for_row_blocks<MRB>(m0, m1, pass);
 }
 
 template <int NP, int MRB, bool PF = false>
@@ -316,16 +323,12 @@ inline void tile_int8(const int8_t* w, int64_t K, const int32_t* xq, const float
   const int8_t* wp = w + g * NP * pstride;
   const int64_t n0 = g * NP * 16;
   const int64_t ld = K / 2;
-  int64_t m = m0;
-  const auto pass = [&](auto rows) {
+  const auto pass = [&](auto rows, int64_t m) {
     constexpr int R = decltype(rows)::value;
     if (PF && m == m0) panel_int8<R, NP, PF>(wp, pstride, xq + m * ld, ld, sx + m, K, ep, m, n0);
     else panel_int8<R, NP>(wp, pstride, xq + m * ld, ld, sx + m, K, ep, m, n0);
   };
-  for (; m + MRB <= m1; m += MRB) pass(std::integral_constant<int, MRB>{});
-  if constexpr (MRB > 4) for (; m + 4 <= m1; m += 4) pass(std::integral_constant<int, 4>{});
-  if constexpr (MRB > 2) for (; m + 2 <= m1; m += 2) pass(std::integral_constant<int, 2>{});
-  for (; m < m1; ++m) pass(std::integral_constant<int, 1>{});
+  for_row_blocks<MRB>(m0, m1, pass);
 }
 
 template <int NP, int MRB, bool PF = false>
@@ -335,16 +338,12 @@ inline void tile_bf16dot(const uint16_t* w, int64_t K, const int32_t* xp, int64_
   const uint16_t* wp = w + g * NP * pstride;
   const int64_t n0 = g * NP * 16;
   const int64_t ld = K / 2;
-  int64_t m = m0;
-  const auto pass = [&](auto rows) {
+  const auto pass = [&](auto rows, int64_t m) {
     constexpr int R = decltype(rows)::value;
     if (PF && m == m0) panel_bf16dot<R, NP, PF>(wp, pstride, xp + m * ld, ld, K, ep, m, n0);
     else panel_bf16dot<R, NP>(wp, pstride, xp + m * ld, ld, K, ep, m, n0);
   };
-  for (; m + MRB <= m1; m += MRB) pass(std::integral_constant<int, MRB>{});
-  if constexpr (MRB > 4) for (; m + 4 <= m1; m += 4) pass(std::integral_constant<int, 4>{});
-  if constexpr (MRB > 2) for (; m + 2 <= m1; m += 2) pass(std::integral_constant<int, 2>{});
-  for (; m < m1; ++m) pass(std::integral_constant<int, 1>{});
+  for_row_blocks<MRB>(m0, m1, pass);
 }
 
 // Tiles (row block of MC rows, group of NP panels), row-block major so that a thread's consecutive tiles
