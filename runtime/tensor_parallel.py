@@ -213,8 +213,13 @@ def _worker_main(directory: str, rank: int, world: int, port: int, threads: int,
         code = 1
     else:
         code = 0
-    # no interpreter teardown: nothing is left to flush but stdio, and tearing down gloo's threads and
-    # sockets under the interpreter's finalizers is what can go wrong
+    _exit_without_teardown(code)
+
+
+def _exit_without_teardown(code: int) -> None:
+    """End a follower rank's process. No interpreter teardown: nothing is left to flush but stdio, and tearing
+    down gloo's threads and sockets under the interpreter's finalizers, the peer gone, is what can go wrong
+    (it aborted a torchrun follower with SIGABRT once in a loaded test run)."""
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
@@ -377,12 +382,7 @@ class TensorParallelEngine(Engine):
         if rank == 0:
             return cls(directory, config, fn, groups, None, ranks_here)
         serve_worker(_RankRunner(config, fn, groups), StepChannel(groups.control, config.bounds))
-        # rank 0 shut down: this rank's process has nothing else to do. It exits as a spawned worker does, without
-        # interpreter teardown: gloo's default group torn down under the finalizers, its peer gone, can abort
-        # the process (SIGABRT: seen once in a loaded test run)
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(0)
+        _exit_without_teardown(0)   # rank 0 shut down: this rank's process has nothing else to do
 
     # ---- the Engine interface -----------------------------------------------------------------------------
     @property

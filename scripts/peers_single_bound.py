@@ -85,12 +85,14 @@ def main() -> int:
     runs: dict[str, dict[int, tuple[float, float]]] = {}   # engine -> round -> (tok/s, share of the read rate)
     print(f"streamed weights per token: {params / 1e6:.1f} M; read rate: 2 threads, 256 MiB, best of 3, "
           "before and after each run (mean)")
+    after = read_rate(args.kiln_python)
     for r in range(args.rounds):
         for cls in classes:
             for name, bytes_per, cmd in table[cls]:
-                before = read_rate(args.kiln_python)
+                before = after   # one measurement between two runs serves both
                 tok_s, error = decode_tok_s(cmd, args.peers_dir / "prompts.json")
-                rate = (before + read_rate(args.kiln_python)) / 2
+                after = read_rate(args.kiln_python)
+                rate = (before + after) / 2
                 if tok_s is None:
                     print(f"round {r + 1} {name}: failed: {error}")
                     continue
