@@ -46,7 +46,11 @@ SHM = Path("/dev/shm")
 WIRE = {np.dtype(np.int32): "INT32", np.dtype(np.uint64): "UINT64", np.dtype(np.float32): "FP32",
         np.dtype(np.bool_): "BOOL", np.dtype(np.object_): "BYTES"}
 PROMPTS = ["The kiln fires the clay", "Tokens flow through the engine", "Héllo wörld 🙂", "def add(a, b):"]
-BUILD = dict(max_seq_len=1024)   # long generations, so a stream can be cancelled mid-way
+# Long generations, so a stream is surely still generating when it is cancelled: 4000 tokens take the tiny model
+# several seconds, far longer than a loaded test process takes to react to a response (it has taken ~1 s).
+CHECKPOINT = dict(max_position_embeddings=4096)
+BUILD = dict(max_seq_len=4096)
+LONG = 4000
 
 
 # ---- helpers ------------------------------------------------------------------------------------------
@@ -129,23 +133,29 @@ class StreamClient:
         self.client = grpcclient.InferenceServerClient(url)
         self.results: dict[str, list] = {}
         self.done: dict[str, threading.Event] = {}
+        self.first: dict[str, threading.Event] = {}   # set by a request's first response
         self.errors: dict[str, str] = {}
         self.client.start_stream(callback=self._on_response)
 
     def _on_response(self, result, error) -> None:
         if error is not None:
             rid = error.request_id() if hasattr(error, "request_id") else None
-            rid = rid if rid in self.done else next(r for r, e in self.done.items() if not e.is_set())
+            if rid not in self.done:
+                pending = [r for r, e in self.done.items() if not e.is_set()]
+                if not pending:   # the client's own CANCELLED after close(cancel=True): nothing waits for it
+                    return
+                rid = pending[0]
             self.errors[rid] = error.message()
             self.done[rid].set()
             return
         rid = result.get_response().id
         self.results[rid].append(result)
+        self.first[rid].set()
         if result.as_numpy("finish_reason") is not None:
             self.done[rid].set()
 
     def send(self, rid: str, arrays: dict[str, np.ndarray], model: str = "kiln") -> None:
-        self.results[rid], self.done[rid] = [], threading.Event()
+        self.results[rid], self.done[rid], self.first[rid] = [], threading.Event(), threading.Event()
         self.client.async_stream_infer(model, grpc_inputs(**arrays), request_id=rid)
 
     def wait(self, rid: str, timeout: float = 60) -> list:
@@ -248,7 +258,7 @@ def start_server(engine_dir: Path, workdir: Path, *args: str) -> Served:
 # ---- fixtures -----------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def engine(checkpoint_dir):
-    return get_engine(checkpoint_dir("llama"), **BUILD)
+    return get_engine(checkpoint_dir("llama", **CHECKPOINT), **BUILD)
 
 
 @pytest.fixture(scope="module")
@@ -454,14 +464,21 @@ def test_cancelled_stream_frees_its_kv_blocks(server, llm):
     assert used(idle) == 0
     aborted_before = aborted(idle)
     client = StreamClient(server.grpc)
-    client.send("long", request(PROMPTS[0], 900, stream=tensor(True, np.bool_), end_id=tensor(-1, np.int32)))
-    wait_for(lambda: len(client.results["long"]) >= 5, what="the first tokens")
+    client.send("long", request(PROMPTS[0], LONG, stream=tensor(True, np.bool_), end_id=tensor(-1, np.int32)))
+    # cancel on the first response (polling the token count instead once saw all tokens the server had sent)
+    assert client.first["long"].wait(60), "no first response"
+    finished_first = client.done["long"].is_set()
     client.close(cancel=True)
-    wait_for(lambda: aborted() == aborted_before + 1, what="kiln to abort the cancelled request")
-    assert len(client.results["long"]) < 900
+    assert not finished_first and len(client.tokens("long")) < LONG, "the request ended before it was cancelled"
+    try:
+        wait_for(lambda: aborted() == aborted_before + 1, what="kiln to abort the cancelled request")
+    except AssertionError as exc:
+        m = metrics(server)
+        ends = {r: metric(m, "kiln_requests_finished_total", finish_reason=r) for r in ("abort", "length")}
+        raise AssertionError(f"{exc}; requests finished by reason: {ends}") from None
     # the same over HTTP: a client that disconnects from /generate_stream
     req = urllib.request.Request(f"{server.http}/v2/models/kiln/generate_stream", data=json.dumps(
-        {"text_input": PROMPTS[1], "max_tokens": 900, "stream": True, "end_id": -1}).encode())
+        {"text_input": PROMPTS[1], "max_tokens": LONG, "stream": True, "end_id": -1}).encode())
     with urllib.request.urlopen(req, timeout=60) as r:
         for _ in range(10):
             r.readline()
@@ -486,7 +503,7 @@ def test_bad_requests_get_named_errors_while_good_streams_run(server, llm, engin
         "max-tokens-0": (request("hi", 0), "max_tokens must be >= 1"),
         "max-tokens-negative": (request("hi", -3), "max_tokens must be >= 1"),
         "prompt-too-long": (request(None, 4, input_ids=tensor([5] * 200, np.int32)), "max_input_len"),
-        "over-max-seq-len": (request("hi", 1024), "max_seq_len"),
+        "over-max-seq-len": (request("hi", BUILD["max_seq_len"]), "max_seq_len"),
         "ids-outside-vocab": (request(None, 4, input_ids=tensor([5, vocab + 3], np.int32)), "outside the vocabulary"),
         "input-lengths-0": (request(None, 4, input_ids=tensor([5, 6], np.int32), input_lengths=tensor(0, np.int32)),
                             "input_lengths"),
