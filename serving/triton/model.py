@@ -143,29 +143,7 @@ class TritonPythonModel:
     # ---- responses (the sender thread) ----------------------------------------------------------------
     def _send_loop(self) -> None:
         next_cancel_check = next_stats = 0.0
-        while True:
-            try:
-                items = [self._outbox.get(timeout=CANCEL_CHECK_S)]
-            except queue.Empty:
-                items = []
-            try:
-                while True:
-                    items.append(self._outbox.get_nowait())
-            except queue.Empty:
-                pass
-            # outputs that queued up while the last responses were sent go out as one response per request
-            pending: dict[int, tuple[_Stream, list[RequestOutput]]] = {}
-            stop = False
-            for item in items:
-                if item is _STOP:
-                    stop = True
-                    break
-                stream, out = item
-                pending.setdefault(id(stream), (stream, []))[1].append(out)
-            for stream, outs in pending.values():
-                self._deliver(stream, outs)
-            if stop:
-                return
+        while self._send_queued():
             if self._stopping.is_set():
                 continue   # each is a round trip to tritonserver, which is unloading the model and may not answer
             now = time.monotonic()
@@ -175,6 +153,30 @@ class TritonPythonModel:
             if now >= next_stats:
                 next_stats = now + STATS_PERIOD_S
                 self._update_metrics()
+
+    def _send_queued(self) -> bool:
+        """Send the outputs queued now (waiting up to CANCEL_CHECK_S for the first); False once finalize stops it.
+        A function of its own so that its locals go when it returns: as loop variables they kept the last finished
+        request's Triton request and response sender alive until the next request came."""
+        try:
+            items = [self._outbox.get(timeout=CANCEL_CHECK_S)]
+        except queue.Empty:
+            return True
+        try:
+            while True:
+                items.append(self._outbox.get_nowait())
+        except queue.Empty:
+            pass
+        # outputs that queued up while the last responses were sent go out as one response per request
+        pending: dict[int, tuple[_Stream, list[RequestOutput]]] = {}
+        for item in items:
+            if item is _STOP:
+                break
+            stream, out = item
+            pending.setdefault(id(stream), (stream, []))[1].append(out)
+        for stream, outs in pending.values():
+            self._deliver(stream, outs)
+        return not any(item is _STOP for item in items)
 
     def _deliver(self, stream: _Stream, outs: list[RequestOutput]) -> None:
         """Send what ``outs`` (one request's outputs, oldest first) add, in one response."""
