@@ -236,9 +236,14 @@ class TritonPythonModel:
 
     # ---- shutdown -------------------------------------------------------------------------------------
     def finalize(self) -> None:
-        """Stop kiln (requests still in flight end with an UNAVAILABLE error), then the sender thread."""
+        """Stop kiln (requests still in flight end with an UNAVAILABLE error), then the sender thread. Logged at
+        both ends: when tritonserver's unload outlasts its exit timeout, the log tells whether this ran."""
+        started = time.monotonic()
+        pb.Logger.log_info("kiln: finalize: stopping the step loop")
         self._stopping.set()
         self.llm.shutdown()
         self._outbox.put(_STOP)
         self._sender.join(timeout=SENDER_JOIN_S)
         self.metrics.close()
+        pb.Logger.log_info(f"kiln: finalize: done in {time.monotonic() - started:.2f} s"
+                           + ("" if not self._sender.is_alive() else " (the sender thread did not stop)"))
