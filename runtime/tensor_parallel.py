@@ -122,8 +122,11 @@ def torchrun_world() -> tuple[int, int, int] | None:
 class _Groups:
     """The control and compute process groups of one rank."""
 
-    def __init__(self, control: dist.ProcessGroup, compute: dist.ProcessGroup):
+    def __init__(self, control: dist.ProcessGroup, compute: dist.ProcessGroup, registered: bool = False,
+                 owns_default: bool = False):
         self.control, self.compute = control, compute
+        self._registered = registered       # made through torch.distributed's global state, which holds them
+        self._owns_default = owns_default   # the default group is ours to destroy (we created it)
 
     @classmethod
     def over_store(cls, store: dist.Store, rank: int, world: int) -> _Groups:
@@ -134,10 +137,26 @@ class _Groups:
     @classmethod
     def joined(cls) -> _Groups:
         """Gloo groups over the launcher's rendezvous (torchrun): the default group is created if needed."""
-        if not dist.is_initialized():
+        owns_default = not dist.is_initialized()
+        if owns_default:
             dist.init_process_group("gloo", timeout=CONTROL_TIMEOUT)
         return cls(dist.new_group(backend="gloo", timeout=control_timeout(dist.get_rank())),
-                   dist.new_group(backend="gloo", timeout=collective_timeout()))
+                   dist.new_group(backend="gloo", timeout=collective_timeout()), registered=True,
+                   owns_default=owns_default)
+
+    def release(self) -> None:
+        """Close the groups now, while the interpreter is whole. Under torchrun torch.distributed's global state
+        holds them (and the default group) until exit, and gloo torn down by the finalizers there, the peers
+        gone, aborted rank 0 ("terminate called without an active exception", SIGABRT) in loaded test runs."""
+        if self._registered:
+            try:
+                for group in (self.control, self.compute):
+                    dist.destroy_process_group(group)
+                if self._owns_default:
+                    dist.destroy_process_group()
+            except Exception as exc:   # the process exits soon either way
+                logger.warning("could not destroy the tensor-parallel process groups: %s", exc)
+        self.control = self.compute = None
 
 
 class _RankRunner:
@@ -456,6 +475,7 @@ class TensorParallelEngine(Engine):
                 self._workers.stop()
                 self._workers.store = None
             # the groups' sockets and threads go now, not under the interpreter's finalizers at exit
+            self._runner.groups.release()
             self._runner.groups = self._channel.group = None
         finally:
             if acquired:
