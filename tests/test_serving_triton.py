@@ -30,6 +30,7 @@ from click.testing import CliRunner
 
 from kiln.runtime import LLM, ConfigError, ExecutorConfig, SamplingParams
 from kiln.runtime.cli import main
+from kiln.serving.triton.launcher import Ports, TritonServer
 from kiln.serving.triton.repository import RepoOptions, check_runtime, parameters, read_parameters
 
 from runtime_support import get_engine
@@ -644,6 +645,27 @@ def test_kiln_bench_triton_target(server, engine, tmp_path):
     assert all(r["output_tokens"] == 12 for r in run["per_request"])
     assert run["latency_s"]["tpot"]["count"] == 6
     assert run["server"]["kv_blocks_total"] > 0   # (counters lag: the model refreshes them once a second)
+
+
+def test_launcher_tells_a_stalled_unload_from_streams_still_running(server, tmp_path):
+    """The launcher's shutdown watch, on the session server's real log lines and metrics: after tritonserver says
+    it unloads, a model with no request in flight and no finalize begun is stalled; one whose streams still run,
+    or whose finalize began, is not."""
+    watch = TritonServer(tmp_path, tmp_path, Ports(metrics=server.ports["metrics"]))
+    wait_for(lambda: watch.requests_in_flight() == 0, what="an idle server")
+    assert not watch.unload_stalled(0)   # not unloading yet
+    watch.watch_line('I1201 08:51:56.973984 22024 server.cc:336] "All models are stopped, unloading models"')
+    assert watch.unload_stalled(0) and not watch.unload_stalled(60)
+    client = StreamClient(server.grpc)
+    client.send("long", request(PROMPTS[0], LONG, stream=tensor(True, np.bool_), end_id=tensor(-1, np.int32)))
+    try:
+        wait_for(lambda: watch.requests_in_flight() == 1, what="the stream counted in flight")
+        assert not watch.unload_stalled(0)   # the stream holds the model: Triton waits for it, rightly
+    finally:
+        client.close(cancel=True)
+    wait_for(lambda: watch.requests_in_flight() == 0, what="the cancelled stream gone")
+    watch.watch_line('I1201 08:51:57.974147 22052 model.py:242] "kiln: finalize: stopping the step loop"')
+    assert not watch.unload_stalled(0)   # the model's unload began
 
 
 def test_sigterm_stops_everything(server):

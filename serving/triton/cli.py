@@ -22,6 +22,9 @@ _EXECUTOR_EXCLUDE = ("metrics_window",)
 # Triton has one exit timeout for requests in flight and for unloading; unloading one instance took 2.5-3.5 s
 # here (Triton's 1 s poll, finalize, then the backend stub's interpreter teardown with torch loaded)
 UNLOAD_S_PER_INSTANCE = 5
+# After SIGTERM, a model with no request in flight whose unload (finalize) has not begun this long after the
+# server began unloading is held by tritonserver itself: waiting for its exit timeout would only delay the exit
+UNLOAD_STALL_S = 4.0
 
 
 def repository_options(fn):
@@ -134,8 +137,18 @@ def serve(engine_dir: Path, host: str, http_port: int, grpc_port: int, metrics_p
             mode = "streaming" if options.decoupled else "one response per request"
             click.echo(f"kiln: Triton is ready: HTTP {urls['http']}  gRPC {urls['grpc']}  metrics {urls['metrics']}  "
                        f"(model {options.model_name!r}, {mode})")
-            server.wait()
+            stalled = False
+            while server.wait(0.25) is None:
+                if server.unload_stalled(UNLOAD_STALL_S):
+                    click.echo(f"kiln: warning: no request is in flight, but tritonserver has not begun unloading "
+                               f"the model {UNLOAD_STALL_S:g} s after it said it would (it still holds a reference "
+                               "to it); stopping it", err=True)
+                    server.kill()
+                    stalled = True
+                    break
             code = server.stop()
+            if stalled:
+                code = 0   # nothing was lost: its requests had all ended, and stop() removed what was left
         finally:
             if server.process is not None and server.process.poll() is None:
                 server.stop()

@@ -33,6 +33,10 @@ SHM_PREFIX = "triton_python_backend_shm_region_"
 _ERROR_LINE = re.compile(r"^E\d{4} |Traceback|Error|error:")
 _NO_GPU_NOISE = re.compile(r"cuda|nvml|dcgm", re.IGNORECASE)   # harmless on a machine without a GPU
 _servers = itertools.count()
+# tritonserver's line once the requests in flight are done after SIGTERM, and kiln's model's line when its unload
+# begins (serving/triton/model.py finalize)
+_UNLOADING = "All models are stopped, unloading models"
+_FINALIZE_BEGINS = "kiln: finalize: stopping the step loop"
 
 
 class LauncherError(RuntimeError):
@@ -131,6 +135,8 @@ class TritonServer:
         self.lines: collections.deque[str] = collections.deque(maxlen=400)
         self.process: subprocess.Popen | None = None
         self._relay: threading.Thread | None = None
+        self.unloading_since: float | None = None   # when the server said its requests were done and it unloads
+        self.finalize_began = False                 # a kiln model instance's unload (finalize) has begun
 
     @property
     def urls(self) -> dict[str, str]:
@@ -159,8 +165,45 @@ class TritonServer:
         for line in self.process.stdout:
             line = line.rstrip("\n")
             self.lines.append(line)
+            self.watch_line(line)
             if self.log is not None:
                 self.log(line)
+
+    def watch_line(self, line: str) -> None:
+        """Follow the shutdown in the server's log."""
+        if self.unloading_since is None and _UNLOADING in line:
+            self.unloading_since = time.monotonic()
+        elif _FINALIZE_BEGINS in line:
+            self.finalize_began = True
+
+    def unload_stalled(self, after_s: float) -> bool:
+        """True when, ``after_s`` seconds after the server began unloading, no kiln model's unload (finalize) has
+        begun although no kiln model has a request in flight (its metrics): tritonserver itself still holds a
+        reference to the model, and would hold it until its exit timeout, then exit with code 1. (A decoupled
+        model's streams are not "in flight" to Triton: it unloads at once and waits for them to end, which is
+        why the model's own count is read.)"""
+        if (self.unloading_since is None or self.finalize_began
+                or time.monotonic() - self.unloading_since <= after_s):
+            return False
+        active = self.requests_in_flight()
+        return active == 0
+
+    def requests_in_flight(self) -> float | None:
+        """Requests in flight in kiln's model instances (``nv_trt_llm_request_metrics{request_type="active"}``
+        summed), or None when the metrics cannot be read."""
+        try:
+            with urllib.request.urlopen(self.urls["metrics"], timeout=2) as r:
+                text = r.read().decode()
+        except (urllib.error.URLError, OSError):
+            return None
+        values = [float(line.rpartition(" ")[2]) for line in text.splitlines()
+                  if line.startswith("nv_trt_llm_request_metrics{") and 'request_type="active"' in line]
+        return sum(values) if values else None
+
+    def kill(self) -> None:
+        """SIGKILL the server's session (the server and its backend stubs)."""
+        if self.process is not None and self.process.poll() is None:
+            os.killpg(self.process.pid, signal.SIGKILL)
 
     def error_lines(self) -> list[str]:
         """The server's own error lines (model load failures, tracebacks), or its last lines if none."""
