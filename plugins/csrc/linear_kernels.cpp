@@ -737,7 +737,7 @@ struct Isa {
   static constexpr int L = 16;
   // float path: 12 rows x 2 panels (24 accumulators of the 32 registers); int path 8 x 2 (16)
   static constexpr int MR_BIG = 12, NP_BIG = 2, MR_INT = 8, NP_INT = 2;
-  // 13..16 rows (batched decode): one pass of 16 rows x 1 panel over the weights (panel_float_kmajor)
+  // 13..16 rows (batched decode): one pass of 16 rows x 1 panel over the weights (panel_float with KMAJOR)
   static constexpr int MR_ONEPASS = 16;
   // Software prefetch distance (bytes ahead in a weight panel) of the passes that stream the weights from
   // memory at up to 16 rows: with the FMA units busy, the hardware prefetcher alone keeps too few lines in

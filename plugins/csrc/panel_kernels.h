@@ -21,7 +21,7 @@
 //     One row of x (decode) runs panel_int8_row: a panel at a time, one sequential stream per thread.
 // Tiles for the threads: MC rows of x (kept in L2) x NP panels (kept in L1/L2 while the MC rows pass).
 // Batched decode (M <= SMALL_M): each tile's weights come from memory once, so the first pass over a tile
-// prefetches ahead (Isa::PF_SMALL); on AVX-512, 13..16 rows run in a single pass (panel_float_kmajor,
+// prefetches ahead (Isa::PF_SMALL); on AVX-512, 13..16 rows run in a single pass (panel_float with KMAJOR,
 // panel_bf16dot_kmajor).
 
 constexpr int VP = 16 / Isa::L;  // vectors per panel step
@@ -79,41 +79,15 @@ struct Epilogue {
 
 // ---- float path ---------------------------------------------------------------------------------------
 
-// PF: prefetch Isa::PF_SMALL bytes ahead in each panel (the pass that streams a tile from memory)
-template <class W, int MR, int NP, bool PF = false>
+// PF: prefetch Isa::PF_SMALL bytes ahead in each panel (the pass that streams a tile from memory).
+// KMAJOR (batched decode, 13..16 rows, AVX-512): all rows in one pass over the weights, so the FMAs overlap the
+// weight stream from memory instead of a second pass re-reading each tile from L2 while memory idles. x is then
+// packed k-major (pack_kmajor: x[k][MR], rows >= `rows` zero; ldx unused): the MR broadcasts of a step read one
+// cache line, where MR rows of x K * 4 bytes apart would share one L1 set (K = 1024: 16 rows, 12 ways); it
+// prefetches Isa::PF_ONEPASS ahead and stores the first `rows` rows.
+template <class W, int MR, int NP, bool PF = false, bool KMAJOR = false>
 inline void panel_float(const typename W::T* w, int64_t pstride, const float* x, int64_t ldx, int64_t K,
-                        const Epilogue& ep, int64_t m0, int64_t n0) {
-  Isa::V acc[MR][NP][VP];
-  for (int i = 0; i < MR; ++i)
-    for (int p = 0; p < NP; ++p)
-      for (int v = 0; v < VP; ++v) acc[i][p][v] = Isa::zero();
-  const int64_t steps = K / W::S;
-  for (int64_t t = 0; t < steps; ++t) {
-    const typename W::T* q = w + t * W::STEP;
-    if constexpr (PF)
-      for (int p = 0; p < NP; ++p) prefetch_line(reinterpret_cast<const char*>(q + p * pstride) + Isa::PF_SMALL);
-    for (int s = 0; s < W::S; ++s) {
-      Isa::V wv[NP][VP];
-      for (int p = 0; p < NP; ++p)
-        for (int v = 0; v < VP; ++v) wv[p][v] = W::decode(q + p * pstride, s, v);
-      const float* xk = x + t * W::S + s;
-      for (int i = 0; i < MR; ++i) {
-        const Isa::V xb = Isa::bcast(xk + i * ldx);
-        for (int p = 0; p < NP; ++p)
-          for (int v = 0; v < VP; ++v) acc[i][p][v] = Isa::fma(xb, wv[p][v], acc[i][p][v]);
-      }
-    }
-  }
-  for (int i = 0; i < MR; ++i) ep.store(m0 + i, n0, &acc[i][0][0], NP * VP, 1.0f);
-}
-
-// Batched decode (13..16 rows): all rows in one pass over the weights, so the FMAs overlap the weight stream
-// from memory instead of a second pass re-reading each tile from L2 while memory idles. x is packed k-major
-// (xp[k][MR], rows >= `rows` zero): the MR broadcasts of a step read one cache line, where MR rows of x
-// K * 4 bytes apart would share one L1 set (K = 1024: 16 rows, 12 ways).
-template <class W, int MR, int NP>
-inline void panel_float_kmajor(const typename W::T* w, int64_t pstride, const float* xp, int64_t K,
-                               const Epilogue& ep, int64_t m0, int64_t n0, int rows) {
+                        const Epilogue& ep, int64_t m0, int64_t n0, int rows = MR) {
   Isa::V acc[MR][NP][VP];
 #pragma GCC unroll 32
   for (int i = 0; i < MR; ++i)
@@ -122,15 +96,18 @@ inline void panel_float_kmajor(const typename W::T* w, int64_t pstride, const fl
   const int64_t steps = K / W::S;
   for (int64_t t = 0; t < steps; ++t) {
     const typename W::T* q = w + t * W::STEP;
-    for (int p = 0; p < NP; ++p) prefetch_line(reinterpret_cast<const char*>(q + p * pstride) + Isa::PF_ONEPASS);
+    if constexpr (PF || KMAJOR)
+      for (int p = 0; p < NP; ++p)
+        prefetch_line(reinterpret_cast<const char*>(q + p * pstride) + (KMAJOR ? Isa::PF_ONEPASS : Isa::PF_SMALL));
     for (int s = 0; s < W::S; ++s) {
       Isa::V wv[NP][VP];
       for (int p = 0; p < NP; ++p)
         for (int v = 0; v < VP; ++v) wv[p][v] = W::decode(q + p * pstride, s, v);
-      const float* xk = xp + (t * W::S + s) * MR;
+      const int64_t k = t * W::S + s;
+      const float* xk = KMAJOR ? x + k * MR : x + k;
 #pragma GCC unroll 32
       for (int i = 0; i < MR; ++i) {
-        const Isa::V xb = Isa::bcast(xk + i);
+        const Isa::V xb = Isa::bcast(xk + (KMAJOR ? i : i * ldx));
         for (int p = 0; p < NP; ++p)
           for (int v = 0; v < VP; ++v) acc[i][p][v] = Isa::fma(xb, wv[p][v], acc[i][p][v]);
       }
@@ -264,7 +241,7 @@ inline void panel_bf16dot(const uint16_t* w, int64_t pstride, const int32_t* xp,
   for (int i = 0; i < MR; ++i) ep.store(m0 + i, n0, &acc[i][0][0], NP * VP, 1.0f);
 }
 
-// The one-pass batched-decode kernel of the bf16 dot path (as panel_float_kmajor): xp [K/2][MR] bf16 pairs.
+// The one-pass batched-decode kernel of the bf16 dot path (as panel_float with KMAJOR): xp [K/2][MR] bf16 pairs.
 template <int MR>
 inline void panel_bf16dot_kmajor(const uint16_t* w, const int32_t* xp, int64_t K, const Epilogue& ep, int64_t m0,
                                  int64_t n0, int rows) {
@@ -390,7 +367,8 @@ void panel_gemm_float(const typename W::T* w, int64_t M, int64_t N, int64_t K, c
       const float* xp = pack_kmajor(x, M, K, Isa::MR_ONEPASS);
       const int64_t pstride = (K / W::S) * W::STEP;
       for_tiles(1, N / 16, 1, nthreads, [&](int64_t, int64_t, int64_t g) {
-        panel_float_kmajor<W, Isa::MR_ONEPASS, 1>(w + g * pstride, pstride, xp, K, ep, 0, g * 16, int(M));
+        panel_float<W, Isa::MR_ONEPASS, 1, false, true>(w + g * pstride, pstride, xp, 0, K, ep, 0, g * 16,
+                                                         int(M));
       });
       return;
     }
