@@ -28,6 +28,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from prometheus_client.parser import text_string_to_metric_families
+
 SHM_DIR = Path("/dev/shm")
 SHM_PREFIX = "triton_python_backend_shm_region_"
 _ERROR_LINE = re.compile(r"^E\d{4} |Traceback|Error|error:")
@@ -196,8 +198,8 @@ class TritonServer:
                 text = r.read().decode()
         except (urllib.error.URLError, OSError):
             return None
-        values = [float(line.rpartition(" ")[2]) for line in text.splitlines()
-                  if line.startswith("nv_trt_llm_request_metrics{") and 'request_type="active"' in line]
+        values = [sample.value for family in text_string_to_metric_families(text) for sample in family.samples
+                  if sample.name == "nv_trt_llm_request_metrics" and sample.labels.get("request_type") == "active"]
         return sum(values) if values else None
 
     def kill(self) -> None:
