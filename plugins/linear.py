@@ -46,8 +46,10 @@ import torch.nn.functional as F
 from kiln.plugins import native
 from kiln.plugins.native import ABI, define_native_op
 from kiln.plugins.weight_format import (
+    can_pack_int4_panels,
     check_int4_group,
     dequantize,
+    is_int4_panel,
     is_packed,
     is_panel,
     qweight_shape,
@@ -70,8 +72,8 @@ _PREFILL_CHUNK_BYTES = 16 << 20
 # --------------------------------------------------------------------------------------------
 
 
-def weight_only_linear_reference(x, qweight, scales, bias, bits: int, group_size: int):
-    w = dequantize(qweight, scales, bits, group_size)
+def weight_only_linear_reference(x, qweight, scales, bias, bits: int, group_size: int, zeros=None):
+    w = dequantize(qweight, scales, bits, group_size, zeros)
     y = F.linear(x.float(), w, None if bias is None else bias.float())
     return y.to(x.dtype)
 
@@ -176,8 +178,26 @@ def _native(wtype: str, x: torch.Tensor, w: torch.Tensor, scales, bias, group_si
 # --------------------------------------------------------------------------------------------
 
 
-def _check_wol(x, qweight, scales, bias, bits, group_size):
-    if bits == 8:
+def _check_int4_panels(qweight, scales, zeros, group_size) -> None:
+    n, k = qweight_shape(qweight, 4)
+    if not can_pack_int4_panels(n, k, group_size):
+        raise ValueError(f"bits=4 int4 panels [{qweight.shape[0]}, {qweight.shape[1]}, 64] ({n} x {k}) need a "
+                         f"group_size that is a multiple of 8 dividing {k}, got {group_size}")
+    want = (qweight.shape[0], k // group_size, 16)
+    if scales.dtype != torch.float16 or tuple(scales.shape) != want:
+        raise ValueError(f"bits=4 int4 panels expect float16 scales {list(want)}, got {scales.dtype} "
+                         f"{list(scales.shape)}")
+    if zeros is not None and (zeros.dtype != torch.uint8 or tuple(zeros.shape) != want):
+        raise ValueError(f"bits=4 int4 panels expect uint8 zeros {list(want)} (or none), got {zeros.dtype} "
+                         f"{list(zeros.shape)}")
+
+
+def _check_wol(x, qweight, scales, bias, bits, group_size, zeros=None):
+    if zeros is not None and not (bits == 4 and is_int4_panel(qweight)):
+        raise ValueError("zeros (zero points) are only taken by int4 panels (bits=4, qweight [out/16, in/8, 64])")
+    if bits == 4 and is_int4_panel(qweight):
+        _check_int4_panels(qweight, scales, zeros, group_size)
+    elif bits == 8:
         if qweight.dtype != torch.int8:
             raise ValueError(f"bits=8 expects an int8 qweight, got {qweight.dtype}")
         n = weight_shape(qweight)[0]  # raises on a shape that is neither [out, in] nor packed
@@ -200,8 +220,10 @@ def _check_wol(x, qweight, scales, bias, bits, group_size):
         raise ValueError(f"x has {x.shape[-1]} input features, the weight expects {k}")
 
 
-def _weight_only_linear_py(x, qweight, scales, bias, bits, group_size):
-    _check_wol(x, qweight, scales, bias, bits, group_size)
+def _weight_only_linear_py(x, qweight, scales, bias, bits, group_size, zeros=None):
+    _check_wol(x, qweight, scales, bias, bits, group_size, zeros)
+    if bits == 4 and is_int4_panel(qweight):   # the C++ kernel declined (NaN/inf in x, kernels off): reference
+        return weight_only_linear_reference(x, qweight, scales, bias, 4, group_size, zeros)
     n, k = qweight_shape(qweight, bits)
     if bits == 8:
         wtype = "int8_panel" if is_panel(qweight) else "int8_packed" if is_packed(qweight) else "int8"
@@ -237,9 +259,10 @@ def _float_linear_py(kind: str, x, weight, bias):
 # plain-torch fallback.
 _lib_def = torch.library.Library("kiln", "FRAGMENT")
 define_native_op(_lib_def, "weight_only_linear",
-                 "(Tensor x, Tensor qweight, Tensor scales, Tensor? bias, int bits, int group_size) -> Tensor",
+                 "(Tensor x, Tensor qweight, Tensor scales, Tensor? bias, int bits, int group_size, "
+                 "Tensor? zeros=None) -> Tensor",
                  _weight_only_linear_py,
-                 lambda x, qweight, scales, bias, bits, group_size:
+                 lambda x, qweight, scales, bias, bits, group_size, zeros=None:
                  x.new_empty(*x.shape[:-1], qweight_shape(qweight, bits)[0]))
 for _kind in ("bf16", "fp32"):
     define_native_op(_lib_def, f"{_kind}_linear", "(Tensor x, Tensor weight, Tensor? bias) -> Tensor",
@@ -247,9 +270,9 @@ for _kind in ("bf16", "fp32"):
                      lambda x, weight, bias: x.new_empty(*x.shape[:-1], weight_shape(weight)[0]))
 
 
-def weight_only_linear(x, qweight, scales, bias=None, bits: int = 8, group_size: int = 0):
+def weight_only_linear(x, qweight, scales, bias=None, bits: int = 8, group_size: int = 0, zeros=None):
     """Python entry point: ``torch.ops.kiln.weight_only_linear``."""
-    return torch.ops.kiln.weight_only_linear(x, qweight, scales, bias, bits, group_size)
+    return torch.ops.kiln.weight_only_linear(x, qweight, scales, bias, bits, group_size, zeros)
 
 
 def bf16_linear(x, weight, bias=None):

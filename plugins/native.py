@@ -73,6 +73,7 @@ class Abi:
     max_m: int  # rows of x per kiln_linear call (bigger M is cut into calls of this size; panels: any M)
     panel: int  # panel layouts: fp32 [out/panel, in, panel], bf16/int8 [out/panel, in/pair, panel, pair]
     pair: int
+    int4_block: int  # int4 panels [out/panel, in/int4_block, 64]
 
 
 def _read_abi(header: Path) -> Abi:
@@ -80,7 +81,8 @@ def _read_abi(header: Path) -> Abi:
     consts = {name: int(v) for name, v in re.findall(r"constexpr\s+\w+\s+KILN_([A-Z0-9_]+)\s*=\s*(\d+)\s*;", text)}
     wtypes = {name.lower(): int(v) for name, v in re.findall(r"\bKILN_W_([A-Z0-9_]+)\s*=\s*(\d+)", text)}
     try:
-        return Abi(wtypes, consts["ROW_TILE"], consts["K_STEP"], consts["MAX_M"], consts["PANEL"], consts["PAIR"])
+        return Abi(wtypes, consts["ROW_TILE"], consts["K_STEP"], consts["MAX_M"], consts["PANEL"], consts["PAIR"],
+                   consts["INT4_BLOCK"])
     except KeyError as exc:
         raise RuntimeError(f"{header}: constant KILN_{exc.args[0]} not found; the header and "
                            f"kiln/plugins/native.py disagree") from None
@@ -175,6 +177,13 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.kiln_set_panel_isa.restype = ctypes.c_int
     lib.kiln_stream_sum.argtypes = [ptr, i64, ctypes.c_int]
     lib.kiln_stream_sum.restype = ctypes.c_double
+    lib.kiln_linear_int4_panel.argtypes = [ptr, ptr, ptr, i64, ptr, i64, i64, i64, ptr, ptr, ctypes.c_int,
+                                           ctypes.c_int]
+    lib.kiln_linear_int4_panel.restype = ctypes.c_int
+    lib.kiln_get_tuning.argtypes = [ctypes.c_char_p, ctypes.POINTER(i64)]
+    lib.kiln_get_tuning.restype = ctypes.c_int
+    lib.kiln_set_tuning.argtypes = [ctypes.c_char_p, i64]
+    lib.kiln_set_tuning.restype = ctypes.c_int
     lib.kiln_ops_set_enabled.argtypes = [ctypes.c_int]
     lib.kiln_ops_max_m.argtypes = [ctypes.c_int]
     lib.kiln_ops_max_m.restype = i64

@@ -25,9 +25,19 @@ vector load feeds 16 outputs. fp32: [out, in] -> [out/16, in, 16], element (n, k
 bf16 and int8 keep pairs of consecutive k together: [out/16, in/2, 16, 2], element (n, k) at
 [n//16, k//2, n%16, k%2] (one 32-bit lane holds a bf16 pair, or an int8 pair for a 16-bit
 multiply-add).
+
+int4 panels (what the builder stores for int4, and what pre-quantized GPTQ / AWQ checkpoints become):
+``Int4Panels`` = (qweight uint8 [out/16, in/8, 64], scales fp16 [out/16, in/group_size, 16], zeros uint8
+[out/16, in/group_size, 16] or None). Each 64-byte block holds 8 consecutive k of a panel's 16 rows: 16-bit
+little-endian word i (0..31) holds in its nibble c (bits 4c..4c+3) the unsigned value u (0..15) of element
+(n = i//2, k = 8*block + 2c + i%2), so one shift and mask per pair of k feed the kernels' 16-bit
+multiply-adds. ``w = (u - zero) * scale``; no zeros means a zero point of 8 for every group (kiln's symmetric
+int4, ``u = q + 8``). GPTQ and AWQ zero points (asymmetric) are kept as they are.
 """
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import torch
 
@@ -37,10 +47,13 @@ __all__ = [
     "ROW_TILE", "K_STEP", "quantize_int8", "quantize_int4", "check_int4_group", "pack_int4", "unpack_int4",
     "can_pack_rows", "is_packed", "pack_rows", "unpack_rows", "weight_shape", "qweight_shape", "dequantize",
     "PANEL", "PAIR", "can_pack_panels", "is_panel", "pack_panels", "unpack_panels", "unpack",
+    "INT4_BLOCK", "Int4Panels", "can_pack_int4_panels", "pack_int4_panels", "unpack_int4_panels",
+    "quantize_int4_panels", "dequantize_int4_panels", "is_int4_panel",
 ]
 
 ROW_TILE, K_STEP = ABI.row_tile, ABI.k_step  # packed weights: tiles of 8 rows, 16 input elements per step
 PANEL, PAIR = ABI.panel, ABI.pair  # panels: 16 output rows; bf16/int8 interleave pairs of k
+INT4_BLOCK = ABI.int4_block  # int4 panels: k per 64-byte block
 
 
 def quantize_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -215,14 +228,19 @@ def weight_shape(weight: torch.Tensor) -> tuple[int, int]:
 
 
 def qweight_shape(qweight: torch.Tensor, bits: int) -> tuple[int, int]:
-    """(out, in) of a quantised weight: int8 plain or packed, int4 [out, in//2]."""
+    """(out, in) of a quantised weight: int8 plain or packed, int4 [out, in//2] or int4 panels."""
     if bits == 8:
         return weight_shape(qweight)
+    if is_int4_panel(qweight):
+        return qweight.shape[0] * PANEL, qweight.shape[1] * INT4_BLOCK
     return qweight.shape[0], 2 * qweight.shape[1]
 
 
-def dequantize(qweight: torch.Tensor, scales: torch.Tensor, bits: int, group_size: int) -> torch.Tensor:
-    """fp32 [out, in] weight that the quantised form stands for."""
+def dequantize(qweight: torch.Tensor, scales: torch.Tensor, bits: int, group_size: int,
+               zeros: torch.Tensor | None = None) -> torch.Tensor:
+    """fp32 [out, in] weight that the quantised form stands for (``zeros``: int4 panels' zero points)."""
+    if bits == 4 and is_int4_panel(qweight):
+        return dequantize_int4_panels(Int4Panels(qweight, scales, zeros, group_size))
     if bits == 8:
         q = unpack(qweight)
         return q.float() * scales.float()[:, None]
@@ -232,3 +250,103 @@ def dequantize(qweight: torch.Tensor, scales: torch.Tensor, bits: int, group_siz
         check_int4_group(k, group_size)
         return (q.reshape(n, k // group_size, group_size) * scales.float()[..., None]).reshape(n, k)
     raise ValueError(f"bits must be 4 or 8, got {bits}")
+
+
+# --------------------------------------------------------------------------------------------
+# int4 panels
+# --------------------------------------------------------------------------------------------
+
+
+class Int4Panels(NamedTuple):
+    """An int4 weight in the panel layout (module doc): what ``kiln::weight_only_linear`` takes for bits=4 with
+    ``zeros`` (its last argument) and what the builder stores."""
+
+    qweight: torch.Tensor          # uint8 [out/16, in/8, 64]
+    scales: torch.Tensor           # float16 [out/16, in/group_size, 16]
+    zeros: torch.Tensor | None     # uint8 [out/16, in/group_size, 16], or None: 8 everywhere
+    group_size: int
+
+
+def is_int4_panel(qweight: torch.Tensor) -> bool:
+    return qweight.dtype == torch.uint8 and qweight.dim() == 3 and qweight.shape[2] == 64
+
+
+def can_pack_int4_panels(out_features: int, in_features: int, group_size: int) -> bool:
+    """True if the int4 panel layout takes this shape: out % 16 == 0, in % 8 == 0, group_size % 8 == 0 and
+    dividing in."""
+    return (out_features % PANEL == 0 and out_features > 0 and in_features % INT4_BLOCK == 0 and group_size > 0
+            and group_size % INT4_BLOCK == 0 and in_features % group_size == 0)
+
+
+def _check_int4_panels(n: int, k: int, group_size: int) -> None:
+    if not can_pack_int4_panels(n, k, group_size):
+        raise ValueError(f"the int4 panel layout needs out % {PANEL} == 0, in % {INT4_BLOCK} == 0 and a group_size "
+                         f"that is a multiple of {INT4_BLOCK} dividing in; got out={n}, in={k}, "
+                         f"group_size={group_size}")
+
+
+def pack_int4_panels(u: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None,
+                     group_size: int) -> Int4Panels:
+    """Unsigned values ``u`` [out, in] (0..15), ``scales`` [out, in/group_size] (stored as float16) and zero
+    points [out, in/group_size] (0..15; None: 8) -> :class:`Int4Panels`."""
+    n, k = u.shape
+    _check_int4_panels(n, k, group_size)
+    g = k // group_size
+    if tuple(scales.shape) != (n, g) or (zeros is not None and tuple(zeros.shape) != (n, g)):
+        raise ValueError(f"int4 panels: scales/zeros must be [{n}, {g}], got {tuple(scales.shape)} / "
+                         f"{None if zeros is None else tuple(zeros.shape)}")
+    v = u.to(torch.int32) & 0xF
+    # [n/16, 16 rows, k/8 blocks, 4 c, 2 e] -> [n/16, blocks, rows, e, c]; word (row, e) = sum_c v << 4c
+    v = v.reshape(n // PANEL, PANEL, k // INT4_BLOCK, 4, 2).permute(0, 2, 1, 4, 3)
+    words = (v << torch.tensor([0, 4, 8, 12], dtype=torch.int32)).sum(-1)        # [n/16, blocks, 16, 2]
+    words = words.reshape(n // PANEL, k // INT4_BLOCK, 32)
+    qweight = torch.stack([words & 0xFF, words >> 8], dim=-1).to(torch.uint8).reshape(n // PANEL, k // INT4_BLOCK, 64)
+
+    def per_panel(t: torch.Tensor) -> torch.Tensor:
+        return t.reshape(n // PANEL, PANEL, g).transpose(1, 2).contiguous()
+
+    z = None if zeros is None else per_panel(zeros.to(torch.uint8))
+    return Int4Panels(qweight.contiguous(), per_panel(scales.to(torch.float16)), z, group_size)
+
+
+def unpack_int4_panels(panels: Int4Panels) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Inverse of :func:`pack_int4_panels`: (u uint8 [out, in], scales float16 [out, G], zeros uint8 [out, G])."""
+    qw = panels.qweight
+    npan, blocks, _ = qw.shape
+    words = qw.reshape(npan, blocks, 32, 2).to(torch.int32)
+    words = words[..., 0] | (words[..., 1] << 8)                                 # [n/16, blocks, 32]
+    c = (words.unsqueeze(-1) >> torch.tensor([0, 4, 8, 12], dtype=torch.int32)) & 0xF   # [.., 32, 4]
+    c = c.reshape(npan, blocks, PANEL, 2, 4).permute(0, 2, 1, 4, 3)              # [n/16, rows, blocks, c, e]
+    u = c.reshape(npan * PANEL, blocks * INT4_BLOCK).to(torch.uint8)
+    g = panels.scales.shape[1]
+
+    def rows(t: torch.Tensor) -> torch.Tensor:
+        return t.transpose(1, 2).reshape(npan * PANEL, g)
+
+    zeros = rows(panels.zeros) if panels.zeros is not None else torch.full((npan * PANEL, g), 8, dtype=torch.uint8)
+    return u, rows(panels.scales), zeros
+
+
+def quantize_int4_panels(w: torch.Tensor, group_size: int) -> Int4Panels:
+    """kiln's symmetric group-wise int4 (:func:`quantize_int4`'s scheme: the element of largest magnitude maps to
+    -8), with the scale rounded to float16 first and the values rounded against it, in the panel layout."""
+    if w.dim() != 2:
+        raise ValueError(f"quantize_int4_panels expects a 2-D weight [out, in], got shape {tuple(w.shape)}")
+    n, k = w.shape
+    _check_int4_panels(n, k, group_size)
+    wg = w.detach().float().reshape(n, k // group_size, group_size)
+    idx = wg.abs().argmax(dim=2, keepdim=True)
+    mx = torch.gather(wg, 2, idx).squeeze(2)
+    s16 = torch.where(mx != 0, mx / -8.0, torch.ones_like(mx)).clamp(-65504.0, 65504.0).to(torch.float16)
+    s16 = torch.where(s16 == 0, torch.ones_like(s16), s16)   # underflowed scales: the group is ~0 anyway
+    q = torch.round(wg / s16.float()[..., None]).clamp_(-8, 7).to(torch.int32).reshape(n, k)
+    return pack_int4_panels((q + 8).to(torch.uint8), s16, None, group_size)
+
+
+def dequantize_int4_panels(panels: Int4Panels) -> torch.Tensor:
+    """fp32 [out, in] weight of an :class:`Int4Panels`: (u - zero) * scale."""
+    u, s, z = unpack_int4_panels(panels)
+    n, k = u.shape
+    g = s.shape[1]
+    wg = u.float().reshape(n, g, k // g) - z.float()[..., None]
+    return (wg * s.float()[..., None]).reshape(n, k)

@@ -22,6 +22,9 @@ constexpr int64_t KILN_MAX_M = 64;
 // fp32 [N/16][K][16], bf16 and int8 [N/16][K/2][16][2] (pairs of consecutive k). See panel_kernels.h.
 constexpr int KILN_PANEL = 16;
 constexpr int KILN_PAIR = 2;
+// int4 panels: [N/16][K/8][64] bytes, blocks of KILN_INT4_BLOCK consecutive k of a panel's 16 rows in one 64-byte
+// line (see panel_kernels.h); fp16 scales and uint8 zero points [N/16][K/group_size][16].
+constexpr int KILN_INT4_BLOCK = 8;
 
 // Weight types of kiln_linear / kiln_dequant_rows (Python names them by the lower-cased suffix).
 enum KilnWeightType : int {
@@ -35,6 +38,7 @@ enum KilnWeightType : int {
   KILN_W_FP32_PANEL = 7,   // the panel layouts of fp32, bf16, int8
   KILN_W_BF16_PANEL = 8,
   KILN_W_INT8_PANEL = 9,
+  KILN_W_INT4_PANEL = 10,  // kiln_linear_int4_panel (fp16 scales, optional zero points)
 };
 
 // The weight type without its layout (the kernels' M limits are per kind): one of the first four.
@@ -42,10 +46,12 @@ constexpr int kiln_weight_kind(int wtype) {
   return wtype == KILN_W_BF16_PACKED || wtype == KILN_W_BF16_PANEL ? KILN_W_BF16
        : wtype == KILN_W_FP32_PACKED || wtype == KILN_W_FP32_PANEL ? KILN_W_FP32
        : wtype == KILN_W_INT8_PACKED || wtype == KILN_W_INT8_PANEL ? KILN_W_INT8
+       : wtype == KILN_W_INT4_PANEL ? KILN_W_INT4
        : wtype;
 }
 constexpr bool kiln_is_panel(int wtype) {
-  return wtype == KILN_W_FP32_PANEL || wtype == KILN_W_BF16_PANEL || wtype == KILN_W_INT8_PANEL;
+  return wtype == KILN_W_FP32_PANEL || wtype == KILN_W_BF16_PANEL || wtype == KILN_W_INT8_PANEL ||
+         wtype == KILN_W_INT4_PANEL;
 }
 constexpr int KILN_NUM_KINDS = 4;
 
@@ -60,6 +66,15 @@ extern "C" {
 // supported (the caller falls back). x [M, K] and y [M, N]: fp32, or bf16 when bf16_io != 0.
 int kiln_linear(int wtype, const void* w, const float* scales, int64_t group_size, const void* x, int64_t M,
                 int64_t N, int64_t K, const float* bias, void* y, int nthreads, int bf16_io);
+// int4 panels (KILN_W_INT4_PANEL): w [N/16][K/8][64] bytes, scales fp16 bits [N/16][G][16], zeros uint8
+// [N/16][G][16] (0..15) or null (every zero point 8), G = K / group_size; w(n, k) = (u - zero) * scale.
+int kiln_linear_int4_panel(const void* w, const uint16_t* scales, const uint8_t* zeros, int64_t group_size,
+                           const void* x, int64_t M, int64_t N, int64_t K, const float* bias, void* y, int nthreads,
+                           int bf16_io);
+// The panel kernels' tunables by name (row_prefetch, small_prefetch, onepass_prefetch: bytes ahead; 0 = off):
+// 0, or 1 for an unknown name (2: a value out of range).
+int kiln_get_tuning(const char* name, int64_t* value);
+int kiln_set_tuning(const char* name, int64_t value);
 // Dequantize rows [n0, n1) to fp32 out[(n - n0) * K + k].
 int kiln_dequant_rows(int wtype, const void* w, const float* scales, int64_t group_size, int64_t N, int64_t K,
                       int64_t n0, int64_t n1, float* out, int nthreads);

@@ -47,6 +47,7 @@
 #include <cstdlib>
 #include <cstdint>
 #include <cstring>
+#include <string>
 #include <type_traits>
 #include <vector>
 
@@ -684,17 +685,41 @@ bool int4_supported(int64_t K, int64_t group_size) {
 // The same instruction for every vector width (panel_kernels.h names no intrinsic itself).
 inline void prefetch_line(const void* p) { _mm_prefetch(static_cast<const char*>(p), _MM_HINT_T0); }
 
+// The tunables of the panel kernels: software prefetch distances (bytes ahead in a weight stream). Defaults per
+// microarchitecture (default_tuning); kiln.plugins.tuning measures them once per machine at first load and sets
+// them here (kiln_set_tuning), caching its choice beside the kernel cache. 0 turns a prefetch off.
+struct Tuning {
+  int64_t row_prefetch;      // one-row decode (int8, int4): each thread's stream
+  int64_t small_prefetch;    // batched decode (M <= SMALL_M): each panel of a tile's first pass
+  int64_t onepass_prefetch;  // AVX-512 one-pass batched decode (13..16 rows)
+};
+
+// CPU family / model (AMD: Zen 3 = family 25 models 0x00-0x0f, 0x20-0x5f; Zen 4 = 25, 0x10-0x1f, 0x60-0xaf;
+// Zen 5 = 26) -> the distances measured there; anything else gets Zen 5's (the most measured).
+Tuning default_tuning() {
+  unsigned eax = 0, ebx = 0, ecx = 0, edx = 0;
+  __asm__("cpuid" : "=a"(eax), "=b"(ebx), "=c"(ecx), "=d"(edx) : "a"(1), "c"(0));
+  const unsigned family = ((eax >> 8) & 0xf) + (((eax >> 8) & 0xf) == 0xf ? (eax >> 20) & 0xff : 0);
+  const unsigned model = ((eax >> 4) & 0xf) | (((eax >> 16) & 0xf) << 4);
+  const bool zen3 = family == 25 && (model < 0x10 || (model >= 0x20 && model < 0x60));
+  if (zen3) return {1024, 1024, 0};
+  return {2048, 4096, 8192};
+}
+
+Tuning& tuning() {
+  static Tuning t = default_tuning();
+  return t;
+}
+
 namespace k256 {
 struct Isa {
   using V = __m256;
   using VI = __m256i;
   static constexpr int L = 8;
-  // float path: 6 rows x 1 panel (12 accumulators of the 16 registers); int path 4 x 1 (8)
-  static constexpr int MR_BIG = 6, NP_BIG = 1, MR_INT = 4, NP_INT = 1;
-  // no one-pass small-batch kernel (16 accumulators would take every register) and no software prefetch
-  // (not measured on an AVX2-only CPU)
+  // float path: 6 rows x 1 panel (12 accumulators of the 16 registers); int path 4 x 1 (8); int4 4 x 1 (8)
+  static constexpr int MR_BIG = 6, NP_BIG = 1, MR_INT = 4, NP_INT = 1, MR_INT4 = 4, NP_INT4 = 1;
+  // no one-pass small-batch kernel (16 accumulators would take every register)
   static constexpr int MR_ONEPASS = 0;
-  static constexpr int64_t PF_ONEPASS = 0, PF_SMALL = 0;
   static constexpr int64_t MC = 96;
   static inline V zero() { return _mm256_setzero_ps(); }
   static inline V set1(float v) { return _mm256_set1_ps(v); }
@@ -724,6 +749,20 @@ struct Isa {
   static inline V cvt(VI v) { return _mm256_cvtepi32_ps(v); }
   static inline VI iload(const void* p) { return _mm256_loadu_si256(static_cast<const __m256i*>(p)); }
   static inline V dot_bf16(V acc, VI, VI) { return acc; }  // no bf16 dot product in AVX2: never called
+  // nibble C of each 16-bit lane (int4 panels)
+  template <int C>
+  static inline VI nib(VI w) {
+    if constexpr (C == 3) return _mm256_srli_epi16(w, 12);
+    else if constexpr (C == 0) return _mm256_and_si256(w, _mm256_set1_epi16(15));
+    else return _mm256_and_si256(_mm256_srli_epi16(w, 4 * C), _mm256_set1_epi16(15));
+  }
+  static inline VI imul(VI a, VI b) { return _mm256_mullo_epi32(a, b); }
+  static inline VI u8_to_i32(const uint8_t* p) {
+    return _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+  }
+  static inline V f16_to_f32(const uint16_t* p) {
+    return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  }
 };
 #include "panel_kernels.h"
 }  // namespace k256
@@ -735,14 +774,10 @@ struct Isa {
   using V = __m512;
   using VI = __m512i;
   static constexpr int L = 16;
-  // float path: 12 rows x 2 panels (24 accumulators of the 32 registers); int path 8 x 2 (16)
-  static constexpr int MR_BIG = 12, NP_BIG = 2, MR_INT = 8, NP_INT = 2;
+  // float path: 12 rows x 2 panels (24 accumulators of the 32 registers); int path 8 x 2 (16); int4 8 x 2 (16)
+  static constexpr int MR_BIG = 12, NP_BIG = 2, MR_INT = 8, NP_INT = 2, MR_INT4 = 8, NP_INT4 = 2;
   // 13..16 rows (batched decode): one pass of 16 rows x 1 panel over the weights (panel_float with KMAJOR)
   static constexpr int MR_ONEPASS = 16;
-  // Software prefetch distance (bytes ahead in a weight panel) of the passes that stream the weights from
-  // memory at up to 16 rows: with the FMA units busy, the hardware prefetcher alone keeps too few lines in
-  // flight for one or two streams per core (measured on Zen 5; the distances are the best of a sweep).
-  static constexpr int64_t PF_ONEPASS = 8192, PF_SMALL = 4096;
   static constexpr int64_t MC = 96;
   static inline V zero() { return _mm512_setzero_ps(); }
   static inline V set1(float v) { return _mm512_set1_ps(v); }
@@ -770,6 +805,19 @@ struct Isa {
   static inline V cvt(VI v) { return _mm512_cvtepi32_ps(v); }
   static inline VI iload(const void* p) { return _mm512_loadu_si512(p); }
   static inline V dot_bf16(V acc, VI w, VI x) { return _mm512_dpbf16_ps(acc, (__m512bh)w, (__m512bh)x); }
+  template <int C>
+  static inline VI nib(VI w) {
+    if constexpr (C == 3) return _mm512_srli_epi16(w, 12);
+    else if constexpr (C == 0) return _mm512_and_si512(w, _mm512_set1_epi16(15));
+    else return _mm512_and_si512(_mm512_srli_epi16(w, 4 * C), _mm512_set1_epi16(15));
+  }
+  static inline VI imul(VI a, VI b) { return _mm512_mullo_epi32(a, b); }
+  static inline VI u8_to_i32(const uint8_t* p) {
+    return _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  }
+  static inline V f16_to_f32(const uint16_t* p) {
+    return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  }
 };
 #include "panel_kernels.h"
 }  // namespace k512
@@ -861,9 +909,17 @@ bool quantize_rows_int16(const float* x, int64_t M, int64_t K, int16_t* xq, floa
   return true;
 }
 
+struct Int4View {
+  const uint8_t* w;
+  const uint16_t* s;
+  const uint8_t* z;
+  int64_t K, gs;
+};
+
 // y = x @ W^T (+ bias) for a panel-layout weight; 0, or 2 when the shape does not fit the layout.
 int run_panel(int wtype, const void* w, const float* scales, const void* xin, int64_t M, int64_t N, int64_t K,
               const float* bias, void* yout, int nthreads, bool bf16_io) {
+  if (wtype == KILN_W_INT4_PANEL) return 3;  // kiln_linear_int4_panel
   if (N % KILN_PANEL != 0 || (wtype != KILN_W_FP32_PANEL && K % KILN_PAIR != 0)) return 2;
   const bool wide = panel_isa() == 512;
   const bool int8 = wtype == KILN_W_INT8_PANEL;
@@ -900,6 +956,47 @@ int run_panel(int wtype, const void* w, const float* scales, const void* xin, in
   const auto* wf = static_cast<const float*>(w);
   if (wide) k512::panel_gemm_float<k512::PanelF32>(wf, M, N, K, x, ep512, nthreads);
   else k256::panel_gemm_float<k256::PanelF32>(wf, M, N, K, x, ep256, nthreads);
+  return 0;
+}
+
+// int4 panels: 0; 2 when the shape does not fit the layout; 4 when x holds a NaN or an infinity (the caller
+// computes in fp32 then, so that they propagate as in the reference).
+int run_int4_panel(const Int4View& v, const void* xin, int64_t M, int64_t N, const float* bias, void* yout,
+                   int nthreads, bool bf16_io) {
+  const int64_t K = v.K, gs = v.gs;
+  if (N % KILN_PANEL != 0 || K % KILN_INT4_BLOCK != 0 || gs <= 0 || gs % KILN_INT4_BLOCK != 0 || K % gs != 0) return 2;
+  const float* x = x_fp32(xin, M, K, bf16_io);
+  thread_local std::vector<int16_t> xq;
+  thread_local std::vector<float> sx;
+  thread_local std::vector<int32_t> xs;
+  const int64_t G = K / gs;
+  xq.resize(size_t(M * K));
+  sx.resize(size_t(M));
+  xs.resize(size_t(M * G));
+  if (!quantize_rows_int16(x, M, K, xq.data(), sx.data())) return 4;
+  for (int64_t m = 0; m < M; ++m)  // each row's group sums (exact in int32: gs * 32767 < 2^31)
+    for (int64_t g = 0; g < G; ++g) {
+      const int16_t* q = xq.data() + m * K + g * gs;
+      __m256i a = _mm256_setzero_si256();
+      int64_t k = 0;
+      for (; k + 16 <= gs; k += 16)
+        a = _mm256_add_epi32(a, _mm256_madd_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + k)),
+                                                  _mm256_set1_epi16(1)));
+      alignas(32) int32_t t[8];
+      _mm256_store_si256(reinterpret_cast<__m256i*>(t), a);
+      int32_t sum = t[0] + t[1] + t[2] + t[3] + t[4] + t[5] + t[6] + t[7];
+      for (; k < gs; ++k) sum += q[k];
+      xs[size_t(m * G + g)] = sum;
+    }
+  float* y = bf16_io ? nullptr : static_cast<float*>(yout);
+  uint16_t* yb = bf16_io ? static_cast<uint16_t*>(yout) : nullptr;
+  if (panel_isa() == 512) {
+    k512::panel_gemm_int4({v.w, v.s, v.z, K, gs}, M, N, xq.data(), sx.data(), xs.data(),
+                          k512::Epilogue{nullptr, bias, y, yb, N}, nthreads);
+  } else {
+    k256::panel_gemm_int4({v.w, v.s, v.z, K, gs}, M, N, xq.data(), sx.data(), xs.data(),
+                          k256::Epilogue{nullptr, bias, y, yb, N}, nthreads);
+  }
   return 0;
 }
 
@@ -977,6 +1074,35 @@ double kiln_stream_sum(const float* p, int64_t n, int nthreads) {
   }
   for (int64_t k = tiles * L * S; k < n; ++k) total += p[k];
   return total;
+}
+
+int kiln_linear_int4_panel(const void* w, const uint16_t* scales, const uint8_t* zeros, int64_t group_size,
+                           const void* x, int64_t M, int64_t N, int64_t K, const float* bias, void* y, int nthreads,
+                           int bf16_io) {
+  if (M < 1 || N < 1 || K < 1) return 1;
+  return run_int4_panel({static_cast<const uint8_t*>(w), scales, zeros, K, group_size}, x, M, N, bias, y, nthreads,
+                        bf16_io != 0);
+}
+
+int kiln_get_tuning(const char* name, int64_t* value) {
+  const Tuning& t = tuning();
+  const std::string n(name);
+  if (n == "row_prefetch") *value = t.row_prefetch;
+  else if (n == "small_prefetch") *value = t.small_prefetch;
+  else if (n == "onepass_prefetch") *value = t.onepass_prefetch;
+  else return 1;
+  return 0;
+}
+
+int kiln_set_tuning(const char* name, int64_t value) {
+  if (value < 0 || value > (1 << 16)) return 2;
+  Tuning& t = tuning();
+  const std::string n(name);
+  if (n == "row_prefetch") t.row_prefetch = value;
+  else if (n == "small_prefetch") t.small_prefetch = value;
+  else if (n == "onepass_prefetch") t.onepass_prefetch = value;
+  else return 1;
+  return 0;
 }
 
 int kiln_dequant_rows(int wtype, const void* w, const float* scales, int64_t group_size,

@@ -35,12 +35,12 @@ static_assert(KILN_W_BF16 == 0 && KILN_W_INT8 == 1 && KILN_W_INT4 == 2 && KILN_W
 using OptT = std::optional<at::Tensor>;
 
 at::Tensor wol_py(const at::Tensor& x, const at::Tensor& qw, const at::Tensor& s, const OptT& bias,
-                  int64_t bits, int64_t gs) {
+                  int64_t bits, int64_t gs, const OptT& zeros) {
   static auto op = c10::Dispatcher::singleton()
                        .findSchemaOrThrow("kiln::_weight_only_linear_py", "")
                        .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&,
-                                         const OptT&, int64_t, int64_t)>();
-  return op.call(x, qw, s, bias, bits, gs);
+                                         const OptT&, int64_t, int64_t, const OptT&)>();
+  return op.call(x, qw, s, bias, bits, gs, zeros);
 }
 
 // kiln::_bf16_linear_py or kiln::_fp32_linear_py
@@ -113,13 +113,54 @@ at::Tensor run(int wtype, const at::Tensor& x, const at::Tensor& w, const float*
   return y.view(shape);
 }
 
+// int4 panels (qweight uint8 [N/16, K/8, 64], scales fp16 [N/16, G, 16], zeros uint8 like scales or none): the
+// kernel's result, or an undefined tensor when it declines (x with NaN/inf, shapes it does not take).
+at::Tensor int4_panel(const at::Tensor& x, const at::Tensor& qw, const at::Tensor& scales, const OptT& bias,
+                      int64_t gs, const OptT& zeros) {
+  const int64_t N = qw.size(0) * KILN_PANEL, K = qw.size(1) * KILN_INT4_BLOCK;
+  if (gs <= 0 || K % gs != 0 || !act_ok(x, K) || scales.scalar_type() != at::kHalf || scales.dim() != 3 ||
+      scales.size(0) != qw.size(0) || scales.size(1) != K / gs || scales.size(2) != KILN_PANEL)
+    return at::Tensor();
+  const bool hasz = zeros.has_value() && zeros->defined();
+  if (hasz && (zeros->scalar_type() != at::kByte || zeros->sizes() != scales.sizes())) return at::Tensor();
+  const bool bf16_io = x.scalar_type() == at::kBFloat16;
+  at::Tensor x2 = x.reshape({-1, K});
+  if (!bf16_io && x2.scalar_type() != at::kFloat) x2 = x2.to(at::kFloat);
+  x2 = x2.contiguous();
+  at::Tensor b;
+  const float* bp = nullptr;
+  if (bias.has_value() && bias->defined()) {
+    if (bias->dim() != 1 || bias->size(0) != N) return at::Tensor();
+    b = bias->to(at::kFloat).contiguous();
+    bp = static_cast<const float*>(b.const_data_ptr());
+  }
+  const at::Tensor w = qw.contiguous(), s = scales.contiguous();
+  at::Tensor z;
+  if (hasz) z = zeros->contiguous();
+  at::Tensor y = at::empty({x2.size(0), N}, x2.options());
+  if (kiln_linear_int4_panel(w.const_data_ptr(), static_cast<const uint16_t*>(s.const_data_ptr()),
+                             hasz ? static_cast<const uint8_t*>(z.const_data_ptr()) : nullptr, gs,
+                             x2.const_data_ptr(), x2.size(0), N, K, bp, y.data_ptr(), at::get_num_threads(),
+                             bf16_io) != 0)
+    return at::Tensor();
+  if (y.scalar_type() != x.scalar_type()) y = y.to(x.scalar_type());
+  std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
+  shape.back() = N;
+  return y.view(shape);
+}
+
 at::Tensor weight_only_linear_cpu(const at::Tensor& x, const at::Tensor& qweight,
                                   const at::Tensor& scales, const OptT& bias, int64_t bits,
-                                  int64_t group_size) {
+                                  int64_t group_size, const OptT& zeros) {
+  if (bits == 4 && qweight.scalar_type() == at::kByte && qweight.dim() == 3 && qweight.size(2) == 64) {
+    at::Tensor y;
+    if (g_enabled.load(std::memory_order_relaxed)) y = int4_panel(x, qweight, scales, bias, group_size, zeros);
+    return y.defined() ? y : wol_py(x, qweight, scales, bias, bits, group_size, zeros);
+  }
   const bool panel = bits == 8 && qweight.scalar_type() == at::kChar && panel_layout(qweight);
   const bool packed = bits == 8 && !panel && packed_rows(qweight);
   if (!g_enabled.load(std::memory_order_relaxed) || !(qweight.dim() == 2 || packed || panel))
-    return wol_py(x, qweight, scales, bias, bits, group_size);
+    return wol_py(x, qweight, scales, bias, bits, group_size, zeros);
   const int64_t N = weight_nk(qweight).first;
   int wtype = -1;
   int64_t K = 0;
@@ -132,12 +173,12 @@ at::Tensor weight_only_linear_cpu(const at::Tensor& x, const at::Tensor& qweight
       wtype = KILN_W_INT4;
   }
   if (wtype < 0 || N == 0 || !act_ok(x, K) || scales.scalar_type() != at::kFloat)
-    return wol_py(x, qweight, scales, bias, bits, group_size);
+    return wol_py(x, qweight, scales, bias, bits, group_size, zeros);
   const at::Tensor w = qweight.contiguous();
   const at::Tensor s = scales.contiguous();
   const float* sp = static_cast<const float*>(s.const_data_ptr());
   at::Tensor y = run(wtype, x, w, sp, bias, wtype == KILN_W_INT4 ? group_size : 0, N, K);
-  return y.defined() ? y : wol_py(x, qweight, scales, bias, bits, group_size);
+  return y.defined() ? y : wol_py(x, qweight, scales, bias, bits, group_size, zeros);
 }
 
 // kiln::bf16_linear (KILN_W_BF16, bf16 weights) and kiln::fp32_linear (KILN_W_FP32, fp32 weights);

@@ -21,7 +21,7 @@
 //     One row of x (decode) runs panel_int8_row: a panel at a time, one sequential stream per thread.
 // Tiles for the threads: MC rows of x (kept in L2) x NP panels (kept in L1/L2 while the MC rows pass).
 // Batched decode (M <= SMALL_M): each tile's weights come from memory once, so the first pass over a tile
-// prefetches ahead (Isa::PF_SMALL); on AVX-512, 13..16 rows run in a single pass (panel_float with KMAJOR,
+// prefetches ahead (tuning().small_prefetch bytes); on AVX-512, 13..16 rows run in a single pass (panel_float with KMAJOR,
 // panel_bf16dot_kmajor).
 
 constexpr int VP = 16 / Isa::L;  // vectors per panel step
@@ -79,12 +79,12 @@ struct Epilogue {
 
 // ---- float path ---------------------------------------------------------------------------------------
 
-// PF: prefetch Isa::PF_SMALL bytes ahead in each panel (the pass that streams a tile from memory).
+// PF: prefetch tuning().small_prefetch bytes ahead in each panel (the pass that streams a tile from memory).
 // KMAJOR (batched decode, 13..16 rows, AVX-512): all rows in one pass over the weights, so the FMAs overlap the
 // weight stream from memory instead of a second pass re-reading each tile from L2 while memory idles. x is then
 // packed k-major (pack_kmajor: x[k][MR], rows >= `rows` zero; ldx unused): the MR broadcasts of a step read one
 // cache line, where MR rows of x K * 4 bytes apart would share one L1 set (K = 1024: 16 rows, 12 ways); it
-// prefetches Isa::PF_ONEPASS ahead and stores the first `rows` rows.
+// prefetches tuning().onepass_prefetch bytes ahead and stores the first `rows` rows.
 template <class W, int MR, int NP, bool PF = false, bool KMAJOR = false>
 inline void panel_float(const typename W::T* w, int64_t pstride, const float* x, int64_t ldx, int64_t K,
                         const Epilogue& ep, int64_t m0, int64_t n0, int rows = MR) {
@@ -94,11 +94,11 @@ inline void panel_float(const typename W::T* w, int64_t pstride, const float* x,
     for (int p = 0; p < NP; ++p)
       for (int v = 0; v < VP; ++v) acc[i][p][v] = Isa::zero();
   const int64_t steps = K / W::S;
+  const int64_t pfd = KMAJOR ? tuning().onepass_prefetch : tuning().small_prefetch;
   for (int64_t t = 0; t < steps; ++t) {
     const typename W::T* q = w + t * W::STEP;
     if constexpr (PF || KMAJOR)
-      for (int p = 0; p < NP; ++p)
-        prefetch_line(reinterpret_cast<const char*>(q + p * pstride) + (KMAJOR ? Isa::PF_ONEPASS : Isa::PF_SMALL));
+      for (int p = 0; p < NP; ++p) prefetch_line(reinterpret_cast<const char*>(q + p * pstride) + pfd);
     for (int s = 0; s < W::S; ++s) {
       Isa::V wv[NP][VP];
       for (int p = 0; p < NP; ++p)
@@ -143,6 +143,7 @@ inline void panel_int8(const int8_t* w, int64_t pstride, const int32_t* xq, int6
     for (int p = 0; p < NP; ++p)
       for (int v = 0; v < VP; ++v) facc[i][p][v] = Isa::zero();
   const int64_t pairs = K / 2;
+  const int64_t pfd = tuning().small_prefetch;
   for (int64_t t0 = 0; t0 < pairs; t0 += FLUSH_PAIRS) {
     const int64_t t1 = std::min(pairs, t0 + FLUSH_PAIRS);
     Isa::VI acc[MR][NP][VP];
@@ -152,7 +153,7 @@ inline void panel_int8(const int8_t* w, int64_t pstride, const int32_t* xq, int6
     for (int64_t t = t0; t < t1; ++t) {
       if constexpr (PF)
         if ((t & 1) == 0)  // a step is 32 bytes: one prefetch per 64-byte line
-          for (int p = 0; p < NP; ++p) prefetch_line(w + p * pstride + t * 32 + Isa::PF_SMALL);
+          for (int p = 0; p < NP; ++p) prefetch_line(w + p * pstride + t * 32 + pfd);
       Isa::VI wv[NP][VP];
       for (int p = 0; p < NP; ++p)
         for (int v = 0; v < VP; ++v) wv[p][v] = Isa::i16_pairs(w + p * pstride + t * 32 + v * 2 * Isa::L);
@@ -174,14 +175,13 @@ inline void panel_int8(const int8_t* w, int64_t pstride, const int32_t* xq, int6
 // bitwise that of panel_int8<1, NP>. panel_gemm_int8 gives each thread a contiguous run of panels, so
 // that a thread reads one sequential stream: the hardware prefetcher keeps far more of it in flight than
 // of 4 interleaved panel streams, and the chains keep the loop issuing loads as fast as they arrive.
-// Software prefetch 2 KiB ahead on top (the best of 1-8 KiB, on Zen 5 with either vector width) keeps
-// still more in flight, also across the start of the next panel.
+// Software prefetch `pf` bytes ahead on top (tuning().row_prefetch: 2 KiB was the best of 1-8 KiB on Zen 5
+// with either vector width) keeps still more in flight, also across the start of the next panel.
 constexpr int ROW_CHAINS = 4;
-constexpr int64_t ROW_PREFETCH = 2048;
 static_assert(ROW_CHAINS * 32 == 2 * 64, "one prefetch per 64-byte line of a ROW_CHAINS-step iteration");
 
 inline void panel_int8_row(const int8_t* w, const int32_t* xq, float sx, int64_t K, const Epilogue& ep,
-                           int64_t n0) {
+                           int64_t n0, int64_t pf) {
   Isa::V facc[VP];
   for (int v = 0; v < VP; ++v) facc[v] = Isa::zero();
   const int64_t pairs = K / 2;
@@ -192,9 +192,9 @@ inline void panel_int8_row(const int8_t* w, const int32_t* xq, float sx, int64_t
       for (int v = 0; v < VP; ++v) acc[c][v] = Isa::izero();
     int64_t t = t0;
     for (; t + ROW_CHAINS <= t1; t += ROW_CHAINS) {
-      // the ROW_CHAINS steps' two 64-byte lines, ROW_PREFETCH bytes ahead (into the next panel at the end)
-      prefetch_line(w + t * 32 + ROW_PREFETCH);
-      prefetch_line(w + t * 32 + 64 + ROW_PREFETCH);
+      // the ROW_CHAINS steps' two 64-byte lines, pf bytes ahead (into the next panel at the end)
+      prefetch_line(w + t * 32 + pf);
+      prefetch_line(w + t * 32 + 64 + pf);
       for (int c = 0; c < ROW_CHAINS; ++c) {
         const Isa::VI xb = Isa::iset1(xq[t + c]);
         for (int v = 0; v < VP; ++v)
@@ -225,10 +225,10 @@ inline void panel_bf16dot(const uint16_t* w, int64_t pstride, const int32_t* xp,
     for (int p = 0; p < NP; ++p)
       for (int v = 0; v < VP; ++v) acc[i][p][v] = Isa::zero();
   const int64_t pairs = K / 2;
+  const int64_t pfd = tuning().small_prefetch;
   for (int64_t t = 0; t < pairs; ++t) {
     if constexpr (PF)
-      for (int p = 0; p < NP; ++p)
-        prefetch_line(reinterpret_cast<const char*>(w + p * pstride + t * 32) + Isa::PF_SMALL);
+      for (int p = 0; p < NP; ++p) prefetch_line(reinterpret_cast<const char*>(w + p * pstride + t * 32) + pfd);
     Isa::VI wv[NP][VP];
     for (int p = 0; p < NP; ++p)
       for (int v = 0; v < VP; ++v) wv[p][v] = Isa::iload(w + p * pstride + t * 32 + v * 2 * Isa::L);
@@ -250,8 +250,9 @@ inline void panel_bf16dot_kmajor(const uint16_t* w, const int32_t* xp, int64_t K
   for (int i = 0; i < MR; ++i)
     for (int v = 0; v < VP; ++v) acc[i][v] = Isa::zero();
   const int64_t pairs = K / 2;
+  const int64_t pfd = tuning().onepass_prefetch;
   for (int64_t t = 0; t < pairs; ++t) {
-    prefetch_line(reinterpret_cast<const char*>(w + t * 32) + Isa::PF_ONEPASS);
+    prefetch_line(reinterpret_cast<const char*>(w + t * 32) + pfd);
     Isa::VI wv[VP];
     for (int v = 0; v < VP; ++v) wv[v] = Isa::iload(w + t * 32 + v * 2 * Isa::L);
     const int32_t* xk = xp + t * MR;
@@ -323,6 +324,141 @@ inline void tile_bf16dot(const uint16_t* w, int64_t K, const int32_t* xp, int64_
   for_row_blocks<MRB>(m0, m1, pass);
 }
 
+// ---- int4 panels --------------------------------------------------------------------------------------
+// Layout (KILN_W_INT4_PANEL): [N/16][K/8][64] bytes. Block b of a panel holds k = 8b .. 8b+7 of its 16 rows in one
+// 64-byte line, as 32 little-endian 16-bit words: word i (0..31), nibble c (bits 4c..4c+3) is the unsigned value
+// u (0..15) of element (n = i/2, k = 8b + 2c + i%2). So (word >> 4c) & 15 are the int16 pairs (k even, k odd) of
+// pair step 4b + c for 16 outputs: one load and a shift + mask per step give what vpmaddwd / vpdpwssd multiply
+// with a broadcast pair of x, for either vector width (AVX2 reads the line as two 32-byte halves, rows 0-7 and
+// 8-15). Per group of gs k (gs % 8 == 0), each row has an fp16 scale and a zero point z (uint8, or 8 for all when
+// the weight has none): w = (u - z) * scale. The int32 sums start at -z * sum(x in the group) (exact), so a
+// group's sum is sum((u - z) * x) before one conversion and one FMA with its scale.
+// Sums stay exact within INT4_CHUNK blocks (2048 k: 256 x 2 x 15 x 32767 per chain, four chains < 2^31).
+constexpr int64_t INT4_CHUNK = 256;
+
+struct Int4W {
+  const uint8_t* w;     // [N/16][K/8][64]
+  const uint16_t* s;    // [N/16][G][16] fp16 bits
+  const uint8_t* z;     // [N/16][G][16] or null
+  int64_t K, gs;
+  int64_t groups() const { return K / gs; }
+  int64_t pbytes() const { return (K / 8) * 64; }
+  const uint8_t* panel(int64_t p) const { return w + p * pbytes(); }
+  const uint16_t* pscales(int64_t p) const { return s + p * groups() * 16; }
+  const uint8_t* pzeros(int64_t p) const { return z ? z + p * groups() * 16 : nullptr; }
+};
+
+// The int32 start of a group's sums for vector v of a panel: -zero * xsum.
+inline Isa::VI int4_start(const uint8_t* zg, int v, int32_t xsum) {
+  if (!zg) return Isa::iset1(-8 * xsum);
+  return Isa::imul(Isa::u8_to_i32(zg + v * Isa::L), Isa::iset1(-xsum));
+}
+
+// Decode (one row of x), one panel: four int32 chains (one per pair step of a block), one sequential stream.
+inline void panel_int4_row(const Int4W& W, int64_t p, const int32_t* xq, float sx, const int32_t* xs,
+                           const Epilogue& ep, int64_t pf) {
+  const uint8_t* w = W.panel(p);
+  const uint16_t* sc = W.pscales(p);
+  const uint8_t* zp = W.pzeros(p);
+  const int64_t G = W.groups(), gblocks = W.gs / 8;
+  Isa::V facc[VP];
+  for (int v = 0; v < VP; ++v) facc[v] = Isa::zero();
+  for (int64_t g = 0; g < G; ++g) {
+    const uint8_t* zg = zp ? zp + g * 16 : nullptr;
+    for (int64_t b0 = g * gblocks; b0 < (g + 1) * gblocks; b0 += INT4_CHUNK) {
+      const int64_t b1 = std::min((g + 1) * gblocks, b0 + INT4_CHUNK);
+      Isa::VI acc[4][VP];
+      for (int v = 0; v < VP; ++v) {
+        acc[0][v] = b0 == g * gblocks ? int4_start(zg, v, xs[g]) : Isa::izero();
+        acc[1][v] = acc[2][v] = acc[3][v] = Isa::izero();
+      }
+      for (int64_t b = b0; b < b1; ++b) {
+        const uint8_t* q = w + b * 64;
+        prefetch_line(q + pf);
+        const Isa::VI x0 = Isa::iset1(xq[4 * b]), x1 = Isa::iset1(xq[4 * b + 1]);
+        const Isa::VI x2 = Isa::iset1(xq[4 * b + 2]), x3 = Isa::iset1(xq[4 * b + 3]);
+        for (int v = 0; v < VP; ++v) {
+          const Isa::VI wv = Isa::iload(q + v * 4 * Isa::L);
+          acc[0][v] = Isa::dot_pairs(acc[0][v], Isa::template nib<0>(wv), x0);
+          acc[1][v] = Isa::dot_pairs(acc[1][v], Isa::template nib<1>(wv), x1);
+          acc[2][v] = Isa::dot_pairs(acc[2][v], Isa::template nib<2>(wv), x2);
+          acc[3][v] = Isa::dot_pairs(acc[3][v], Isa::template nib<3>(wv), x3);
+        }
+      }
+      for (int v = 0; v < VP; ++v) {
+        const Isa::VI t = Isa::iadd(Isa::iadd(acc[0][v], acc[1][v]), Isa::iadd(acc[2][v], acc[3][v]));
+        facc[v] = Isa::fma(Isa::f16_to_f32(sc + g * 16 + v * Isa::L), Isa::cvt(t), facc[v]);
+      }
+    }
+  }
+  ep.store(0, p * 16, facc, VP, sx);
+}
+
+// MR rows of x x NP panels (p0 .. p0+NP-1). xq [MR][ldx] int16 pairs, xs [MR][G] the rows' group sums.
+template <int MR, int NP, bool PF = false>
+inline void panel_int4(const Int4W& W, int64_t p0, const int32_t* xq, int64_t ldx, const float* sx, const int32_t* xs,
+                       const Epilogue& ep, int64_t m0, int64_t pf) {
+  const int64_t G = W.groups(), gblocks = W.gs / 8, pb = W.pbytes();
+  const uint8_t* w = W.panel(p0);
+  Isa::V facc[MR][NP][VP];
+  for (int i = 0; i < MR; ++i)
+    for (int p = 0; p < NP; ++p)
+      for (int v = 0; v < VP; ++v) facc[i][p][v] = Isa::zero();
+  for (int64_t g = 0; g < G; ++g) {
+    for (int64_t b0 = g * gblocks; b0 < (g + 1) * gblocks; b0 += INT4_CHUNK) {
+      const int64_t b1 = std::min((g + 1) * gblocks, b0 + INT4_CHUNK);
+      Isa::VI acc[MR][NP][VP];
+      for (int p = 0; p < NP; ++p) {
+        const uint8_t* zg = W.z ? W.pzeros(p0 + p) + g * 16 : nullptr;
+        for (int i = 0; i < MR; ++i)
+          for (int v = 0; v < VP; ++v)
+            acc[i][p][v] = b0 == g * gblocks ? int4_start(zg, v, xs[i * G + g]) : Isa::izero();
+      }
+      for (int64_t b = b0; b < b1; ++b) {
+        Isa::VI wv[NP][VP];
+        for (int p = 0; p < NP; ++p) {
+          if constexpr (PF) prefetch_line(w + p * pb + b * 64 + pf);
+          for (int v = 0; v < VP; ++v) wv[p][v] = Isa::iload(w + p * pb + b * 64 + v * 4 * Isa::L);
+        }
+        const auto step = [&](auto cc) {
+          constexpr int C = decltype(cc)::value;
+          Isa::VI u[NP][VP];
+          for (int p = 0; p < NP; ++p)
+            for (int v = 0; v < VP; ++v) u[p][v] = Isa::template nib<C>(wv[p][v]);
+          for (int i = 0; i < MR; ++i) {
+            const Isa::VI xb = Isa::iset1(xq[i * ldx + 4 * b + C]);
+            for (int p = 0; p < NP; ++p)
+              for (int v = 0; v < VP; ++v) acc[i][p][v] = Isa::dot_pairs(acc[i][p][v], u[p][v], xb);
+          }
+        };
+        step(std::integral_constant<int, 0>{});
+        step(std::integral_constant<int, 1>{});
+        step(std::integral_constant<int, 2>{});
+        step(std::integral_constant<int, 3>{});
+      }
+      for (int p = 0; p < NP; ++p)
+        for (int v = 0; v < VP; ++v) {
+          const Isa::V s = Isa::f16_to_f32(W.pscales(p0 + p) + g * 16 + v * Isa::L);
+          for (int i = 0; i < MR; ++i) facc[i][p][v] = Isa::fma(s, Isa::cvt(acc[i][p][v]), facc[i][p][v]);
+        }
+    }
+  }
+  for (int i = 0; i < MR; ++i) ep.store(m0 + i, p0 * 16, &facc[i][0][0], NP * VP, sx[i]);
+}
+
+// Rows m0..m1 against panels g*NP .. g*NP+NP-1; the first pass over the tile prefetches (PF).
+template <int NP, int MRB, bool PF = false>
+inline void tile_int4(const Int4W& W, const int32_t* xq, const float* sx, const int32_t* xs, int64_t m0, int64_t m1,
+                      int64_t g, const Epilogue& ep, int64_t pf) {
+  const int64_t ld = W.K / 2, G = W.groups();
+  const auto pass = [&](auto rows, int64_t m) {
+    constexpr int R = decltype(rows)::value;
+    if (PF && m == m0) panel_int4<R, NP, PF>(W, g * NP, xq + m * ld, ld, sx + m, xs + m * G, ep, m, pf);
+    else panel_int4<R, NP>(W, g * NP, xq + m * ld, ld, sx + m, xs + m * G, ep, m, pf);
+  };
+  for_row_blocks<MRB>(m0, m1, pass);
+}
+
 // Tiles (row block of MC rows, group of NP panels), row-block major so that a thread's consecutive tiles
 // share their rows of x; dynamic chunks so that a thread preempted by another process holds back little.
 template <class F>
@@ -341,8 +477,8 @@ inline void for_tiles(int64_t M, int64_t groups, int64_t MC, int nthreads, F&& f
 // Software prefetch distance for the GEMMs of a batched decode step (up to SMALL_M rows: one row block, each
 // tile's weights streamed from memory once); prefill's row blocks are compute-bound and run without.
 constexpr int64_t SMALL_M = 32;
-constexpr bool PREFETCHING = Isa::PF_SMALL > 0;  // false: no prefetching kernel instances at all
-inline bool small_batch_prefetch(int64_t M) { return PREFETCHING && M <= SMALL_M; }
+constexpr bool PREFETCHING = true;  // the prefetching instances exist; tuning().small_prefetch == 0 skips them
+inline bool small_batch_prefetch(int64_t M) { return tuning().small_prefetch > 0 && M <= SMALL_M; }
 
 // y[M, N] = x[M, K] @ W^T (* channel scales) (+ bias) for a panel-layout weight of type W.
 // x: fp32 [M][K]. Float path.
@@ -395,8 +531,9 @@ inline void panel_gemm_int8(const int8_t* w, int64_t M, int64_t N, int64_t K, co
     // sequential run of memory
     const int64_t panels = N / 16, pstride = K * 16;
     const int nt = int(std::max<int64_t>(1, std::min<int64_t>(nthreads, panels)));
+    const int64_t pf = tuning().row_prefetch;
 #pragma omp parallel for num_threads(nt) schedule(static)
-    for (int64_t p = 0; p < panels; ++p) panel_int8_row(w + p * pstride, xq, sx[0], K, ep, p * 16);
+    for (int64_t p = 0; p < panels; ++p) panel_int8_row(w + p * pstride, xq, sx[0], K, ep, p * 16, pf);
     return;
   }
   if (M < 4 && (N / 16) % 4 == 0) {
@@ -443,6 +580,34 @@ inline void panel_gemm_bf16dot(const uint16_t* w, int64_t M, int64_t N, int64_t 
   } else {
     for_tiles(M, N / 16, Isa::MC, nthreads, [&](int64_t m0, int64_t m1, int64_t g) {
       tile_bf16dot<1, Isa::MR_BIG>(w, K, xp, m0, m1, g, ep);
+    });
+  }
+}
+
+// int4 panels: xq [M][K] int16 (K % 8 == 0), sx [M], xs [M][G] the int32 sums of each row's groups.
+inline void panel_gemm_int4(const Int4W& W, int64_t M, int64_t N, const int16_t* xq16, const float* sx,
+                            const int32_t* xs, const Epilogue& ep, int nthreads) {
+  const int32_t* xq = reinterpret_cast<const int32_t*>(xq16);
+  const int64_t panels = N / 16;
+  const Tuning& tu = tuning();
+  if (M == 1) {  // decode: each thread one contiguous run of panels (one sequential stream)
+    const int nt = int(std::max<int64_t>(1, std::min<int64_t>(nthreads, panels)));
+    const int64_t pf = tu.row_prefetch;
+#pragma omp parallel for num_threads(nt) schedule(static)
+    for (int64_t p = 0; p < panels; ++p) panel_int4_row(W, p, xq, sx[0], xs, ep, pf);
+    return;
+  }
+  const bool pfm = small_batch_prefetch(M);
+  const int64_t pf = tu.small_prefetch;
+  if (panels % Isa::NP_INT4 == 0) {
+    for_tiles(M, panels / Isa::NP_INT4, Isa::MC, nthreads, [&](int64_t m0, int64_t m1, int64_t g) {
+      if (pfm) tile_int4<Isa::NP_INT4, Isa::MR_INT4, PREFETCHING>(W, xq, sx, xs, m0, m1, g, ep, pf);
+      else tile_int4<Isa::NP_INT4, Isa::MR_INT4>(W, xq, sx, xs, m0, m1, g, ep, pf);
+    });
+  } else {
+    for_tiles(M, panels, Isa::MC, nthreads, [&](int64_t m0, int64_t m1, int64_t g) {
+      if (pfm) tile_int4<1, Isa::MR_INT4, PREFETCHING>(W, xq, sx, xs, m0, m1, g, ep, pf);
+      else tile_int4<1, Isa::MR_INT4>(W, xq, sx, xs, m0, m1, g, ep, pf);
     });
   }
 }
