@@ -11,6 +11,8 @@ each weight once, in the layout below.
   group_size, scales [in/group, out]), the opset-21 form. onnxruntime fuses DQ + MatMul on a constant
   int4 weight blocked on axis 0 into its ``MatMulNBits`` kernel (com.microsoft, which only onnxruntime
   reads, so the graph keeps the standard form); TensorRT reads it as weight-only int4 block quantization.
+  int4 panels (fp16 scales, zero points or 8): ``DequantizeLinear`` on a UINT4 [in, out] initializer with a
+  UINT4 zero point of the same blocking.
 - fp32/bf16 (``fp32_linear``/``bf16_linear``, packed or not): MatMul on the unpacked weight.
 
 Activations are computed in fp32 and cast back to x's dtype, as the references do.
@@ -27,6 +29,7 @@ from kiln.plugins.onnx_ops import FLOAT, ints, op
 from kiln.plugins.weight_format import K_STEP, PAIR, PANEL, ROW_TILE
 
 INT4 = 22   # onnx.TensorProto.INT4
+UINT4 = 21  # onnx.TensorProto.UINT4
 INT8 = 3    # onnx.TensorProto.INT8
 
 
@@ -65,6 +68,34 @@ def _unpack_int4(packed):
     return op.Concat(*parts, axis=1) if len(parts) > 1 else parts[0]
 
 
+def _int4_panel_values(qweight):
+    """int4 panels [out/16, in/8, 64] bytes -> uint8 values [out, in] in 0..15 (inverse of ``pack_int4_panels``)."""
+    npan, blocks, _ = (int(d) for d in qweight.shape)
+    b = op.Reshape(qweight, ints([npan, blocks, 32, 2, 1]))           # [.., word, byte, 1]
+    lo = op.BitwiseAnd(b, op.Constant(value=_u8(15)))
+    hi = op.BitShift(b, op.Constant(value=_u8(4)), direction="RIGHT")
+    nib = op.Concat(lo, hi, axis=-1)                                    # [.., word, byte, 2]: nibble c = 2*byte + half
+    nib = op.Reshape(nib, ints([npan, blocks, PANEL, 2, 4]))            # [.., row, e, c]
+    nib = op.Transpose(nib, perm=[0, 2, 1, 4, 3])                       # [panel, row, block, c, e]
+    return op.Reshape(nib, ints([npan * PANEL, blocks * 8]))
+
+
+def _per_row(t):
+    """[out/16, G, 16] -> [out, G]."""
+    npan, g, _ = (int(d) for d in t.shape)
+    return op.Reshape(op.Transpose(t, perm=[0, 2, 1]), ints([npan * PANEL, g]))
+
+
+def _int4_panels(x, qweight, scales, bias, group_size: int, zeros):
+    w = op.Cast(op.Transpose(_int4_panel_values(qweight), perm=[1, 0]), to=UINT4)      # uint4 [in, out]
+    s = op.Transpose(op.Cast(_per_row(scales), to=FLOAT), perm=[1, 0])                 # [in/group, out]
+    if zeros is None:
+        z = op.Expand(op.Constant(value=_u8(8)), op.Shape(s))
+    else:
+        z = op.Transpose(_per_row(zeros), perm=[1, 0])
+    return _matmul(x, op.DequantizeLinear(w, s, op.Cast(z, to=UINT4), axis=0, block_size=group_size), bias)
+
+
 def _u8(v: int):
     return ir.tensor(np.array(v, dtype=np.uint8))
 
@@ -80,7 +111,9 @@ def _matmul(x, weight_in_out, bias):
     return op.CastLike(y, x)
 
 
-def weight_only_linear(x, qweight, scales, bias, bits: int, group_size: int):
+def weight_only_linear(x, qweight, scales, bias, bits: int, group_size: int, zeros=None):
+    if bits == 4 and len(qweight.shape) == 3:
+        return _int4_panels(x, qweight, scales, bias, group_size, zeros)
     if bits == 8:
         w = op.Transpose(_unpacked_rows(qweight), perm=[1, 0])            # int8 [in, out]
         return _matmul(x, op.DequantizeLinear(w, op.Cast(scales, to=FLOAT), axis=1), bias)

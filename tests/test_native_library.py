@@ -26,8 +26,8 @@ def test_abi_constants_come_from_the_header():
     abi = native_lib.ABI
     assert abi.weight_types == {"bf16": 0, "int8": 1, "int4": 2, "fp32": 3, "bf16_packed": 4,
                                 "fp32_packed": 5, "int8_packed": 6, "fp32_panel": 7, "bf16_panel": 8,
-                                "int8_panel": 9}
-    assert (abi.row_tile, abi.k_step, abi.max_m, abi.panel, abi.pair) == (8, 16, 64, 16, 2)
+                                "int8_panel": 9, "int4_panel": 10}
+    assert (abi.row_tile, abi.k_step, abi.max_m, abi.panel, abi.pair, abi.int4_block) == (8, 16, 64, 16, 2, 8)
     assert (fmt.ROW_TILE, fmt.K_STEP, fmt.PANEL, fmt.PAIR) == (abi.row_tile, abi.k_step, abi.panel, abi.pair)
 
 

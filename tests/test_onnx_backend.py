@@ -86,6 +86,14 @@ class Probe(torch.nn.Module):
         q4, s4 = wf.quantize_int4(torch.randn(48, 160, generator=g), 32)   # 160: two 64-blocks and a tail
         self.register_buffer("q4", q4)
         self.register_buffer("s4", s4)
+        w4 = torch.randn(48, 160, generator=g)    # int4 panels: kiln's symmetric ones, and GPTQ-style zero points
+        p4 = wf.quantize_int4_panels(w4, 32)
+        z4 = torch.randint(0, 16, (48, 5), generator=g).to(torch.uint8)
+        u4, s16, _ = wf.unpack_int4_panels(p4)
+        pz = wf.pack_int4_panels(u4, s16, z4, 32)
+        for name, t in (("p4", p4.qweight), ("p4s", p4.scales), ("pz", pz.qweight), ("pzs", pz.scales),
+                        ("pzz", pz.zeros)):
+            self.register_buffer(name, t)
 
     def forward(self, x, residual, xw, xw4, q, k, v, kv_cache, seq_lens, context_lens, block_tables, slot_mapping,
                 position_ids):
@@ -101,7 +109,9 @@ class Probe(torch.nn.Module):
                 ops.weight_only_linear(xw, self.q8_packed, self.s8, None, 8, 0),
                 ops.weight_only_linear(xw4, self.q4, self.s4, self.bias, 4, 32),
                 ops.fp32_linear(xw, self.w_panels, None), ops.weight_only_linear(xw, self.q8_panels, self.s8, self.bias,
-                                                                                 8, 0), attn, pool)
+                                                                                 8, 0),
+                ops.weight_only_linear(xw4, self.p4, self.p4s, self.bias, 4, 32),
+                ops.weight_only_linear(xw4, self.pz, self.pzs, None, 4, 32, self.pzz), attn, pool)
 
 
 def probe_inputs():
@@ -134,7 +144,9 @@ def probe_references(m: Probe, a: dict[str, torch.Tensor]) -> list[torch.Tensor]
             weight_only_linear_reference(a["xw"], m.q8, m.s8, None, 8, 0),
             weight_only_linear_reference(a["xw4"], m.q4, m.s4, m.bias, 4, 32),
             float_linear_reference(a["xw"], wf.unpack(m.w_panels), None),
-            weight_only_linear_reference(a["xw"], m.q8, m.s8, m.bias, 8, 0), attn, pool]
+            weight_only_linear_reference(a["xw"], m.q8, m.s8, m.bias, 8, 0),
+            weight_only_linear_reference(a["xw4"], m.p4, m.p4s, m.bias, 4, 32),
+            weight_only_linear_reference(a["xw4"], m.pz, m.pzs, None, 4, 32, m.pzz), attn, pool]
 
 
 @pytest.mark.parametrize("window", [0, 5])
@@ -156,7 +168,7 @@ def test_every_plugin_lowering_matches_its_reference(window, tmp_path):
     want = probe_references(m, args)
     names = ["rms_norm", "fused_norm", "fused_sum", "rotary_q", "rotary_k", "silu_mul", "gelu_tanh", "gelu",
              "fp32_linear_packed", "int8", "int8_packed", "int4", "fp32_linear_panels", "int8_panels",
-             "paged_attention", "kv_cache_update"]
+             "int4_panels", "int4_panels_zeros", "paged_attention", "kv_cache_update"]
     assert len(got) == len(want) == len(names)
     for name, g, w in zip(names, got, want):
         err = (torch.from_numpy(g) - w).abs().max().item()

@@ -4,7 +4,8 @@ Weights are quantized at build time (int8: per output channel; int4: group-wise 
 ``group_size`` weights per scale) by the plugin's ``quantize_int8`` / ``quantize_int4``; activations
 stay in the engine dtype. The lm_head is quantized too (it is the largest single GEMM at decode).
 int8 weights are stored in panels of 16 rows where the shape allows (``pack_panels``: each panel one sequential
-stream, as in ``fast_linear``).
+stream, as in ``fast_linear``); int4 weights in int4 panels (``quantize_int4_panels``: 8 k of 16 rows per 64-byte
+line, fp16 group scales), else kiln's plain int4 layout.
 """
 
 from __future__ import annotations
@@ -57,11 +58,15 @@ def run(gm: fx.GraphModule, ctx) -> dict:
             if fmt.can_pack_panels(qweight):  # panels of 16 rows: the GEMM kernels' layout (fast_linear)
                 qweight = fmt.pack_panels(qweight)
                 packed += 1
+        elif fmt.can_pack_int4_panels(w.shape[0], w.shape[1], group):
+            panels = fmt.quantize_int4_panels(w.float(), group)   # symmetric: no zero points
+            qweight, scales = panels.qweight, panels.scales
+            packed += 1
         else:
             qweight, scales = fmt.quantize_int4(w.float(), group)
         base = node.args[1].target.removesuffix(".weight").removesuffix("_weight")
         q_node = add_weight(gm, f"{base}_q{bits}", qweight, node)
-        s_node = add_weight(gm, f"{base}_scales", scales, node)  # fp32, as the kernel expects
+        s_node = add_weight(gm, f"{base}_scales", scales, node)  # as the kernel expects (fp32; fp16 in int4 panels)
         with gm.graph.inserting_before(node):
             new = gm.graph.call_function(
                 torch.ops.kiln.weight_only_linear.default,
