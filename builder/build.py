@@ -35,6 +35,7 @@ from kiln.contract import (
     REPORT_FILE,
     TOKENIZER_FILES,
     TORCH_BACKENDS,
+    BuildConfigError,
     EngineBuildError,
     EngineConfig,
     MemorySummary,
@@ -127,7 +128,7 @@ def build_engine(
     progress: Progress | None = None,
 ) -> Path:
     """Build the engine of ``checkpoint_dir`` into ``output_dir`` (created or overwritten); returns it."""
-    from kiln.model_defs import load_config
+    from kiln.model_defs import checkpoint_quantization, load_config
 
     build = (build or BuildConfig()).validate()
     check_names(build.disabled_passes)
@@ -135,6 +136,9 @@ def build_engine(
     _check_output_dir(ckpt, out)
     model = load_config(ckpt)
     build.check_model(model)
+    if build.tp_size > 1 and checkpoint_quantization(ckpt) is not None:
+        raise BuildConfigError(f"{ckpt} is pre-quantized (GPTQ / AWQ): tensor parallelism does not split its int4 "
+                               "weights yet; build with tp_size 1")
     tmp = _make_build_dir(out)
     try:
         return _build(ckpt, out, tmp, build, model, progress)
@@ -158,7 +162,7 @@ def _make_build_dir(out: Path) -> Path:
 
 def _build(ckpt: Path, out: Path, tmp: Path, build: BuildConfig, model, progress: Progress | None) -> Path:
     """The stages, writing into ``tmp``, which then replaces ``out``."""
-    from kiln.model_defs import load_checkpoint
+    from kiln.model_defs import checkpoint_quantization, load_checkpoint
 
     timings: dict[str, float] = {}
     t_total = time.perf_counter()
@@ -211,6 +215,9 @@ def _build(ckpt: Path, out: Path, tmp: Path, build: BuildConfig, model, progress
         "memory": dataclasses.asdict(summary),
         "memory_plan": arena,
     }
+    pq = checkpoint_quantization(ckpt)
+    if pq is not None:   # its linears are int4 panels as the checkpoint stored them (not re-quantized)
+        report["prequantized"] = {"method": pq.method, "group_size": pq.group_size, "bits": 4}
     if mapping.tp_size > 1:   # the sections above are rank 0's
         report["tensor_parallel"] = {
             "mapping": dataclasses.asdict(mapping),

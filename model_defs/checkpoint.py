@@ -15,7 +15,7 @@ import torch
 from safetensors import safe_open
 
 from kiln.contract import DTYPES, CheckpointError, ModelConfig, TensorParallelMapping
-from kiln.model_defs import gpt2, llama, mistral, qwen2
+from kiln.model_defs import gpt2, llama, mistral, prequantized, qwen2
 from kiln.model_defs.hf_config import UnsupportedConfigError
 
 FAMILIES: dict[str, ModuleType] = {arch: fam for fam in (llama, mistral, qwen2, gpt2) for arch in fam.ARCHITECTURES}
@@ -65,6 +65,12 @@ def load_config(ckpt_dir: str | Path) -> ModelConfig:
         raise CheckpointError(f"{Path(ckpt_dir) / 'config.json'}: {exc}") from None
 
 
+def checkpoint_quantization(ckpt_dir: str | Path) -> prequantized.Prequantization | None:
+    """The pre-quantization (GPTQ / AWQ int4) config.json declares, or None for a float checkpoint."""
+    path = Path(ckpt_dir)
+    return prequantized.read_quantization(read_hf_config(path), str(path / "config.json"))
+
+
 def index_weight_map(ckpt_dir: Path) -> dict[str, str] | None:
     """tensor name -> shard file name from model.safetensors.index.json, or None when unsharded."""
     index = ckpt_dir / "model.safetensors.index.json"
@@ -100,6 +106,14 @@ def weight_files(ckpt_dir: Path) -> list[Path]:
     raise CheckpointError(f"{ckpt_dir}: no model.safetensors or model.safetensors.index.json")
 
 
+def _read(handle, raw_name: str, path: Path) -> torch.Tensor:
+    try:
+        return handle.get_tensor(raw_name)
+    except Exception as exc:
+        raise CheckpointError(f"{path}: cannot read tensor {raw_name!r} ({exc}); the file is corrupt or "
+                              "truncated") from None
+
+
 def _count_non_finite(t: torch.Tensor) -> int:
     return t.numel() - int(torch.isfinite(t).sum())
 
@@ -113,6 +127,8 @@ def load_checkpoint(ckpt_dir: str | Path,
     family = family_of(config.architecture)
     layout = family.checkpoint_layout(config)
     normalize = getattr(family, "normalize_hf_name", lambda name: name)
+    pq = checkpoint_quantization(ckpt_dir)
+    pending: dict[str, dict[str, torch.Tensor]] = {}   # quantized linear "<hf prefix>" -> suffix -> tensor
     weights: dict[str, torch.Tensor] = {}
     seen: dict[str, Path] = {}
     for path in weight_files(ckpt_dir):
@@ -128,6 +144,12 @@ def load_checkpoint(ckpt_dir: str | Path,
                 continue
             if name == "lm_head.weight" and config.tie_word_embeddings:
                 continue  # tied: the head is the embedding; a stored copy is redundant
+            if pq is not None and name.endswith(prequantized.PREQUANT_SUFFIXES):
+                prefix, dot, suffix = name.rpartition(".")
+                if layout.get(prefix + ".weight") is not None and len(layout[prefix + ".weight"].shape) == 2:
+                    pending.setdefault(prefix, {})["." + suffix] = _read(handle, raw_name, path)
+                    seen.setdefault(prefix + ".weight", path)
+                    continue
             spec = layout.get(name)
             if spec is None:
                 raise CheckpointError(
@@ -136,11 +158,7 @@ def load_checkpoint(ckpt_dir: str | Path,
                 )
             if name in seen:
                 raise CheckpointError(f"{path}: tensor {raw_name!r} also appears in {seen[name]}")
-            try:
-                tensor = handle.get_tensor(raw_name)
-            except Exception as exc:
-                raise CheckpointError(f"{path}: cannot read tensor {raw_name!r} ({exc}); the file is corrupt or "
-                                      "truncated") from None
+            tensor = _read(handle, raw_name, path)
             if tuple(tensor.shape) != tuple(spec.shape):
                 raise CheckpointError(
                     f"{path}: tensor {raw_name!r} has shape {list(tensor.shape)}, expected {list(spec.shape)} "
@@ -162,6 +180,14 @@ def load_checkpoint(ckpt_dir: str | Path,
                         f"{path}: tensor {raw_name!r} has {bad} value{'s' if bad > 1 else ''} beyond the range of "
                         f"{dtype} (largest magnitude {tensor.abs().max().item():.3g}); build with a wider --dtype "
                         "(float32 or bfloat16)")
+    for prefix, parts in pending.items():
+        shape = layout[prefix + ".weight"].shape
+        names = list(layout[prefix + ".weight"].convert(torch.empty(shape, device="meta")))
+        if len(names) != 1 or not names[0].endswith(".weight"):
+            raise CheckpointError(f"{ckpt_dir}: pre-quantized {prefix} maps onto {names}; kiln reads pre-quantized "
+                                  f"checkpoints of families whose linears keep their checkpoint layout")
+        weights.update(prequantized.convert_linear(pq, names[0].removesuffix(".weight"), parts, shape[0], shape[1],
+                                                   str(ckpt_dir)))
     missing = [name for name in layout if name not in seen]
     if missing:
         weight_map = index_weight_map(ckpt_dir) or {}
@@ -185,6 +211,11 @@ def build_model(config: ModelConfig, weights: dict[str, torch.Tensor],
     tied = config.tie_word_embeddings and tp is None   # a rank's LM head is a slice: its own weight
     with torch.device("meta"):
         module = family.create(config) if tp is None else family.create(config, tp)
+        if any(name.endswith(".int4_qweight") for name in weights):
+            if tp is not None:
+                raise CheckpointError("a pre-quantized (GPTQ / AWQ) checkpoint cannot be split for tensor "
+                                      "parallelism yet; build it with tp_size 1")
+            prequantized.install(module, weights)
     state = dict(weights)
     if tied:
         state["lm_head.weight"] = state["embed_tokens.weight"]
