@@ -44,6 +44,7 @@ __all__ = [
     "ABI", "CSRC_DIR", "SOURCES", "HEADERS", "CFLAGS", "LDFLAGS", "LIBRARY_NAME", "PREBUILT",
     "build_key", "library", "native_kernels_available", "set_native_kernels_enabled",
     "native_kernels_disabled", "native_op_ready", "define_native_op", "panel_isa", "set_panel_isa",
+    "kernel_tuning", "describe_kernel",
 ]
 
 logger = logging.getLogger("kiln.plugins")
@@ -184,6 +185,8 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.kiln_get_tuning.restype = ctypes.c_int
     lib.kiln_set_tuning.argtypes = [ctypes.c_char_p, i64]
     lib.kiln_set_tuning.restype = ctypes.c_int
+    lib.kiln_describe_kernel.argtypes = [ctypes.c_int, i64, i64, ctypes.c_char_p, i64]
+    lib.kiln_describe_kernel.restype = ctypes.c_int
     lib.kiln_ops_set_enabled.argtypes = [ctypes.c_int]
     lib.kiln_ops_max_m.argtypes = [ctypes.c_int]
     lib.kiln_ops_max_m.restype = i64
@@ -207,12 +210,43 @@ def _load() -> ctypes.CDLL | None:
             lib = ctypes.CDLL(str(path))
             _declare(lib)
             lib.kiln_ops_set_enabled(int(_enabled))
+            _apply_tuning(lib, key)
             _lib, _state = lib, "ok"
         except Exception as e:  # compile error, missing compiler, no AVX2 ...
             _state = "failed"
             _warn_once("load", f"kiln: native kernels unavailable ({type(e).__name__}: {str(e)[:500]}); "
                                "using the slower plain-torch path")
         return _lib
+
+
+def _apply_tuning(lib: ctypes.CDLL, key: str) -> None:
+    """This machine's kernel tunables (kiln.plugins.tuning); a failure keeps the library's defaults."""
+    from kiln.plugins import tuning
+
+    try:
+        tuning.apply(lib, key)
+    except Exception as e:  # a bad KILN_TUNING, an unwritable cache: the kernels still run, untuned
+        _warn_once("tuning", f"kiln: kernel tuning not applied ({type(e).__name__}: {str(e)[:300]}); "
+                             "using the per-CPU defaults")
+
+
+def kernel_tuning() -> dict[str, int]:
+    """The panel kernels' tunables in use (prefetch distances in bytes); {} without the native library."""
+    from kiln.plugins import tuning
+
+    lib = library()
+    return tuning.current(lib) if lib is not None else {}
+
+
+def describe_kernel(kind: str, m: int, n: int) -> str:
+    """Which kernel (ISA, blocking, prefetch distance) a panel weight of ``kind`` ('int4_panel', 'int8_panel',
+    'fp32_panel', 'bf16_panel') with ``n`` outputs runs at ``m`` rows of x."""
+    from kiln.plugins import tuning
+
+    lib = library()
+    if lib is None:
+        return "plain torch (no native kernels)"
+    return tuning.describe_kernel(lib, ABI.weight_types[kind], m, n)
 
 
 def library() -> ctypes.CDLL | None:

@@ -61,13 +61,19 @@ def inspect(engine_dir: Path, as_json: bool, show_io: bool, load: bool) -> None:
     if as_json:
         data = config.to_dict()
         if memory is not None:
+            from kiln.plugins import native
+            from kiln.runtime.kernels import linear_kernels
+
             data["loaded_memory"] = memory.to_dict()
+            data["kernel_tuning"] = native.kernel_tuning()
+            data["kernels"] = linear_kernels(engine_dir, _kernel_rows(config))
         click.echo(json.dumps(data, indent=2))
         return
     report = read_build_report(engine_dir)
     click.echo(format_table(summary_rows(config, report)))
     if memory is not None:
         click.echo("loaded, largest step: " + memory.summary())
+        _print_kernels(engine_dir, config)
     if report and report.get("passes"):
         def stats(v) -> str:
             return "off" if v == "disabled" else ", ".join(f"{a}={b}" for a, b in v.items()
@@ -81,6 +87,27 @@ def inspect(engine_dir: Path, as_json: bool, show_io: bool, load: bool) -> None:
             for t in spec[kind]:
                 shape = ", ".join(f"{d} {dims[d]}" if d in dims else str(d) for d in t["shape"])
                 click.echo(f"{kind[:-1]:<6} {t['name']:<15} {t['dtype']:<8} [{shape}]")
+
+
+def _kernel_rows(config) -> dict[str, int]:
+    b = config.bounds
+    return {"decode": 1, f"batch {b.max_batch_size}": b.max_batch_size, f"prefill {b.max_num_tokens}": b.max_num_tokens}
+
+
+def _print_kernels(engine_dir: Path, config) -> None:
+    """The native kernel and tuning of each linear at decode, a full batch and the largest prefill step."""
+    from kiln.plugins import native
+    from kiln.runtime.kernels import linear_kernels
+
+    found = linear_kernels(engine_dir, _kernel_rows(config))
+    if not found:
+        return
+    click.echo(f"kernels (ISA {native.panel_isa()}, tuning {native.kernel_tuning()}):")
+    for lin in found:
+        n, k = lin["shape"]
+        click.echo(f"  {lin['name']} [{n}x{k}] {lin['kind']}")
+        for label, desc in lin["kernels"].items():
+            click.echo(f"      {label}: {desc}")
 
 
 if __name__ == "__main__":

@@ -88,10 +88,12 @@ def main() -> None:
         wb = w.bfloat16()
         q8, s8 = fmt.quantize_int8(w)
         q4, s4 = fmt.quantize_int4(w, args.group_size)
+        p4 = fmt.quantize_int4_panels(w, args.group_size) if fmt.can_pack_int4_panels(n, k, args.group_size) else None
         # the builder stores fp32/bf16/int8 weights in panels where the shape allows
         pack = fmt.pack_panels if fmt.can_pack_panels(w) else (lambda t: t)
         copies_bytes = (256 << 20) if args.from_memory else 0
         W, WB, Q8, Q4 = (rotation(t, copies_bytes) for t in (w, wb, q8, q4))
+        P4 = rotation(p4.qweight, copies_bytes) if p4 is not None else None
         WP, WBP, Q8P = (rotation(pack(t), copies_bytes) for t in (w, wb, q8))
         print(f"\n== weight {n}x{k} ({n * k / 1e6:.1f}M elements), int4 group {args.group_size}"
               f"{', from memory' if args.from_memory else ''}", flush=True)
@@ -114,9 +116,14 @@ def main() -> None:
                 ("kiln int8 (x fp32)", n * k, lambda: linear.weight_only_linear(x, Q8P(), s8, None, 8, 0)),
                 ("kiln int8 (x bf16)", n * k, lambda: linear.weight_only_linear(xb, Q8P(), s8, None, 8, 0)),
                 ("kiln int8 (plain rows)", n * k, lambda: linear.weight_only_linear(x, Q8(), s8, None, 8, 0)),
-                (f"kiln int4 g{args.group_size} (x fp32)", n * k // 2 + s4.numel() * 4,
+                (f"kiln int4 g{args.group_size} (plain)", n * k // 2 + s4.numel() * 4,
                  lambda: linear.weight_only_linear(x, Q4(), s4, None, 4, args.group_size)),
             ]
+            if P4 is not None:   # what the builder stores for int4
+                cases += [(f"kiln int4 g{args.group_size} panels", n * k // 2 + p4.scales.numel() * 2,
+                           lambda: linear.weight_only_linear(x, P4(), p4.scales, None, 4, args.group_size)),
+                          (f"kiln int4 g{args.group_size} panels x bf16", n * k // 2 + p4.scales.numel() * 2,
+                           lambda: linear.weight_only_linear(xb, P4(), p4.scales, None, 4, args.group_size))]
             ref_ms = None
             for name, nbytes, fn in cases:
                 try:

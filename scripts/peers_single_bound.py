@@ -1,6 +1,6 @@
 """Single-stream decode of kiln and its peers against the machine's read bandwidth of the moment (not a test).
 
-    python scripts/peers_single_bound.py $PEERS_DIR [--rounds 6] [--classes fp32,bf16,int8]
+    python scripts/peers_single_bound.py $PEERS_DIR [--rounds 6] [--classes fp32,bf16,int8,int4]
 
 Batch-1 decode streams every weight except the embedding table once per token, so its ceiling is
 streamed bytes / read rate, and that rate drifts on this shared VM (40-65 GB/s from minute to minute): one
@@ -52,6 +52,9 @@ def engines(peers_dir: Path, kiln_py: str) -> dict[str, list[tuple[str, float, l
         "bf16": [("kiln bf16-compiled", 2.0, kiln("bf16-compiled")), ("llama.cpp bf16", 2.0, llama("bf16"))],
         # kiln int8: one byte + a fp32 scale per 1024-wide row (~1.0); q8_0: 34 bytes per 32 weights
         "int8": [("kiln int8-compiled", 1.0, kiln("int8-compiled")), ("llama.cpp q8_0", 34 / 32, llama("q8_0"))],
+        # kiln int4 panels: half a byte + an fp16 scale per 128 weights; q4_0: 18 bytes per 32 weights
+        "int4": [("kiln int4-compiled", 0.5 + 2 / 128, kiln("int4-compiled")),
+                 ("llama.cpp q4_0", 18 / 32, llama("q4_0"))],
     }
 
 
@@ -74,7 +77,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("peers_dir", type=Path)
     ap.add_argument("--rounds", type=int, default=6)
-    ap.add_argument("--classes", default="fp32,bf16,int8")
+    ap.add_argument("--classes", default="fp32,bf16,int8,int4")
     ap.add_argument("--kiln-python", default=sys.executable)
     args = ap.parse_args()
     if not (PEERS / "bench_kiln.py").is_file():

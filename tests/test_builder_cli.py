@@ -44,6 +44,10 @@ def test_build_with_yaml_and_flag_overrides_then_inspect(checkpoint_dir, tmp_pat
     assert inspected.exit_code == 0, inspected.output
     assert "KV bytes/token" in inspected.output and f"{cfg['memory']['kv_bytes_per_token']} B" in inspected.output
     assert "GPT2LMHeadModel" in inspected.output and "merge_qkv (off)" in inspected.output
+    # the kernel and tuning of each linear (fp32 panels of this machine's ISA) at decode, batch and prefill
+    assert "kernels (ISA " in inspected.output and "row_prefetch" in inspected.output
+    assert "fp32 panels, avx" in inspected.output and "decode: " in inspected.output
+    assert "batch 2: " in inspected.output and "prefill 64: " in inspected.output
     as_json = CliRunner().invoke(kiln_main, ["inspect", str(out), "--json"])
     assert json.loads(as_json.output)["build"]["max_batch_size"] == 2
     io = CliRunner().invoke(kiln_main, ["inspect", str(out), "--io"]).output   # the I/O contract of this engine

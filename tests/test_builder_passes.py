@@ -172,6 +172,11 @@ def test_weight_only_quant(llama, mode, bits):
     assert qshapes == [4 if bits == 8 else 3] * len(qshapes)
     assert len(targets(new, op)) == count_gemms(gm) and len(targets(new, torch.ops.aten.linear.default)) == 0
     assert all(n.args[4] == bits for n in targets(new, op))
+    # the embedding table: int8 rows + a scale per row, gathered and dequantized
+    assert stats["quantized_embeddings"] == 1
+    tables = [attr(new, n.args[0].target) for n in targets(new, torch.ops.aten.embedding.default)]
+    assert {t.dtype for t in tables} == {torch.int8, torch.float32} and len(tables) == 2
+    assert all(t.shape[0] == cfg.vocab_size for t in tables)
     assert stats["weights_bytes_after"] < stats["weights_bytes_before"]
     got, ref = run_steps(new, cfg), run_steps(gm, cfg)
     rel = (got - ref).abs().max() / ref.abs().max()

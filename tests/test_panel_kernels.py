@@ -4,6 +4,7 @@ row counts, bias, bf16 activations, non-finite x, and the layout itself."""
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
@@ -161,3 +162,142 @@ def test_env_var_forces_the_avx2_kernels():
     out = subprocess.run([sys.executable, "-c", code], env={**os.environ, "KILN_PANEL_ISA": "256"},
                          capture_output=True, text=True, check=True).stdout.split()
     assert out[-1] == "256"
+
+
+# ---- int4 panels ---------------------------------------------------------------------------------------------
+INT4_SHAPES = [(16, 64, 32), (48, 256, 64), (96, 1024, 128), (32, 2816, 32), (64, 512, 512)]   # (out, in, group)
+
+
+def _int4(n, k, gs, zeros: bool, seed: int):
+    g = torch.Generator().manual_seed(seed)
+    p = fmt.quantize_int4_panels(torch.randn(n, k, generator=g), gs)
+    if zeros:   # GPTQ / AWQ-style zero points
+        u, s, _ = fmt.unpack_int4_panels(p)
+        p = fmt.pack_int4_panels(u, s, torch.randint(0, 16, (n, k // gs), generator=g).to(torch.uint8), gs)
+    return p
+
+
+@pytest.mark.parametrize("shape", INT4_SHAPES)
+@pytest.mark.parametrize("zeros", [False, True])
+def test_int4_panels(isa, shape, zeros):
+    n, k, gs = shape
+    p = _int4(n, k, gs, zeros, n + k)
+    b = torch.randn(n)
+    for m in ROWS:
+        x = torch.randn(m, k)
+        ref = linear.weight_only_linear_reference(x, p.qweight, p.scales, b, 4, gs, p.zeros)
+        assert _rel(linear.weight_only_linear(x, p.qweight, p.scales, b, 4, gs, p.zeros), ref) < 1e-4, m
+        xb = x.bfloat16()
+        y = linear.weight_only_linear(xb, p.qweight, p.scales, b, 4, gs, p.zeros)
+        ref = linear.weight_only_linear_reference(xb, p.qweight, p.scales, b, 4, gs, p.zeros)
+        assert y.dtype == torch.bfloat16 and _rel(y, ref) < 1e-2, m
+
+
+def test_int4_panel_layout_and_round_trip():
+    g = torch.Generator().manual_seed(3)
+    u = torch.randint(0, 16, (48, 64), generator=g).to(torch.uint8)
+    s = torch.rand(48, 2, generator=g).half()
+    z = torch.randint(0, 16, (48, 2), generator=g).to(torch.uint8)
+    p = fmt.pack_int4_panels(u, s, z, 32)
+    assert p.qweight.shape == (3, 8, 64) and p.scales.shape == p.zeros.shape == (3, 2, 16)
+    for n, k in ((37, 21), (0, 0), (47, 63), (16, 8)):   # element (n, k): word n%16*2 + k%2 of its block, nibble k%8//2
+        block = p.qweight[n // 16, k // 8]
+        i = (n % 16) * 2 + k % 2
+        word = int(block[2 * i]) | int(block[2 * i + 1]) << 8
+        assert (word >> 4 * (k % 8 // 2)) & 15 == u[n, k]
+    assert [torch.equal(a, b) for a, b in zip(fmt.unpack_int4_panels(p), (u, s, z))] == [True] * 3
+    w = fmt.dequantize_int4_panels(p)
+    assert torch.equal(w[5, 40:48], (u[5, 40:48].float() - float(z[5, 1])) * float(s[5, 1]))
+    with pytest.raises(ValueError, match="group_size"):
+        fmt.pack_int4_panels(u, s, z, 12)
+    with pytest.raises(ValueError, match="float16 scales"):
+        linear.weight_only_linear(torch.randn(2, 64), p.qweight, s.float(), None, 4, 32, p.zeros)
+
+
+@pytest.mark.parametrize("shape", INT4_SHAPES[:3])
+def test_int4_panels_one_row_is_bitwise_a_row_of_many(isa, shape):
+    n, k, gs = shape
+    p = _int4(n, k, gs, True, n)
+    x = torch.randn(5, k)
+    y = linear.weight_only_linear(x, p.qweight, p.scales, None, 4, gs, p.zeros)
+    for i in range(5):
+        assert torch.equal(linear.weight_only_linear(x[i:i + 1], p.qweight, p.scales, None, 4, gs, p.zeros),
+                           y[i:i + 1]), i
+
+
+def test_int4_panels_propagate_nan_and_inf(isa):
+    p = _int4(32, 64, 32, False, 1)
+    x = torch.randn(4, 64)
+    x[1, 3], x[2, 7] = float("nan"), float("inf")
+    y = linear.weight_only_linear(x, p.qweight, p.scales, None, 4, 32)
+    ref = linear.weight_only_linear_reference(x, p.qweight, p.scales, None, 4, 32)
+    assert torch.equal(torch.isnan(y), torch.isnan(ref)) and torch.equal(torch.isinf(y), torch.isinf(ref))
+
+
+def test_int4_panels_quantization_error_bound():
+    w = torch.randn(32, 256)
+    p = fmt.quantize_int4_panels(w, 64)
+    err = (fmt.dequantize_int4_panels(p) - w).abs().reshape(32, 4, 64).amax(-1)
+    assert (err <= p.scales.float().abs().transpose(1, 2).reshape(32, 4) * 1.0001).all()
+
+
+# ---- tuning --------------------------------------------------------------------------------------------------
+def test_tunables_set_get_and_describe(native):
+    from kiln.plugins import tuning
+
+    lib = native_lib.library()
+    old = tuning.current(lib)
+    assert set(old) == set(tuning.TUNABLES) and all(v >= 0 for v in old.values())
+    try:
+        tuning.set_value(lib, "row_prefetch", 3072)
+        assert native_lib.kernel_tuning()["row_prefetch"] == 3072
+        assert "one-row stream" in native_lib.describe_kernel("int4_panel", 1, 1024)
+        assert "prefetch 3072 B" in native_lib.describe_kernel("int8_panel", 1, 1024)
+        width = "avx512" if native_lib.panel_isa() == 512 else "avx2"
+        assert native_lib.describe_kernel("fp32_panel", 200, 1024).startswith(f"fp32 panels, {width}")
+        with pytest.raises(ValueError, match="unknown kernel tunable 'nope'"):
+            tuning.set_value(lib, "nope", 1)
+        with pytest.raises(ValueError, match="out of range"):
+            tuning.set_value(lib, "row_prefetch", -1)
+    finally:
+        for name, value in old.items():
+            tuning.set_value(lib, name, value)
+
+
+def test_tuning_is_measured_once_cached_and_overridable(native, tmp_path, monkeypatch):
+    """A fresh cache: apply() measures and writes it; the next apply() reads it; KILN_TUNING overrides."""
+    from kiln.plugins import tuning
+
+    lib = native_lib.library()
+    old = tuning.current(lib)
+    monkeypatch.setenv("KILN_TUNING_DIR", str(tmp_path))
+    monkeypatch.delenv("KILN_AUTOTUNE", raising=False)
+    monkeypatch.delenv("KILN_TUNING", raising=False)
+    measure = tuning.autotune   # a loaded test machine may need more than the load-time budget
+    monkeypatch.setattr(tuning, "autotune", lambda lib, n: measure(lib, n, budget_s=600))
+    try:
+        measured = tuning.apply(lib, "ktest")
+        path = tuning.cache_path("ktest")
+        assert path.is_file() and tuning.cpu_signature() in path.name
+        cached = json.loads(path.read_text())["tuning"]
+        assert cached == {k: measured[k] for k in cached} and cached["row_prefetch"] in tuning.CANDIDATES
+        path.write_text(json.dumps({"tuning": {**cached, "row_prefetch": 1536}}))   # read, not re-measured
+        assert tuning.apply(lib, "ktest")["row_prefetch"] == 1536
+        monkeypatch.setenv("KILN_TUNING", "small_prefetch=640")
+        assert tuning.apply(lib, "ktest")["small_prefetch"] == 640
+        monkeypatch.setenv("KILN_TUNING", "bogus=1")
+        with pytest.raises(ValueError, match="KILN_TUNING='bogus=1'"):
+            tuning.apply(lib, "ktest")
+    finally:
+        for name, value in old.items():
+            tuning.set_value(lib, name, value)
+
+
+def test_autotuning_past_its_budget_keeps_the_defaults(native):
+    from kiln.plugins import tuning
+
+    lib = native_lib.library()
+    old = tuning.current(lib)
+    with pytest.raises(tuning.TuningAborted, match="busy machine"):
+        tuning.autotune(lib, 2, budget_s=0)
+    assert tuning.current(lib) == old

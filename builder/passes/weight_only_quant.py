@@ -6,6 +6,10 @@ stay in the engine dtype. The lm_head is quantized too (it is the largest single
 int8 weights are stored in panels of 16 rows where the shape allows (``pack_panels``: each panel one sequential
 stream, as in ``fast_linear``); int4 weights in int4 panels (``quantize_int4_panels``: 8 k of 16 rows per 64-byte
 line, fp16 group scales), else kiln's plain int4 layout.
+
+The token embedding table (decode gathers one row of it per token; 131 MB in fp32 for a 32000 x 1024 table) is
+stored as int8 rows with one fp32 scale per row (``quantize_int8``'s scheme, error <= max|row| / 254) and
+dequantized after the gather: int8 and int4 engines then hold the table in a quarter of the bytes.
 """
 
 from __future__ import annotations
@@ -75,6 +79,45 @@ def run(gm: fx.GraphModule, ctx) -> dict:
         node.replace_all_uses_with(new)
         gm.graph.erase_node(node)
         count += 1
+    embeddings = _quantize_embeddings(gm, fmt)
     prune_unused_attrs(gm)
     return {"quantized_gemms": count, "packed": packed, "bits": bits, "group_size": group,
+            "quantized_embeddings": embeddings,
             "weights_bytes_before": before_bytes, "weights_bytes_after": weights_bytes(gm)}
+
+
+def _quantize_embeddings(gm: fx.GraphModule, fmt) -> int:
+    """``aten.embedding(table, ids)`` on a float table -> int8 rows gathered, times their gathered scales, in the
+    table's dtype. Returns how many tables were quantized."""
+    import torch
+
+    aten = torch.ops.aten
+    done = 0
+    tables: dict[str, tuple[fx.Node, fx.Node]] = {}
+    for node in list(gm.graph.nodes):
+        if node.op != "call_function" or node.target is not aten.embedding.default:
+            continue
+        table = node.args[0]
+        if not (isinstance(table, fx.Node) and table.op == "get_attr"):
+            continue
+        w = attr(gm, table.target)
+        if not w.is_floating_point() or w.dim() != 2:
+            continue
+        if table.target not in tables:
+            q, scales = fmt.quantize_int8(w.float())
+            base = table.target.removesuffix(".weight").removesuffix("_weight")
+            tables[table.target] = (add_weight(gm, f"{base}_q8", q, node),
+                                    add_weight(gm, f"{base}_row_scales", scales[:, None].contiguous(), node))
+        q_node, s_node = tables[table.target]
+        with gm.graph.inserting_before(node):
+            rows = gm.graph.call_function(aten.embedding.default, (q_node, *node.args[1:]))
+            rows = gm.graph.call_function(aten._to_copy.default, (rows,), {"dtype": torch.float32})
+            scale = gm.graph.call_function(aten.embedding.default, (s_node, *node.args[1:]))
+            out = gm.graph.call_function(aten.mul.Tensor, (rows, scale))
+            if w.dtype != torch.float32:
+                out = gm.graph.call_function(aten._to_copy.default, (out,), {"dtype": w.dtype})
+        out.meta.update(node.meta)
+        node.replace_all_uses_with(out)
+        gm.graph.erase_node(node)
+        done += 1
+    return done

@@ -74,6 +74,8 @@ int kiln_linear_int4_panel(const void* w, const uint16_t* scales, const uint8_t*
 // The panel kernels' tunables by name (row_prefetch, small_prefetch, onepass_prefetch: bytes ahead; 0 = off):
 // 0, or 1 for an unknown name (2: a value out of range).
 int kiln_get_tuning(const char* name, int64_t* value);
+// The kernel a panel-layout weight of type wtype runs at M rows of x, with its tuning, as text into buf.
+int kiln_describe_kernel(int wtype, int64_t M, int64_t N, char* buf, int64_t len);
 int kiln_set_tuning(const char* name, int64_t value);
 // Dequantize rows [n0, n1) to fp32 out[(n - n0) * K + k].
 int kiln_dequant_rows(int wtype, const void* w, const float* scales, int64_t group_size, int64_t N, int64_t K,

@@ -46,6 +46,7 @@
 #include <cmath>
 #include <cstdlib>
 #include <cstdint>
+#include <cstdio>
 #include <cstring>
 #include <string>
 #include <type_traits>
@@ -854,6 +855,40 @@ int panel_isa() {
   return isa;
 }
 
+// What runs for a panel-layout weight of type wtype at M rows (the dispatch of panel_kernels.h's panel_gemm_*),
+// with the tunables it uses: "kernel, ISA, blocking, prefetch" (kiln inspect --load prints it per linear).
+template <class Isa>
+std::string describe_panel(int wtype, int64_t M, int64_t N) {
+  const Tuning& t = tuning();
+  const int64_t panels = N / 16;
+  const bool pfm = t.small_prefetch > 0 && M <= 32;
+  const std::string isa = Isa::L == 16 ? "avx512" : "avx2";
+  const auto tiles = [&](int mr, int np) {
+    const int npp = panels % np == 0 ? np : 1;
+    return std::to_string(mr) + "x" + std::to_string(npp) + " tiles" +
+           (pfm ? ", prefetch " + std::to_string(t.small_prefetch) + " B (first pass)" : "");
+  };
+  const int kind = kiln_weight_kind(wtype);
+  std::string what;
+  if (wtype == KILN_W_INT4_PANEL) {
+    what = M == 1 ? "one-row stream, 4 chains, prefetch " + std::to_string(t.row_prefetch) + " B"
+                  : tiles(Isa::MR_INT4, Isa::NP_INT4);
+    return "int4 panels, " + isa + (Isa::L == 16 ? " vnni" : "") + ", " + what;
+  }
+  if (kind == KILN_W_INT8) {
+    if (M == 1) what = "one-row stream, 4 chains, prefetch " + std::to_string(t.row_prefetch) + " B";
+    else if (M < 4 && panels % 4 == 0) what = "2x4 tiles";
+    else what = tiles(Isa::MR_INT, Isa::NP_INT);
+    return "int8 panels, " + isa + (Isa::L == 16 ? " vnni" : "") + ", " + what;
+  }
+  const std::string name = kind == KILN_W_BF16 ? "bf16 panels" : "fp32 panels";
+  if (M < 4) what = panels % 4 == 0 ? "2x4 tiles" : "2x1 tiles";
+  else if (Isa::MR_ONEPASS > 0 && M > Isa::MR_BIG && M <= Isa::MR_ONEPASS)
+    what = "one pass of " + std::to_string(Isa::MR_ONEPASS) + " rows, prefetch " + std::to_string(t.onepass_prefetch) + " B";
+  else what = tiles(Isa::MR_BIG, Isa::NP_BIG);
+  return name + ", " + isa + ", " + what;
+}
+
 // x as fp32 [M][K]: widened from bf16 into a per-thread buffer, or used as it is
 const float* x_fp32(const void* xin, int64_t M, int64_t K, bool bf16_io) {
   if (!bf16_io) return static_cast<const float*>(xin);
@@ -1082,6 +1117,13 @@ int kiln_linear_int4_panel(const void* w, const uint16_t* scales, const uint8_t*
   if (M < 1 || N < 1 || K < 1) return 1;
   return run_int4_panel({static_cast<const uint8_t*>(w), scales, zeros, K, group_size}, x, M, N, bias, y, nthreads,
                         bf16_io != 0);
+}
+
+int kiln_describe_kernel(int wtype, int64_t M, int64_t N, char* buf, int64_t len) {
+  if (!kiln_is_panel(wtype) || len <= 0) return 1;
+  const std::string d = panel_isa() == 512 ? describe_panel<k512::Isa>(wtype, M, N) : describe_panel<k256::Isa>(wtype, M, N);
+  std::snprintf(buf, size_t(len), "%s", d.c_str());
+  return 0;
 }
 
 int kiln_get_tuning(const char* name, int64_t* value) {

@@ -1,0 +1,183 @@
+"""The panel kernels' tunables: chosen per machine once, at the native library's first load, and cached.
+
+The kernels pick their instruction set from CPUID (AVX-512 with VNNI where present, else AVX2 + FMA); what
+depends on the microarchitecture's caches and memory system beyond that are the software prefetch distances
+(bytes ahead in a weight stream): ``row_prefetch`` (one-row decode, int8/int4), ``small_prefetch`` (batched
+decode, M <= 32: the first pass over each tile) and ``onepass_prefetch`` (AVX-512 one-pass 13..16 rows). The
+library starts with per-microarchitecture defaults (``default_tuning`` in ``csrc/linear_kernels.cpp``); then
+:func:`apply` loads this machine's measured choice from the cache, or measures it (:func:`autotune`, ~0.5-2 s:
+the int4 decode kernels streaming weights from memory at each candidate distance) and caches it, a JSON file
+named by the library's build key and the CPU (:func:`cache_path`, beside the kernel cache in
+TORCH_EXTENSIONS_DIR). ``KILN_AUTOTUNE=0`` keeps the defaults; ``KILN_TUNING=name=value,...`` sets values.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import logging
+import os
+import time
+from pathlib import Path
+
+logger = logging.getLogger("kiln.plugins")
+
+__all__ = ["TUNABLES", "get", "set_value", "current", "cpu_signature", "cache_path", "autotune", "apply",
+           "describe_kernel"]
+
+TUNABLES = ("row_prefetch", "small_prefetch", "onepass_prefetch")
+CANDIDATES = (0, 512, 1024, 2048, 4096, 8192)
+ROUNDS = 5
+
+
+def get(lib, name: str) -> int:
+    value = ctypes.c_int64()
+    if lib.kiln_get_tuning(name.encode(), ctypes.byref(value)) != 0:
+        raise ValueError(f"unknown kernel tunable {name!r}; the tunables are {list(TUNABLES)}")
+    return value.value
+
+
+def set_value(lib, name: str, value: int) -> None:
+    rc = lib.kiln_set_tuning(name.encode(), int(value))
+    if rc == 1:
+        raise ValueError(f"unknown kernel tunable {name!r}; the tunables are {list(TUNABLES)}")
+    if rc == 2:
+        raise ValueError(f"kernel tunable {name}={value} is out of range (0..65536 bytes)")
+
+
+def current(lib) -> dict[str, int]:
+    return {name: get(lib, name) for name in TUNABLES}
+
+
+def cpu_signature() -> str:
+    """vendor-family-model plus the vector extensions the kernels care about, e.g. ``AuthenticAMD-25-1-avx2``."""
+    info: dict[str, str] = {}
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                key = key.strip()
+                if key in ("vendor_id", "cpu family", "model", "flags") and key not in info:
+                    info[key] = value.strip()
+                if len(info) == 4:
+                    break
+    except OSError:
+        pass
+    flags = set(info.get("flags", "").split())
+    isa = "avx512vnni" if {"avx512f", "avx512bw", "avx512vl", "avx512_vnni"} <= flags else "avx2"
+    return "-".join([info.get("vendor_id", "cpu"), info.get("cpu family", "0"), info.get("model", "0"), isa])
+
+
+def cache_path(build_key: str) -> Path:
+    root = os.environ.get("KILN_TUNING_DIR") or os.environ.get("TORCH_EXTENSIONS_DIR") or \
+        str(Path.home() / ".cache" / "torch_extensions")
+    return Path(root) / "kiln_tuning" / f"{build_key}-{cpu_signature()}.json"
+
+
+def _time_calls(fn, calls: int) -> float:
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    return time.perf_counter() - t0
+
+
+class TuningAborted(RuntimeError):
+    """The measurement ran past its time budget (a machine busy with other work): nothing worth caching."""
+
+
+def autotune(lib, nthreads: int, budget_s: float = 4.0) -> dict[str, int]:
+    """Measure the prefetch distances on this machine: int4 panel GEMVs (4096 x 1024, 2 MiB each) rotated over
+    96 MiB, so that every call streams its weight from memory as a decode step does; the fastest candidate
+    wins (ties within 3%: the shorter distance). Raises :class:`TuningAborted` (the tunables back as they were)
+    past ``budget_s`` seconds: on a machine that busy the timings would be noise."""
+    import torch
+
+    start = time.perf_counter()
+    before = current(lib)
+    n, k, gs = 4096, 1024, 128
+    copies = 48
+    g = torch.Generator().manual_seed(0)
+    weights = [torch.randint(0, 256, (n // 16, k // 8, 64), dtype=torch.uint8, generator=g) for _ in range(copies)]
+    scales = torch.full((n // 16, k // gs, 16), 0.01, dtype=torch.float16)
+    chosen = current(lib)
+    for name, rows in (("row_prefetch", 1), ("small_prefetch", 8)):
+        x = torch.randn(rows, k)
+        y = torch.empty(rows, n)
+        idx = [0]
+
+        def call():
+            w = weights[idx[0] % copies]
+            idx[0] += 1
+            lib.kiln_linear_int4_panel(w.data_ptr(), scales.data_ptr(), None, gs, x.data_ptr(), rows, n, k, None,
+                                       y.data_ptr(), nthreads, 0)
+
+        times = dict.fromkeys(CANDIDATES, float("inf"))
+        call()
+        for _ in range(ROUNDS):   # candidates interleaved round by round: a slow minute slows all of them
+            for cand in CANDIDATES:
+                set_value(lib, name, cand)
+                times[cand] = min(times[cand], _time_calls(call, copies // 2))
+            if time.perf_counter() - start > budget_s:
+                for key, value in before.items():
+                    set_value(lib, key, value)
+                raise TuningAborted(f"kernel autotuning took over {budget_s:.0f} s (a busy machine); "
+                                    "kept the per-CPU defaults")
+        best = min(CANDIDATES, key=lambda c: (times[c] > 1.03 * min(times.values()), c))
+        chosen[name] = best
+        set_value(lib, name, best)
+        logger.info("kiln autotune %s: %s -> %d", name, {c: round(t * 1e3, 2) for c, t in times.items()}, best)
+    return chosen
+
+
+def _cached(path: Path) -> dict[str, int] | None:
+    try:
+        values = json.loads(path.read_text())["tuning"]
+        return {name: int(values[name]) for name in values if name in TUNABLES}
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def _measure_and_cache(lib, path: Path) -> None:
+    import torch
+
+    try:
+        values = autotune(lib, torch.get_num_threads())
+    except TuningAborted as exc:   # nothing cached: measured again at the next load
+        logger.info("kiln: %s", exc)
+        return
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".tmp{os.getpid()}")
+        tmp.write_text(json.dumps({"cpu": cpu_signature(), "tuning": values}, indent=1) + "\n")
+        tmp.replace(path)
+    except OSError as exc:   # a read-only cache directory: measured again next time
+        logger.info("kiln: cannot cache the kernel tuning at %s (%s)", path, exc)
+
+
+def apply(lib, build_key: str) -> dict[str, int]:
+    """Set this machine's tunables (cache, else measured and cached, else the defaults; then KILN_TUNING);
+    returns them."""
+    if os.environ.get("KILN_AUTOTUNE", "1") not in ("0", "false", "False"):
+        path = cache_path(build_key)
+        values = _cached(path)
+        if values is None:
+            _measure_and_cache(lib, path)
+        else:
+            for name, value in values.items():
+                set_value(lib, name, value)
+    override = os.environ.get("KILN_TUNING", "")
+    for item in filter(None, (s.strip() for s in override.split(","))):
+        name, _, value = item.partition("=")
+        try:
+            set_value(lib, name.strip(), int(value))
+        except ValueError as exc:
+            raise ValueError(f"KILN_TUNING={override!r}: {exc}") from None
+    return current(lib)
+
+
+def describe_kernel(lib, wtype: int, m: int, n: int) -> str:
+    """The kernel (ISA, blocking, prefetch) a panel-layout weight of type id ``wtype`` runs at ``m`` rows."""
+    buf = ctypes.create_string_buffer(256)
+    if lib.kiln_describe_kernel(int(wtype), int(m), int(n), buf, len(buf)) != 0:
+        return "not a panel layout: the GEMV kernels of csrc/linear_kernels.cpp"
+    return buf.value.decode()
