@@ -32,6 +32,7 @@ import hashlib
 import logging
 import os
 import re
+import sys
 import threading
 import warnings
 from collections.abc import Callable
@@ -153,6 +154,9 @@ def _library_path(key: str) -> Path:
             return PREBUILT
         _warn_once("stale", f"kiln: the prebuilt kernel library {PREBUILT} was built from other sources or "
                             f"for another torch (key {found}, this install {key}); compiling it now (~20 s)")
+    cached = _jit_cached(key)
+    if cached is not None:   # compiled before: no need to import torch.utils.cpp_extension (and setuptools)
+        return cached
     from torch.utils import cpp_extension
 
     logger.info("compiling kiln's native kernels (first use, ~20 s; cached in TORCH_EXTENSIONS_DIR)")
@@ -164,6 +168,21 @@ def _library_path(key: str) -> Path:
         is_python_module=False,
         verbose=False,
     ))
+
+
+def _jit_cached(key: str) -> Path | None:
+    """The library torch's extension loader compiled for ``key`` earlier, where it keeps it (TORCH_EXTENSIONS_DIR,
+    else ~/.cache/torch_extensions/py<version>_<cpu|cuXY>), when it is there and carries the key."""
+    name = f"{LIBRARY_NAME}_{key}"
+    root = os.environ.get("TORCH_EXTENSIONS_DIR")
+    if root is None:
+        cu = f"cu{torch.version.cuda.replace('.', '')}" if torch.version.cuda else "cpu"
+        root = str(Path.home() / ".cache" / "torch_extensions" / f"py{sys.version_info[0]}{sys.version_info[1]}_{cu}")
+    path = Path(root) / name / f"{name}.so"
+    try:
+        return path if path.is_file() and library_key(path) == key else None
+    except OSError:
+        return None
 
 
 def _declare(lib: ctypes.CDLL) -> None:

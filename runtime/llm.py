@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING
 from kiln.contract import ConfigError, ExecutorClosedError, InvalidRequestError, RequestFailedError
 from kiln.runtime.detokenizer import load_tokenizer
 from kiln.runtime.executor import Executor, ExecutorConfig
+from kiln.runtime.memory import release_free_heap
 from kiln.runtime.outputs import RequestOutput
 from kiln.runtime.prompts import Prompt, check_text, is_single_prompt, prompt_token_ids
 from kiln.runtime.sampling_params import SamplingParams
@@ -62,6 +63,7 @@ class LLM:
             if self._owns_engine:
                 engine.close()
             raise
+        release_free_heap()   # what loading freed, before serving makes the process's resident peak
         # an LLM dropped without shutdown() still stops its loop (and its requests, and the other ranks of a
         # tensor-parallel engine it loaded) when collected
         weakref.finalize(self, _close, self.executor, engine if self._owns_engine else None).atexit = False
