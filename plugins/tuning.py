@@ -3,7 +3,8 @@
 The kernels pick their instruction set from CPUID (AVX-512 with VNNI where present, else AVX2 + FMA); what
 depends on the microarchitecture's caches and memory system beyond that are the software prefetch distances
 (bytes ahead in a weight stream): ``row_prefetch`` (one-row decode, int8/int4), ``small_prefetch`` (batched
-decode, M <= 32: the first pass over each tile) and ``onepass_prefetch`` (AVX-512 one-pass 13..16 rows). The
+decode, M <= 32: the first pass over each tile) and ``onepass_prefetch`` (AVX-512 one-pass 13..16 rows), and how
+many panels an int4 one-row decode reads at once per thread (``row_panels``: 1 = one sequential stream). The
 library starts with per-microarchitecture defaults (``default_tuning`` in ``csrc/linear_kernels.cpp``); then
 :func:`apply` loads this machine's measured choice from the cache, or measures it (:func:`autotune`, ~0.5-2 s:
 the int4 decode kernels streaming weights from memory at each candidate distance) and caches it, a JSON file
@@ -25,7 +26,7 @@ logger = logging.getLogger("kiln.plugins")
 __all__ = ["TUNABLES", "get", "set_value", "current", "cpu_signature", "cache_path", "autotune", "apply",
            "describe_kernel"]
 
-TUNABLES = ("row_prefetch", "small_prefetch", "onepass_prefetch")
+TUNABLES = ("row_prefetch", "small_prefetch", "onepass_prefetch", "row_panels")
 CANDIDATES = (0, 512, 1024, 2048, 4096, 8192)
 ROUNDS = 5
 
@@ -42,7 +43,8 @@ def set_value(lib, name: str, value: int) -> None:
     if rc == 1:
         raise ValueError(f"unknown kernel tunable {name!r}; the tunables are {list(TUNABLES)}")
     if rc == 2:
-        raise ValueError(f"kernel tunable {name}={value} is out of range (0..65536 bytes)")
+        raise ValueError(f"kernel tunable {name}={value} is out of range (prefetch distances 0..65536 bytes, "
+                         "row_panels 1, 2 or 4)")
 
 
 def current(lib) -> dict[str, int]:
@@ -85,7 +87,7 @@ class TuningAborted(RuntimeError):
     """The measurement ran past its time budget (a machine busy with other work): nothing worth caching."""
 
 
-def autotune(lib, nthreads: int, budget_s: float = 4.0) -> dict[str, int]:
+def autotune(lib, nthreads: int, budget_s: float = 6.0) -> dict[str, int]:
     """Measure the prefetch distances on this machine: int4 panel GEMVs (4096 x 1024, 2 MiB each) rotated over
     96 MiB, so that every call streams its weight from memory as a decode step does; the fastest candidate
     wins (ties within 3%: the shorter distance). Raises :class:`TuningAborted` (the tunables back as they were)
@@ -100,7 +102,8 @@ def autotune(lib, nthreads: int, budget_s: float = 4.0) -> dict[str, int]:
     weights = [torch.randint(0, 256, (n // 16, k // 8, 64), dtype=torch.uint8, generator=g) for _ in range(copies)]
     scales = torch.full((n // 16, k // gs, 16), 0.01, dtype=torch.float16)
     chosen = current(lib)
-    for name, rows in (("row_prefetch", 1), ("small_prefetch", 8)):
+    for name, rows, candidates in (("row_panels", 1, (1, 2, 4)), ("row_prefetch", 1, CANDIDATES),
+                                   ("small_prefetch", 8, CANDIDATES)):
         x = torch.randn(rows, k)
         y = torch.empty(rows, n)
         idx = [0]
@@ -111,10 +114,10 @@ def autotune(lib, nthreads: int, budget_s: float = 4.0) -> dict[str, int]:
             lib.kiln_linear_int4_panel(w.data_ptr(), scales.data_ptr(), None, gs, x.data_ptr(), rows, n, k, None,
                                        y.data_ptr(), nthreads, 0)
 
-        times = dict.fromkeys(CANDIDATES, float("inf"))
+        times = dict.fromkeys(candidates, float("inf"))
         call()
         for _ in range(ROUNDS):   # candidates interleaved round by round: a slow minute slows all of them
-            for cand in CANDIDATES:
+            for cand in candidates:
                 set_value(lib, name, cand)
                 times[cand] = min(times[cand], _time_calls(call, copies // 2))
             if time.perf_counter() - start > budget_s:
@@ -122,7 +125,7 @@ def autotune(lib, nthreads: int, budget_s: float = 4.0) -> dict[str, int]:
                     set_value(lib, key, value)
                 raise TuningAborted(f"kernel autotuning took over {budget_s:.0f} s (a busy machine); "
                                     "kept the per-CPU defaults")
-        best = min(CANDIDATES, key=lambda c: (times[c] > 1.03 * min(times.values()), c))
+        best = min(candidates, key=lambda c: (times[c] > 1.03 * min(times.values()), c))
         chosen[name] = best
         set_value(lib, name, best)
         logger.info("kiln autotune %s: %s -> %d", name, {c: round(t * 1e3, 2) for c, t in times.items()}, best)

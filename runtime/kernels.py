@@ -28,7 +28,7 @@ def linear_kernels(engine_dir: str | Path, rows: dict[str, int]) -> list[dict]:
     from kiln.runtime.engine import Engine
 
     config = Engine.read_config(engine_dir)
-    files = config.weights_files()
+    files = config.weights_files
     if not files:
         return []
     out = []

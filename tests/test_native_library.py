@@ -108,3 +108,18 @@ def test_stream_read_kernel_sums_correctly(native):
     buf = torch.ones(64 * 1000 + 37)
     assert native.kiln_stream_sum(buf.data_ptr(), buf.numel(), 2) == buf.numel()
     assert stream_read_bandwidth(nbytes=1 << 20, repeats=2) > 0
+
+
+def test_a_jit_compiled_library_is_found_without_the_extension_loader(tmp_path, monkeypatch):
+    """Loading a library compiled earlier must not import torch.utils.cpp_extension (setuptools and ~95 modules
+    of resident memory): native.py finds it in TORCH_EXTENSIONS_DIR by name and checks its build key."""
+    key = "kdeadbeef"
+    name = f"{native_lib.LIBRARY_NAME}_{key}"
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    assert native_lib._jit_cached(key) is None                       # nothing there
+    (tmp_path / name).mkdir()
+    so = tmp_path / name / f"{name}.so"
+    so.write_bytes(b"\x7fELF...kiln-build-key:kother\0")
+    assert native_lib._jit_cached(key) is None                       # another build's library
+    so.write_bytes(b"\x7fELF...kiln-build-key:" + key.encode() + b"\0")
+    assert native_lib._jit_cached(key) == so

@@ -301,3 +301,24 @@ def test_autotuning_past_its_budget_keeps_the_defaults(native):
     with pytest.raises(tuning.TuningAborted, match="busy machine"):
         tuning.autotune(lib, 2, budget_s=0)
     assert tuning.current(lib) == old
+
+
+@pytest.mark.parametrize("row_panels", [2, 4])
+def test_int4_decode_over_several_panels_is_bitwise_the_one_stream_kernel(isa, row_panels):
+    """row_panels (a tunable) changes how many panels a decode thread reads at once, not the sums."""
+    from kiln.plugins import tuning
+
+    lib = native_lib.library()
+    p = _int4(128, 1024, 64, True, 5)
+    x = torch.randn(1, 1024)
+    old = tuning.get(lib, "row_panels")
+    try:
+        tuning.set_value(lib, "row_panels", 1)
+        one = linear.weight_only_linear(x, p.qweight, p.scales, None, 4, 64, p.zeros)
+        tuning.set_value(lib, "row_panels", row_panels)
+        assert f"one row x {row_panels} panels" in native_lib.describe_kernel("int4_panel", 1, 128)
+        assert torch.equal(linear.weight_only_linear(x, p.qweight, p.scales, None, 4, 64, p.zeros), one)
+        with pytest.raises(ValueError, match="row_panels 1, 2 or 4"):
+            tuning.set_value(lib, "row_panels", 3)
+    finally:
+        tuning.set_value(lib, "row_panels", old)

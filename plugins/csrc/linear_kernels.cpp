@@ -693,6 +693,7 @@ struct Tuning {
   int64_t row_prefetch;      // one-row decode (int8, int4): each thread's stream
   int64_t small_prefetch;    // batched decode (M <= SMALL_M): each panel of a tile's first pass
   int64_t onepass_prefetch;  // AVX-512 one-pass batched decode (13..16 rows)
+  int64_t row_panels;        // int4 one-row decode: panels a thread reads at once (1: one stream; 2 or 4)
 };
 
 // CPU family / model (AMD: Zen 3 = family 25 models 0x00-0x0f, 0x20-0x5f; Zen 4 = 25, 0x10-0x1f, 0x60-0xaf;
@@ -703,8 +704,8 @@ Tuning default_tuning() {
   const unsigned family = ((eax >> 8) & 0xf) + (((eax >> 8) & 0xf) == 0xf ? (eax >> 20) & 0xff : 0);
   const unsigned model = ((eax >> 4) & 0xf) | (((eax >> 16) & 0xf) << 4);
   const bool zen3 = family == 25 && (model < 0x10 || (model >= 0x20 && model < 0x60));
-  if (zen3) return {1024, 1024, 0};
-  return {2048, 4096, 8192};
+  if (zen3) return {4096, 0, 0, 1};
+  return {2048, 4096, 8192, 1};
 }
 
 Tuning& tuning() {
@@ -871,8 +872,10 @@ std::string describe_panel(int wtype, int64_t M, int64_t N) {
   const int kind = kiln_weight_kind(wtype);
   std::string what;
   if (wtype == KILN_W_INT4_PANEL) {
-    what = M == 1 ? "one-row stream, 4 chains, prefetch " + std::to_string(t.row_prefetch) + " B"
-                  : tiles(Isa::MR_INT4, Isa::NP_INT4);
+    if (M == 1 && t.row_panels > 1 && panels % t.row_panels == 0)
+      what = "one row x " + std::to_string(t.row_panels) + " panels, prefetch " + std::to_string(t.row_prefetch) + " B";
+    else if (M == 1) what = "one-row stream, 4 chains, prefetch " + std::to_string(t.row_prefetch) + " B";
+    else what = tiles(Isa::MR_INT4, Isa::NP_INT4);
     return "int4 panels, " + isa + (Isa::L == 16 ? " vnni" : "") + ", " + what;
   }
   if (kind == KILN_W_INT8) {
@@ -1132,6 +1135,7 @@ int kiln_get_tuning(const char* name, int64_t* value) {
   if (n == "row_prefetch") *value = t.row_prefetch;
   else if (n == "small_prefetch") *value = t.small_prefetch;
   else if (n == "onepass_prefetch") *value = t.onepass_prefetch;
+  else if (n == "row_panels") *value = t.row_panels;
   else return 1;
   return 0;
 }
@@ -1143,7 +1147,10 @@ int kiln_set_tuning(const char* name, int64_t value) {
   if (n == "row_prefetch") t.row_prefetch = value;
   else if (n == "small_prefetch") t.small_prefetch = value;
   else if (n == "onepass_prefetch") t.onepass_prefetch = value;
-  else return 1;
+  else if (n == "row_panels") {
+    if (value != 1 && value != 2 && value != 4) return 2;
+    t.row_panels = value;
+  } else return 1;
   return 0;
 }
 

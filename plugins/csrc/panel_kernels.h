@@ -590,11 +590,21 @@ inline void panel_gemm_int4(const Int4W& W, int64_t M, int64_t N, const int16_t*
   const int32_t* xq = reinterpret_cast<const int32_t*>(xq16);
   const int64_t panels = N / 16;
   const Tuning& tu = tuning();
-  if (M == 1) {  // decode: each thread one contiguous run of panels (one sequential stream)
+  if (M == 1 && (tu.row_panels == 1 || panels % tu.row_panels != 0)) {
+    // decode: each thread one contiguous run of panels (one sequential stream)
     const int nt = int(std::max<int64_t>(1, std::min<int64_t>(nthreads, panels)));
     const int64_t pf = tu.row_prefetch;
 #pragma omp parallel for num_threads(nt) schedule(static)
     for (int64_t p = 0; p < panels; ++p) panel_int4_row(W, p, xq, sx[0], xs, ep, pf);
+    return;
+  }
+  if (M == 1) {  // decode over row_panels interleaved streams per thread (CPUs whose prefetchers want several)
+    const int64_t pf = tu.row_prefetch;
+    const int np = int(tu.row_panels);
+    for_tiles(1, panels / np, 1, nthreads, [&](int64_t, int64_t, int64_t g) {
+      if (np == 2) panel_int4<1, 2, true>(W, g * 2, xq, W.K / 2, sx, xs, ep, 0, pf);
+      else panel_int4<1, 4, true>(W, g * 4, xq, W.K / 2, sx, xs, ep, 0, pf);
+    });
     return;
   }
   const bool pfm = small_batch_prefetch(M);
