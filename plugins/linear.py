@@ -2,13 +2,15 @@
 
 Ops (all registered in the ``kiln`` namespace, with a fake kernel for ``torch.export``):
 
-``kiln::weight_only_linear(x, qweight, scales, bias, bits, group_size) -> y``
+``kiln::weight_only_linear(x, qweight, scales, bias, bits, group_size, zeros=None) -> y``
     ``x`` [..., in] fp32 or bf16 (fp16 also accepted); ``y`` [..., out] in ``x``'s dtype.
     bits=8: ``qweight`` int8 [out, in], in panels [out/16, in/2, 16, 2] (``pack_panels``, what the
     builder stores) or in 8-row tiles [out/8, in/16, 8, 16] (``pack_rows``); ``scales`` fp32 [out]
     (per output channel; group_size ignored).
-    bits=4: ``qweight`` uint8 [out, in//2] in kiln's packed layout, ``scales`` fp32
-    [out, in//group_size].
+    bits=4: int4 panels (what the builder stores, and pre-quantized GPTQ / AWQ weights): ``qweight`` uint8
+    [out/16, in/8, 64], ``scales`` fp16 [out/16, in//group_size, 16], ``zeros`` uint8 of the scales' shape or
+    None (a zero point of 8: kiln's symmetric int4); or the older plain layout, ``qweight`` uint8 [out, in//2],
+    ``scales`` fp32 [out, in//group_size] (no zeros).
 ``kiln::bf16_linear(x, weight, bias) -> y``
     ``weight`` bf16 [out, in], in panels [out/16, in/2, 16, 2] or in 8-row tiles; ``y`` in ``x``'s
     dtype; accumulation in fp32.
@@ -24,6 +26,7 @@ broadcast elements of MR rows of x (AVX-512: 12 rows x 2 panels; AVX2: 6 x 1). i
 integers (x quantised on the fly to int16 with one scale per row: error <= max|x_row|/65534, orders of
 magnitude below the weight quantisation error; a call whose x holds NaN/inf computes in fp32, so they
 propagate as in the reference; one row of x, i.e. decode, reads one sequential stream per thread);
+int4 panels the same way, each group's int32 sum exact (started at -zero * the group's sum of x) before its scale;
 bf16 weights with bf16 x use the CPU's bf16 dot product where it has one
 (AVX512_BF16: products exact, fp32 accumulation), else they are widened to fp32. The vector width is
 chosen at run time (:func:`kiln.plugins.native.panel_isa`): the library runs on any AVX2 CPU.

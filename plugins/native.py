@@ -172,7 +172,9 @@ def _library_path(key: str) -> Path:
 
 def _jit_cached(key: str) -> Path | None:
     """The library torch's extension loader compiled for ``key`` earlier, where it keeps it (TORCH_EXTENSIONS_DIR,
-    else ~/.cache/torch_extensions/py<version>_<cpu|cuXY>), when it is there and carries the key."""
+    else ~/.cache/torch_extensions/py<version>_<cpu|cuXY>), when it is there, complete and carries the key. While
+    another process compiles it (the loader's ``lock`` file is in its folder) the file may be half written: None,
+    and the loader waits for that build."""
     name = f"{LIBRARY_NAME}_{key}"
     root = os.environ.get("TORCH_EXTENSIONS_DIR")
     if root is None:
@@ -180,6 +182,8 @@ def _jit_cached(key: str) -> Path | None:
         root = str(Path.home() / ".cache" / "torch_extensions" / f"py{sys.version_info[0]}{sys.version_info[1]}_{cu}")
     path = Path(root) / name / f"{name}.so"
     try:
+        if (path.parent / "lock").exists():
+            return None
         return path if path.is_file() and library_key(path) == key else None
     except OSError:
         return None

@@ -123,3 +123,5 @@ def test_a_jit_compiled_library_is_found_without_the_extension_loader(tmp_path, 
     assert native_lib._jit_cached(key) is None                       # another build's library
     so.write_bytes(b"\x7fELF...kiln-build-key:" + key.encode() + b"\0")
     assert native_lib._jit_cached(key) == so
+    (tmp_path / name / "lock").write_text("")                         # another process is still compiling it
+    assert native_lib._jit_cached(key) is None
