@@ -95,7 +95,9 @@ def test_installed_wheel_builds_an_engine_and_generates(wheel, checkpoint_dir, t
         # the prebuilt library ran: it loaded (no "unavailable" warning) and nothing was compiled
         for proc in (built, out):
             assert "native kernels unavailable" not in proc.stderr and "prebuilt kernel library" not in proc.stderr
-        assert not ext_dir.exists() or not any(ext_dir.iterdir()), "the installed kiln compiled its kernels"
+        # (the kernels' tuning, measured once per machine, is cached there too: kiln_tuning/)
+        compiled = [p.name for p in ext_dir.iterdir() if p.name != "kiln_tuning"] if ext_dir.exists() else []
+        assert not compiled, f"the installed kiln compiled its kernels: {compiled}"
     finally:
         shutil.rmtree(venv, ignore_errors=True)  # ~1 GB
     # the same greedy tokens from the source tree's runtime on the engine the installed builder wrote
