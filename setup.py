@@ -1,9 +1,10 @@
 """The package layout and the prebuilt kernel library (the metadata is in pyproject.toml).
 
-Each folder in PACKAGE_FOLDERS installs as ``kiln.<folder>`` with every folder below it; every file
-under a data folder (``csrc/``: C++ sources and headers, ``templates/``: jinja2 templates) is package
-data. Adding a top-level package is one line here (tests/test_packaging.py fails while a folder with
-an ``__init__.py`` is missing from the wheel).
+Each folder in PACKAGE_FOLDERS installs as ``kiln.<folder>`` with every folder below it; ``toplevel/``
+installs as ``kiln`` itself (``kiln.LLM``; not a folder named ``kiln/``, which would shadow the installed
+package for a Python started in the repository's root); every file under a data folder (``csrc/``: C++
+sources and headers, ``templates/``: jinja2 templates) is package data. Adding a top-level package is one
+line here (tests/test_packaging.py fails while a folder with an ``__init__.py`` is missing from the wheel).
 
 The plugins' native library (``kiln/plugins/kiln_kernels.so``, the CPU kernels of every plugin op) is
 compiled into the wheel when torch is importable in the build environment, so an installed kiln
@@ -29,13 +30,14 @@ from setuptools import find_namespace_packages, setup
 
 ROOT = Path(__file__).resolve().parent
 PACKAGE_FOLDERS = ["contract", "clikit", "model_defs", "plugins", "builder", "runtime", "serving", "bench"]
+TOP_FOLDER = "toplevel"   # the kiln package itself
 DATA_FOLDERS = {"csrc", "templates"}  # every file below one of these is package data
 
 
 def packages() -> tuple[list[str], dict[str, str], dict[str, list[str]]]:
     """Package names, their folders and their data files. Data folders are listed as (namespace)
     packages too: that is how setuptools ships a folder of non-Python files."""
-    names, dirs, data = [], {}, {}
+    names, dirs, data = ["kiln"], {"kiln": TOP_FOLDER}, {}
     for folder in PACKAGE_FOLDERS:
         dirs[f"kiln.{folder}"] = folder
         names.append(f"kiln.{folder}")

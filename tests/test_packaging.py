@@ -19,6 +19,7 @@ from kiln.plugins import native
 
 ROOT = Path(__file__).resolve().parent.parent
 DATA_FOLDERS = {"csrc", "templates"}  # setup.py ships every file below these
+TOP_FOLDER = "toplevel"                # setup.py installs it as the kiln package itself
 
 
 def _run(cmd: list, **kw) -> subprocess.CompletedProcess:
@@ -45,7 +46,7 @@ def wheel(tmp_path_factory) -> Path:
 
 def _expected_files() -> set[str]:
     """Every module of every package folder (a top-level folder with an __init__.py) and every file
-    under its data folders, as the wheel must name them (kiln/<folder>/...)."""
+    under its data folders, as the wheel must name them (kiln/<folder>/...; toplevel/ is kiln/ itself)."""
     expected = set()
     for init in ROOT.glob("*/__init__.py"):
         for path in init.parent.rglob("*"):
@@ -53,15 +54,16 @@ def _expected_files() -> set[str]:
             if not path.is_file() or "__pycache__" in rel.parts:
                 continue
             if path.suffix == ".py" or DATA_FOLDERS & set(rel.parts):
-                expected.add(f"kiln/{rel.as_posix()}")
+                inside = rel.relative_to(TOP_FOLDER) if rel.parts[0] == TOP_FOLDER else rel
+                expected.add(f"kiln/{inside.as_posix()}")
     return expected
 
 
 def test_wheel_holds_every_subpackage_data_file_and_the_kernels(wheel, tmp_path):
     names = set(zipfile.ZipFile(wheel).namelist())
     expected = _expected_files()
-    assert {"kiln/builder/passes/__init__.py", "kiln/builder/backends/__init__.py",
-            "kiln/plugins/csrc/kiln_kernels.h"} <= expected
+    assert {"kiln/__init__.py", "kiln/ondemand.py", "kiln/builder/passes/__init__.py",
+            "kiln/builder/backends/__init__.py", "kiln/plugins/csrc/kiln_kernels.h"} <= expected
     missing = sorted(expected - names)
     assert not missing, (f"the wheel lacks {missing[:10]}: a package folder missing from setup.py's "
                          f"PACKAGE_FOLDERS, or data outside {sorted(DATA_FOLDERS)}")
