@@ -30,7 +30,8 @@ test: setup lint
 test-fast: setup
 	$(PY) -m pytest -q -n 2 -m fast
 
-# torch must be in the build environment to compile the kernels into the wheel (see setup.py)
+# the kernels are compiled into the wheel against .venv's torch (no isolated build environment to make; a plain
+# `pip install .` gets them too, from pyproject.toml's build requirements: see setup.py)
 wheel: setup
 	$(PY) -m pip wheel -q --no-build-isolation --no-deps -w dist .
 
