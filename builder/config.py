@@ -41,8 +41,8 @@ DERIVED = {
     "max_input_len": "max_seq_len",
     "max_num_tokens": f"max({DEFAULT_MAX_NUM_TOKENS}, max_batch_size, tokens_per_block)",
     "opt_num_tokens": "min(max_num_tokens, 128)",
-    "kv_cache_dtype": "dtype (auto)",
-    "max_num_blocks": "unbounded; tensorrt: 4 x max_batch_size x ceil(max_seq_len / tokens_per_block)",
+    "kv_cache_dtype": "dtype",
+    "max_num_blocks": "unbounded (tensorrt: 4 x max_batch_size x ceil(max_seq_len / tokens_per_block))",
 }
 
 __all__ = ["BACKENDS", "DERIVED", "DTYPES", "KV_DTYPES", "LOGITS_DTYPES", "ONNX_OPTIMIZATION", "QUANTIZATIONS",
