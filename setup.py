@@ -1,21 +1,23 @@
 """The package layout and the prebuilt kernel library (the metadata is in pyproject.toml).
 
-Each folder in PACKAGE_FOLDERS installs as ``kiln.<folder>`` with every folder below it; every file
-under a data folder (``csrc/``: C++ sources and headers, ``templates/``: jinja2 templates) is package
-data. Adding a top-level package is one line here (tests/test_packaging.py fails while a folder with
-an ``__init__.py`` is missing from the wheel).
+Each folder in PACKAGE_FOLDERS installs as ``kiln.<folder>`` with every folder below it; ``toplevel/``
+installs as ``kiln`` itself (``kiln.LLM``; not a folder named ``kiln/``, which would shadow the installed
+package for a Python started in the repository's root); every file under a data folder (``csrc/``: C++
+sources and headers, ``templates/``: jinja2 templates) is package data. Adding a top-level package is one
+line here (tests/test_packaging.py fails while a folder with an ``__init__.py`` is missing from the wheel).
 
 The plugins' native library (``kiln/plugins/kiln_kernels.so``, the CPU kernels of every plugin op) is
 compiled into the wheel when torch is importable in the build environment, so an installed kiln
-starts without compiling anything. pip's default isolated build environment holds only the build
-requirements (deliberately not torch: any spec but ``torch==2.13.0`` pulls a multi-GB CUDA build), so
-build the wheel in an environment that has torch, without isolation::
+starts without compiling anything. pyproject.toml's ``[build-system]`` requires ``torch==2.13.0``, so
+pip's default isolated build has it too (the exact pin: any other spec pulls a multi-GB CUDA build)::
 
-    pip install torch==2.13.0 && pip wheel --no-build-isolation --no-deps -w dist .    # or: make wheel
+    pip install torch==2.13.0 && pip install .        # the kernels are compiled into what is installed
 
-A wheel built without torch (or an editable install) has no prebuilt library: the kernels then
-compile on first use (~20 s, cached in TORCH_EXTENSIONS_DIR). The library links against the torch it
-was built with; a different torch at run time compiles a fresh one (see kiln/plugins/native.py).
+``pip wheel --no-build-isolation --no-deps -w dist .`` (``make wheel``) builds against the torch of the
+current environment instead (no second torch to install). A wheel built where torch is not importable
+has no prebuilt library: the kernels then compile on first use (~20 s, cached in TORCH_EXTENSIONS_DIR).
+The library links against the torch it was built with; a different torch at run time compiles a fresh
+one (see kiln/plugins/native.py).
 """
 
 from __future__ import annotations
@@ -29,13 +31,14 @@ from setuptools import find_namespace_packages, setup
 
 ROOT = Path(__file__).resolve().parent
 PACKAGE_FOLDERS = ["contract", "clikit", "model_defs", "plugins", "builder", "runtime", "serving", "bench"]
+TOP_FOLDER = "toplevel"   # the kiln package itself
 DATA_FOLDERS = {"csrc", "templates"}  # every file below one of these is package data
 
 
 def packages() -> tuple[list[str], dict[str, str], dict[str, list[str]]]:
     """Package names, their folders and their data files. Data folders are listed as (namespace)
     packages too: that is how setuptools ships a folder of non-Python files."""
-    names, dirs, data = [], {}, {}
+    names, dirs, data = ["kiln"], {"kiln": TOP_FOLDER}, {}
     for folder in PACKAGE_FOLDERS:
         dirs[f"kiln.{folder}"] = folder
         names.append(f"kiln.{folder}")
@@ -54,8 +57,9 @@ def native_library() -> tuple[list, dict]:
         from torch.utils.cpp_extension import BuildExtension, CppExtension
     except ImportError:
         print("setup.py: torch is not importable in this build environment; the wheel gets no prebuilt "
-              "kernel library (the kernels compile on first use). Build with torch installed and "
-              "--no-build-isolation to include it.", file=sys.stderr)
+              "kernel library (the kernels compile on first use). pyproject.toml's build requirements include "
+              "torch: build with pip's default isolation, or with torch installed and --no-build-isolation.",
+              file=sys.stderr)
         return [], {}
     # the loader knows the sources, flags and build key; it imports only torch and the standard library
     spec = importlib.util.spec_from_file_location("kiln_native_loader", ROOT / "plugins" / "native.py")

@@ -126,7 +126,9 @@ def _vocab_and_specials(engine_dir: Path | None, tokenizer: Path | None,
 @click.option("--length-scale", type=float, help="Multiply prompt and output lengths by F.")
 @click.option("--prompt-scale", type=float, help="Multiply prompt lengths by F (overrides --length-scale).")
 @click.option("--output-scale", type=float, help="Multiply output lengths by F (overrides --length-scale).")
-@click.option("--clip-to-engine", is_flag=True, help="Clip lengths to the engine's max_input_len / max_seq_len.")
+@click.option("--clip-to-engine", is_flag=True, help="Clip lengths so that every request fits the engine: prompt <= "
+                                                   "min(max_input_len, max_seq_len - 1), output <= max_seq_len - "
+                                                   "prompt (the counts are printed and stored).")
 @click.option("--num-requests", type=int, default=100, show_default=True, help="Synthetic workload: requests per rate.")
 @click.option("--prompt-len", help="Synthetic: N, LOW:HIGH or 'trace' (the trace's lengths). [default: 128]")
 @click.option("--output-len", help="Synthetic: N, LOW:HIGH or 'trace' (the trace's lengths). [default: 128]")
@@ -219,6 +221,7 @@ def bench(ctx, engine_dir, endpoint, api, model, api_key, metrics_url, no_force_
             raise click.UsageError("--clip-to-engine needs --engine DIR (with --endpoint: the served engine's "
                                    "directory)")
         work = wl.clip_to_bounds(work, facts.bounds.max_input_len, facts.bounds.max_seq_len)
+        click.echo(wl.clip_summary(work.description["clip"]), err=True)
     work.description.update(seed=seed, totals=work.totals())
 
     if max_throughput:

@@ -44,7 +44,9 @@ _EXCLUDE = ("seed", "metrics_window", "enable_prefix_reuse", "kv_cache_memory_fr
 @click.option("--length-scale", type=float, help="Multiply trace lengths by F (as kiln bench).")
 @click.option("--prompt-scale", type=float)
 @click.option("--output-scale", type=float)
-@click.option("--clip-to-engine", is_flag=True, help="Clip trace lengths to the engine's bounds (as kiln bench).")
+@click.option("--clip-to-engine", is_flag=True, help="Clip trace lengths so that every request fits the engine (as "
+                                                   "kiln bench: prompt <= min(max_input_len, max_seq_len - 1), "
+                                                   "output <= max_seq_len - prompt).")
 @click.option("--context-p95", type=int, help="Prompt length p95 (without --trace).")
 @click.option("--output-p95", type=int, help="Output length p95 (without --trace).")
 @click.option("--context-mean", type=float, help="Prompt length mean (default: the p95).")
@@ -120,10 +122,12 @@ def plan(engine_dir, hf_config, dtype, quantization, max_seq_len, tokens_per_blo
                                      output_scale=o_s, source=str(trace))
             if clip_to_engine:
                 work = wl.clip_to_bounds(work, facts.bounds.max_input_len, facts.bounds.max_seq_len)
+                click.echo(wl.clip_summary(work.description["clip"]), err=True)
         except (wl.TraceError, ValueError) as exc:
             raise click.ClickException(str(exc)) from None
+        clip = work.description.get("clip")
         src = f"trace {trace}: {len(work.requests)} requests, prompt x{p_s:g}, output x{o_s:g}" + (
-            ", clipped to the engine" if clip_to_engine else "")
+            f", {clip['requests_clipped']} clipped to fit the engine" if clip else "")
         stats = WorkloadStats.from_lengths([r.prompt_len for r in work.requests],
                                            [r.output_len for r in work.requests], src)
     elif context_p95 is not None and output_p95 is not None:
@@ -150,5 +154,6 @@ def plan(engine_dir, hf_config, dtype, quantization, max_seq_len, tokens_per_blo
     click.echo(format_plan(result))
     if out_path is not None:
         out_path.parent.mkdir(parents=True, exist_ok=True)
-        out_path.write_text(json.dumps({"kiln_plan": 1, "engine": facts.as_dict(), "plan": result}, indent=1))
+        out_path.write_text(json.dumps({"kiln_plan": 1, "engine": facts.as_dict(), "plan": result,
+                                        "clip": clip if trace is not None else None}, indent=1))
         click.echo(f"plan: {out_path}")

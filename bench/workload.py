@@ -287,17 +287,28 @@ def with_shared_prefix(workload: Workload, num_prefixes: int, prefix_len: int, s
 
 
 def clip_to_bounds(workload: Workload, max_input_len: int, max_seq_len: int) -> Workload:
-    """Clip lengths to an engine's bounds (prompt <= max_input_len, prompt + output <= max_seq_len)."""
-    reqs, cp, co = [], 0, 0
+    """Fit every request to an engine's bounds, so that none is refused for its lengths: the prompt to
+    ``min(max_input_len, max_seq_len - 1)`` (room for at least one generated token), the output to
+    ``max_seq_len - prompt``. The description's ``clip`` counts the clipped prompts, outputs and requests."""
+    if max_seq_len < 2:
+        raise ValueError(f"max_seq_len={max_seq_len}: an engine must hold a prompt token and a generated one")
+    prompt_cap = min(max_input_len, max_seq_len - 1)
+    reqs, cp, co, cr = [], 0, 0, 0
     for r in workload.requests:
-        p, o = r.prompt_len, r.output_len
-        if p > max_input_len:
-            p, cp = max_input_len, cp + 1
-        if p + o > max_seq_len:
-            o, co = max(1, max_seq_len - p), co + 1
+        p = min(r.prompt_len, prompt_cap)
+        o = min(r.output_len, max_seq_len - p)
+        cp, co, cr = cp + (p < r.prompt_len), co + (o < r.output_len), cr + (p < r.prompt_len or o < r.output_len)
         reqs.append(replace(r, prompt_len=p, output_len=o, prefix_len=min(r.prefix_len, p)))
-    clip = {"max_input_len": max_input_len, "max_seq_len": max_seq_len, "prompts_clipped": cp, "outputs_clipped": co}
+    clip = {"max_input_len": max_input_len, "max_seq_len": max_seq_len, "max_prompt_len": prompt_cap,
+            "prompts_clipped": cp, "outputs_clipped": co, "requests_clipped": cr, "requests": len(reqs)}
     return Workload(reqs, dict(workload.description, clip=clip))
+
+
+def clip_summary(clip: dict) -> str:
+    """One line for the user: how many requests ``clip_to_bounds`` changed, and how."""
+    return (f"--clip-to-engine: {clip['requests_clipped']} of {clip['requests']} requests clipped "
+            f"({clip['prompts_clipped']} prompts to <= {clip['max_prompt_len']} tokens, {clip['outputs_clipped']} "
+            f"outputs to fit max_seq_len {clip['max_seq_len']})")
 
 
 # ---- prompts ----------------------------------------------------------------------------------------------

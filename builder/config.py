@@ -1,10 +1,11 @@
 """BuildConfig: every knob of an engine build, validated, with dict and YAML round trips.
 
 Values are never adjusted silently: a value that conflicts with another (or with the
-model) raises :class:`BuildConfigError` naming the values and how to fix them. The
-only "derived" values are documented sentinels (``kv_cache_dtype: auto`` = the engine
-dtype, ``opt_num_tokens: null`` = ``min(max_num_tokens, 128)``), and they are resolved
-in plain sight in the engine's config.json.
+model) raises :class:`BuildConfigError` naming the values and how to fix them. A default
+that depends on another field is a documented sentinel (``None`` / ``auto``) resolved from
+what the user did give, so a default never contradicts a value the user set (DERIVED lists
+them; ``resolved()`` applies them, and the engine's config.json records the result). An
+unknown field name (keyword or YAML key) is a BuildConfigError naming the closest one.
 """
 
 from __future__ import annotations
@@ -15,7 +16,17 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from kiln.contract import BACKENDS, QUANTIZATIONS, BuildConfigError, EngineBounds, ModelConfig, mapping_problems
+from kiln.contract import (
+    BACKENDS,
+    QUANTIZATIONS,
+    BuildConfigError,
+    EngineBounds,
+    ModelConfig,
+    check_option_names,
+    mapping_problems,
+    option_names,
+    reject_unknown_options,
+)
 from kiln.contract import DTYPES as _TORCH_DTYPES
 
 DTYPES = tuple(_TORCH_DTYPES)
@@ -23,9 +34,19 @@ TP_BACKENDS = ("cpu", "cpu-compiled")   # backends whose graphs can hold kiln's 
 KV_DTYPES = ("auto",) + DTYPES
 LOGITS_DTYPES = ("float32",)
 ONNX_OPTIMIZATION = ("disable", "basic", "extended", "all")
+DEFAULT_MAX_NUM_TOKENS = 1024
 
-__all__ = ["BACKENDS", "DTYPES", "KV_DTYPES", "LOGITS_DTYPES", "ONNX_OPTIMIZATION", "QUANTIZATIONS", "BuildConfig",
-           "BuildConfigError"]
+# field -> what its sentinel default means (the BuildConfig reference page lists these)
+DERIVED = {
+    "max_input_len": "max_seq_len",
+    "max_num_tokens": f"max({DEFAULT_MAX_NUM_TOKENS}, max_batch_size, tokens_per_block)",
+    "opt_num_tokens": "min(max_num_tokens, 128)",
+    "kv_cache_dtype": "dtype",
+    "max_num_blocks": "unbounded (tensorrt: 4 x max_batch_size x ceil(max_seq_len / tokens_per_block))",
+}
+
+__all__ = ["BACKENDS", "DERIVED", "DTYPES", "KV_DTYPES", "LOGITS_DTYPES", "ONNX_OPTIMIZATION", "QUANTIZATIONS",
+           "BuildConfig", "BuildConfigError"]
 
 
 def _knob(default: Any, help: str, choices: tuple[str, ...] | None = None) -> Any:
@@ -33,6 +54,7 @@ def _knob(default: Any, help: str, choices: tuple[str, ...] | None = None) -> An
     return field(default=default, metadata={"help": help, **({"choices": choices} if choices else {})})
 
 
+@reject_unknown_options(BuildConfigError)
 @dataclass
 class BuildConfig:
     dtype: str = _knob("float32", "Engine dtype of weights and activations.", DTYPES)
@@ -40,9 +62,11 @@ class BuildConfig:
                                 "onnx: an ONNX model run by onnxruntime; tensorrt: a TensorRT plan (NVIDIA GPU).",
                          BACKENDS)
     max_batch_size: int = _knob(8, "Most sequences in one step (context and generation together).")
-    max_input_len: int = _knob(512, "Longest prompt accepted.")
+    max_input_len: int | None = _knob(None, "Longest prompt accepted (default: max_seq_len).")
     max_seq_len: int = _knob(1024, "Longest sequence (prompt + generated); at most the model's positions.")
-    max_num_tokens: int = _knob(1024, "Most packed tokens in one step (prefill chunks + one per decoding sequence).")
+    max_num_tokens: int | None = _knob(None, "Most packed tokens in one step (prefill chunks + one per decoding "
+                                             f"sequence; default: max({DEFAULT_MAX_NUM_TOKENS}, max_batch_size, "
+                                             "tokens_per_block)).")
     opt_num_tokens: int | None = _knob(None, "Tokens per step the engine is tuned for (default: "
                                              "min(max_num_tokens, 128)).")
     tokens_per_block: int = _knob(16, "KV block size in tokens.")
@@ -84,19 +108,18 @@ class BuildConfig:
         choice("onnx_optimization", ONNX_OPTIMIZATION)
         if self.logits_dtype not in LOGITS_DTYPES:
             out.append(f"logits_dtype={self.logits_dtype!r}: the engine contract returns float32 logits; use 'float32'")
-        ints = ("max_batch_size", "max_input_len", "max_seq_len", "max_num_tokens", "tokens_per_block", "group_size",
-                "tp_size")
+        ints = ("max_batch_size", "max_seq_len", "tokens_per_block", "group_size", "tp_size")
         bad_int = False
         for name in ints:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 out.append(f"{name}={value!r} must be a positive integer")
                 bad_int = True
-        if self.opt_num_tokens is not None and (
-            isinstance(self.opt_num_tokens, bool) or not isinstance(self.opt_num_tokens, int) or self.opt_num_tokens < 1
-        ):
-            out.append(f"opt_num_tokens={self.opt_num_tokens!r} must be a positive integer or null")
-            bad_int = True
+        for name in ("max_input_len", "max_num_tokens", "opt_num_tokens"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+                out.append(f"{name}={value!r} must be a positive integer or null (null: {DERIVED[name]})")
+                bad_int = True
         if not isinstance(self.gather_all_logits, bool):
             out.append(f"gather_all_logits={self.gather_all_logits!r} must be true or false")
         if self.max_num_blocks is not None and (isinstance(self.max_num_blocks, bool)
@@ -112,34 +135,37 @@ class BuildConfig:
             out.append(f"disabled_passes={self.disabled_passes!r} must be a list of pass names")
         if bad_int:
             return out
-        if self.max_input_len > self.max_seq_len:
+        # only values the user gave can conflict: a derived default follows what it is derived from
+        if self.max_input_len is not None and self.max_input_len > self.max_seq_len:
             out.append(
                 f"max_input_len={self.max_input_len} > max_seq_len={self.max_seq_len}: a prompt cannot be longer "
-                f"than the whole sequence; raise max_seq_len to >= {self.max_input_len} or lower max_input_len"
+                f"than the whole sequence; raise max_seq_len to >= {self.max_input_len} or lower max_input_len "
+                "(or leave it out: it defaults to max_seq_len)"
             )
-        if self.max_num_tokens < self.tokens_per_block:
+        tokens = self.resolved_max_num_tokens
+        if self.max_num_tokens is not None and tokens < self.tokens_per_block:
             out.append(
-                f"max_num_tokens={self.max_num_tokens} < tokens_per_block={self.tokens_per_block}: one step could not "
+                f"max_num_tokens={tokens} < tokens_per_block={self.tokens_per_block}: one step could not "
                 f"fill a single KV block; raise max_num_tokens to >= {self.tokens_per_block} or lower tokens_per_block"
             )
-        if self.max_num_tokens < self.max_batch_size:
+        if self.max_num_tokens is not None and tokens < self.max_batch_size:
             out.append(
-                f"max_num_tokens={self.max_num_tokens} < max_batch_size={self.max_batch_size}: a step decoding "
+                f"max_num_tokens={tokens} < max_batch_size={self.max_batch_size}: a step decoding "
                 f"max_batch_size sequences needs one token each; raise max_num_tokens to >= {self.max_batch_size} "
                 "or lower max_batch_size"
             )
-        if self.opt_num_tokens is not None and self.opt_num_tokens > self.max_num_tokens:
+        if self.opt_num_tokens is not None and self.opt_num_tokens > tokens:
             out.append(
-                f"opt_num_tokens={self.opt_num_tokens} > max_num_tokens={self.max_num_tokens}; "
+                f"opt_num_tokens={self.opt_num_tokens} > max_num_tokens={tokens}; "
                 "lower opt_num_tokens or set it to null"
             )
         profiles = self.num_tokens_profiles
         if profiles and self.backend != "tensorrt":
             out.append(f"num_tokens_profiles={profiles} is for backend 'tensorrt' (this build is "
                        f"{self.backend!r}); remove it or build with --backend tensorrt")
-        elif profiles and (profiles != sorted(set(profiles)) or profiles[-1] != self.max_num_tokens):
+        elif profiles and (profiles != sorted(set(profiles)) or profiles[-1] != tokens):
             out.append(f"num_tokens_profiles={profiles} must be strictly ascending and end at "
-                       f"max_num_tokens={self.max_num_tokens} (e.g. [{self.max_batch_size}, {self.max_num_tokens}])")
+                       f"max_num_tokens={tokens} (e.g. [{self.max_batch_size}, {tokens}])")
         if self.backend == "onnx" and self.dtype != "float32":
             out.append(f"dtype={self.dtype!r} with backend 'onnx': onnxruntime's CPU kernels are float32 (no bfloat16 "
                        "MatMul); use dtype 'float32', or backend 'tensorrt' for 16-bit engines")
@@ -197,8 +223,18 @@ class BuildConfig:
         return self.dtype if self.kv_cache_dtype == "auto" else self.kv_cache_dtype
 
     @property
+    def resolved_max_input_len(self) -> int:
+        return self.max_input_len if self.max_input_len is not None else self.max_seq_len
+
+    @property
+    def resolved_max_num_tokens(self) -> int:
+        if self.max_num_tokens is not None:
+            return self.max_num_tokens
+        return max(DEFAULT_MAX_NUM_TOKENS, self.max_batch_size, self.tokens_per_block)
+
+    @property
     def resolved_opt_num_tokens(self) -> int:
-        return self.opt_num_tokens if self.opt_num_tokens is not None else min(self.max_num_tokens, 128)
+        return self.opt_num_tokens if self.opt_num_tokens is not None else min(self.resolved_max_num_tokens, 128)
 
     @property
     def max_blocks_per_seq(self) -> int:
@@ -213,20 +249,22 @@ class BuildConfig:
 
     @property
     def max_num_logits(self) -> int:
-        return self.max_num_tokens if self.gather_all_logits else self.max_batch_size
+        return self.resolved_max_num_tokens if self.gather_all_logits else self.max_batch_size
 
     def engine_bounds(self) -> EngineBounds:
         """The bounds the engine is traced with and the runtime enforces (config.json ``bounds``)."""
         return EngineBounds(
-            max_batch_size=self.max_batch_size, max_num_tokens=self.max_num_tokens, max_input_len=self.max_input_len,
+            max_batch_size=self.max_batch_size, max_num_tokens=self.resolved_max_num_tokens,
+            max_input_len=self.resolved_max_input_len,
             max_seq_len=self.max_seq_len, tokens_per_block=self.tokens_per_block, max_num_logits=self.max_num_logits,
             max_blocks_per_seq=self.max_blocks_per_seq, max_num_blocks=self.resolved_max_num_blocks or 0,
         )
 
     def resolved(self) -> BuildConfig:
-        """This config with its documented sentinels replaced by what they mean (``kv_cache_dtype: auto``,
-        ``opt_num_tokens: null``): what config.json records, and what rebuilds the same engine."""
-        return self.replace(kv_cache_dtype=self.resolved_kv_cache_dtype, opt_num_tokens=self.resolved_opt_num_tokens,
+        """This config with its documented sentinels (DERIVED) replaced by what they mean: what config.json
+        records, and what rebuilds the same engine."""
+        return self.replace(max_input_len=self.resolved_max_input_len, max_num_tokens=self.resolved_max_num_tokens,
+                            kv_cache_dtype=self.resolved_kv_cache_dtype, opt_num_tokens=self.resolved_opt_num_tokens,
                             max_num_blocks=self.resolved_max_num_blocks)
 
     # ------------------------------------------------------------------ (de)serialization
@@ -240,10 +278,7 @@ class BuildConfig:
     def from_dict(cls, data: dict[str, Any]) -> BuildConfig:
         if not isinstance(data, dict):
             raise BuildConfigError(f"a build config must be a mapping, got {type(data).__name__}")
-        names = [f.name for f in dataclasses.fields(cls)]
-        unknown = sorted(set(data) - set(names))
-        if unknown:
-            raise BuildConfigError(f"unknown build config key(s) {unknown}; known keys: {names}")
+        check_option_names(data, option_names(cls), "a build config", kind="key", error=BuildConfigError)
         return cls(**data)
 
     @classmethod

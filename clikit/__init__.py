@@ -54,10 +54,11 @@ def _default_of(f: dataclasses.Field) -> Any:
     return dataclasses.MISSING
 
 
-def dataclass_options(cls: type, *, exclude: Iterable[str] = ()) -> Callable[[F], F]:
+def dataclass_options(cls: type, *, exclude: Iterable[str] = (), help_prefix: str = "") -> Callable[[F], F]:
     """Decorator adding a click option for each field of dataclass ``cls`` (but ``exclude``): ``--max-tokens``
     for ``max_tokens``, ``--name/--no-name`` for a bool, a repeatable option for a list. Values arrive in
-    the command's kwargs under the field names, None (or ``()``) when not given; see :func:`given`."""
+    the command's kwargs under the field names, None (or ``()``) when not given; see :func:`given`.
+    ``help_prefix`` starts every option's help (e.g. to say when the options apply)."""
     hints = typing.get_type_hints(cls)
     skip = set(exclude)
     fields = [f for f in dataclasses.fields(cls) if f.name not in skip and f.init]
@@ -66,7 +67,7 @@ def dataclass_options(cls: type, *, exclude: Iterable[str] = ()) -> Callable[[F]
         for f in reversed(fields):  # click applies decorators bottom-up: keep the dataclass's order in --help
             kind, ctype = _option_kind(hints[f.name])
             flag = f.name.replace("_", "-")
-            help_text = f.metadata.get("help", "")
+            help_text = help_prefix + f.metadata.get("help", "")
             choices = f.metadata.get("choices")
             default = _default_of(f)
             if default not in (dataclasses.MISSING, None, [], ()) and kind != "flag":

@@ -57,6 +57,7 @@ from kiln.contract.io import (
     torch_dtype,
 )
 from kiln.contract.model import ModelConfig
+from kiln.contract.options import check_option_names, option_names, reject_unknown_options
 from kiln.contract.summary import format_table, human_bytes, summary_rows
 from kiln.contract.tensor_parallel import TensorParallelMapping, check_rank_file, mapping_problems, stamp_rank_file
 from kiln.contract.weights import load_weights, save_weights, weights_file
@@ -72,5 +73,6 @@ __all__ = [
     "check_compatible", "check_inputs", "dim_ranges", "format_table", "human_bytes", "io_spec", "is_engine_dir",
     "kv_bytes_per_token", "kv_cache_shape", "pack_inputs", "rank_file", "read_build_report", "read_engine_config",
     "summary_rows", "torch_dtype", "file_checksum", "verify_checksums", "check_rank_file", "mapping_problems",
-    "stamp_rank_file", "load_weights", "save_weights", "weights_file",
+    "stamp_rank_file", "load_weights", "save_weights", "weights_file", "check_option_names", "option_names",
+    "reject_unknown_options",
 ]

@@ -310,6 +310,10 @@ def read_engine_config(path: str | Path) -> EngineConfig:
         data = json.loads(cfg_path.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise EngineLoadError(f"{cfg_path}: not valid JSON ({exc}); rebuild the engine") from None
+    if isinstance(data, dict) and "format_version" not in data and ("architectures" in data or "model_type" in data):
+        raise EngineLoadError(f"{directory} is a Hugging Face checkpoint, not an engine: kiln.LLM({str(directory)!r}) "
+                              f"and `kiln serve {directory}` build (and cache) its engine, or build one with "
+                              f"`build-engine --checkpoint {directory} --output ENGINE_DIR`")
     config = EngineConfig.from_dict(data, str(cfg_path))
     check_compatible(config, str(directory))
     return config

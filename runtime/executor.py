@@ -54,6 +54,7 @@ from kiln.contract import (
     InvalidRequestError,
     SeqChunk,
     pack_inputs,
+    reject_unknown_options,
 )
 from kiln.runtime.fields import SEED_RANGE, FieldChecks, is_integer
 from kiln.runtime.kv_cache import KVCacheManager, available_memory_bytes, plan_num_blocks
@@ -83,6 +84,7 @@ def _close_at_exit() -> None:
         executor.close(timeout=EXIT_JOIN_TIMEOUT_S)
 
 
+@reject_unknown_options()
 @dataclass
 class ExecutorConfig:
     """Serving options (``LLM(engine, **options)``); each field's help says what it does."""

@@ -30,7 +30,14 @@ from collections.abc import AsyncIterator, Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from kiln.contract import ConfigError, ExecutorClosedError, InvalidRequestError, RequestFailedError
+from kiln.contract import (
+    ConfigError,
+    ExecutorClosedError,
+    InvalidRequestError,
+    RequestFailedError,
+    check_option_names,
+    option_names,
+)
 from kiln.runtime.detokenizer import load_tokenizer
 from kiln.runtime.executor import Executor, ExecutorConfig
 from kiln.runtime.memory import release_free_heap
@@ -47,6 +54,7 @@ class LLM:
         """``engine``: an engine directory, or an already loaded ``Engine`` (shared, e.g. by tests; its owner
         closes it). Serving options: an ``ExecutorConfig`` as ``config``, or its fields as keywords.
         A tensor-parallel engine directory starts its other ranks (see ``kiln.runtime.tensor_parallel``)."""
+        check_option_names(options, self.option_names(), type(self).__name__)
         if config is not None and options:
             raise ConfigError(f"give either config or its fields as keywords, not both ({sorted(options)})")
         config = config if config is not None else ExecutorConfig(**options)
@@ -67,6 +75,12 @@ class LLM:
         # an LLM dropped without shutdown() still stops its loop (and its requests, and the other ranks of a
         # tensor-parallel engine it loaded) when collected
         weakref.finalize(self, _close, self.executor, engine if self._owns_engine else None).atexit = False
+
+    @classmethod
+    def option_names(cls) -> list[str]:
+        """Every keyword this constructor takes: its own and ExecutorConfig's fields (what an unknown one is
+        checked against)."""
+        return ["tokenizer", "config", *option_names(ExecutorConfig)]
 
     # ---- helpers --------------------------------------------------------------------------------------
     def encode(self, prompt: Prompt) -> tuple[list[int], str | None]:

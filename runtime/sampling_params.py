@@ -15,10 +15,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from kiln.contract import ConfigError
+from kiln.contract import ConfigError, reject_unknown_options
 from kiln.runtime.fields import SEED_RANGE, FieldChecks, is_integer
 
 
+@reject_unknown_options()
 @dataclass
 class SamplingParams:
     """Per-request options (each field's help says what it does). Every field is checked for type and range

@@ -10,8 +10,9 @@ ends with the same logits. Only rank 0's are used.
 
 Where the other ranks come from:
 
-* by default, N - 1 worker processes started here (``torch.multiprocessing``, spawn), on this machine,
-  rendezvousing through a TCP store on 127.0.0.1;
+* by default, N - 1 worker processes started here, on this machine, each a fresh interpreter running
+  ``python -m kiln.runtime.tp_worker`` (as torchrun starts its ranks; never a multiprocessing child, which
+  would re-import the user's main module), rendezvousing through a TCP store on 127.0.0.1;
 * under ``torchrun`` (``WORLD_SIZE`` = N set in the environment), the processes torchrun started, through
   its rendezvous (so the ranks may span machines): rank 0's ``LLM(engine_dir)`` leads, and on the other
   ranks the same call serves as a worker until rank 0 shuts down, then exits the process (exit code 0),
@@ -46,10 +47,10 @@ import logging
 import multiprocessing.connection
 import os
 import signal
+import subprocess
 import sys
 import threading
 import time
-import traceback
 import weakref
 from pathlib import Path
 from typing import Any
@@ -66,10 +67,8 @@ from kiln.contract import (
     check_inputs,
     check_rank_file,
     kv_cache_shape,
-    read_engine_config,
 )
 from kiln.plugins import collectives
-from kiln.plugins.native import native_kernels_available
 from kiln.runtime.engine import Engine, load_rank_graph
 from kiln.runtime.tp_wire import OP_ALLOC, OP_STEP, OP_STOP, StepChannel
 
@@ -195,46 +194,6 @@ def serve_worker(runner: _RankRunner, channel: StepChannel) -> None:
             raise RuntimeError(f"unknown message {msg.op} from rank 0")
 
 
-def _exit_with_parent(parent_pid: int) -> None:
-    """A spawned worker outlives no leader: it exits when its parent process is gone (even if the leader was
-    killed before the process groups existed, so no socket would tell)."""
-
-    def watch() -> None:
-        while os.getppid() == parent_pid:
-            time.sleep(0.5)
-        os._exit(1)
-
-    threading.Thread(target=watch, name="kiln-tp-parent-watch", daemon=True).start()
-
-
-def _worker_main(directory: str, rank: int, world: int, port: int, threads: int, conn, parent_pid: int) -> None:
-    """Entry point of a spawned worker process (rank >= 1)."""
-    _exit_with_parent(parent_pid)
-    torch.set_num_threads(threads)
-    try:
-        config = read_engine_config(directory)
-        native_kernels_available()   # now, not in the first step (rank 0 compiled them if they were missing)
-        fn = load_rank_graph(Path(directory), config, rank)
-    except BaseException as exc:   # reported to rank 0, which names it in its EngineLoadError
-        conn.send(("error", f"{type(exc).__name__}: {exc}"))
-        return
-    conn.send(("loaded", os.getpid()))
-    store = dist.TCPStore("127.0.0.1", port, world, False, timeout=datetime.timedelta(seconds=120))
-    groups = _Groups.over_store(store, rank, world)
-    conn.send(("joined", None))
-    conn.close()
-    try:
-        serve_worker(_RankRunner(config, fn, groups), StepChannel(groups.control, config.bounds))
-    except BaseException:
-        # rank 0 is gone (its sockets closed) or this rank's step failed: rank 0 learns it from the
-        # collectives / the exit code; say why here
-        logger.error("kiln tensor-parallel rank %d stops: %s", rank, traceback.format_exc())
-        code = 1
-    else:
-        code = 0
-    _exit_without_teardown(code)
-
-
 def _exit_without_teardown(code: int) -> None:
     """End a follower rank's process. No interpreter teardown: nothing is left to flush but stdio, and tearing
     down gloo's threads and sockets under the interpreter's finalizers, the peer gone, is what can go wrong
@@ -244,26 +203,38 @@ def _exit_without_teardown(code: int) -> None:
     os._exit(code)
 
 
+def worker_command(directory: Path, rank: int, world: int, port: int, threads: int, status_fd: int) -> list[str]:
+    """The command line of follower rank ``rank``: this interpreter on kiln's worker entry point."""
+    return [sys.executable, "-m", "kiln.runtime.tp_worker", str(directory), "--rank", str(rank), "--world",
+            str(world), "--port", str(port), "--threads", str(threads), "--parent-pid", str(os.getpid()),
+            "--status-fd", str(status_fd)]
+
+
 class _SpawnedRanks:
-    """The worker processes of ranks 1..N-1 started by this process, and the watchdog over them."""
+    """The worker processes of ranks 1..N-1 started by this process (``python -m kiln.runtime.tp_worker``), and
+    the watchdog over them."""
 
     def __init__(self, directory: Path, config: EngineConfig, threads: int):
-        import torch.multiprocessing as mp
-
         self.world = config.tp_size
-        ctx = mp.get_context("spawn")
         self.store = dist.TCPStore("127.0.0.1", 0, self.world, True, timeout=datetime.timedelta(seconds=120),
                                    wait_for_workers=False)
-        self.procs = []
-        self.conns = []
-        for rank in range(1, self.world):
-            ours, theirs = ctx.Pipe(duplex=False)
-            p = ctx.Process(target=_worker_main, name=f"kiln-tp-rank{rank}", daemon=True,
-                            args=(str(directory), rank, self.world, self.store.port, threads, theirs, os.getpid()))
-            p.start()
-            theirs.close()
-            self.procs.append(p)
-            self.conns.append(ours)
+        self.procs: list[subprocess.Popen] = []
+        self.conns: list[multiprocessing.connection.Connection] = []
+        try:
+            for rank in range(1, self.world):
+                ours, theirs = os.pipe()
+                try:
+                    cmd = worker_command(directory, rank, self.world, self.store.port, threads, theirs)
+                    self.procs.append(subprocess.Popen(cmd, stdin=subprocess.DEVNULL, pass_fds=(theirs,)))
+                except BaseException:
+                    os.close(ours)
+                    raise
+                finally:
+                    os.close(theirs)
+                self.conns.append(multiprocessing.connection.Connection(ours, writable=False))
+        except BaseException:
+            self.kill()
+            raise
         self.death: str | None = None
         self._closing = False
 
@@ -275,15 +246,15 @@ class _SpawnedRanks:
         """Every worker's next status message (``want``), else EngineLoadError naming the rank and why."""
         for rank, (p, conn) in enumerate(zip(self.procs, self.conns), start=1):
             while not conn.poll(0.2):
-                if not p.is_alive():
+                if p.poll() is not None:
                     raise EngineLoadError(f"{directory}: tensor-parallel rank {rank} (pid {p.pid}) exited with code "
-                                          f"{p.exitcode} while starting")
+                                          f"{p.returncode} while starting (its error is above, on stderr)")
             try:
                 status, detail = conn.recv()
             except EOFError:
-                p.join(5)
+                _wait(p, 5)
                 raise EngineLoadError(f"{directory}: tensor-parallel rank {rank} (pid {p.pid}) exited with code "
-                                      f"{p.exitcode} while starting") from None
+                                      f"{p.returncode} while starting (its error is above, on stderr)") from None
             if status == "error":
                 raise EngineLoadError(f"rank {rank}: {detail}")
             if status != want:
@@ -301,37 +272,45 @@ class _SpawnedRanks:
     def watch(self, on_death) -> None:
         """Call ``on_death(message)`` from a watchdog thread when a worker exits while the engine is open."""
 
-        def run() -> None:
-            sentinels = {p.sentinel: (rank, p) for rank, p in enumerate(self.procs, start=1)}
-            ready = multiprocessing.connection.wait(list(sentinels))
-            if self._closing:
+        def run(rank: int, p: subprocess.Popen) -> None:
+            p.wait()
+            if self._closing or self.death is not None:
                 return
-            rank, p = sentinels[ready[0]]
-            p.join(1)
-            self.death = describe_exit(rank, p.pid, p.exitcode)
+            self.death = describe_exit(rank, p.pid, p.returncode)
             on_death(self.death)
 
-        threading.Thread(target=run, name="kiln-tp-watchdog", daemon=True).start()
+        for rank, p in enumerate(self.procs, start=1):
+            threading.Thread(target=run, args=(rank, p), name=f"kiln-tp-watchdog-rank{rank}", daemon=True).start()
 
     def stop(self, timeout: float = STOP_WAIT_S) -> None:
         """Wait for the workers to exit (they were told to stop, or the engine is dead); kill stragglers."""
         self._closing = True
         deadline = time.monotonic() + timeout
         for p in self.procs:
-            p.join(max(0.0, deadline - time.monotonic()))
+            _wait(p, max(0.0, deadline - time.monotonic()))
         for p in self.procs:
-            if p.is_alive():
+            if p.poll() is None:
                 logger.warning("tensor-parallel worker pid %d did not stop; killing it", p.pid)
                 p.kill()
-                p.join(5)
+                _wait(p, 5)
 
     def kill(self) -> None:
         self._closing = True
         for p in self.procs:
-            if p.is_alive():
+            if p.poll() is None:
                 p.kill()
         for p in self.procs:
-            p.join(5)
+            _wait(p, 5)
+        for conn in self.conns:
+            conn.close()
+
+
+def _wait(p: subprocess.Popen, timeout: float) -> None:
+    """Wait up to ``timeout`` s for ``p`` to exit (reaped when it did)."""
+    try:
+        p.wait(timeout)
+    except subprocess.TimeoutExpired:
+        pass
 
 
 def describe_exit(rank: int, pid: int | None, code: int | None) -> str:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import faulthandler
 import warnings
 from pathlib import Path
@@ -21,7 +22,7 @@ FAST_MODULES = {
     "test_scheduler", "test_kv_cache", "test_sampler", "test_builder_config", "test_contract", "test_clikit",
     "test_runtime_detokenizer", "test_checkpoint_errors", "test_request_validation", "test_plugins",
     "test_plugin_ops_native", "test_weight_only_linear", "test_native_library", "test_serving_chat_template",
-    "test_bench_workload", "test_bench_stats", "test_panel_kernels",
+    "test_bench_workload", "test_bench_stats", "test_panel_kernels", "test_docs",
 }
 
 
@@ -55,7 +56,10 @@ def checkpoint_dir(tmp_path_factory):
         key = (family, shard_size, train_steps, repr(sorted(args.items())))
         if key not in cache:
             out = tmp_path_factory.mktemp(f"ckpt-{family}")
-            cache[key] = make_checkpoint(out, family, "tiny", shard_size=shard_size, train_steps=train_steps, **args)
+            # a deep copy: transformers adds keys to a rope_scaling dict in place, which changed the key of the
+            # next call, so the same checkpoint (and every engine of it) was made twice
+            cache[key] = make_checkpoint(out, family, "tiny", shard_size=shard_size, train_steps=train_steps,
+                                         **copy.deepcopy(args))
         return cache[key]
 
     return make

@@ -4,6 +4,8 @@ rejections (429) and failures accounted for, compare, and the result files and p
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 
 import pytest
 from click.testing import CliRunner
@@ -199,3 +201,33 @@ def test_compare_and_bad_inputs(inprocess_result, tmp_path):
     assert r.exit_code != 0 and "t.csv line 3: prompt_len 'five' is not an integer" in r.output
     r = CliRunner().invoke(bench, ["--dry-run", "--rate", "1", "--rates", "1,2"])
     assert r.exit_code != 0 and "choose one of --rate" in r.output
+
+
+def test_clip_to_engine_makes_every_request_of_a_long_trace_fit(checkpoint_dir, tmp_path):
+    """`kiln bench` and `kiln plan` with --clip-to-engine, as a user runs them, on an engine whose max_input_len
+    is its max_seq_len (128) and a trace whose lengths exceed both bounds: every request completes (a prompt at
+    the bound leaves room for one token) and both commands say how many were clipped."""
+    engine = get_engine(checkpoint_dir("llama"), max_input_len=None).directory   # derived: max_seq_len
+    assert json.loads((engine / "config.json").read_text())["bounds"]["max_input_len"] == 128
+    trace = tmp_path / "trace.csv"
+    trace.write_text("arrival,prompt_len,output_len\n0,500,200\n0.1,128,5\n0.2,100,100\n0.3,10,5\n0.4,127,1\n")
+    kiln = [sys.executable, "-m", "kiln.runtime.cli"]
+    bench_run = subprocess.run([*kiln, "bench", "--engine", engine, "--trace", trace, "--clip-to-engine",
+                                "--max-throughput", "--max-kv-cache-tokens", "512", "--no-plots", "--no-progress",
+                                "--warmup", "0", "--output", tmp_path / "out"], capture_output=True, text=True,
+                               timeout=300)
+    assert bench_run.returncode == 0, bench_run.stdout[-3000:] + bench_run.stderr[-3000:]
+    summary = "--clip-to-engine: 3 of 5 requests clipped (2 prompts to <= 127 tokens, 3 outputs to fit max_seq_len 128)"
+    assert summary in bench_run.stderr
+    result = json.loads((tmp_path / "out" / "result.json").read_text())
+    (run,) = result["runs"]
+    assert run["requests"]["completed"] == 5 and run["requests"]["failed"] == 0, run["requests"]
+    assert sorted((p["prompt_len"], p["output_len"]) for p in run["per_request"]) == \
+        [(10, 5), (100, 28), (127, 1), (127, 1), (127, 1)]
+    assert result["config"]["workload"]["clip"]["requests_clipped"] == 3
+    plan_run = subprocess.run([*kiln, "plan", "--engine", engine, "--device", "cpu:24", "--trace", trace,
+                               "--clip-to-engine", "--output", tmp_path / "plan.json"], capture_output=True, text=True,
+                              timeout=300)
+    assert plan_run.returncode == 0, plan_run.stdout[-3000:] + plan_run.stderr[-3000:]
+    assert summary in plan_run.stderr
+    assert json.loads((tmp_path / "plan.json").read_text())["clip"]["requests_clipped"] == 3

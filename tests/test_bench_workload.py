@@ -76,6 +76,16 @@ def test_window_max_requests_length_scales_and_clipping(tmp_path):
     clipped = wl.clip_to_bounds(wl.trace_workload(rows), max_input_len=512, max_seq_len=600)
     assert [(r.prompt_len, r.output_len) for r in clipped.requests] == [(100, 10), (512, 3), (40, 560), (8, 1), (50, 5)]
     assert clipped.description["clip"]["prompts_clipped"] == 1 and clipped.description["clip"]["outputs_clipped"] == 1
+    # an engine whose max_input_len is its max_seq_len: a prompt at the bound leaves room for one token
+    fit = wl.clip_to_bounds(wl.trace_workload(rows), max_input_len=600, max_seq_len=600)
+    assert [(r.prompt_len, r.output_len) for r in fit.requests] == [(100, 10), (599, 1), (40, 560), (8, 1), (50, 5)]
+    assert all(r.prompt_len <= 599 and r.prompt_len + r.output_len <= 600 for r in fit.requests)
+    clip = fit.description["clip"]
+    counts = (clip["prompts_clipped"], clip["outputs_clipped"], clip["requests_clipped"], clip["requests"])
+    assert counts == (1, 2, 2, 5)
+    assert wl.clip_summary(clip).startswith("--clip-to-engine: 2 of 5 requests clipped (1 prompts to <= 599 tokens")
+    with pytest.raises(ValueError, match="max_seq_len=1"):
+        wl.clip_to_bounds(fit, max_input_len=1, max_seq_len=1)
     with pytest.raises(wl.TraceError, match="no request in window"):
         wl.trace_workload(rows, window=(100, 200))
 

@@ -56,6 +56,19 @@ def test_build_with_yaml_and_flag_overrides_then_inspect(checkpoint_dir, tmp_pat
     assert "output logits          float32  [num_logits [0, 2], 512]" in io
 
 
+def test_max_seq_len_alone_sets_the_prompt_bound_too(checkpoint_dir, tmp_path):
+    """`build-engine --max-seq-len 64` with no --max-input-len: the prompt bound follows (it used to fail with
+    the default max_input_len=512 > 64); an unknown flag near a real one is named."""
+    out = tmp_path / "short"
+    result = CliRunner().invoke(build_engine_cmd, ["--checkpoint", str(checkpoint_dir("gpt2")), "--output", str(out),
+                                                   "--max-seq-len", "64", "--max-batch-size", "2"])
+    assert result.exit_code == 0, result.output
+    build = json.loads((out / "config.json").read_text())["build"]
+    assert (build["max_input_len"], build["max_seq_len"], build["max_num_tokens"]) == (64, 64, 1024)
+    typo = CliRunner().invoke(build_engine_cmd, ["--checkpoint", "c", "--output", "o", "--max-seqlen", "64"])
+    assert typo.exit_code == 2 and "--max-seq-len" in typo.output   # click's own "Did you mean" for flags
+
+
 @pytest.mark.parametrize("args, message", [
     (["--max-seq-len", "64", "--max-input-len", "128"], "max_input_len=128 > max_seq_len=64"),
     (["--max-seq-len", "100000", "--max-input-len", "64"], "max_position_embeddings"),

@@ -27,10 +27,12 @@ def test_defaults_are_valid_and_round_trip():
     (dict(max_num_tokens=8, tokens_per_block=16, max_batch_size=4), ["max_num_tokens=8", "tokens_per_block=16"]),
     (dict(max_num_tokens=16, max_batch_size=32, tokens_per_block=16), ["max_num_tokens=16", "max_batch_size=32"]),
     (dict(opt_num_tokens=4096, max_num_tokens=1024), ["opt_num_tokens=4096", "max_num_tokens=1024"]),
+    (dict(opt_num_tokens=4096), ["opt_num_tokens=4096", "max_num_tokens=1024"]),   # against the derived value
     (dict(dtype="float64"), ["dtype='float64'", "float32"]),
     (dict(backend="tpu"), ["backend='tpu'"]),
     (dict(num_tokens_profiles=[8, 1024]), ["num_tokens_profiles=[8, 1024]", "backend 'tensorrt'"]),
     (dict(backend="tensorrt", num_tokens_profiles=[64, 8]), ["strictly ascending", "max_num_tokens=1024"]),
+    (dict(backend="tensorrt", max_batch_size=2048, num_tokens_profiles=[8, 1024]), ["end at max_num_tokens=2048"]),
     (dict(backend="tensorrt", num_tokens_profiles=[8, 512]), ["end at max_num_tokens=1024"]),
     (dict(backend="onnx", dtype="bfloat16"), ["dtype='bfloat16' with backend 'onnx'", "tensorrt"]),
     (dict(max_num_blocks=0), ["max_num_blocks=0"]),
@@ -99,10 +101,54 @@ def test_tensor_parallel_size_is_checked_against_the_model():
 
 
 def test_from_dict_rejects_unknown_keys():
-    with pytest.raises(BuildConfigError, match=r"unknown build config key\(s\) \['max_batchsize'\]"):
+    with pytest.raises(BuildConfigError, match=r"unknown key 'max_batchsize' \(did you mean 'max_batch_size'\?\); "
+                                               r"valid keys: dtype, backend, max_batch_size, "):
         BuildConfig.from_dict({"max_batchsize": 4})
     with pytest.raises(BuildConfigError, match="mapping"):
         BuildConfig.from_dict([1, 2])
+
+
+def test_unknown_keywords_are_config_errors_with_the_closest_name():
+    with pytest.raises(BuildConfigError) as exc:
+        BuildConfig(max_seqlen=256, dtype="bfloat16")
+    msg = str(exc.value)
+    assert msg.startswith("BuildConfig: unknown option 'max_seqlen' (did you mean 'max_seq_len'?); valid options: ")
+    assert all(name in msg for name in ("dtype", "max_input_len", "num_tokens_profiles"))   # the whole list
+    with pytest.raises(BuildConfigError, match=r"options 'zzz', 'quantisation' \(did you mean 'quantization'\?\)"):
+        BuildConfig(zzz=1, quantisation="int8_weight_only")   # no close name: none suggested
+    with pytest.raises(BuildConfigError, match="did you mean 'tp_size'"):
+        BuildConfig().replace(tp_sise=2)
+
+
+def test_max_input_len_follows_max_seq_len_unless_given():
+    """A default never contradicts a value the user set: max_input_len defaults to max_seq_len (also from YAML,
+    also after replace), max_num_tokens to max(1024, max_batch_size, tokens_per_block)."""
+    cfg = BuildConfig(max_seq_len=256)
+    assert cfg.max_input_len is None and cfg.engine_bounds().max_input_len == 256
+    assert cfg.resolved().max_input_len == 256 and BuildConfig.from_dict(cfg.resolved().to_dict()) == cfg.resolved()
+    assert cfg.replace(max_seq_len=64).engine_bounds().max_input_len == 64
+    assert BuildConfig(max_seq_len=256, max_input_len=100).engine_bounds().max_input_len == 100
+    big = BuildConfig(max_batch_size=2048)
+    assert big.engine_bounds().max_num_tokens == 2048 and big.resolved_opt_num_tokens == 128
+    assert BuildConfig(tokens_per_block=2048).engine_bounds().max_num_tokens == 2048
+    assert BuildConfig().engine_bounds().max_num_tokens == 1024
+    assert BuildConfig(max_num_tokens=64, gather_all_logits=True).engine_bounds().max_num_logits == 64
+    with pytest.raises(BuildConfigError, match="max_num_tokens=16 < max_batch_size=32"):   # given: still checked
+        BuildConfig(max_num_tokens=16, max_batch_size=32, tokens_per_block=16)
+    with pytest.raises(BuildConfigError, match=r"max_input_len=0 must be a positive integer or null \(null: "
+                                               r"max_seq_len\)"):
+        BuildConfig(max_input_len=0)
+
+
+def test_yaml_derives_max_input_len(tmp_path):
+    path = tmp_path / "short.yaml"
+    path.write_text("max_seq_len: 256\n")
+    assert BuildConfig.from_yaml(path).engine_bounds().max_input_len == 256
+    path.write_text("max_seq_len: 256\nmax_input_len: null\nmax_num_tokens: null\n")
+    assert BuildConfig.from_yaml(path).engine_bounds().max_num_tokens == 1024
+    path.write_text("max_seq_len: 256\nmax_imput_len: 128\n")
+    with pytest.raises(BuildConfigError, match=r"short\.yaml: .*'max_imput_len' \(did you mean 'max_input_len'\?\)"):
+        BuildConfig.from_yaml(path)
 
 
 def test_yaml(tmp_path):

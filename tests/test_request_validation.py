@@ -3,14 +3,16 @@ field's type and range, the accepted prompt types, and the stop-string hold-back
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kiln.contract import ConfigError, InvalidRequestError
-from kiln.runtime import ExecutorConfig, SamplingParams
+from kiln.contract import ConfigError, InvalidRequestError, option_names, reject_unknown_options
+from kiln.runtime import LLM, ExecutorConfig, SamplingParams
 from kiln.runtime.prompts import is_single_prompt, prompt_token_ids
 from kiln.runtime.stopping import StopHold, stop_hold
 
@@ -191,3 +193,39 @@ def test_stop_hold_fed_in_pieces_is_the_longest_suffix_that_starts_a_stop_string
     hold.feed(text[:cut])
     hold.feed(text[cut:])
     assert hold.held == stop_hold(text, stops) == want
+
+
+@pytest.mark.parametrize("make, owner, typo, meant", [
+    (lambda: SamplingParams(max_tokes=4), "SamplingParams", "max_tokes", "max_tokens"),
+    (lambda: SamplingParams(temprature=0), "SamplingParams", "temprature", "temperature"),
+    (lambda: ExecutorConfig(max_batch_sise=4), "ExecutorConfig", "max_batch_sise", "max_batch_size"),
+    (lambda: LLM("no-such-engine", max_batch_sise=4), "LLM", "max_batch_sise", "max_batch_size"),
+    (lambda: LLM("no-such-engine", tokeniser=None), "LLM", "tokeniser", "tokenizer"),
+])
+def test_unknown_options_name_the_closest_valid_one(make, owner, typo, meant):
+    """A typo is a ConfigError (not the dataclass's TypeError) naming it, the closest option and the list; LLM
+    checks its options before it loads anything."""
+    with pytest.raises(ConfigError) as exc:
+        make()
+    msg = str(exc.value)
+    assert msg.startswith(f"{owner}: unknown option {typo!r} (did you mean {meant!r}?); valid options: "), msg
+    valid = msg.split("valid options: ")[1].split(", ")
+    cls = {"SamplingParams": SamplingParams, "ExecutorConfig": ExecutorConfig}.get(owner, ExecutorConfig)
+    assert set(option_names(cls)) <= set(valid)
+    if owner == "LLM":
+        assert {"tokenizer", "config"} <= set(valid)
+
+
+def test_option_names_follow_the_dataclass_fields():
+    """The valid names are read from the fields, so a field added to a dataclass is accepted and suggested."""
+
+    @reject_unknown_options()
+    @dataclasses.dataclass
+    class Options:
+        speculative_config: dict | None = None
+
+    assert Options(speculative_config={"k": 2}).speculative_config == {"k": 2}
+    with pytest.raises(ConfigError, match="did you mean 'speculative_config'"):
+        Options(speculative_conifg={})
+    with pytest.raises(TypeError):   # positional misuse stays the interpreter's error
+        Options(1, 2)

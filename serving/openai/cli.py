@@ -1,4 +1,8 @@
-"""``kiln serve --frontend openai ENGINE_DIR``: the OpenAI-compatible HTTP server's command line."""
+"""``kiln serve --frontend openai MODEL_DIR``: the OpenAI-compatible HTTP server's command line.
+
+MODEL_DIR is an engine directory, or a Hugging Face checkpoint directory whose engine is built on first use
+into kiln's engine cache with the build flags given after it (``kiln.build_flags``) and loaded from there.
+"""
 
 from __future__ import annotations
 
@@ -6,6 +10,7 @@ from pathlib import Path
 
 import click
 
+from kiln.build_flags import build_config_from, build_options
 from kiln.clikit import dataclass_options, given
 from kiln.runtime import ExecutorConfig
 
@@ -13,12 +18,12 @@ LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
 
 
 @click.command(context_settings={"help_option_names": ["-h", "--help"]})
-@click.argument("engine_dir", type=click.Path(path_type=Path, exists=True, file_okay=False))
+@click.argument("model_dir", type=click.Path(path_type=Path, exists=True, file_okay=False))
 @click.option("--host", default="127.0.0.1", show_default=True, help="Address to listen on.")
 @click.option("--port", type=click.IntRange(0, 65535), default=8000, show_default=True,
               help="Port to listen on; 0 picks a free one (the URL printed at startup says which).")
 @click.option("--served-model-name", default=None,
-              help="The model id clients send; default: the engine directory's name.")
+              help="The model id clients send; default: MODEL_DIR's name.")
 @click.option("--api-key", envvar="KILN_API_KEY", default=None, show_envvar=True,
               help="Require 'Authorization: Bearer KEY' on /v1 endpoints.")
 @click.option("--max-waiting", type=click.IntRange(min=1), default=256, show_default=True,
@@ -30,13 +35,19 @@ LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
               help="On SIGTERM/SIGINT, seconds to let in-flight requests finish before aborting them.")
 @click.option("--log-level", type=click.Choice(LOG_LEVELS), default="info", show_default=True)
 @dataclass_options(ExecutorConfig)
-def serve(engine_dir: Path, **options) -> None:
-    """Serve ENGINE_DIR (written by build-engine) with an OpenAI-compatible HTTP API, one LLM per server.
+@build_options
+def serve(model_dir: Path, **options) -> None:
+    """Serve MODEL_DIR with an OpenAI-compatible HTTP API, one LLM per server. MODEL_DIR is an engine directory
+    (written by build-engine) or a Hugging Face checkpoint directory, built on first use into the engine cache
+    ($KILN_CACHE_DIR, default ~/.cache/kiln/engines) with the [checkpoint build] flags given after it, and
+    loaded from the cache the next time.
 
-    Runtime options (--max-batch-size ... --seed) are kiln.runtime.ExecutorConfig's fields. Other
-    frontends: kiln serve --frontend NAME --help.
+    Runtime options (--max-batch-size ... --seed) are kiln.runtime.ExecutorConfig's fields (--max-batch-size
+    and --max-num-tokens also set a checkpoint's engine bounds). Other frontends: kiln serve --frontend NAME
+    --help.
     """
     from kiln.serving.openai.server import ServeSettings, run
 
+    build = build_config_from(options)
     runtime = given(ExecutorConfig, options)   # what the user gave; ExecutorConfig applies its defaults
-    raise SystemExit(run(engine_dir, ServeSettings(**options), runtime))
+    raise SystemExit(run(model_dir, ServeSettings(**options), runtime, build))

@@ -113,8 +113,12 @@ async def _serve(server: _Server, sock: socket.socket, state, shutdown_timeout: 
             loop.remove_signal_handler(sig)
 
 
-def run(engine_dir: Path, settings: ServeSettings, executor_options: dict) -> int:
-    """Serve until SIGTERM/SIGINT; the process exit code. ``executor_options``: ExecutorConfig's fields."""
+def run(model_dir: Path, settings: ServeSettings, executor_options: dict,
+        build: tuple[dict | None, Path | None] = (None, None)) -> int:
+    """Serve until SIGTERM/SIGINT; the process exit code. ``model_dir``: an engine directory or a Hugging Face
+    checkpoint (built into the engine cache with ``build``: the given BuildConfig fields and YAML path);
+    ``executor_options``: ExecutorConfig's fields."""
+    from kiln.build_flags import resolve
     from kiln.runtime import LLM, ConfigError, EngineLoadError, ExecutorConfig
     from kiln.serving.chat_template import ChatTemplateError, load_chat_template
     from kiln.serving.openai.app import create_app
@@ -122,8 +126,12 @@ def run(engine_dir: Path, settings: ServeSettings, executor_options: dict) -> in
     logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         config = ExecutorConfig(**executor_options)   # option errors before the engine takes seconds to load
+    except ConfigError as exc:
+        raise click.ClickException(str(exc)) from None
+    engine_dir = resolve(model_dir, *build)
+    try:
         template = load_chat_template(engine_dir, settings.chat_template)
-    except (ConfigError, ChatTemplateError) as exc:
+    except ChatTemplateError as exc:
         raise click.ClickException(str(exc)) from None
     click.echo(f"kiln serve: loading {engine_dir}")
     try:
@@ -132,7 +140,7 @@ def run(engine_dir: Path, settings: ServeSettings, executor_options: dict) -> in
         raise click.ClickException(str(exc)) from None
     try:
         _print_summary(llm, engine_dir, template is not None)
-        name = settings.served_model_name or engine_dir.resolve().name
+        name = settings.served_model_name or model_dir.resolve().name
         app = create_app(llm, model_name=name, api_key=settings.api_key, max_waiting=settings.max_waiting,
                          chat_template=template)
         sock = _bind(settings.host, settings.port)

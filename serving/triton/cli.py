@@ -13,6 +13,7 @@ from pathlib import Path
 
 import click
 
+from kiln.build_flags import build_config_from, build_options, resolve
 from kiln.clikit import dataclass_options, given
 from kiln.contract import ConfigError, EngineLoadError
 from kiln.runtime import ExecutorConfig
@@ -80,7 +81,7 @@ def triton_repo(engine_dir: Path, output: Path, **kw) -> None:
 
 
 @click.command("serve")
-@click.argument("engine_dir", type=click.Path(path_type=Path))
+@click.argument("model_dir", type=click.Path(path_type=Path, exists=True, file_okay=False))
 @click.option("--host", default="127.0.0.1", show_default=True,
               help="Address the HTTP, gRPC and metrics ports listen on.")
 @click.option("--http-port", type=int, default=8000, show_default=True)
@@ -95,13 +96,18 @@ def triton_repo(engine_dir: Path, output: Path, **kw) -> None:
               help="On SIGTERM/SIGINT, seconds requests in flight get to finish before they are aborted; "
                    f"unloading the model gets {UNLOAD_S_PER_INSTANCE} s per instance more.")
 @click.option("--quiet", is_flag=True, help="Do not relay the server's log (errors are still printed).")
-def serve(engine_dir: Path, host: str, http_port: int, grpc_port: int, metrics_port: int,
+@build_options
+def serve(model_dir: Path, host: str, http_port: int, grpc_port: int, metrics_port: int,
           work_dir: Path | None, startup_timeout: float, shutdown_timeout: int, quiet: bool, **kw) -> None:
-    """Serve ENGINE_DIR with NVIDIA Triton Inference Server (`kiln serve --frontend triton`): render a model
-    repository and run the tritonserver of the kiln-llm[triton] extra on it until SIGINT/SIGTERM."""
+    """Serve MODEL_DIR with NVIDIA Triton Inference Server (`kiln serve --frontend triton`): render a model
+    repository and run the tritonserver of the kiln-llm[triton] extra on it until SIGINT/SIGTERM. MODEL_DIR is
+    an engine directory or a Hugging Face checkpoint (built on first use into the engine cache with the
+    [checkpoint build] flags, as for the openai frontend)."""
     from kiln.serving.triton.launcher import LauncherError, Ports, TritonServer
 
+    build = build_config_from(kw)
     options = _repo_options(kw)
+    engine_dir = resolve(model_dir, *build)
     workdir = work_dir if work_dir is not None else Path(tempfile.mkdtemp(prefix="kiln-triton-"))
     try:
         repository = workdir / "repository"
