@@ -115,7 +115,7 @@ def parse_grammar(spec: StructuredOutputParams):
     """The xgrammar Grammar of a constraint; InvalidRequestError naming what is wrong with it."""
     xgr = xgrammar()
     kind, text = spec.kind, spec.text
-    any_whitespace = not spec.disable_any_whitespace
+    any_whitespace = spec.any_whitespace
     try:
         if kind == "json":
             check_json_schema(text)

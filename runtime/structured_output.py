@@ -21,8 +21,10 @@ KINDS = ("json", "json_object", "regex", "choice", "grammar", "structural_tag")
 
 @dataclass
 class StructuredOutputParams:
-    """One output constraint (see the module docstring); ``disable_any_whitespace`` makes JSON compact
-    (one space after ``:`` and ``,``, none elsewhere) instead of allowing any whitespace between tokens."""
+    """One output constraint (see the module docstring). JSON is compact by default (a space after ``:`` and
+    ``,``, none elsewhere): fewer tokens, and no runs of whitespace, which a grammar that allows any
+    whitespace leaves a model free to write without end. ``any_whitespace=True`` allows any whitespace
+    between JSON tokens (for models that pretty-print)."""
 
     json: dict | str | None = None
     json_object: bool = False
@@ -30,7 +32,7 @@ class StructuredOutputParams:
     choice: list[str] | None = None
     grammar: str | None = None
     structural_tag: dict | str | None = None
-    disable_any_whitespace: bool = False
+    any_whitespace: bool = False
 
     def __post_init__(self) -> None:
         self.check()
@@ -44,7 +46,7 @@ class StructuredOutputParams:
             unknown = sorted(set(value) - {f for f in cls.__dataclass_fields__})
             if unknown:
                 raise ConfigError(f"structured_output has unknown keys {unknown}; it takes one of {list(KINDS)} "
-                                  "(and disable_any_whitespace)")
+                                  "(and any_whitespace)")
             return cls(**value)
         raise ConfigError("structured_output must be a StructuredOutputParams, a dict of its fields or None, "
                           f"got {type(value).__name__}")
@@ -73,7 +75,7 @@ class StructuredOutputParams:
                 problems.append(f"choice must be a non-empty list of non-empty strings, got {self.choice!r:.60}")
             else:
                 self.choice = list(self.choice)
-        for name in ("json_object", "disable_any_whitespace"):
+        for name in ("json_object", "any_whitespace"):
             if not isinstance(getattr(self, name), bool):
                 problems.append(f"{name} must be True or False, got {getattr(self, name)!r:.40}")
         if problems:
@@ -95,6 +97,5 @@ class StructuredOutputParams:
 
     @property
     def cache_key(self) -> tuple[str, str, bool]:
-        """What determines the compiled grammar: (kind, text, compact JSON whitespace)."""
-        compact = self.disable_any_whitespace and self.kind in ("json", "json_object", "structural_tag")
-        return self.kind, self.text, compact
+        """What determines the compiled grammar: (kind, text, any whitespace in JSON)."""
+        return self.kind, self.text, self.any_whitespace and self.kind in ("json", "json_object", "structural_tag")

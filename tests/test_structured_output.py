@@ -83,8 +83,8 @@ def test_cache_key_is_canonical():
     a = StructuredOutputParams(json={"type": "object", "properties": {"a": {"type": "integer"}}})
     b = StructuredOutputParams(json={"properties": {"a": {"type": "integer"}}, "type": "object"})
     assert a.cache_key == b.cache_key
-    assert a.cache_key != StructuredOutputParams(json=a.json, disable_any_whitespace=True).cache_key
-    assert StructuredOutputParams(regex="a", disable_any_whitespace=True).cache_key == ("regex", "a", False)
+    assert a.cache_key != StructuredOutputParams(json=a.json, any_whitespace=True).cache_key
+    assert StructuredOutputParams(regex="a", any_whitespace=True).cache_key == ("regex", "a", False)
 
 
 # ---- the vocabulary ------------------------------------------------------------------------------------------
@@ -152,7 +152,7 @@ def test_choices_match_exactly_whatever_they_contain(compiler, tokenizer):
 
 
 def test_json_strings_with_a_length_never_take_control_characters(compiler, tokenizer):
-    g = compiler.matcher(compiled(compiler, json={"type": "string", "maxLength": 8}, disable_any_whitespace=True), [])
+    g = compiler.matcher(compiled(compiler, json={"type": "string", "maxLength": 8}), [])
     feed(g, '"')
     ok = allowed(g)
     decoded = compiler.info.decoded_vocab
@@ -243,7 +243,7 @@ def test_json_schema_outputs_of_the_grammar_validate(compiler, tokenizer):
                                                                                 "items": {"enum": ["x", "y"]}}},
               "required": ["n", "t"], "additionalProperties": False}
     doc = {"n": 3, "t": ["y"]}
-    g = compiler.matcher(compiled(compiler, json=schema, disable_any_whitespace=True), [])
+    g = compiler.matcher(compiled(compiler, json=schema), [])
     feed(g, json.dumps(doc))
     assert g.accept(EOS) and g.terminated
     jsonschema.validate(doc, schema)
