@@ -82,3 +82,100 @@ def valid_json(text: str, schema: dict) -> bool:
 
 def fullmatch(pattern: str, text: str) -> bool:
     return re.fullmatch(pattern, text) is not None
+
+
+# ---- tools -------------------------------------------------------------------------------------------------
+TOOLS = [
+    {"type": "function", "function": {
+        "name": "get_weather", "description": "The weather in a city.",
+        "parameters": _obj({"city": {"type": "string", "maxLength": 12},
+                            "unit": {"enum": ["celsius", "fahrenheit"]}}, required=["city"])}},
+    {"type": "function", "function": {
+        "name": "add", "description": "Add two integers.",
+        "parameters": _obj({"a": {"type": "integer", "minimum": -99, "maximum": 99},
+                            "b": {"type": "integer", "minimum": -99, "maximum": 99}})}},
+    {"type": "function", "function": {"name": "now", "description": "The time (no arguments)."}},
+]
+TOOL_SCHEMAS = {t["function"]["name"]: t["function"].get("parameters", {"type": "object", "maxProperties": 0})
+                for t in TOOLS}   # no parameters: no arguments
+
+# A conversation with a tool round trip: the assistant called a tool, the tool answered.
+TOOL_HISTORY = [
+    {"role": "system", "content": "You are terse."},
+    {"role": "user", "content": "Weather in Paris, and 2 + 3?"},
+    {"role": "assistant", "content": None, "tool_calls": [
+        {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}},
+        {"id": "call_2", "type": "function", "function": {"name": "add", "arguments": '{"a": 2, "b": 3}'}}]},
+    {"role": "tool", "tool_call_id": "call_1", "content": "18 C, cloudy"},
+    {"role": "tool", "tool_call_id": "call_2", "content": "5"},
+    {"role": "user", "content": "And in Rome?"},
+]
+
+# Chat templates that render tools the way two families do (written for these tests, not the models' own
+# files): Qwen 2.5's style (tools in the system turn, calls as <tool_call> JSON, results as <tool_response>
+# in user turns) and Llama 3.1's JSON tool calling (tools in the first user turn, calls as
+# {"name", "parameters"}, results in ipython turns).
+QWEN_STYLE_TEMPLATE = """\
+{%- if tools %}<|im_start|>system
+{% if messages[0].role == 'system' %}{{ messages[0].content }}
+
+{% endif %}You may call functions. Their signatures are within <tools></tools>:
+<tools>
+{% for tool in tools %}{{ tool | tojson }}
+{% endfor %}</tools>
+Write each call as <tool_call>
+{"name": <function-name>, "arguments": <args-json-object>}
+</tool_call><|im_end|>
+{% elif messages[0].role == 'system' %}<|im_start|>system
+{{ messages[0].content }}<|im_end|>
+{% endif %}
+{%- for message in messages %}
+{%- if message.role == 'tool' %}<|im_start|>user
+<tool_response>
+{{ message.content }}
+</tool_response><|im_end|>
+{% elif message.role == 'assistant' %}<|im_start|>assistant
+{% if message.content %}{{ message.content }}{% endif %}
+{%- for call in message.tool_calls or [] %}
+<tool_call>
+{"name": "{{ call.function.name }}", "arguments": {{ call.function.arguments | tojson }}}
+</tool_call>
+{%- endfor %}<|im_end|>
+{% elif message.role != 'system' %}<|im_start|>{{ message.role }}
+{{ message.content }}<|im_end|>
+{% endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}<|im_start|>assistant
+{% endif %}"""
+
+LLAMA31_STYLE_TEMPLATE = """\
+{{- bos_token }}<|start_header_id|>system<|end_header_id|>
+
+{% if tools %}Environment: ipython
+{% endif %}{% if messages[0].role == 'system' %}{{ messages[0].content }}{% endif %}<|eot_id|>
+{%- set ns = namespace(first_user=true) %}
+{%- for message in messages %}
+{%- if message.role == 'user' and tools and ns.first_user %}
+{%- set ns.first_user = false %}<|start_header_id|>user<|end_header_id|>
+
+Given these functions, answer with a JSON function call and its arguments.
+Write it as {"name": function name, "parameters": dictionary of arguments}.
+
+{% for tool in tools %}{{ tool | tojson }}
+
+{% endfor %}{{ message.content }}<|eot_id|>
+{%- elif message.role == 'assistant' and message.tool_calls %}<|start_header_id|>assistant<|end_header_id|>
+
+{% for call in message.tool_calls %}{"name": "{{ call.function.name }}", "parameters": \
+{{ call.function.arguments | tojson }}}{% if not loop.last %}; {% endif %}{% endfor %}<|eot_id|>
+{%- elif message.role == 'tool' %}<|start_header_id|>ipython<|end_header_id|>
+
+{{ message.content }}<|eot_id|>
+{%- elif message.role != 'system' %}<|start_header_id|>{{ message.role }}<|end_header_id|>
+
+{{ message.content }}<|eot_id|>
+{%- endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}<|start_header_id|>assistant<|end_header_id|>
+
+{% endif %}"""
