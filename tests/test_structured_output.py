@@ -247,3 +247,33 @@ def test_json_schema_outputs_of_the_grammar_validate(compiler, tokenizer):
     feed(g, json.dumps(doc))
     assert g.accept(EOS) and g.terminated
     jsonschema.validate(doc, schema)
+
+
+# ---- Triton's guided decoding inputs ------------------------------------------------------------------------
+def test_triton_guided_decoding_inputs():
+    import numpy as np
+
+    from kiln.serving.triton.protocol import BadRequest, EngineLimits, parse_request
+
+    def text(value: str) -> np.ndarray:
+        return np.array([[value.encode()]], dtype=np.object_)
+
+    def parse(**extra):
+        arrays = {"text_input": text("hi"), "max_tokens": np.array([[8]], dtype=np.int32)}
+        arrays.update({k: text(v) if isinstance(v, str) else v for k, v in extra.items()})
+        return parse_request(arrays, EngineLimits(VOCAB, 96, 128), lambda s: [5, 6], True).params.structured_output
+
+    assert parse() is None
+    assert parse(guided_decoding_guide_type="json").json_object
+    assert parse(guided_decoding_guide_type="json_schema", guided_decoding_guide='{"type": "integer"}').json == \
+        '{"type": "integer"}'
+    assert parse(guided_decoding_guide_type="regex", guided_decoding_guide="[0-9]+").regex == "[0-9]+"
+    assert parse(guided_decoding_guide_type="ebnf_grammar", guided_decoding_guide='root ::= "a"').grammar
+    assert parse(guided_decoding_guide_type="structural_tag", guided_decoding_guide="{}").structural_tag == "{}"
+    for extra, message in [(dict(guided_decoding_guide_type="xml"), "must be one of json, json_schema"),
+                           (dict(guided_decoding_guide="[0-9]"), "needs guided_decoding_guide_type"),
+                           (dict(guided_decoding_guide_type="regex"), "needs guided_decoding_guide"),
+                           (dict(guided_decoding_guide_type="regex", guided_decoding_guide="a",
+                                 min_tokens=np.array([[2]], dtype=np.int32)), "min_tokens cannot be combined")]:
+        with pytest.raises(BadRequest, match=message):
+            parse(**extra)
