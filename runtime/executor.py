@@ -115,7 +115,7 @@ class ExecutorConfig:
     grammar_cache_size: int = field(default=256, metadata={
         "help": "Compiled structured-output grammars kept for reuse (least recently used go first)."})
     grammar_compile_threads: int = field(default=1, metadata={
-        "help": "Threads compiling structured-output grammars (off the step loop, at a lower CPU priority)."})
+        "help": "Threads compiling structured-output grammars (off the step loop, scheduled SCHED_IDLE)."})
 
     def __post_init__(self) -> None:
         c = FieldChecks()

@@ -1,11 +1,11 @@
 """Structured output's grammar side, on xgrammar: the engine's vocabulary as byte strings, grammars parsed
 at submission and compiled off the step loop, one matcher per request, and the token bitmask of a step.
 
-* ``GrammarCompiler.prepare`` / ``.claim`` parse a constraint in the caller's thread (an invalid schema, regex or
-  grammar is an ``InvalidRequestError`` there, before anything is queued); compiling it against the
+* ``GrammarCompiler.prepare`` / ``.claim`` parse a constraint in the caller's thread (an invalid schema, regex
+  or grammar is an ``InvalidRequestError`` there, before anything is queued); compiling it against the
   vocabulary (the expensive part: a token mask per grammar state) runs in a small thread pool whose
-  threads run at a lower CPU priority, so that a large schema takes the step loop's idle time rather than
-  its cores. Compiled grammars are kept in an LRU cache by ``StructuredOutputParams.cache_key``; a
+  threads are scheduled SCHED_IDLE (``COMPILE_PRIORITY``), so that a large schema takes the step loop's
+  idle time rather than its cores. Compiled grammars are kept in an LRU cache by ``StructuredOutputParams.cache_key``; a
   request whose grammar is still compiling waits (the executor holds it back) while the others step.
 * ``RequestGrammar`` is a request's matcher: it accepts each generated token, can roll tokens back (for
   speculative decoding's rejected drafts), and knows when the grammar has ended. Its state is the tokens it
@@ -41,7 +41,9 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger("kiln.runtime")
 
-COMPILE_NICENESS = 10   # added to the compile threads' nice value: they yield the cores to the step loop
+# How the compile threads are scheduled: "idle" (Linux SCHED_IDLE: they run on what the step loop leaves
+# idle, and yield a core at once when it wants it back), a nice increment (an int), or None (as any thread)
+COMPILE_PRIORITY: str | int | None = "idle"
 _LOG_PREFIX = re.compile(r"\[\d\d:\d\d:\d\d\] \S+?:\d+: ")
 
 
@@ -310,10 +312,19 @@ class GrammarCompiler:
 
 
 def _lower_priority() -> None:
-    """Pool thread initializer: a higher nice value for this thread only (Linux schedules threads apart)."""
+    """Pool thread initializer: this thread only (Linux schedules threads apart) at COMPILE_PRIORITY;
+    where SCHED_IDLE is not available, the lowest nice value instead."""
+    tid = threading.get_native_id()
     try:
-        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), COMPILE_NICENESS)
-    except (AttributeError, OSError, PermissionError):   # not Linux, or not allowed: compile at normal priority
+        if COMPILE_PRIORITY == "idle":
+            try:
+                os.sched_setscheduler(tid, os.SCHED_IDLE, os.sched_param(0))
+                return
+            except (AttributeError, OSError):
+                os.setpriority(os.PRIO_PROCESS, tid, 19)
+        elif COMPILE_PRIORITY is not None:
+            os.setpriority(os.PRIO_PROCESS, tid, COMPILE_PRIORITY)
+    except (AttributeError, OSError):   # not Linux, or not allowed: compile at normal priority
         pass
 
 

@@ -168,6 +168,8 @@ def test_streamed_constrained_output_concatenates_to_a_valid_document(client):
     ({"guided_choice": ["a"], "min_tokens": 2}, "min_tokens", "cannot be combined"),
     ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice", "not among"),
     ({"tool_choice": "required"}, "tool_choice", "needs tools"),
+    ({"tools": TOOLS, "tool_choice": "always"}, "tool_choice", "must be 'none', 'auto', 'required' or"),
+    ({"guided_json": 5}, "guided_json", "must be a JSON object, or its JSON text"),
     ({"tools": TOOLS + TOOLS[:1]}, "tools", "must be unique"),
     ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "nope"}}}],
       "tool_choice": "required"}, "tools", "invalid JSON schema"),

@@ -68,8 +68,15 @@ class StreamOptions(RequestModel):
 
 
 # ---- structured output (the runtime's SamplingParams.structured_output; mapped in structured.py) --------------
+def _schema(value: Any) -> Any:
+    """A JSON schema (or structural tag) as an object or as its JSON text (parsed where it is compiled)."""
+    if isinstance(value, dict) or (isinstance(value, str) and 0 < len(value) <= MAX_CONSTRAINT_CHARS):
+        return value
+    raise ValueError(f"must be a JSON object, or its JSON text (at most {MAX_CONSTRAINT_CHARS} characters)")
+
+
 SchemaText = Annotated[str, Field(min_length=1, max_length=MAX_CONSTRAINT_CHARS)]
-Schema = dict | Annotated[str, Field(min_length=1, max_length=MAX_CONSTRAINT_CHARS)]
+Schema = Annotated[Any, BeforeValidator(_schema)]   # a plain union would name its members in errors' param
 
 
 class JsonSchemaFormat(RequestModel):
@@ -231,6 +238,14 @@ class NamedToolChoice(RequestModel):
     function: NamedFunction
 
 
+def _tool_choice(value: Any) -> Any:
+    if value is None or value in ("none", "auto", "required"):
+        return value
+    if isinstance(value, dict) and value.get("type") == "function" and isinstance(value.get("function"), dict):
+        return NamedToolChoice.model_validate(value)
+    raise ValueError("must be 'none', 'auto', 'required' or {\"type\": \"function\", \"function\": {\"name\": ...}}")
+
+
 class ChatCompletionRequest(SamplingFields):
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
     max_tokens: Annotated[int, Field(ge=1, le=INT32_MAX)] | None = None
@@ -239,7 +254,7 @@ class ChatCompletionRequest(SamplingFields):
     top_logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
     add_generation_prompt: bool = True   # kiln/vLLM extra: False continues the last message instead
     tools: Annotated[list[Tool], Field(max_length=MAX_TOOLS)] | None = None
-    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    tool_choice: Annotated[Any, BeforeValidator(_tool_choice)] = None   # a str of the three, or NamedToolChoice
     parallel_tool_calls: bool = True
 
     def check_combinations(self) -> None:
