@@ -8,6 +8,12 @@ callback. ``submit`` / ``abort`` / ``stats`` are safe from any thread.
 No request can break the loop: every field of a request is checked in the caller's thread
 (``InvalidRequestError`` / ``ConfigError``, counted as rejected) before anything is queued.
 
+Structured output (``SamplingParams.structured_output``): the constraint is parsed at submission (an invalid
+one is an ``InvalidRequestError``) and compiled in ``kiln.runtime.grammar``'s thread pool; until its grammar
+is ready the request waits here, outside the scheduler, while the others step. It then gets its matcher
+(``Request.grammar``) and joins the scheduler's queue in arrival order. The sampler masks its logits; each
+token it generates advances its matcher as the token is emitted.
+
 Failures (the loop never dies silently, and a caller never waits on a loop that is gone):
 
 * The engine (or the packing/sampling around it) raises on a step: only the requests of that step end,
@@ -41,6 +47,7 @@ import time
 import traceback
 import weakref
 from collections.abc import Callable
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
@@ -57,6 +64,7 @@ from kiln.contract import (
     reject_unknown_options,
 )
 from kiln.runtime.fields import SEED_RANGE, FieldChecks, is_integer
+from kiln.runtime.grammar import GrammarCompiler
 from kiln.runtime.kv_cache import KVCacheManager, available_memory_bytes, plan_num_blocks
 from kiln.runtime.metrics import RuntimeMetrics, StepRecord
 from kiln.runtime.output_stream import OutputStream
@@ -106,6 +114,10 @@ class ExecutorConfig:
     seed: int | None = field(default=None, metadata={
         "help": "Seed of the generator used by requests without their own seed."})
     metrics_window: int = field(default=4096, metadata={"help": "Steps kept for the recent-steps summary."})
+    grammar_cache_size: int = field(default=256, metadata={
+        "help": "Compiled structured-output grammars kept for reuse (least recently used go first)."})
+    grammar_compile_threads: int = field(default=1, metadata={
+        "help": "Threads compiling structured-output grammars (off the step loop, scheduled SCHED_IDLE)."})
 
     def __post_init__(self) -> None:
         c = FieldChecks()
@@ -117,6 +129,8 @@ class ExecutorConfig:
         self.enable_prefix_reuse = c.flag("enable_prefix_reuse", self.enable_prefix_reuse)
         self.seed = c.integer("seed", self.seed, *SEED_RANGE, optional=True)
         self.metrics_window = c.integer("metrics_window", self.metrics_window, 1)
+        self.grammar_cache_size = c.integer("grammar_cache_size", self.grammar_cache_size, 1)
+        self.grammar_compile_threads = c.integer("grammar_compile_threads", self.grammar_compile_threads, 1)
         if c.problems:
             raise ConfigError("invalid ExecutorConfig: " + "; ".join(c.problems))
 
@@ -206,7 +220,11 @@ class Executor:
         self._kv_stats = self.kv.stats().as_dict()
 
         self._cv = threading.Condition()
-        self._incoming: list[Request] = []
+        self._incoming: list[tuple[Request, Future | None]] = []   # with its grammar on the way, if it has one
+        self._grammars: GrammarCompiler | None = None   # made at the first structured-output request
+        self._grammars_lock = threading.Lock()
+        self._compiling: list[tuple[Request, Future]] = []   # waiting for their grammar (loop thread)
+        self._grammar_ready = False                          # a grammar finished compiling (guarded by _cv)
         self._aborts: list[str] = []
         self._live: set[str] = set()          # ids submitted and not yet finished (guarded by _cv)
         self._streams: dict[str, OutputStream] = {}   # by request id, until the request ends (loop thread)
@@ -259,6 +277,8 @@ class Executor:
             raise InvalidRequestError("stop strings need a tokenizer; the engine directory has no tokenizer.json")
         if params.logprobs is not None and params.logprobs > self.vocab_size:
             raise InvalidRequestError(f"logprobs={params.logprobs} exceeds the vocabulary size {self.vocab_size}")
+        if params.structured_output is not None:
+            self.grammar_compiler().prepare(params.structured_output)
         if not is_integer(priority):
             raise InvalidRequestError(f"priority must be an integer, got {priority!r:.40} ({type(priority).__name__})")
         if request_id is not None and not (isinstance(request_id, str) and request_id):
@@ -269,6 +289,19 @@ class Executor:
             raise InvalidRequestError(f"arrival_time must be a finite number (time.monotonic()), got {arrival_time!r}")
         max_tokens = self.scheduler.resolve_max_tokens(len(ids), params.max_tokens)
         return CheckedRequest(ids, params, max_tokens, int(priority))
+
+    def grammar_compiler(self) -> GrammarCompiler:
+        """The structured-output grammar compiler over this engine's vocabulary (made on first use: it needs
+        xgrammar and the tokenizer; InvalidRequestError says which is missing)."""
+        with self._grammars_lock:
+            if self._grammars is None:
+                if self.tokenizer is None:
+                    raise InvalidRequestError("structured output needs the tokenizer's vocabulary; the engine "
+                                              "directory has no tokenizer.json")
+                self._grammars = GrammarCompiler(self.tokenizer, self.vocab_size, list(self.eos_token_ids),
+                                                 self.metrics, cache_size=self.config.grammar_cache_size,
+                                                 threads=self.config.grammar_compile_threads)
+            return self._grammars
 
     def submit(self, prompt_token_ids: Any, params: SamplingParams | None = None, *,
                request_id: str | None = None, priority: int = 0, prompt: str | None = None,
@@ -282,6 +315,8 @@ class Executor:
         if engine_failure is not None:
             self.metrics.incr("requests_rejected")
             raise ExecutorClosedError(f"the engine cannot run: {engine_failure}; recreate the LLM")
+        spec = checked.params.structured_output
+        grammar = None if spec is None else self._claim_grammar(spec)
         with self._cv:
             if self._closed or self._error is not None:
                 raise ExecutorClosedError(self.failure or "the executor is closed")
@@ -298,11 +333,29 @@ class Executor:
             self._streams[request_id] = OutputStream.open(req, self.tokenizer, callback)
             self._requests[request_id] = req
             self._live.add(request_id)
-            self._incoming.append(req)
+            self._incoming.append((req, grammar))
             self._cv.notify()
+        if grammar is not None:
+            grammar.add_done_callback(self._compiled)
+            self.metrics.incr("structured_requests")
         self.metrics.incr("requests_submitted")
         self.metrics.incr("prompt_tokens", len(checked.token_ids))
         return request_id
+
+    def _claim_grammar(self, spec) -> Future:
+        """The compiled grammar of a validated constraint, ready or on its way (validation parsed it; should
+        it have left the cache since, it is parsed again, and a refusal is counted as a rejection)."""
+        try:
+            return self.grammar_compiler().claim(spec)
+        except InvalidRequestError:
+            self.metrics.incr("requests_rejected")
+            raise
+
+    def _compiled(self, _future: Future) -> None:
+        """A grammar finished compiling (any thread): wake the loop, which may be idle, to admit its requests."""
+        with self._cv:
+            self._grammar_ready = True
+            self._cv.notify()
 
     def abort(self, request_id: str) -> None:
         """Abort a queued or running request; its final output has finish_reason "abort". Unknown ids are ignored."""
@@ -377,19 +430,59 @@ class Executor:
         sched = self.scheduler
         while True:
             with self._cv:
-                while not (self._incoming or self._aborts or self._closed or sched.has_unfinished()):
+                while not (self._incoming or self._aborts or self._closed or sched.has_unfinished()
+                           or self._grammar_ready):
                     self._cv.wait()
                 incoming, self._incoming = self._incoming, []
                 aborts, self._aborts = self._aborts, []
-                closed = self._closed
-            for req in incoming:
-                sched.add_request(req)
-            self._end(sched.finish_requests(aborts, RequestStatus.FINISHED_ABORTED))
+                closed, self._grammar_ready = self._closed, False
+            for req, grammar in incoming:
+                if grammar is None:
+                    sched.add_request(req)
+                else:
+                    self._compiling.append((req, grammar))
+            self._admit_compiled()
+            self._end(sched.finish_requests(aborts, RequestStatus.FINISHED_ABORTED) + self._drop_compiling(aborts))
             if closed:
-                self._end(sched.finish_requests(sched.unfinished_ids(), RequestStatus.FINISHED_ABORTED))
+                self._end(sched.finish_requests(sched.unfinished_ids(), RequestStatus.FINISHED_ABORTED)
+                          + self._drop_compiling([req.request_id for req, _ in self._compiling]))
+                if self._grammars is not None:
+                    self._grammars.close()
                 return
             if sched.has_unfinished():
                 self.step()
+
+    def _admit_compiled(self) -> None:
+        """Requests whose grammar is ready get their matcher and join the scheduler (in arrival order: it
+        sorts its queue); one whose grammar failed to compile ends with the error."""
+        if not self._compiling:
+            return
+        waiting, failed = [], []
+        for req, grammar in self._compiling:
+            if not grammar.done():
+                waiting.append((req, grammar))
+            elif grammar.exception() is not None:
+                self._streams[req.request_id].error = f"the grammar failed to compile: {grammar.exception()}"
+                req.status = RequestStatus.FINISHED_ABORTED
+                req.metrics.finished_time = time.monotonic()
+                failed.append(req)
+            else:
+                req.grammar = self._grammars.matcher(grammar.result(), req.params.stop_token_ids)
+                self.scheduler.add_request(req)
+        self._compiling = waiting
+        self._end(failed)
+
+    def _drop_compiling(self, request_ids: list[str]) -> list[Request]:
+        """Take the requests among ``request_ids`` that still wait for their grammar out (they end as aborted)."""
+        ids = set(request_ids)
+        dropped = [req for req, _ in self._compiling if req.request_id in ids]
+        if dropped:
+            self._compiling = [(req, g) for req, g in self._compiling if req.request_id not in ids]
+            now = time.monotonic()
+            for req in dropped:
+                req.status = RequestStatus.FINISHED_ABORTED
+                req.metrics.finished_time = now
+        return dropped
 
     def _fail(self, exc: BaseException) -> None:
         """Stop serving: record why, end every request in flight with that error, refuse new work."""
@@ -399,6 +492,9 @@ class Executor:
             self._error = exc
             self._incoming.clear()   # their streams and records are in _streams/_requests: ended below
             self._aborts.clear()
+        self._compiling.clear()
+        if self._grammars is not None:
+            self._grammars.close()
         for stream in self._streams.values():
             stream.error = error
         try:
@@ -428,7 +524,8 @@ class Executor:
         sampled = {i: sample.token_ids[j] for j, i in enumerate(rows)} if sample else {}
         new_tokens = self.scheduler.update_from_output(out, sampled)
         self._emit_outputs(new_tokens, sample.logprobs if sample else [])
-        self._record_step(out, len(new_tokens), time.perf_counter() - t0, engine_time)
+        self._record_step(out, len(new_tokens), time.perf_counter() - t0, engine_time,
+                          sample.mask_time if sample else None)
 
     def _fail_step(self, out: SchedulerOutput, exc: Exception) -> None:
         """The engine raised on this step: end its requests with the error (see the module docstring for why
@@ -470,6 +567,11 @@ class Executor:
             if req.logprobs is not None:
                 req.logprobs.append(logprobs[j])
             stream = self._streams[req.request_id]
+            if req.grammar is not None and not req.grammar.accept(token):   # the mask allowed it: a bug
+                stream.error = f"the grammar rejected the sampled token {token}; the request was ended"
+                logger.error("%s: %s", req.request_id, stream.error)
+                ended += self.scheduler.finish_requests(req.request_id, RequestStatus.FINISHED_ABORTED)
+                continue
             stop = stop_by_token(req, self.scheduler.config.max_seq_len)
             stop_string = stream.add_token(token, last=stop is not None)
             if stop_string is not None:
@@ -496,15 +598,23 @@ class Executor:
                 self._cv.notify_all()
             stream.send(req, final=True)
 
+    @property
+    def _num_waiting(self) -> int:
+        """Requests queued in the scheduler, and those still waiting for their grammar."""
+        return self.scheduler.num_waiting + len(self._compiling)
+
     def _refresh_gauges(self) -> None:
         self._kv_stats = self.kv.stats().as_dict()
-        self.metrics.set_gauges(self.scheduler.num_running, self.scheduler.num_waiting, self._kv_stats)
+        self.metrics.set_gauges(self.scheduler.num_running, self._num_waiting, self._kv_stats)
 
-    def _record_step(self, out: SchedulerOutput, sampled: int, step_time: float, engine_time: float) -> None:
+    def _record_step(self, out: SchedulerOutput, sampled: int, step_time: float, engine_time: float,
+                     mask_time: float | None) -> None:
         sched = self.scheduler
         self._kv_stats = self.kv.stats().as_dict()
+        if mask_time is not None:
+            self.metrics.observe("grammar_mask_time", mask_time)
         self.metrics.record_step(StepRecord(
             time=time.monotonic(), step_time=step_time, engine_time=engine_time, num_running=sched.num_running,
-            num_waiting=sched.num_waiting, num_preempted=len(out.preempted), batch_size=len(out.scheduled),
+            num_waiting=self._num_waiting, num_preempted=len(out.preempted), batch_size=len(out.scheduled),
             prefill_tokens=out.num_prefill_tokens, decode_tokens=out.num_decode_tokens, sampled_tokens=sampled,
             kv_usage=self.kv.usage, prefix_hit_rate=self._kv_stats["hit_rate"]), self._kv_stats)

@@ -20,6 +20,29 @@ from kiln.runtime.sampling_params import SamplingParams
 
 # ExecutorConfig.seed (the default generator's) would clash with the per-request --seed of SamplingParams
 _EXECUTOR_EXCLUDE = ("seed", "metrics_window")
+# a structured field: --structured-output takes it as JSON
+_SAMPLING_EXCLUDE = ("structured_output",)
+
+
+def structured_output_option(value: str | None) -> dict | None:
+    """--structured-output: a JSON object of StructuredOutputParams fields, or @FILE holding one."""
+    if value is None:
+        return None
+    text = value
+    if value.startswith("@"):
+        try:
+            text = Path(value[1:]).read_text(encoding="utf-8")
+        except OSError as exc:
+            raise click.BadParameter(f"cannot read {value[1:]}: {exc.strerror}",
+                                     param_hint="--structured-output") from None
+    try:
+        spec = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise click.BadParameter(f"not valid JSON ({exc})", param_hint="--structured-output") from None
+    if not isinstance(spec, dict):
+        raise click.BadParameter('give a JSON object such as \'{"regex": "[0-9]+"}\' or '
+                                 '\'{"json": {"type": "object"}}\'', param_hint="--structured-output")
+    return spec
 
 
 def summary_line(out: RequestOutput) -> str:
@@ -60,14 +83,18 @@ def stream_all(llm, prompts: list[str], params: SamplingParams) -> None:
               help="Engine directory written by build-engine.")
 @click.option("--prompt", "prompts", multiple=True, help="A prompt (repeat for several, run concurrently).")
 @click.option("--prompt-file", type=click.File("r"), help="One prompt per line ('-' for stdin).")
-@dataclass_options(SamplingParams)
+@dataclass_options(SamplingParams, exclude=_SAMPLING_EXCLUDE)
+@click.option("--structured-output", "structured_output_json", default=None, metavar="JSON|@FILE",
+              help="Constrain every output: a JSON object with one of json (a JSON schema), json_object, regex, "
+                   "choice, grammar (EBNF) or structural_tag, e.g. '{\"regex\": \"[0-9]{3}\"}'; @FILE reads it "
+                   "from a file.")
 @dataclass_options(ExecutorConfig, exclude=_EXECUTOR_EXCLUDE)
 @click.option("--stream", is_flag=True, help="Print text as it is generated: every prompt runs at once; each one's "
                                             "text is printed under its header in turn.")
 @click.option("--json", "as_json", is_flag=True, help="One JSON object per output.")
 @click.option("--quiet-metrics", is_flag=True, help="Do not print the metrics summary.")
-def generate(engine_dir: Path, prompts: tuple[str, ...], prompt_file, stream: bool, as_json: bool,
-             quiet_metrics: bool, **options) -> None:
+def generate(engine_dir: Path, prompts: tuple[str, ...], prompt_file, structured_output_json: str | None,
+             stream: bool, as_json: bool, quiet_metrics: bool, **options) -> None:
     """Generate for PROMPTs concurrently (in-flight batching over a paged KV cache)."""
     from kiln.contract import KilnError
     from kiln.runtime import LLM
@@ -78,7 +105,8 @@ def generate(engine_dir: Path, prompts: tuple[str, ...], prompt_file, stream: bo
     if not prompts:
         raise click.UsageError("give at least one --prompt or a --prompt-file")
     try:
-        params = SamplingParams(**given(SamplingParams, options))
+        params = SamplingParams(**given(SamplingParams, options, exclude=_SAMPLING_EXCLUDE),
+                                structured_output=structured_output_option(structured_output_json))
         config = ExecutorConfig(**given(ExecutorConfig, options, exclude=_EXECUTOR_EXCLUDE))
         llm = LLM(engine_dir, config=config)
     except KilnError as exc:

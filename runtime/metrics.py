@@ -79,7 +79,10 @@ class StepRecord:
         return self.step_time - self.engine_time
 
 
-HISTOGRAMS = ("ttft", "tpot", "queue_time", "e2e_latency", "step_time", "inter_token_latency")
+HISTOGRAMS = ("ttft", "tpot", "queue_time", "e2e_latency", "step_time", "inter_token_latency",
+              "grammar_compile_time")
+# per step with constrained rows: filling and applying their token bitmasks (tens of microseconds and up)
+MASK_TIME_BUCKETS = (1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 0.01, 0.025, 0.05, 0.1)
 # How requests end: the RequestOutput finish reasons, plus "error" for those the step loop failed.
 OUTCOMES = ("stop", "length", "abort", "error")
 
@@ -90,10 +93,13 @@ class RuntimeMetrics:
         self.steps: deque[StepRecord] = deque(maxlen=window)
         self.hist = {name: Histogram() for name in HISTOGRAMS}
         self.hist["batch_size"] = Histogram(buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256))
+        self.hist["grammar_mask_time"] = Histogram(buckets=MASK_TIME_BUCKETS)
         self.counters = {
             "steps": 0, "requests_submitted": 0, "requests_finished": 0, "requests_aborted": 0,
             "requests_rejected": 0, "preemptions": 0, "prompt_tokens": 0, "generation_tokens": 0,
             "prefill_tokens_computed": 0, "decode_tokens_computed": 0, "engine_time": 0.0, "step_time": 0.0,
+            # structured output: requests with a constraint, and whether their grammar was compiled already
+            "structured_requests": 0, "grammar_cache_hits": 0, "grammar_cache_misses": 0,
         }
         self.gauges = {"running": 0, "waiting": 0, "kv_usage": 0.0, "kv_blocks_total": 0, "kv_blocks_used": 0,
                        "kv_blocks_cached": 0, "prefix_hit_rate": 0.0, "kv_evictions": 0}

@@ -2,7 +2,8 @@
 
 The scheduler writes progress (``num_computed_tokens``), ``status``, the generated tokens and the stop
 reason; the KV cache manager extends ``block_hashes`` (its blocks live in the manager, by request id);
-the sampler owns ``generator``; the executor appends ``logprobs``.
+the sampler owns ``generator``; the executor appends ``logprobs`` and attaches ``grammar`` (the matcher of a
+request with ``structured_output``, once its grammar is compiled; it advances on each generated token).
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ class Request:
     __slots__ = (
         "request_id", "prompt", "prompt_token_ids", "output_token_ids", "all_token_ids", "params", "priority",
         "arrival_time", "seq", "status", "num_computed_tokens", "block_hashes", "max_tokens",
-        "metrics", "stop_reason", "logprobs", "generator", "num_prompt_tokens", "eos_token_ids",
+        "metrics", "stop_reason", "logprobs", "generator", "num_prompt_tokens", "eos_token_ids", "grammar",
     )
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, max_tokens: int,
@@ -60,6 +61,7 @@ class Request:
         self.logprobs: list[dict[int, float]] | None = [] if params.logprobs is not None else None
         self.generator = None
         self.eos_token_ids = eos_token_ids
+        self.grammar = None   # kiln.runtime.grammar.RequestGrammar of a structured-output request
 
     @property
     def num_tokens(self) -> int:

@@ -5,10 +5,16 @@ per vocabulary entry draws from ``p``. A request with a seed owns a ``torch.Gene
 row of ``E`` (one vocabulary-sized draw per generated token), so its tokens depend only on its seed and its
 own logits, never on what else is in the batch or in which row it sits. Unseeded rows share one
 generator and one batched draw.
+
+Structured output: after the penalties and ``min_tokens``, the rows of requests with a grammar
+(``Request.grammar``) get their token bitmask (``kiln.runtime.grammar``): every token the grammar does not
+allow next is at -inf before logprobs, temperature and truncation, so greedy, seeded and unseeded rows all
+pick an allowed token, and logprobs are those of the distribution sampled from.
 """
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 import torch
@@ -20,11 +26,13 @@ from kiln.runtime.request import Request
 class SamplerOutput:
     token_ids: list[int]
     logprobs: list[dict[int, float] | None]
+    mask_time: float | None = None   # seconds spent on grammar bitmasks (None: no constrained row)
 
 
 class Sampler:
     def __init__(self, vocab_size: int, seed: int | None = None):
         self.vocab_size = vocab_size
+        self.masks = None   # kiln.runtime.grammar.GrammarMasks, made at the first constrained row
         self.generator = torch.Generator()
         if seed is not None:
             self.generator.manual_seed(seed)
@@ -105,6 +113,15 @@ class Sampler:
         assert B == len(reqs)
         logits = self._apply_penalties(logits, reqs)
         logits = self._apply_min_tokens(logits, reqs)
+        mask_time = None
+        if any(r.grammar is not None for r in reqs):
+            start = time.perf_counter()
+            if self.masks is None:
+                from kiln.runtime.grammar import GrammarMasks
+
+                self.masks = GrammarMasks(self.vocab_size)
+            logits = self.masks.apply(logits, reqs)
+            mask_time = time.perf_counter() - start
 
         temps = [r.params.temperature for r in reqs]
         tokens = logits.argmax(dim=1)
@@ -147,6 +164,7 @@ class Sampler:
                 n = reqs[i].params.logprobs
                 if n:
                     for t, v in zip(top_i[j][:n], top_v[j][:n]):
-                        d.setdefault(t, v)
+                        if v > float("-inf"):   # fewer than n tokens are allowed by the row's grammar
+                            d.setdefault(t, v)
                 logprobs[i] = d
-        return SamplerOutput(token_list, logprobs)
+        return SamplerOutput(token_list, logprobs, mask_time)

@@ -5,6 +5,7 @@ Order of logits processing (the sampler implements exactly this, vectorised over
 1. repetition penalty (HF semantics, over prompt + generated tokens: positive logits are divided,
    negative ones multiplied), then presence / frequency penalties (OpenAI semantics, over generated tokens);
 2. ``min_tokens``: EOS and ``stop_token_ids`` are masked while fewer tokens have been generated;
+   ``structured_output``: every token its grammar does not allow next is masked (``kiln.runtime.grammar``);
 3. logprobs are read here (the model's distribution after penalties, before temperature and truncation);
 4. ``temperature == 0`` -> greedy argmax; otherwise divide by temperature, keep the ``top_k`` largest,
    then the smallest set whose (renormalised) probability reaches ``top_p``, then drop tokens whose
@@ -17,6 +18,7 @@ from dataclasses import dataclass, field
 
 from kiln.contract import ConfigError, reject_unknown_options
 from kiln.runtime.fields import SEED_RANGE, FieldChecks, is_integer
+from kiln.runtime.structured_output import StructuredOutputParams
 
 
 @reject_unknown_options()
@@ -57,6 +59,10 @@ class SamplingParams:
         "help": "Return the log-probability of each sampled token and of the N most likely ones "
                 "(0: the sampled token only)."})
     skip_special_tokens: bool = field(default=True, metadata={"help": "Drop special tokens from the text."})
+    structured_output: StructuredOutputParams | dict | None = field(default=None, metadata={
+        "help": "The shape the output must have: a StructuredOutputParams (or a dict of its fields) with one of "
+                "json (a JSON schema), json_object, regex, choice, grammar (EBNF) or structural_tag; the output "
+                "then ends (finish_reason stop) only where the grammar may end."})
 
     def __post_init__(self) -> None:
         self.check()
@@ -84,6 +90,13 @@ class SamplingParams:
         self.logprobs = c.integer("logprobs", self.logprobs, 0, optional=True)
         if is_integer(self.max_tokens) and is_integer(self.min_tokens) and self.min_tokens > self.max_tokens:
             c.problems.append(f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})")
+        try:
+            self.structured_output = StructuredOutputParams.of(self.structured_output)
+        except ConfigError as exc:
+            c.problems.append(str(exc))
+        if self.structured_output is not None and is_integer(self.min_tokens) and self.min_tokens > 0:
+            c.problems.append("min_tokens cannot be combined with structured_output: the grammar decides where the "
+                              "output may end; set min_tokens=0")
         if c.problems:
             raise ConfigError("invalid SamplingParams: " + "; ".join(c.problems))
 

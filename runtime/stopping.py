@@ -1,7 +1,9 @@
 """When a request stops: every stop rule in one place, applied after each generated token.
 
-By token (the scheduler's facts): EOS (unless ``ignore_eos``) or one of ``stop_token_ids``, once
-``min_tokens`` tokens are out; ``max_tokens`` or the engine's ``max_seq_len`` reached (length).
+By token (the scheduler's facts): the request's grammar has ended (structured output: it accepted a stop
+token, which it allows only where the grammar may end, even with ``ignore_eos``); EOS (unless
+``ignore_eos``) or one of ``stop_token_ids``, once ``min_tokens`` tokens are out; ``max_tokens`` or the
+engine's ``max_seq_len`` reached (length).
 By text (the detokenized output): the earliest of the ``stop`` strings; the text is cut before it
 (or after it with ``include_stop_str_in_output``), and it wins over a token stop of the same step.
 """
@@ -17,6 +19,8 @@ Stop = tuple[RequestStatus, "str | int | None"]   # (finished status, stop reaso
 def stop_by_token(req: Request, max_seq_len: int) -> Stop | None:
     """The stop the request's last token causes, if any."""
     token, p = req.output_token_ids[-1], req.params
+    if req.grammar is not None and req.grammar.terminated:
+        return RequestStatus.FINISHED_STOPPED, token if token in p.stop_token_ids else None
     if req.num_output_tokens > p.min_tokens:  # at least min_tokens tokens come before a stop token
         if not p.ignore_eos and token in req.eos_token_ids:
             return RequestStatus.FINISHED_STOPPED, None

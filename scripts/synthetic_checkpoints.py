@@ -79,8 +79,32 @@ def _pseudo_words(count: int, seed: int = 0) -> list[str]:
             for _ in range(count)]
 
 
-def train_tokenizer(vocab_size: int):
-    """A byte-level BPE tokenizer (handles any UTF-8 text) with <unk>, <s>, </s> as ids 0, 1, 2."""
+TOKENIZER_KINDS = ("bpe", "sentencepiece")
+
+
+def train_tokenizer(vocab_size: int, kind: str = "bpe"):
+    """A tokenizer with <unk>, <s>, </s> as ids 0, 1, 2, trained on :data:`CORPUS` and made-up words.
+
+    ``bpe``: byte-level BPE (GPT-2, Llama 3, Qwen): every byte is a token character (``Ġ`` for a space).
+    ``sentencepiece``: the layout Hugging Face converts SentencePiece models to (Llama 2, Mistral, Gemma):
+    words start with ``▁``, characters outside the learned alphabet fall back to ``<0xXX>`` byte tokens
+    (ids 3-258), and decoding strips the space the first word was given.
+    """
+    if kind == "bpe":
+        return _train_byte_level_bpe(vocab_size)
+    if kind == "sentencepiece":
+        return _train_sentencepiece_style(vocab_size)
+    raise ValueError(f"tokenizer kind must be one of {TOKENIZER_KINDS}, got {kind!r}")
+
+
+def _training_text(vocab_size: int) -> list[str]:
+    """The corpus, and enough made-up words for BPE to learn a vocabulary of ``vocab_size``."""
+    words = _pseudo_words(max(2000, vocab_size))
+    lines = [" ".join(words[i : i + 12]) for i in range(0, len(words), 12)]
+    return [CORPUS] * 4 + lines * 2
+
+
+def _train_byte_level_bpe(vocab_size: int):
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
     tok = Tokenizer(models.BPE())
@@ -90,9 +114,37 @@ def train_tokenizer(vocab_size: int):
         vocab_size=vocab_size, special_tokens=["<unk>", "<s>", "</s>"],
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False,
     )
-    words = _pseudo_words(max(2000, vocab_size))
-    lines = [" ".join(words[i : i + 12]) for i in range(0, len(words), 12)]
-    tok.train_from_iterator([CORPUS] * 4 + lines * 2, trainer=trainer)
+    tok.train_from_iterator(_training_text(vocab_size), trainer=trainer)
+    return tok
+
+
+def _train_sentencepiece_style(vocab_size: int):
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    specials, num_bytes = ["<unk>", "<s>", "</s>"], 256
+    if vocab_size < len(specials) + num_bytes + 64:
+        raise ValueError(f"a sentencepiece-style vocabulary needs at least {len(specials) + num_bytes + 64} "
+                         f"tokens (specials, 256 byte tokens, some pieces), got {vocab_size}")
+    tok = Tokenizer(models.BPE(unk_token="<unk>", byte_fallback=True, fuse_unk=True))
+    tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement="\u2581", prepend_scheme="first")
+    # the alphabet is printable ASCII (and little else), so that other characters (CJK, emoji) are spelled
+    # with byte tokens
+    ascii_printable = [chr(c) for c in range(0x21, 0x7F)]
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size - num_bytes, special_tokens=specials,
+                                  initial_alphabet=ascii_printable, limit_alphabet=len(ascii_printable) + 8,
+                                  show_progress=False)
+    tok.train_from_iterator(_training_text(vocab_size), trainer=trainer)
+    spec = json.loads(tok.to_str())
+    learned = sorted(((i, t) for t, i in spec["model"]["vocab"].items() if i >= len(specials)))
+    vocab = {t: i for i, t in enumerate(specials)}
+    vocab.update({f"<0x{b:02X}>": len(specials) + b for b in range(num_bytes)})
+    vocab.update({t: len(vocab) + k for k, (_, t) in enumerate(learned)})
+    spec["model"]["vocab"] = vocab
+    for added in spec["added_tokens"]:
+        added["id"] = vocab[added["content"]]
+    tok = Tokenizer.from_str(json.dumps(spec))
+    tok.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse(),
+                                     decoders.Strip(" ", 1, 0)])
     return tok
 
 
@@ -105,9 +157,11 @@ def make_checkpoint(
     shard_size: str | None = None,
     dtype: torch.dtype = torch.float32,
     train_steps: int = 0,
+    tokenizer: str = "bpe",
     **overrides: Any,
 ) -> Path:
-    """Write config.json, safetensors weights (sharded if ``shard_size``) and tokenizer files.
+    """Write config.json, safetensors weights (sharded if ``shard_size``) and tokenizer files
+    (``tokenizer``: one of :data:`TOKENIZER_KINDS`, see :func:`train_tokenizer`).
 
     ``train_steps`` > 0 fits the random model to :data:`CORPUS` first (see :func:`train_on_corpus`),
     for checks that need a model whose predictions are not near-ties.
@@ -123,7 +177,7 @@ def make_checkpoint(
         for name, param in model.named_parameters():
             if param.dim() >= 2 and "norm" not in name and "ln" not in name:
                 param.normal_(0.0, 1.0 / max(param.shape[-1], 1) ** 0.5)
-    tok = train_tokenizer(config.vocab_size)
+    tok = train_tokenizer(config.vocab_size, tokenizer)
     if train_steps:
         train_on_corpus(model, corpus_token_ids(tok), train_steps, seed=seed)
     model = model.to(dtype)

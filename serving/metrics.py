@@ -22,6 +22,10 @@ HISTOGRAMS = {
     "queue_time": ("request_queue_time_seconds", "Time from a request's arrival to its first scheduled step."),
     "step_time": ("step_time_seconds", "Duration of one step of the step loop (schedule, engine, sample)."),
     "batch_size": ("batch_size", "Sequences per engine step (in-flight batching)."),
+    "grammar_compile_time": ("grammar_compile_time_seconds",
+                             "Time to compile a structured-output grammar against the vocabulary (off the step loop)."),
+    "grammar_mask_time": ("grammar_mask_time_seconds",
+                          "Time a step spent on the token bitmasks of its structured-output requests."),
 }
 COUNTERS = {
     "prompt_tokens": ("prompt_tokens", "Prompt tokens of submitted requests."),
@@ -32,6 +36,10 @@ COUNTERS = {
     "requests_rejected": ("requests_rejected", "Requests the runtime refused at submission."),
     "preemptions": ("preemptions", "Requests preempted to free KV blocks (recomputed later)."),
     "steps": ("steps", "Steps of the step loop."),
+    "structured_requests": ("structured_output_requests", "Requests submitted with a structured-output constraint."),
+    "grammar_cache_hits": ("grammar_cache_hits",
+                           "Structured-output requests whose grammar was compiled (or compiling) already."),
+    "grammar_cache_misses": ("grammar_cache_misses", "Structured-output requests whose grammar had to be compiled."),
 }
 GAUGES = {
     "running": ("num_requests_running", "Requests in the running batch."),

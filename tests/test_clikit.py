@@ -44,7 +44,8 @@ def test_options_follow_the_dataclass():
     assert isinstance(r.exception, ValueError) and "mode must be a or b" in str(r.exception)
 
 
-@pytest.mark.parametrize("cls, exclude", [(SamplingParams, ()), (ExecutorConfig, ("seed", "metrics_window"))])
+@pytest.mark.parametrize("cls, exclude", [(SamplingParams, ("structured_output",)),   # --structured-output JSON
+                                          (ExecutorConfig, ("seed", "metrics_window"))])
 def test_generate_has_an_option_per_field_with_the_api_default(cls, exclude):
     from kiln.runtime.generate_cli import generate
 
@@ -64,6 +65,10 @@ def test_generate_has_an_option_per_field_with_the_api_default(cls, exclude):
     (["--top-p", "0"], "invalid SamplingParams: top_p must be a finite number in (0, 1]"),
     (["--capacity-policy", "fifo"], "capacity_policy must be one of"),
     (["--max-batch-size", "0"], "max_batch_size must be an integer >= 1"),
+    (["--structured-output", '{"regex": "a", "choice": ["b"]}'], "give exactly one of"),
+    (["--structured-output", "[1]"], "give a JSON object such as"),
+    (["--structured-output", "{x"], "not valid JSON"),
+    (["--structured-output", '{"regex": "a"}', "--min-tokens", "2"], "min_tokens cannot be combined"),
 ])
 def test_generate_reports_the_dataclass_check(tmp_path, args, message):
     from kiln.runtime.cli import main

@@ -44,6 +44,13 @@ PLAUSIBLE = {
     "ignore_eos": st.booleans(),
     "logprobs": st.integers(-1, 600) | st.none(),
     "skip_special_tokens": st.booleans(),
+    # valid and invalid constraints, some shared (their compiled grammars come from the cache)
+    "structured_output": st.none() | st.sampled_from([
+        {"regex": "[a-c]{1,4}"}, {"choice": ["yes", "no"]}, {"json": {"type": "integer", "minimum": 0, "maximum": 9}},
+        {"json_object": True, "any_whitespace": True}, {"grammar": 'root ::= "x" [0-9]'},
+        {"regex": "a("}, {"json": "{not json"}, {"json": {"type": "array", "uniqueItems": True}},
+        {"grammar": "root ::= undefined_rule"}, {"regex": "a", "choice": ["b"]}, {"choice": []}, {"jsn": {}},
+    ]),
 }
 assert set(PLAUSIBLE) == {f.name for f in dataclasses.fields(SamplingParams)}   # every field is thrown at
 

@@ -396,6 +396,34 @@ def test_http_generate_matches_llm(server, llm):
     assert body["finish_reason"] == "stop" and body["text_output"] == text[:text.index(stop)]
 
 
+def test_guided_decoding_inputs_constrain_the_output(server, llm):
+    """TensorRT-LLM's guided decoding inputs: outputs equal kiln's LLM with the same structured_output and
+    validate; a bad guide is refused naming the input."""
+    import jsonschema
+
+    schema = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 99},
+                                               "ok": {"type": "boolean"}}, "required": ["n", "ok"]}
+    guides = [("json_schema", json.dumps(schema), {"json": schema}), ("regex", "[a-z]{2,5}-[0-9]{2}", None),
+              ("ebnf_grammar", 'root ::= "x=" [0-9] [0-9]?', None), ("json", None, {"json_object": True})]
+    for kind, guide, spec in guides:
+        spec = spec or {"regex" if kind == "regex" else "grammar": guide}
+        ref = greedy(llm, PROMPTS[0], 40, structured_output=spec)
+        body = {"text_input": PROMPTS[0], "max_tokens": 40, "exclude_input_in_output": True,
+                "guided_decoding_guide_type": kind, **({"guided_decoding_guide": guide} if guide else {})}
+        status, out = post(f"{server.http}/v2/models/kiln/generate", body)
+        assert status == 200 and out["output_ids"] == ref.token_ids and out["text_output"] == ref.text, (kind, out)
+        if kind == "json_schema":
+            jsonschema.validate(json.loads(out["text_output"]), schema)
+        elif kind == "regex":
+            assert re.fullmatch("[a-z]{2,5}-[0-9]{2}", out["text_output"]), out
+    for fields, message in [({"guided_decoding_guide_type": "xml"}, "guided_decoding_guide_type must be one of"),
+                            ({"guided_decoding_guide_type": "regex"}, "needs guided_decoding_guide"),
+                            ({"guided_decoding_guide_type": "json_schema", "guided_decoding_guide": '{"type": "x"}'},
+                             "invalid JSON schema")]:
+        status, out = post(f"{server.http}/v2/models/kiln/generate", {"text_input": "hi", "max_tokens": 4, **fields})
+        assert status == 400 and message in out["error"], out
+
+
 def test_http_generate_stream_sse(server, llm):
     ref = greedy(llm, PROMPTS[3], 20)
     req = urllib.request.Request(f"{server.http}/v2/models/kiln/generate_stream",

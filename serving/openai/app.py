@@ -28,6 +28,7 @@ from kiln.serving.openai.completions import create_completion
 from kiln.serving.openai.generation import ClientGone, Overloaded, ServingState, ShuttingDown
 from kiln.serving.openai.protocol import ChatCompletionRequest, CompletionRequest, FieldError, ModelCard, ModelList
 from kiln.serving.openai.responses import error_response
+from kiln.serving.openai.tool_parsers import detect_parser
 
 logger = logging.getLogger("kiln.serving")
 
@@ -131,9 +132,12 @@ class Gate:
 
 
 def create_app(llm, *, model_name: str, api_key: str | None = None, max_waiting: int = 256,
-               chat_template: ChatTemplate | None = None) -> FastAPI:
-    """The OpenAI-compatible app over one ``LLM`` (which the caller starts and shuts down)."""
+               chat_template: ChatTemplate | None = None, tool_call_parser: str | None = None) -> FastAPI:
+    """The OpenAI-compatible app over one ``LLM`` (which the caller starts and shuts down). ``tool_call_parser``:
+    how ``tool_choice="auto"`` finds tool calls in answers (default: the one the chat template's format needs)."""
     state = ServingState(llm, max_waiting)
+    if tool_call_parser is None:
+        tool_call_parser = detect_parser(chat_template.source if chat_template is not None else None)
     created = int(time.time())
     version = kiln_version()
     engine_config = llm.engine.config
@@ -206,7 +210,8 @@ def create_app(llm, *, model_name: str, api_key: str | None = None, max_waiting:
     async def chat_completions(request: Request) -> Response:
         body = await read_body(request, ChatCompletionRequest)
         check_model(body.model)
-        return await create_chat_completion(body, request, state, model_name, fingerprint, chat_template)
+        return await create_chat_completion(body, request, state, model_name, fingerprint, chat_template,
+                                            tool_call_parser)
 
     @app.get("/health")
     async def health() -> JSONResponse:

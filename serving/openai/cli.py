@@ -13,6 +13,7 @@ import click
 from kiln.build_flags import build_config_from, build_options
 from kiln.clikit import dataclass_options, given
 from kiln.runtime import ExecutorConfig
+from kiln.serving.openai.tool_parsers import TOOL_CALL_PARSERS
 
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
 
@@ -31,6 +32,9 @@ LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
 @click.option("--chat-template", type=click.Path(path_type=Path, exists=True, dir_okay=False), default=None,
               help="A jinja2 chat template file (as for transformers' apply_chat_template); default: the one "
                    "in the engine directory's tokenizer_config.json.")
+@click.option("--tool-call-parser", type=click.Choice(TOOL_CALL_PARSERS), default=None,
+              help="How tool_choice 'auto' finds tool calls in answers: hermes (<tool_call> JSON: Hermes, Qwen) or "
+                   "llama3_json (Llama 3.1+ JSON calls); default: the one the chat template's format needs.")
 @click.option("--shutdown-timeout", type=click.FloatRange(min=0), default=30.0, show_default=True,
               help="On SIGTERM/SIGINT, seconds to let in-flight requests finish before aborting them.")
 @click.option("--log-level", type=click.Choice(LOG_LEVELS), default="info", show_default=True)

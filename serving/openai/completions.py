@@ -26,6 +26,7 @@ from kiln.serving.openai.protocol import (
     CompletionRequest,
     FieldError,
 )
+from kiln.serving.openai.structured import check_constraint, request_constraint
 
 
 def completion_logprobs(token_text: TokenText, token_ids: list[int], logprobs: list[dict[int, float]], top: int,
@@ -59,9 +60,13 @@ async def create_completion(body: CompletionRequest, request: Request, state: Se
         limits.check_max_tokens(len(ids), body.max_tokens, "max_tokens")
         prompts.append(ids)
         texts.append(text if text is not None else llm.decode(ids, skip_special_tokens=False))
+    constraint = request_constraint(body, body.min_tokens)
+    if constraint is not None:
+        await check_constraint(llm, constraint)
     request_id = new_id("cmpl")
-    stream = submit_choices(state, request_id, prompts, choice_params(body, body.max_tokens, body.logprobs),
-                            body.priority, "max_tokens")
+    stream = submit_choices(state, request_id, prompts,
+                            choice_params(body, body.max_tokens, body.logprobs, constraint), body.priority,
+                            "max_tokens")
     n = body.n
     echo = [texts[i // n] if body.echo else "" for i in range(len(prompts) * n)]
 

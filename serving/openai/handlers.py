@@ -14,15 +14,19 @@ from kiln.runtime import ExecutorClosedError, InvalidRequestError, RequestOutput
 from kiln.serving.openai.generation import ChoiceStream, ServingState, ShuttingDown, choice_seed, until_disconnect
 from kiln.serving.openai.protocol import FieldError, SamplingFields, Usage
 from kiln.serving.openai.responses import SSEResponse, error_response, sse_error, sse_event
+from kiln.serving.openai.structured import Constraint
 
 
 def new_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
 
 
-def choice_params(body: SamplingFields, max_tokens: int | None, logprobs: int | None) -> list[SamplingParams]:
-    kwargs = body.sampling_kwargs(max_tokens)
-    return [SamplingParams(**kwargs, seed=choice_seed(body.seed, i), logprobs=logprobs) for i in range(body.n)]
+def choice_params(body: SamplingFields, max_tokens: int | None, logprobs: int | None,
+                  constraint: Constraint | None = None, **overrides) -> list[SamplingParams]:
+    kwargs = {**body.sampling_kwargs(max_tokens), **overrides}
+    structured = None if constraint is None else constraint.spec
+    return [SamplingParams(**kwargs, seed=choice_seed(body.seed, i), logprobs=logprobs, structured_output=structured)
+            for i in range(body.n)]
 
 
 def submit_choices(state: ServingState, request_id: str, prompts: list[list[int]], params: list[SamplingParams],

@@ -9,6 +9,7 @@ max_seq_len) are checked where prompts are tokenized (``generation.py``).
 
 from __future__ import annotations
 
+import json
 import time
 from typing import Annotated, Any, Literal
 
@@ -20,6 +21,8 @@ MAX_N = 128
 MAX_STOP = 16
 MAX_PROMPTS = 256
 MAX_CHOICES = 256      # prompts x n in one request
+MAX_CONSTRAINT_CHARS = 1 << 20   # a JSON schema, regex or grammar given as text
+MAX_TOOLS = 128
 
 
 class FieldError(ValueError):
@@ -64,8 +67,60 @@ class StreamOptions(RequestModel):
     include_usage: bool = False
 
 
-class SamplingFields(RequestModel):
-    """Fields both endpoints share: OpenAI's sampling options and kiln's extra ones."""
+# ---- structured output (the runtime's SamplingParams.structured_output; mapped in structured.py) --------------
+def _schema(value: Any) -> Any:
+    """A JSON schema (or structural tag) as an object or as its JSON text (parsed where it is compiled)."""
+    if isinstance(value, dict) or (isinstance(value, str) and 0 < len(value) <= MAX_CONSTRAINT_CHARS):
+        return value
+    raise ValueError(f"must be a JSON object, or its JSON text (at most {MAX_CONSTRAINT_CHARS} characters)")
+
+
+SchemaText = Annotated[str, Field(min_length=1, max_length=MAX_CONSTRAINT_CHARS)]
+Schema = Annotated[Any, BeforeValidator(_schema)]   # a plain union would name its members in errors' param
+
+
+class JsonSchemaFormat(RequestModel):
+    """OpenAI's ``response_format.json_schema``."""
+
+    name: Annotated[str, Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_-]+$")]
+    description: Annotated[str, Field(max_length=4096)] | None = None
+    schema_: Annotated[dict | None, Field(alias="schema")] = None
+    strict: bool | None = None
+
+
+class ResponseFormat(RequestModel):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class StructuredOutputs(RequestModel):
+    """vLLM's ``structured_outputs`` extension: one constraint (see kiln.runtime.StructuredOutputParams)."""
+
+    json_: Annotated[Schema | None, Field(alias="json")] = None
+    regex: SchemaText | None = None
+    choice: Annotated[list[Annotated[str, Field(min_length=1, max_length=4096)]], Field(min_length=1,
+                                                                                         max_length=1024)] | None = None
+    grammar: SchemaText | None = None
+    json_object: bool | None = None
+    structural_tag: Schema | None = None
+    disable_any_whitespace: bool | None = None   # vLLM's name; kiln's JSON is compact unless this is false
+
+
+class StructuredOutputFields(RequestModel):
+    """The ways a request asks for structured output (at most one per request)."""
+
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputs | None = None
+    # vLLM's older names
+    guided_json: Schema | None = None
+    guided_regex: SchemaText | None = None
+    guided_choice: Annotated[list[Annotated[str, Field(min_length=1, max_length=4096)]],
+                             Field(min_length=1, max_length=1024)] | None = None
+    guided_grammar: SchemaText | None = None
+
+
+class SamplingFields(StructuredOutputFields):
+    """Fields both endpoints share: OpenAI's sampling options and kiln's extra ones (and structured output)."""
 
     model: Annotated[str, Field(max_length=256)] | None = None
     n: Annotated[int, Field(ge=1, le=MAX_N)] = 1
@@ -140,10 +195,55 @@ class CompletionRequest(SamplingFields):
         return list(p)
 
 
+FunctionName = Annotated[str, Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.-]+$")]
+
+
+class FunctionCall(RequestModel):
+    name: FunctionName
+    arguments: Annotated[str, Field(max_length=MAX_CONSTRAINT_CHARS)]   # JSON text, as OpenAI sends it
+
+
+class ToolCall(RequestModel):
+    id: Annotated[str, Field(min_length=1, max_length=256)]
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(RequestModel):
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: Annotated[str, BeforeValidator(_text_parts)]
+    content: Annotated[str | None, BeforeValidator(_text_parts)] = None
     name: Annotated[str, Field(max_length=256)] | None = None
+    tool_calls: Annotated[list[ToolCall], Field(min_length=1, max_length=MAX_TOOLS)] | None = None  # assistant
+    tool_call_id: Annotated[str, Field(min_length=1, max_length=256)] | None = None   # tool: the call answered
+
+
+class FunctionDefinition(RequestModel):
+    name: FunctionName
+    description: Annotated[str, Field(max_length=4096)] | None = None
+    parameters: dict | None = None   # a JSON schema of the arguments object
+    strict: bool | None = None
+
+
+class Tool(RequestModel):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(RequestModel):
+    name: FunctionName
+
+
+class NamedToolChoice(RequestModel):
+    type: Literal["function"]
+    function: NamedFunction
+
+
+def _tool_choice(value: Any) -> Any:
+    if value is None or value in ("none", "auto", "required"):
+        return value
+    if isinstance(value, dict) and value.get("type") == "function" and isinstance(value.get("function"), dict):
+        return NamedToolChoice.model_validate(value)
+    raise ValueError("must be 'none', 'auto', 'required' or {\"type\": \"function\", \"function\": {\"name\": ...}}")
 
 
 class ChatCompletionRequest(SamplingFields):
@@ -153,11 +253,45 @@ class ChatCompletionRequest(SamplingFields):
     logprobs: bool = False
     top_logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
     add_generation_prompt: bool = True   # kiln/vLLM extra: False continues the last message instead
+    tools: Annotated[list[Tool], Field(max_length=MAX_TOOLS)] | None = None
+    tool_choice: Annotated[Any, BeforeValidator(_tool_choice)] = None   # a str of the three, or NamedToolChoice
+    parallel_tool_calls: bool = True
 
     def check_combinations(self) -> None:
         super().check_combinations()
         if self.top_logprobs is not None and not self.logprobs:
             raise FieldError("top_logprobs", "top_logprobs is only allowed when logprobs is true")
+        for i, m in enumerate(self.messages):
+            if m.content is None and not (m.role == "assistant" and m.tool_calls):
+                raise FieldError(f"messages[{i}].content", "content is required (only an assistant message with "
+                                                           "tool_calls may leave it out)")
+            if m.tool_calls and m.role != "assistant":
+                raise FieldError(f"messages[{i}].tool_calls", f"only assistant messages have tool_calls, not {m.role}")
+            if m.role == "tool" and m.tool_call_id is None:
+                raise FieldError(f"messages[{i}].tool_call_id", "a tool message needs the tool_call_id it answers")
+            for j, call in enumerate(m.tool_calls or []):
+                try:
+                    json.loads(call.function.arguments)
+                except json.JSONDecodeError as exc:
+                    raise FieldError(f"messages[{i}].tool_calls[{j}].function.arguments",
+                                     f"arguments must be JSON text (as the API returned it): {exc}") from None
+        names = [t.function.name for t in self.tools or []]
+        if len(set(names)) != len(names):
+            raise FieldError("tools", f"function names must be unique, got {names}")
+        choice = self.tool_choice
+        if choice not in (None, "none") and not self.tools:
+            raise FieldError("tool_choice", f"tool_choice {self.tool_choice_name!r} needs tools")
+        if isinstance(choice, NamedToolChoice) and choice.function.name not in names:
+            raise FieldError("tool_choice", f"tool_choice names the function {choice.function.name!r}, which is not "
+                                            f"among the tools {names}")
+
+    @property
+    def tool_choice_name(self) -> str:
+        """"none", "auto" (the default with tools), "required", or the named function."""
+        choice = self.tool_choice
+        if isinstance(choice, NamedToolChoice):
+            return choice.function.name
+        return choice or ("auto" if self.tools else "none")
 
     @property
     def max_tokens_field(self) -> str:
@@ -217,16 +351,32 @@ class ChatLogprobs(ResponseModel):
     content: list[TokenLogprob]
 
 
+class FunctionCallOut(ResponseModel):
+    name: str
+    arguments: str   # JSON text
+
+
+class ToolCallOut(ResponseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCallOut
+
+
+def _none(value) -> bool:
+    return value is None
+
+
 class AssistantMessage(ResponseModel):
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None
+    tool_calls: list[ToolCallOut] | None = Field(default=None, exclude_if=_none)
 
 
 class ChatChoice(ResponseModel):
     index: int
     message: AssistantMessage
     logprobs: ChatLogprobs | None = None
-    finish_reason: Literal["stop", "length"]
+    finish_reason: Literal["stop", "length", "tool_calls"]
 
 
 class ChatCompletion(ResponseModel):
@@ -239,16 +389,31 @@ class ChatCompletion(ResponseModel):
     usage: Usage
 
 
+class FunctionCallDelta(ResponseModel):
+    name: str | None = Field(default=None, exclude_if=_none)
+    arguments: str = ""
+
+
+class ToolCallDelta(ResponseModel):
+    """A streamed piece of a tool call: the first one of a call has its id, type and name."""
+
+    index: int
+    id: str | None = Field(default=None, exclude_if=_none)
+    type: Literal["function"] | None = Field(default=None, exclude_if=_none)
+    function: FunctionCallDelta
+
+
 class ChatDelta(ResponseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    tool_calls: list[ToolCallDelta] | None = Field(default=None, exclude_if=_none)
 
 
 class ChatChunkChoice(ResponseModel):
     index: int
     delta: ChatDelta
     logprobs: ChatLogprobs | None = None
-    finish_reason: Literal["stop", "length"] | None = None
+    finish_reason: Literal["stop", "length", "tool_calls"] | None = None
 
 
 class ChatCompletionChunk(ResponseModel):

@@ -35,6 +35,7 @@ class ServeSettings:
     api_key: str | None = None
     max_waiting: int = 256
     chat_template: Path | None = None
+    tool_call_parser: str | None = None     # default: the one the chat template's tool-call format needs
     shutdown_timeout: float = 30.0
     log_level: str = "info"
 
@@ -62,12 +63,15 @@ def _bind(host: str, port: int) -> socket.socket:
     return sock
 
 
-def _print_summary(llm, engine_dir: Path, chat_template: bool) -> None:
-    """The engine summary `kiln inspect` prints, the KV pool plan and whether chat has a template."""
+def _print_summary(llm, engine_dir: Path, chat_template: bool, tool_call_parser: str | None) -> None:
+    """The engine summary `kiln inspect` prints, the KV pool plan, whether chat has a template and how
+    tool calls are parsed."""
     report = engine_dir / "build_report.json"
     rows = summary_rows(llm.engine.config, json.loads(report.read_text()) if report.is_file() else None)
     rows.append(("chat template",
                  "yes" if chat_template else "none: /v1/chat/completions answers 400 (see --chat-template)"))
+    rows.append(("tool-call parser", tool_call_parser or "none: tool_choice 'auto' answers 400 (see "
+                                                         "--tool-call-parser); 'required' and named calls work"))
     click.echo(format_table(rows))
     click.echo(llm.executor.kv_plan)
 
@@ -122,6 +126,7 @@ def run(model_dir: Path, settings: ServeSettings, executor_options: dict,
     from kiln.runtime import LLM, ConfigError, EngineLoadError, ExecutorConfig
     from kiln.serving.chat_template import ChatTemplateError, load_chat_template
     from kiln.serving.openai.app import create_app
+    from kiln.serving.openai.tool_parsers import detect_parser
 
     logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
@@ -139,10 +144,11 @@ def run(model_dir: Path, settings: ServeSettings, executor_options: dict,
     except (EngineLoadError, ConfigError) as exc:
         raise click.ClickException(str(exc)) from None
     try:
-        _print_summary(llm, engine_dir, template is not None)
+        parser = settings.tool_call_parser or detect_parser(template.source if template is not None else None)
+        _print_summary(llm, engine_dir, template is not None, parser)
         name = settings.served_model_name or model_dir.resolve().name
         app = create_app(llm, model_name=name, api_key=settings.api_key, max_waiting=settings.max_waiting,
-                         chat_template=template)
+                         chat_template=template, tool_call_parser=parser)
         sock = _bind(settings.host, settings.port)
         host, port = sock.getsockname()[:2]
         url = f"http://{f'[{host}]' if ':' in host else host}:{port}"

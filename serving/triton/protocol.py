@@ -8,7 +8,10 @@ Semantics follow TensorRT-LLM's Triton backend so its clients see the same behav
 - ``end_id`` replaces the engine's EOS as the token that ends generation (-1: none);
 - streaming responses carry only what is new; a non-streaming response carries the whole output, with the
   prompt in front unless ``exclude_input_in_output`` is true;
-- empty strings in ``stop_words``/``bad_words`` are ignored (TensorRT-LLM's clients send ``[""]``).
+- empty strings in ``stop_words``/``bad_words`` are ignored (TensorRT-LLM's clients send ``[""]``);
+- ``guided_decoding_guide_type`` + ``guided_decoding_guide`` constrain the output (TensorRT-LLM's guided
+  decoding): ``json`` (any JSON object, no guide), ``json_schema``, ``regex``, ``ebnf_grammar``,
+  ``structural_tag``; an invalid guide is refused when the request is submitted (INVALID_ARG).
 """
 
 from __future__ import annotations
@@ -187,6 +190,7 @@ def parse_request(arrays: Mapping[str, np.ndarray], limits: EngineLimits,
         stop_token_ids = [end_id] if end_id != -1 else []
     stop = [s for s in x.strings("stop_words") if s]
     return_log_probs = bool(x.scalar("return_log_probs", False))
+    structured = guided_decoding(x)
     try:
         params = SamplingParams(
             max_tokens=max_tokens, min_tokens=min_tokens,
@@ -195,7 +199,7 @@ def parse_request(arrays: Mapping[str, np.ndarray], limits: EngineLimits,
             repetition_penalty=x.number("repetition_penalty", 1.0),
             presence_penalty=x.number("presence_penalty", 0.0), frequency_penalty=x.number("frequency_penalty", 0.0),
             seed=x.scalar("seed"), stop=stop, stop_token_ids=stop_token_ids, ignore_eos=ignore_eos,
-            logprobs=0 if return_log_probs else None,
+            logprobs=0 if return_log_probs else None, structured_output=structured,
         )
     except ValueError as exc:
         raise BadRequest(str(exc).removeprefix("invalid SamplingParams: ")) from None
@@ -204,6 +208,32 @@ def parse_request(arrays: Mapping[str, np.ndarray], limits: EngineLimits,
         stream=stream, exclude_input_in_output=bool(x.scalar("exclude_input_in_output", False)),
         return_log_probs=return_log_probs,
     )
+
+
+# TensorRT-LLM's guide types -> the runtime's StructuredOutputParams field
+GUIDE_TYPES = {"json": "json_object", "json_schema": "json", "regex": "regex", "ebnf_grammar": "grammar",
+               "structural_tag": "structural_tag"}
+
+
+def guided_decoding(x: _Inputs) -> dict | None:
+    """The structured_output of guided_decoding_guide_type / guided_decoding_guide (None when not sent)."""
+    kind = x.scalar("guided_decoding_guide_type")
+    guide = x.scalar("guided_decoding_guide")
+    if kind is None:
+        if guide is not None:
+            raise BadRequest("guided_decoding_guide needs guided_decoding_guide_type (one of "
+                             f"{', '.join(GUIDE_TYPES)})")
+        return None
+    kind = _text("guided_decoding_guide_type", kind)
+    if kind not in GUIDE_TYPES:
+        raise BadRequest(f"guided_decoding_guide_type must be one of {', '.join(GUIDE_TYPES)}, got {kind!r}")
+    if kind == "json":
+        return {"json_object": True}
+    guide = None if guide is None else _text("guided_decoding_guide", guide)
+    if not guide:
+        raise BadRequest(f"guided_decoding_guide_type {kind} needs guided_decoding_guide: the "
+                         f"{kind.replace('_', ' ')} (text)")
+    return {GUIDE_TYPES[kind]: guide}
 
 
 def _ns(t: float | None) -> int:

@@ -58,6 +58,10 @@ INPUTS: tuple[TensorSpec, ...] = (
     TensorSpec("return_num_output_tokens", "TYPE_BOOL", (1,), "accepted; num_output_tokens comes with the last one"),
     TensorSpec("exclude_input_in_output", "TYPE_BOOL", (1,), "non-streaming outputs without the prompt; default false"),
     TensorSpec("priority", "TYPE_INT32", (1,), "scheduling priority, higher first (kiln); default 0"),
+    TensorSpec("guided_decoding_guide_type", "TYPE_STRING", (1,),
+               "structured output: json (any JSON object), json_schema, regex, ebnf_grammar or structural_tag"),
+    TensorSpec("guided_decoding_guide", "TYPE_STRING", (1,),
+               "the JSON schema, regex, EBNF grammar or structural tag (JSON) of guided_decoding_guide_type"),
 )
 
 OUTPUTS: tuple[TensorSpec, ...] = (
