@@ -133,6 +133,10 @@ def test_prefix_reuse_chunked_prefill_and_preemption_keep_constrained_outputs(en
     longest = max(len(p) for p in prompts) + MAX_TOKENS
     with LLM(engine, capacity_policy="max_utilization", max_kv_cache_tokens=longest + 8,
              enable_prefix_reuse=False) as llm:
+        # compile every grammar first: a request enters the scheduler when its grammar is ready, and on a loaded
+        # machine the low-priority compiles finish one by one, so the requests would never compete for blocks
+        llm.generate(prompts[:1] * len(params),
+                     [SamplingParams(max_tokens=1, structured_output={"json": SCHEMAS[i]}) for i in range(12)])
         preempted = llm.generate(prompts, params)
         assert llm.stats()["counters"]["preemptions"] > 0
         assert_no_leak(llm)
