@@ -1,0 +1,94 @@
+"""A small thread pool for the prompt work that can take long: parsing a large request body, rendering a chat
+template, tokenizing. It keeps that work off the thread that serves everyone else (the HTTP event loop, Triton's
+``execute``), bounds how much of it runs and waits at once, and gives the memory it used back to the system.
+
+Small jobs (under ``inline_bytes`` of input) run in the caller's thread: a thread hop would cost them more than
+the work. After a job of ``trim_bytes`` or more, glibc's ``malloc_trim`` returns the freed heap to the system:
+tokenizing megabytes leaves hundreds of MB free but mapped in the worker threads' malloc arenas, which the
+process would otherwise keep (RSS stays at its peak).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ctypes
+import ctypes.util
+import threading
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import TypeVar
+
+T = TypeVar("T")
+
+INLINE_BYTES = 4 << 10
+TRIM_BYTES = 1 << 20
+
+
+def _malloc_trim() -> Callable[[], None]:
+    """glibc's ``malloc_trim(0)`` (ctypes releases the GIL around it), or a no-op where there is no glibc."""
+    path = ctypes.util.find_library("c")
+    try:
+        trim = ctypes.CDLL(path).malloc_trim if path else None
+    except (OSError, AttributeError):
+        trim = None
+    if trim is None:
+        return lambda: None
+    trim.argtypes, trim.restype = [ctypes.c_size_t], ctypes.c_int
+    return lambda: trim(0)
+
+
+class Busy(Exception):
+    """Every worker is busy and ``max_queued`` jobs already wait: refuse the request (429 / UNAVAILABLE)."""
+
+
+class PromptWorkers:
+    """``workers`` threads for large prompt jobs; at most ``max_queued`` more wait for one."""
+
+    def __init__(self, workers: int = 1, max_queued: int = 4, inline_bytes: int = INLINE_BYTES,
+                 trim_bytes: int = TRIM_BYTES, name: str = "kiln-prompt"):
+        if workers < 1 or max_queued < 0:
+            raise ValueError(f"workers must be >= 1 and max_queued >= 0, got {workers} and {max_queued}")
+        self.workers, self.max_queued = workers, max_queued
+        self.inline_bytes, self.trim_bytes = inline_bytes, trim_bytes
+        self._pool = ThreadPoolExecutor(workers, thread_name_prefix=name)
+        self._lock = threading.Lock()
+        self._jobs = 0   # submitted and not finished
+        self._trim = _malloc_trim()
+
+    @property
+    def jobs(self) -> int:
+        return self._jobs
+
+    def submit(self, fn: Callable[..., T], *args, size: int) -> Future:
+        """Run ``fn(*args)`` in a worker (``size``: the bytes of input it works on); Busy if too many wait."""
+        with self._lock:
+            if self._jobs >= self.workers + self.max_queued:
+                raise Busy(f"{self._jobs} large prompts are already being prepared; retry later")
+            self._jobs += 1
+        try:
+            future = self._pool.submit(self._call, fn, args, size)
+        except BaseException:
+            self._finished()
+            raise
+        future.add_done_callback(self._finished)   # also when cancelled before it ran
+        return future
+
+    async def run(self, fn: Callable[..., T], *args, size: int) -> T:
+        """``fn(*args)``: here if ``size`` is small, else in a worker while the event loop goes on."""
+        if size < self.inline_bytes:
+            return fn(*args)
+        return await asyncio.wrap_future(self.submit(fn, *args, size=size))
+
+    def _call(self, fn, args, size: int):
+        try:
+            return fn(*args)
+        finally:
+            if size >= self.trim_bytes:
+                self._trim()
+
+    def _finished(self, _future: Future | None = None) -> None:
+        with self._lock:
+            self._jobs -= 1
+
+    def shutdown(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
