@@ -149,7 +149,8 @@ def request(server: Server, method: str, path: str, body: bytes | None = None, t
 
 
 class Probe:
-    """Polls ``path`` every 20 ms on one kept-alive connection; latencies in ms; the peak RSS seen meanwhile."""
+    """Polls ``path`` every 20 ms on one kept-alive connection (latencies in ms), and the server's RSS every
+    50 ms in another thread (its peak)."""
 
     def __init__(self, server: Server, path: str):
         self.server, self.path = server, path
@@ -157,6 +158,11 @@ class Probe:
         self.peak_rss = 0.0
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
+        self._rss_thread = threading.Thread(target=self._watch_rss, daemon=True)
+
+    def _watch_rss(self) -> None:
+        while not self._stop.wait(0.05):
+            self.peak_rss = max(self.peak_rss, self.server.rss())
 
     def _run(self) -> None:
         conn = http.client.HTTPConnection(self.server.host, self.server.port, timeout=120)
@@ -169,18 +175,19 @@ class Probe:
                 conn.close()
                 conn = http.client.HTTPConnection(self.server.host, self.server.port, timeout=120)
             self.latencies.append((time.perf_counter() - t0) * 1e3)
-            self.peak_rss = max(self.peak_rss, self.server.rss())
             time.sleep(0.02)
         conn.close()
 
     def __enter__(self) -> Probe:
         self._thread.start()
+        self._rss_thread.start()
         time.sleep(0.1)
         return self
 
     def __exit__(self, *exc) -> None:
         self._stop.set()
         self._thread.join()
+        self._rss_thread.join()
 
     def summary(self) -> str:
         xs = sorted(self.latencies)
