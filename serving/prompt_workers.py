@@ -5,7 +5,9 @@ template, tokenizing. It keeps that work off the thread that serves everyone els
 Small jobs (under ``inline_bytes`` of input) run in the caller's thread: a thread hop would cost them more than
 the work. After a job of ``trim_bytes`` or more, glibc's ``malloc_trim`` returns the freed heap to the system:
 tokenizing megabytes leaves hundreds of MB free but mapped in the worker threads' malloc arenas, which the
-process would otherwise keep (RSS stays at its peak).
+process would otherwise keep (RSS stays at its peak). It runs once in the worker right after the job, and once
+more ``TRIM_DELAY_S`` after the last one, when the request that held the input (its body, its tensors) has been
+answered and freed.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ T = TypeVar("T")
 
 INLINE_BYTES = 4 << 10
 TRIM_BYTES = 1 << 20
+TRIM_DELAY_S = 1.0
 
 
 def _malloc_trim() -> Callable[[], None]:
@@ -54,6 +57,7 @@ class PromptWorkers:
         self._lock = threading.Lock()
         self._jobs = 0   # submitted and not finished
         self._trim = _malloc_trim()
+        self._trim_timer: threading.Timer | None = None
 
     @property
     def jobs(self) -> int:
@@ -85,6 +89,16 @@ class PromptWorkers:
         finally:
             if size >= self.trim_bytes:
                 self._trim()
+                self._trim_later()
+
+    def _trim_later(self) -> None:
+        """Trim TRIM_DELAY_S after the last large job (a flood of them is trimmed after each, in the worker)."""
+        with self._lock:
+            if self._trim_timer is not None:
+                self._trim_timer.cancel()
+            self._trim_timer = threading.Timer(TRIM_DELAY_S, self._trim)
+            self._trim_timer.daemon = True
+            self._trim_timer.start()
 
     def _finished(self, _future: Future | None = None) -> None:
         with self._lock:
@@ -92,3 +106,6 @@ class PromptWorkers:
 
     def shutdown(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
+        with self._lock:
+            if self._trim_timer is not None:
+                self._trim_timer.cancel()

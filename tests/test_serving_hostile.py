@@ -267,3 +267,120 @@ def test_bearer_is_case_insensitive_metrics_need_the_key_and_there_is_no_docs(se
     monkeypatch.delenv("KILN_API_KEY", raising=False)
     r = CliRunner().invoke(main, ["serve", str(engine.directory), "--metrics-require-key"])
     assert r.exit_code == 2 and "--metrics-require-key needs --api-key" in r.output
+
+
+# ---- Triton (`kiln serve --frontend triton`): what kiln's model refuses, and what tritonserver answers itself ----
+@pytest.fixture(scope="module")
+def triton(checkpoint_dir, tmp_path_factory):
+    pytest.importorskip("pytriton")
+    pytest.importorskip("tritonclient")
+    from test_serving_triton import BUILD, CHECKPOINT
+    from test_serving_triton import start_server as start_triton
+
+    engine = get_engine(checkpoint_dir("llama", **CHECKPOINT), **BUILD)
+    # one response per request (the session server of test_serving_triton streams): gRPC's unary infer, whose
+    # errors carry a status code (a stream's carry only a message)
+    served = start_triton(engine.directory, tmp_path_factory.mktemp("triton-hostile"), "--max-kv-cache-tokens", "4096",
+                          "--no-decoupled")
+    yield served, engine
+    code, _ = served.stop()
+    assert code == 0, served.output()[-3000:]
+
+
+def generate(served, body: dict | bytes, timeout: float = 120) -> tuple[int, dict]:
+    data = body if isinstance(body, bytes) else json.dumps(body).encode()
+    r = httpx.post(f"{served.http}/v2/models/kiln/generate", content=data, timeout=timeout)
+    return r.status_code, r.json()
+
+
+def grpc_error(served, arrays: dict, parameters: dict | None = None) -> tuple[str, str]:
+    """(status, message) of the error a gRPC infer request gets."""
+    import tritonclient.grpc as grpcclient
+    from test_serving_triton import grpc_inputs
+    from tritonclient.utils import InferenceServerException
+
+    with grpcclient.InferenceServerClient(served.grpc) as client:
+        try:
+            client.infer("kiln", grpc_inputs(**arrays), parameters=parameters, client_timeout=60)
+        except InferenceServerException as exc:
+            return exc.status(), exc.message()
+    raise AssertionError("the request was served")
+
+
+@pytest.mark.xdist_group("triton")
+def test_triton_refuses_by_size_and_by_name_with_400(triton):
+    import numpy as np
+    from test_serving_triton import request, tensor
+
+    served, engine = triton
+    bounds = engine.config.bounds
+    max_text = PromptBounds.of(ref_tokenizer(engine), bounds.max_input_len).max_text_bytes
+    for body, says in [
+        ({"text_input": "hi", "max_tokens": 4, "foo": 1}, "unknown field(s) 'foo': not an input of this model"),
+        ({"text_input": "hi", "max_tokens": 4, "parameters": {"bar": True}}, "'bar'"),
+        ({"text_input": "x" * (max_text + 1), "max_tokens": 4}, f"at most {max_text} bytes"),
+        ({"text_input": "x" * (MAX_REQUEST_BYTES + 1), "max_tokens": 4}, "more than 16 MiB"),
+        ({"input_ids": [5] * (bounds.max_input_len + 1), "max_tokens": 4}, "more than the engine's max_input_len"),
+    ]:
+        status, answer = generate(served, body)
+        assert status == 400 and says in answer["error"], (status, str(answer)[:300])
+    status, answer = generate(served, {"text_input": "hi", "max_tokens": 4, "id": "my-request"})
+    assert status == 200 and answer["num_output_tokens"] >= 1   # a request id is not an unknown field
+    # gRPC: client errors are INVALID_ARGUMENT, and numbers at the ends of INT32 are checked as they are
+    int32 = np.iinfo(np.int32)
+    for arrays, parameters, says in [
+        (request("hi", 4), {"foo": 1}, "unknown field(s) 'foo'"),
+        (request("hi", int(int32.max)), None, f"exceeds the engine's max_seq_len {bounds.max_seq_len}"),
+        (request("hi", int(int32.min)), None, f"max_tokens must be >= 1, got {int32.min}"),
+        (request("hi", 4, min_tokens=tensor(int(int32.min), np.int32)), None, "min_tokens must be in"),
+        (request("hi", 4, end_id=tensor(int(int32.max), np.int32)), None, "end_id must be a token id"),
+        (request(None, 4, input_ids=tensor([5, 6], np.int32), input_lengths=tensor(int(int32.max), np.int32)),
+         None, "input_lengths must be in [1, 2]"),
+    ]:
+        status, message = grpc_error(served, arrays, parameters)
+        assert status == "StatusCode.INVALID_ARGUMENT" and says in message, (status, message)
+
+
+def ref_tokenizer(engine):
+    from kiln.runtime.detokenizer import load_tokenizer
+
+    return load_tokenizer(engine.directory)
+
+
+@pytest.mark.xdist_group("triton")
+def test_triton_big_prompts_do_not_hold_up_others_or_keep_memory(triton):
+    served, _ = triton
+    rss = lambda: sum(rss_mb(pid) for pid in served.processes())   # noqa: E731  (tritonserver + its stub)
+    status, _ = generate(served, {"text_input": "warm", "max_tokens": 2})
+    assert status == 200
+    before = rss()
+    answers: dict[str, tuple[int, dict]] = {}
+    big = [threading.Thread(target=lambda i=i: answers.__setitem__(f"big{i}", generate(
+        served, {"text_input": f"{i} " + "The kiln fires the clay. " * 600_000, "max_tokens": 4}))) for i in range(3)]
+    for t in big:
+        t.start()
+    answers["normal"] = generate(served, {"text_input": "The kiln", "max_tokens": 4})
+    for t in big:
+        t.join()
+    assert answers["normal"][0] == 200, answers["normal"]
+    assert all(answers[f"big{i}"][0] == 400 for i in range(3)), {k: v[0] for k, v in answers.items()}
+    time.sleep(1)
+    assert rss() - before < 150, (before, rss())
+
+
+@pytest.mark.xdist_group("triton")
+def test_triton_own_json_parser_answers_500_and_casts_without_range_checks(triton):
+    """What kiln cannot change (docs/serving-security.md): tritonserver parses /generate's JSON before the model
+    sees a request. Its parse errors are 500s, and it casts JSON integers to the input's declared type without a
+    range check, so 2**32 + 5 reaches kiln as 5. Typed clients (gRPC, binary tensors) cannot send such values."""
+    served, _ = triton
+    for body in [b'{"text_input": "hi", "max_tokens": 4', b"[1, 2]", {"text_input": "hi", "max_tokens": "5"},
+                 {"text_input": "hi", "max_tokens": 1.5}, {"text_input": 5, "max_tokens": 4},
+                 {"text_input": "hi", "max_tokens": 4, "seed": -1}, {"text_input": "hi", "max_tokens": 4,
+                                                                    "seed": 2**64 + 7}]:
+        status, answer = generate(served, body)
+        assert status == 500 and "error" in answer, (body, status, answer)
+    status, answer = generate(served, {"text_input": "hi", "max_tokens": 2**32 + 5, "ignore_eos": True})
+    assert status == 200 and answer["num_output_tokens"] == 5
+    status, answer = generate(served, {"text_input": "hi", "max_tokens": 2**31})
+    assert status == 400 and "max_tokens must be >= 1, got -2147483648" in answer["error"]
