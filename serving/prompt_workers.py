@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import ctypes
 import ctypes.util
+import functools
 import threading
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -22,7 +23,7 @@ from typing import TypeVar
 
 T = TypeVar("T")
 
-INLINE_BYTES = 4 << 10
+INLINE_BYTES = 1 << 10
 TRIM_BYTES = 1 << 20
 TRIM_DELAY_S = 1.0
 
@@ -41,21 +42,25 @@ def _malloc_trim() -> Callable[[], None]:
 
 
 class Busy(Exception):
-    """Every worker is busy and ``max_queued`` jobs already wait: refuse the request (429 / UNAVAILABLE)."""
+    """The jobs already submitted hold ``max_pending_bytes`` of input: refuse the request (429 / UNAVAILABLE)."""
 
 
 class PromptWorkers:
-    """``workers`` threads for large prompt jobs; at most ``max_queued`` more wait for one."""
+    """``workers`` threads for large prompt jobs. Jobs wait for a thread in order, as long as all the jobs
+    submitted and not finished hold at most ``max_pending_bytes`` of input (what bounds their memory; one job is
+    always taken)."""
 
-    def __init__(self, workers: int = 1, max_queued: int = 4, inline_bytes: int = INLINE_BYTES,
+    def __init__(self, workers: int = 1, max_pending_bytes: int = 64 << 20, inline_bytes: int = INLINE_BYTES,
                  trim_bytes: int = TRIM_BYTES, name: str = "kiln-prompt"):
-        if workers < 1 or max_queued < 0:
-            raise ValueError(f"workers must be >= 1 and max_queued >= 0, got {workers} and {max_queued}")
-        self.workers, self.max_queued = workers, max_queued
+        if workers < 1 or max_pending_bytes < 0:
+            raise ValueError(f"workers must be >= 1 and max_pending_bytes >= 0, got {workers} and "
+                             f"{max_pending_bytes}")
+        self.workers, self.max_pending_bytes = workers, max_pending_bytes
         self.inline_bytes, self.trim_bytes = inline_bytes, trim_bytes
         self._pool = ThreadPoolExecutor(workers, thread_name_prefix=name)
         self._lock = threading.Lock()
-        self._jobs = 0   # submitted and not finished
+        self._jobs = 0       # submitted and not finished
+        self._pending = 0    # their bytes of input
         self._trim = _malloc_trim()
         self._trim_timer: threading.Timer | None = None
 
@@ -64,17 +69,20 @@ class PromptWorkers:
         return self._jobs
 
     def submit(self, fn: Callable[..., T], *args, size: int) -> Future:
-        """Run ``fn(*args)`` in a worker (``size``: the bytes of input it works on); Busy if too many wait."""
+        """Run ``fn(*args)`` in a worker (``size``: the bytes of input it works on); Busy if that is too much."""
         with self._lock:
-            if self._jobs >= self.workers + self.max_queued:
-                raise Busy(f"{self._jobs} large prompts are already being prepared; retry later")
+            if self._jobs and self._pending + size > self.max_pending_bytes:
+                raise Busy(f"{self._jobs} large prompts ({self._pending >> 20} MiB) are already being prepared; "
+                           "retry later")
             self._jobs += 1
+            self._pending += size
+        done = functools.partial(self._finished, size)
         try:
             future = self._pool.submit(self._call, fn, args, size)
         except BaseException:
-            self._finished()
+            done()
             raise
-        future.add_done_callback(self._finished)   # also when cancelled before it ran
+        future.add_done_callback(done)   # also when cancelled before it ran
         return future
 
     async def run(self, fn: Callable[..., T], *args, size: int) -> T:
@@ -100,9 +108,10 @@ class PromptWorkers:
             self._trim_timer.daemon = True
             self._trim_timer.start()
 
-    def _finished(self, _future: Future | None = None) -> None:
+    def _finished(self, size: int, _future: Future | None = None) -> None:
         with self._lock:
             self._jobs -= 1
+            self._pending -= size
 
     def shutdown(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)

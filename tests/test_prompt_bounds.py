@@ -131,7 +131,7 @@ def test_prompt_bounds_messages():
 
 
 def test_prompt_workers_inline_pooled_and_busy():
-    workers = PromptWorkers(1, max_queued=1, inline_bytes=10)
+    workers = PromptWorkers(1, max_pending_bytes=25, inline_bytes=10)
     release = threading.Event()
     here = threading.get_ident()
 
@@ -139,8 +139,8 @@ def test_prompt_workers_inline_pooled_and_busy():
         assert await workers.run(threading.get_ident, size=9) == here      # small: in the caller's thread
         assert await workers.run(threading.get_ident, size=10) != here     # large: in a worker
         blocker = workers.submit(release.wait, size=10)
-        queued = workers.submit(lambda: 7, size=10)
-        with pytest.raises(Busy):
+        queued = workers.submit(lambda: 7, size=15)
+        with pytest.raises(Busy):   # 10 + 15 bytes of input already pending: no more
             workers.submit(lambda: 8, size=10)
         assert workers.jobs == 2
         release.set()
@@ -151,10 +151,12 @@ def test_prompt_workers_inline_pooled_and_busy():
     try:
         asyncio.run(main())
         assert workers.jobs == 0
+        assert workers.submit(lambda: 1, size=1000).result(10) == 1   # one job is always taken
         gate = threading.Event()
         workers.submit(gate.wait, size=10)
         cancelled = workers.submit(lambda: 9, size=10)
         assert cancelled.cancel() and workers.jobs == 1   # a job cancelled before it ran frees its place
+        workers.submit(lambda: 10, size=15).cancel()
         gate.set()
     finally:
         workers.shutdown()

@@ -14,8 +14,10 @@ import json
 import logging
 import secrets
 import time
+from collections.abc import Callable
 from importlib import metadata
 
+import pydantic_core
 from fastapi import FastAPI
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, generate_latest
 from pydantic import BaseModel, ValidationError
@@ -26,8 +28,8 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from kiln.serving.chat_template import ChatTemplate
 from kiln.serving.metrics import RuntimeCollector
-from kiln.serving.openai.chat import create_chat_completion
-from kiln.serving.openai.completions import create_completion
+from kiln.serving.openai.chat import check_raw_chat, create_chat_completion
+from kiln.serving.openai.completions import check_raw_completion, create_completion
 from kiln.serving.openai.generation import ClientGone, Overloaded, RuntimeRefused, ServingState, ShuttingDown
 from kiln.serving.openai.protocol import ChatCompletionRequest, CompletionRequest, FieldError, ModelCard, ModelList
 from kiln.serving.openai.responses import error_response
@@ -81,10 +83,21 @@ class TooLarge(Exception):
 
 
 TOO_LARGE = f"the request body is larger than {MAX_REQUEST_BYTES >> 20} MiB; send a smaller one"
+PRECHECK_BYTES = 64 << 10
 
 
-def parse_body(model: type[BaseModel], data: bytes):
-    """The validated body (FieldError naming the problem); the long part of reading a large request."""
+def parse_body(model: type[BaseModel], data: bytes, precheck: Callable[[dict], None] | None = None):
+    """The validated body (FieldError naming the problem); the long part of reading a large request. A large body
+    is first parsed without validation (quick, and it lets other threads run) for ``precheck`` to refuse what no
+    engine bound allows (a prompt of millions of ids) before each of its elements is validated."""
+    if precheck is not None and len(data) >= PRECHECK_BYTES:
+        try:
+            raw = pydantic_core.from_json(data)
+        except ValueError:
+            raw = None   # malformed: the validation below says where
+        if isinstance(raw, dict):
+            precheck(raw)
+        del raw
     try:
         body = model.model_validate_json(data)
     except ValidationError as exc:
@@ -93,7 +106,8 @@ def parse_body(model: type[BaseModel], data: bytes):
     return body
 
 
-async def read_body(request: Request, model: type[BaseModel], workers: PromptWorkers):
+async def read_body(request: Request, model: type[BaseModel], workers: PromptWorkers,
+                    precheck: Callable[[dict], None] | None = None):
     declared = request.headers.get("content-length", "")
     if declared.isdigit() and int(declared) > MAX_REQUEST_BYTES:
         raise TooLarge(TOO_LARGE)
@@ -108,7 +122,7 @@ async def read_body(request: Request, model: type[BaseModel], workers: PromptWor
         raise ClientGone() from None
     data = b"".join(chunks)
     del chunks
-    return await workers.run(parse_body, model, data, size=len(data))
+    return await workers.run(parse_body, model, data, precheck, size=len(data))
 
 
 def bearer_token(scope: Scope) -> bytes | None:
@@ -177,7 +191,7 @@ def create_app(llm, *, model_name: str, api_key: str | None = None, max_waiting:
     the one the chat template's format needs)."""
     if metrics_require_key and api_key is None:
         raise ValueError("metrics_require_key needs an api_key")
-    state = ServingState(llm, max_waiting, PromptWorkers(prompt_workers, max_queued=4 * prompt_workers))
+    state = ServingState(llm, max_waiting, PromptWorkers(prompt_workers))
     if tool_call_parser is None:
         tool_call_parser = detect_parser(chat_template.source if chat_template is not None else None)
     created = int(time.time())
@@ -255,13 +269,13 @@ def create_app(llm, *, model_name: str, api_key: str | None = None, max_waiting:
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
-        body = await read_body(request, CompletionRequest, state.workers)
+        body = await read_body(request, CompletionRequest, state.workers, lambda raw: check_raw_completion(raw, state))
         check_model(body.model)
         return await create_completion(body, request, state, model_name, fingerprint)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
-        body = await read_body(request, ChatCompletionRequest, state.workers)
+        body = await read_body(request, ChatCompletionRequest, state.workers, lambda raw: check_raw_chat(raw, state))
         check_model(body.model)
         return await create_chat_completion(body, request, state, model_name, fingerprint, chat_template,
                                             tool_call_parser)

@@ -88,6 +88,20 @@ def template_messages(body: ChatCompletionRequest) -> list[dict]:
     return messages
 
 
+def check_raw_chat(raw: dict, state: ServingState) -> None:
+    """Before a large body is validated (its parsed JSON): more messages than the engine can take are refused by
+    their number, before each is validated (see check_sizes)."""
+    messages = raw.get("messages")
+    if isinstance(messages, list):
+        check_message_count(len(messages), state)
+
+
+def check_message_count(count: int, state: ServingState) -> None:
+    if count > state.limits.max_input_len:
+        raise FieldError("messages", f"{count} messages cannot fit this engine's max_input_len "
+                                     f"({state.limits.max_input_len} tokens); send fewer")
+
+
 def check_sizes(body: ChatCompletionRequest, state: ServingState, template: ChatTemplate | None) -> int:
     """The cheap checks, before the template runs: choices, and the number of messages (each renders at least one
     token in any chat template, so more than max_input_len cannot fit). Returns the size of the prompt work."""
@@ -97,9 +111,7 @@ def check_sizes(body: ChatCompletionRequest, state: ServingState, template: Chat
         raise FieldError(None, "this engine directory has no tokenizer.json, so it cannot serve chat")
     limits = state.limits
     limits.check_choices(body.n, 1, state.max_waiting)
-    if len(body.messages) > limits.max_input_len:
-        raise FieldError("messages", f"{len(body.messages)} messages cannot fit this engine's max_input_len "
-                                     f"({limits.max_input_len} tokens); send fewer")
+    check_message_count(len(body.messages), state)
     calls = sum(len(c.function.arguments) for m in body.messages for c in m.tool_calls or [])
     return sum(len(m.content or "") + 32 for m in body.messages) + calls + TOOL_BYTES * len(body.tools or [])
 

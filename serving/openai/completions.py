@@ -20,6 +20,7 @@ from kiln.serving.openai.handlers import (
 )
 from kiln.serving.openai.protocol import (
     MAX_CHOICES,
+    MAX_PROMPTS,
     Completion,
     CompletionChoice,
     CompletionLogprobs,
@@ -42,6 +43,24 @@ def completion_logprobs(token_text: TokenText, token_ids: list[int], logprobs: l
         top_logprobs=[{token_text(t): v for t, v in sorted(lp.items(), key=lambda kv: -kv[1])[:top]}
                       for lp in logprobs],
         text_offset=offsets)
+
+
+def check_raw_completion(raw: dict, state: ServingState) -> None:
+    """Before a large body is validated (its parsed JSON): a prompt list longer than any prompt or batch this
+    engine takes is refused by its length, before its elements are validated one by one."""
+    prompt = raw.get("prompt")
+    if not isinstance(prompt, list) or not prompt:
+        return
+    bounds = state.limits.bounds
+    if isinstance(prompt[0], int):   # one prompt of token ids
+        if (problem := bounds.ids_problem(len(prompt))) is not None:
+            raise FieldError("prompt", problem)
+        return
+    if len(prompt) > MAX_PROMPTS:
+        raise FieldError("prompt", f"at most {MAX_PROMPTS} prompts per request, got {len(prompt)}")
+    for i, p in enumerate(prompt):
+        if isinstance(p, list) and (problem := bounds.ids_problem(len(p))) is not None:
+            raise FieldError(f"prompt[{i}]", problem)
 
 
 def check_sizes(body: CompletionRequest, state: ServingState) -> int:

@@ -89,7 +89,7 @@ class TritonPythonModel:
         self.llm = LLM(engine_dir, config=runtime)
         self.limits = EngineLimits(self.llm.engine.config.model.vocab_size, bounds.max_input_len, bounds.max_seq_len,
                                    PromptBounds.of(self.llm.tokenizer, bounds.max_input_len).max_text_bytes)
-        self.workers = PromptWorkers(1, max_queued=4, name="kiln-triton-prompt")
+        self.workers = PromptWorkers(1, name="kiln-triton-prompt")
         self.block_size = bounds.tokens_per_block
         self.metrics = TritonMetrics(pb, args["model_name"], args["model_version"], args.get("model_instance_name", ""))
         self._lock = threading.Lock()
