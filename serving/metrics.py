@@ -7,7 +7,7 @@ Prometheus conventions (``_seconds``, ``_total``, ``_ratio``).
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
@@ -33,7 +33,8 @@ COUNTERS = {
     "prefill_tokens_computed": ("prefill_tokens_computed",
                                 "Prompt tokens run through the engine (not taken from the prefix cache)."),
     "requests_submitted": ("requests_submitted", "Requests accepted by the runtime."),
-    "requests_rejected": ("requests_rejected", "Requests the runtime refused at submission."),
+    "requests_rejected": ("requests_rejected", "Requests refused: by the runtime at submission, and by the "
+                          "server before they reached it (400 invalid, 413 too large, 429 overloaded)."),
     "preemptions": ("preemptions", "Requests preempted to free KV blocks (recomputed later)."),
     "steps": ("steps", "Steps of the step loop."),
     "structured_requests": ("structured_output_requests", "Requests submitted with a structured-output constraint."),
@@ -53,11 +54,13 @@ GAUGES = {
 
 
 class RuntimeCollector(Collector):
-    """Metric families of one ``LLM`` (anything with ``stats()`` and ``executor.failure``)."""
+    """Metric families of one ``LLM`` (anything with ``stats()`` and ``executor.failure``); ``server_rejected``
+    counts the requests the server in front of it refused, which ``requests_rejected`` includes."""
 
-    def __init__(self, llm, prefix: str = "kiln"):
+    def __init__(self, llm, prefix: str = "kiln", server_rejected: Callable[[], int] = lambda: 0):
         self.llm = llm
         self.prefix = prefix
+        self.server_rejected = server_rejected
 
     def collect(self) -> Iterator[Metric]:
         p = self.prefix
@@ -67,7 +70,8 @@ class RuntimeCollector(Collector):
             yield HistogramMetricFamily(f"{p}_{name}", doc, sum_value=h["sum"],
                                         buckets=[(floatToGoString(le), n) for le, n in h["buckets"]])
         for key, (name, doc) in COUNTERS.items():
-            yield CounterMetricFamily(f"{p}_{name}", doc, value=s["counters"][key])
+            extra = self.server_rejected() if key == "requests_rejected" else 0
+            yield CounterMetricFamily(f"{p}_{name}", doc, value=s["counters"][key] + extra)
         outcomes = CounterMetricFamily(f"{p}_requests_finished", "Requests that ended, by finish reason "
                                        "(stop, length, abort, error = failed by the step loop).",
                                        labels=["finish_reason"])

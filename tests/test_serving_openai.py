@@ -329,11 +329,12 @@ def wait_for(predicate, timeout: float = 10.0, what: str = "condition"):
 
 
 def test_client_disconnect_mid_stream_frees_blocks(server):
-    """64 choices of 95 tokens (4 batches' worth), left after 2 events: aborted, not finished; blocks freed."""
+    """64 choices of 95 tokens (4 prompts x n=16: 4 batches' worth), left after 2 events: aborted, not finished;
+    blocks freed."""
     aborted = 'kiln_requests_finished_total{finish_reason="abort"}'
     idle = server.metrics()
     assert idle["kiln_kv_cache_blocks_used"] == 0
-    body = {"model": MODEL, "prompt": random_prompts(1, VOCAB, 30, 30, seed=7)[0], "max_tokens": 95, "n": 64,
+    body = {"model": MODEL, "prompt": random_prompts(4, VOCAB, 30, 30, seed=7), "max_tokens": 95, "n": 16,
             "ignore_eos": True, "temperature": 1.0, "stream": True}
     with httpx.Client(timeout=30) as http:
         with http.stream("POST", f"{server.url}/v1/completions", json=body, headers=AUTH) as r:
@@ -349,10 +350,12 @@ def test_client_disconnect_mid_stream_frees_blocks(server):
 
 
 def test_client_disconnect_before_the_answer_aborts(server):
-    """A non-streaming client that gives up: its 128 choices (8 batches' worth) are aborted, not run to the end."""
+    """A non-streaming client that gives up: its 128 choices (8 prompts x n=16: 8 batches' worth) are aborted, not
+    run to the end."""
     aborted = 'kiln_requests_finished_total{finish_reason="abort"}'
     before = server.metrics()
-    body = {"model": MODEL, "prompt": [5, 6, 7, 8], "n": 128, "max_tokens": 120, "ignore_eos": True, "temperature": 1.0}
+    body = {"model": MODEL, "prompt": [[5, 6, 7, 8 + i] for i in range(8)], "n": 16, "max_tokens": 120,
+            "ignore_eos": True, "temperature": 1.0}
     with pytest.raises(httpx.ReadTimeout):
         httpx.post(f"{server.url}/v1/completions", json=body, headers=AUTH, timeout=httpx.Timeout(10, read=0.3))
     after = wait_for(lambda: (m := server.metrics())[aborted] > before[aborted] and m, what="an abort")
@@ -447,9 +450,10 @@ def test_invalid_requests_get_openai_errors_naming_the_field(server, client):
             assert error["message"], body
     assert len(INVALID) >= 15
     after = server.metrics()
-    # nothing malformed reached the runtime, and the server carries on
+    # nothing malformed reached the runtime, every refusal is counted, and the server carries on
     assert after["kiln_requests_submitted_total"] == before["kiln_requests_submitted_total"]
-    assert after["kiln_requests_rejected_total"] == before["kiln_requests_rejected_total"]
+    refused = sum(status in (400, 413) for _, _, status, _ in INVALID)
+    assert after["kiln_requests_rejected_total"] == before["kiln_requests_rejected_total"] + refused
     assert after['kiln_http_requests_total{endpoint="/v1/completions",status="400"}'] >= 40
     assert httpx.get(f"{server.url}/health").status_code == 200
     assert client.completions.create(model=MODEL, prompt="x", max_tokens=2).usage.completion_tokens >= 1
@@ -624,7 +628,9 @@ def test_sigterm_past_the_shutdown_timeout_aborts_the_rest(engine, tmp_path):
     finally:
         srv.stop()
     (status, text, finish, errors), = results
-    assert status == 200 and errors and errors[0]["code"] == "503" and "shutting down" in errors[0]["message"]
+    # the error event carries the body a 503 before the headers would: code null, type server_error
+    assert status == 200 and errors and "shutting down" in errors[0]["message"]
+    assert errors[0]["code"] is None and errors[0]["type"] == "server_error" and errors[0]["param"] is None
 
 
 # ---- step-loop failure (in-process server: the fault is injected into the real engine) --------------------

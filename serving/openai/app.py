@@ -2,6 +2,9 @@
 
 Bodies are read and validated here (``Model.model_validate_json``), not by FastAPI's parameter binding, so
 that every malformed request (bad JSON included) gets OpenAI's error object with ``param`` naming the field.
+A body over ``MAX_REQUEST_BYTES`` gets 413 (by its Content-Length, before it is read, when it declares one); a
+large one is parsed in the prompt workers, off the event loop. There is no /docs page (FastAPI's loads Swagger
+UI from a CDN): the API is OpenAI's.
 """
 
 from __future__ import annotations
@@ -11,28 +14,30 @@ import json
 import logging
 import secrets
 import time
+from collections.abc import Callable
 from importlib import metadata
 
+import pydantic_core
 from fastapi import FastAPI
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, generate_latest
 from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from kiln.serving.chat_template import ChatTemplate
 from kiln.serving.metrics import RuntimeCollector
-from kiln.serving.openai.chat import create_chat_completion
-from kiln.serving.openai.completions import create_completion
-from kiln.serving.openai.generation import ClientGone, Overloaded, ServingState, ShuttingDown
+from kiln.serving.openai.chat import check_raw_chat, create_chat_completion
+from kiln.serving.openai.completions import check_raw_completion, create_completion
+from kiln.serving.openai.generation import ClientGone, Overloaded, RuntimeRefused, ServingState, ShuttingDown
 from kiln.serving.openai.protocol import ChatCompletionRequest, CompletionRequest, FieldError, ModelCard, ModelList
 from kiln.serving.openai.responses import error_response
 from kiln.serving.openai.tool_parsers import detect_parser
+from kiln.serving.prompt_bounds import MAX_REQUEST_BYTES
+from kiln.serving.prompt_workers import Busy, PromptWorkers
 
 logger = logging.getLogger("kiln.serving")
-
-MAX_BODY_BYTES = 16 << 20
 ROUTES = ("/v1/models", "/v1/completions", "/v1/chat/completions", "/health", "/metrics", "/version")
 
 
@@ -73,19 +78,61 @@ def describe_validation_error(exc: ValidationError) -> tuple[str | None, str]:
     return param, f"{param}: {msg}, got {_short(e.get('input'))}{more}"
 
 
-async def read_body(request: Request, model: type[BaseModel]):
-    chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > MAX_BODY_BYTES:
-            raise FieldError(None, f"the request body is larger than {MAX_BODY_BYTES >> 20} MiB")
-        chunks.append(chunk)
+class TooLarge(Exception):
+    """The request body is over MAX_REQUEST_BYTES (413)."""
+
+
+TOO_LARGE = f"the request body is larger than {MAX_REQUEST_BYTES >> 20} MiB; send a smaller one"
+PRECHECK_BYTES = 64 << 10
+
+
+def parse_body(model: type[BaseModel], data: bytes, precheck: Callable[[dict], None] | None = None):
+    """The validated body (FieldError naming the problem); the long part of reading a large request. A large body
+    is first parsed without validation (quick, and it lets other threads run) for ``precheck`` to refuse what no
+    engine bound allows (a prompt of millions of ids) before each of its elements is validated."""
+    if precheck is not None and len(data) >= PRECHECK_BYTES:
+        try:
+            raw = pydantic_core.from_json(data)
+        except ValueError:
+            raw = None   # malformed: the validation below says where
+        if isinstance(raw, dict):
+            precheck(raw)
+        del raw
     try:
-        body = model.model_validate_json(b"".join(chunks))
+        body = model.model_validate_json(data)
     except ValidationError as exc:
         raise FieldError(*describe_validation_error(exc)) from None
     body.check_combinations()
     return body
+
+
+async def read_body(request: Request, model: type[BaseModel], workers: PromptWorkers,
+                    precheck: Callable[[dict], None] | None = None):
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > MAX_REQUEST_BYTES:
+        raise TooLarge(TOO_LARGE)
+    chunks, size = [], 0
+    try:
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > MAX_REQUEST_BYTES:
+                raise TooLarge(TOO_LARGE)
+            chunks.append(chunk)
+    except ClientDisconnect:   # the client left, or the server closed it (its body read timeout)
+        raise ClientGone() from None
+    data = b"".join(chunks)
+    del chunks
+    return await workers.run(parse_body, model, data, precheck, size=len(data))
+
+
+def bearer_token(scope: Scope) -> bytes | None:
+    """The credentials of an ``Authorization: Bearer ...`` header (the scheme matched case-insensitively, as RFC
+    7235 says), or None."""
+    for name, value in scope["headers"]:
+        if name == b"authorization":
+            scheme, _, token = value.strip().partition(b" ")
+            return token.strip() if scheme.lower() == b"bearer" else None
+    return None
 
 
 class ModelNotFound(Exception):
@@ -94,16 +141,21 @@ class ModelNotFound(Exception):
 
 class Gate:
     """Pure ASGI middleware (it must not buffer streams or hide disconnects): counts HTTP requests by endpoint
-    and status, checks the API key on /v1, and refuses /v1 requests with 503 while the server drains."""
+    and status, checks the API key on /v1 (and on /metrics with ``metrics_require_key``), and refuses /v1
+    requests with 503 while the server drains."""
 
-    def __init__(self, app: ASGIApp, state: ServingState, api_key: str | None, requests: Counter):
+    def __init__(self, app: ASGIApp, state: ServingState, api_key: str | None, requests: Counter,
+                 metrics_require_key: bool = False):
         self.app, self.state, self.api_key, self.requests = app, state, api_key, requests
+        self.metrics_require_key = metrics_require_key
 
     def _authorized(self, scope: Scope) -> bool:
-        for name, value in scope["headers"]:
-            if name == b"authorization":
-                return secrets.compare_digest(value, f"Bearer {self.api_key}".encode())
-        return False
+        token = bearer_token(scope)
+        return token is not None and secrets.compare_digest(token, self.api_key.encode())
+
+    def _needs_key(self, path: str) -> bool:
+        return self.api_key is not None and (path.startswith("/v1/") or (self.metrics_require_key
+                                                                          and path == "/metrics"))
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -118,7 +170,7 @@ class Gate:
             await send(message)
 
         try:
-            if path.startswith("/v1/") and self.api_key is not None and not self._authorized(scope):
+            if self._needs_key(path) and not self._authorized(scope):
                 await error_response(401, "missing or wrong API key: send 'Authorization: Bearer <key>'",
                                      code="invalid_api_key")(scope, receive, send_and_count)
             elif path.startswith("/v1/") and not self.state.accepting:
@@ -132,10 +184,14 @@ class Gate:
 
 
 def create_app(llm, *, model_name: str, api_key: str | None = None, max_waiting: int = 256,
-               chat_template: ChatTemplate | None = None, tool_call_parser: str | None = None) -> FastAPI:
-    """The OpenAI-compatible app over one ``LLM`` (which the caller starts and shuts down). ``tool_call_parser``:
-    how ``tool_choice="auto"`` finds tool calls in answers (default: the one the chat template's format needs)."""
-    state = ServingState(llm, max_waiting)
+               chat_template: ChatTemplate | None = None, tool_call_parser: str | None = None,
+               metrics_require_key: bool = False, prompt_workers: int = 1) -> FastAPI:
+    """The OpenAI-compatible app over one ``LLM`` (which the caller starts and shuts down; ``app.state.serving``
+    is shut down with it). ``tool_call_parser``: how ``tool_choice="auto"`` finds tool calls in answers (default:
+    the one the chat template's format needs)."""
+    if metrics_require_key and api_key is None:
+        raise ValueError("metrics_require_key needs an api_key")
+    state = ServingState(llm, max_waiting, PromptWorkers(prompt_workers))
     if tool_call_parser is None:
         tool_call_parser = detect_parser(chat_template.source if chat_template is not None else None)
     created = int(time.time())
@@ -145,22 +201,33 @@ def create_app(llm, *, model_name: str, api_key: str | None = None, max_waiting:
         (version + json.dumps(engine_config.to_dict(), sort_keys=True, default=str)).encode()).hexdigest()[:12]
 
     registry = CollectorRegistry()
-    registry.register(RuntimeCollector(llm))
+    registry.register(RuntimeCollector(llm, server_rejected=lambda: state.rejected))
     http_requests = Counter("kiln_http_requests", "HTTP requests by endpoint and status.", ["endpoint", "status"],
                             registry=registry)
     Gauge("kiln_server_requests_waiting", "Requests admitted by the HTTP server that have no output yet "
           "(what --max-waiting bounds).", registry=registry).set_function(state.num_waiting)
 
-    app = FastAPI(title="kiln (OpenAI-compatible)", version=version, docs_url="/docs", redoc_url=None)
+    app = FastAPI(title="kiln (OpenAI-compatible)", version=version, docs_url=None, redoc_url=None,
+                  openapi_url=None)
     app.state.serving = state
-    app.add_middleware(Gate, state=state, api_key=api_key, requests=http_requests)
+    app.add_middleware(Gate, state=state, api_key=api_key, requests=http_requests,
+                       metrics_require_key=metrics_require_key)
 
     @app.exception_handler(FieldError)
     async def _field_error(request: Request, exc: FieldError):
+        if not isinstance(exc, RuntimeRefused):   # the runtime counts what it refuses
+            state.rejected += 1
         return error_response(400, str(exc), param=exc.param)
 
+    @app.exception_handler(TooLarge)
+    async def _too_large(request: Request, exc: TooLarge):
+        state.rejected += 1
+        return error_response(413, str(exc), headers={"Connection": "close"})
+
     @app.exception_handler(Overloaded)
-    async def _overloaded(request: Request, exc: Overloaded):
+    @app.exception_handler(Busy)
+    async def _overloaded(request: Request, exc: Exception):
+        state.rejected += 1
         return error_response(429, str(exc), code="rate_limit_exceeded", headers={"Retry-After": "1"})
 
     @app.exception_handler(ShuttingDown)
@@ -202,13 +269,13 @@ def create_app(llm, *, model_name: str, api_key: str | None = None, max_waiting:
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
-        body = await read_body(request, CompletionRequest)
+        body = await read_body(request, CompletionRequest, state.workers, lambda raw: check_raw_completion(raw, state))
         check_model(body.model)
         return await create_completion(body, request, state, model_name, fingerprint)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
-        body = await read_body(request, ChatCompletionRequest)
+        body = await read_body(request, ChatCompletionRequest, state.workers, lambda raw: check_raw_chat(raw, state))
         check_model(body.model)
         return await create_chat_completion(body, request, state, model_name, fingerprint, chat_template,
                                             tool_call_parser)

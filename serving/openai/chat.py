@@ -57,6 +57,7 @@ from kiln.serving.openai.tool_parsers import (
     parse_whole,
 )
 
+TOOL_BYTES = 1024   # a tool definition's share of the prompt work, about its schema rendered as JSON
 NO_TEMPLATE = ("this model has no chat template: the engine directory's tokenizer_config.json has no "
                "'chat_template'. Restart kiln serve with --chat-template FILE (a jinja2 template written for "
                "transformers' apply_chat_template), or use /v1/completions with a formatted prompt")
@@ -87,18 +88,45 @@ def template_messages(body: ChatCompletionRequest) -> list[dict]:
     return messages
 
 
-def render_prompt(body: ChatCompletionRequest, state: ServingState, template: ChatTemplate | None) -> list[int]:
+def check_raw_chat(raw: dict, state: ServingState) -> None:
+    """Before a large body is validated (its parsed JSON): more messages than the engine can take are refused by
+    their number, before each is validated (see check_sizes)."""
+    messages = raw.get("messages")
+    if isinstance(messages, list):
+        check_message_count(len(messages), state)
+
+
+def check_message_count(count: int, state: ServingState) -> None:
+    if count > state.limits.max_input_len:
+        raise FieldError("messages", f"{count} messages cannot fit this engine's max_input_len "
+                                     f"({state.limits.max_input_len} tokens); send fewer")
+
+
+def check_sizes(body: ChatCompletionRequest, state: ServingState, template: ChatTemplate | None) -> int:
+    """The cheap checks, before the template runs: choices, and the number of messages (each renders at least one
+    token in any chat template, so more than max_input_len cannot fit). Returns the size of the prompt work."""
     if template is None:
         raise FieldError(None, NO_TEMPLATE)
     if state.llm.tokenizer is None:
         raise FieldError(None, "this engine directory has no tokenizer.json, so it cannot serve chat")
+    limits = state.limits
+    limits.check_choices(body.n, 1, state.max_waiting)
+    check_message_count(len(body.messages), state)
+    calls = sum(len(c.function.arguments) for m in body.messages for c in m.tool_calls or [])
+    return sum(len(m.content or "") + 32 for m in body.messages) + calls + TOOL_BYTES * len(body.tools or [])
+
+
+def render_prompt(body: ChatCompletionRequest, state: ServingState, template: ChatTemplate) -> list[int]:
+    """The prompt's token ids: the template's text, its size checked, then tokenized (the long part)."""
     tools = [t.model_dump(exclude_none=True) for t in body.tools] if body.tools else None
     try:
         text = template.render(template_messages(body), body.add_generation_prompt, tools=tools)
     except ChatTemplateError as exc:
         raise FieldError("messages", str(exc)) from None
     # the template writes the special tokens itself (as transformers' apply_chat_template(tokenize=True))
-    return state.llm.tokenizer.encode(text, add_special_tokens=False).ids
+    ids = state.limits.encode(state.llm.tokenizer, text, "messages", add_special_tokens=False)
+    state.limits.check_prompt(ids, "messages")
+    return ids
 
 
 def tool_parser_factory(body: ChatCompletionRequest, family: str | None):
@@ -134,9 +162,9 @@ def finish_reason(reason: str, parser: ToolParser | None) -> str:
 async def create_chat_completion(body: ChatCompletionRequest, request: Request, state: ServingState, model: str,
                                  fingerprint: str, template: ChatTemplate | None,
                                  tool_call_parser: str | None = None) -> Response:
-    ids = render_prompt(body, state, template)
+    size = check_sizes(body, state, template)
+    ids = await state.workers.run(render_prompt, body, state, template, size=size)
     max_tokens = body.effective_max_tokens
-    state.limits.check_prompt(ids, "messages")
     state.limits.check_max_tokens(len(ids), max_tokens, body.max_tokens_field)
     top = (body.top_logprobs or 0) if body.logprobs else None
     new_parser = tool_parser_factory(body, tool_call_parser)

@@ -38,6 +38,21 @@ LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
 @click.option("--shutdown-timeout", type=click.FloatRange(min=0), default=30.0, show_default=True,
               help="On SIGTERM/SIGINT, seconds to let in-flight requests finish before aborting them.")
 @click.option("--log-level", type=click.Choice(LOG_LEVELS), default="info", show_default=True)
+@click.option("--timeout-keep-alive", type=click.FloatRange(min=0, min_open=True), default=5.0, show_default=True,
+              help="Seconds an idle kept-alive connection stays open.")
+@click.option("--timeout-request-headers", type=click.FloatRange(min=0, min_open=True), default=10.0,
+              show_default=True, help="Seconds a request's headers may take to arrive (from its first byte, or "
+                                      "from the connection); then 408 and the connection is closed.")
+@click.option("--timeout-request-body", type=click.FloatRange(min=0, min_open=True), default=30.0,
+              show_default=True, help="Seconds a request's body may take to arrive after its headers; then 408 "
+                                      "and the connection is closed.")
+@click.option("--max-connections", type=click.IntRange(min=1), default=1024, show_default=True,
+              help="Open connections (or requests in flight) beyond which new requests get 503; keep it below "
+                   "the process's open-file limit (ulimit -n).")
+@click.option("--metrics-require-key", is_flag=True,
+              help="Require the --api-key on /metrics too (by default /metrics is open, as vLLM's is).")
+@click.option("--prompt-workers", type=click.IntRange(min=1), default=1, show_default=True,
+              help="Threads that parse, render and tokenize large prompts off the event loop.")
 @dataclass_options(ExecutorConfig)
 @build_options
 def serve(model_dir: Path, **options) -> None:
@@ -52,6 +67,8 @@ def serve(model_dir: Path, **options) -> None:
     """
     from kiln.serving.openai.server import ServeSettings, run
 
+    if options["metrics_require_key"] and options["api_key"] is None:
+        raise click.UsageError("--metrics-require-key needs --api-key (or KILN_API_KEY)")
     build = build_config_from(options)
     runtime = given(ExecutorConfig, options)   # what the user gave; ExecutorConfig applies its defaults
     raise SystemExit(run(model_dir, ServeSettings(**options), runtime, build))

@@ -20,6 +20,7 @@ from kiln.serving.openai.handlers import (
 )
 from kiln.serving.openai.protocol import (
     MAX_CHOICES,
+    MAX_PROMPTS,
     Completion,
     CompletionChoice,
     CompletionLogprobs,
@@ -44,25 +45,72 @@ def completion_logprobs(token_text: TokenText, token_ids: list[int], logprobs: l
         text_offset=offsets)
 
 
-async def create_completion(body: CompletionRequest, request: Request, state: ServingState, model: str,
-                            fingerprint: str) -> Response:
-    llm, limits = state.llm, state.limits
-    if len(body.prompts()) * body.n > MAX_CHOICES:
-        raise FieldError("n", f"{len(body.prompts())} prompts x n={body.n} is more than {MAX_CHOICES} choices; "
+def check_raw_completion(raw: dict, state: ServingState) -> None:
+    """Before a large body is validated (its parsed JSON): a prompt list longer than any prompt or batch this
+    engine takes is refused by its length, before its elements are validated one by one."""
+    prompt = raw.get("prompt")
+    if not isinstance(prompt, list) or not prompt:
+        return
+    bounds = state.limits.bounds
+    if isinstance(prompt[0], int):   # one prompt of token ids
+        if (problem := bounds.ids_problem(len(prompt))) is not None:
+            raise FieldError("prompt", problem)
+        return
+    if len(prompt) > MAX_PROMPTS:
+        raise FieldError("prompt", f"at most {MAX_PROMPTS} prompts per request, got {len(prompt)}")
+    for i, p in enumerate(prompt):
+        if isinstance(p, list) and (problem := bounds.ids_problem(len(p))) is not None:
+            raise FieldError(f"prompt[{i}]", problem)
+
+
+def check_sizes(body: CompletionRequest, state: ServingState) -> int:
+    """The cheap checks, before anything is tokenized: choices, and each prompt's size against the engine.
+    Returns the size of the prompt work (characters of text, plus 4 per token id: about their JSON bytes)."""
+    prompts, limits = body.prompts(), state.limits
+    if len(prompts) * body.n > MAX_CHOICES:
+        raise FieldError("n", f"{len(prompts)} prompts x n={body.n} is more than {MAX_CHOICES} choices; "
                               "split the request")
+    limits.check_choices(body.n, len(prompts), state.max_waiting)
+    size = 0
+    for p in prompts:
+        if isinstance(p, str):
+            if state.llm.tokenizer is None:
+                raise FieldError("prompt", "text prompts need a tokenizer; the engine directory has no tokenizer.json")
+            limits.check_text(p, "prompt")
+            size += len(p)
+        else:
+            if (problem := limits.bounds.ids_problem(len(p))) is not None:
+                raise FieldError("prompt", problem)
+            size += 4 * len(p)
+    return size
+
+
+def encode_prompts(body: CompletionRequest, state: ServingState) -> tuple[list[list[int]], list[str]]:
+    """Each prompt's token ids (checked against the engine) and text (for echo); the long part of a request."""
+    llm, limits = state.llm, state.limits
     prompts, texts = [], []
     for p in body.prompts():
-        try:
-            ids, text = llm.encode(p)
-        except InvalidRequestError as exc:   # a text prompt and no tokenizer
-            raise FieldError("prompt", str(exc)) from None
+        if isinstance(p, str):
+            ids, text = limits.encode(llm.tokenizer, p, "prompt"), p
+        else:
+            try:
+                ids, text = llm.encode(p)
+            except InvalidRequestError as exc:
+                raise FieldError("prompt", str(exc)) from None
         limits.check_prompt(ids, "prompt")
         limits.check_max_tokens(len(ids), body.max_tokens, "max_tokens")
         prompts.append(ids)
         texts.append(text if text is not None else llm.decode(ids, skip_special_tokens=False))
+    return prompts, texts
+
+
+async def create_completion(body: CompletionRequest, request: Request, state: ServingState, model: str,
+                            fingerprint: str) -> Response:
+    size = check_sizes(body, state)
+    prompts, texts = await state.workers.run(encode_prompts, body, state, size=size)
     constraint = request_constraint(body, body.min_tokens)
     if constraint is not None:
-        await check_constraint(llm, constraint)
+        await check_constraint(state.llm, constraint)
     request_id = new_id("cmpl")
     stream = submit_choices(state, request_id, prompts,
                             choice_params(body, body.max_tokens, body.logprobs, constraint), body.priority,

@@ -2,8 +2,12 @@
 one HTTP request as one asyncio stream, backpressure, and aborts on disconnect or shutdown.
 
 Backpressure counts *waiting* requests: runtime requests admitted by this server that have not produced
-their first output yet (queued, or in prefill). When ``max_waiting`` of them are waiting, new HTTP
-requests are refused (429) instead of queueing without bound; accepted requests are never dropped.
+their first output yet (queued, or in prefill); each choice of an HTTP request (prompts x ``n``) is one. When
+admitting a request's choices would put more than ``max_waiting`` of them waiting, the HTTP request is refused
+(429) instead of queueing without bound; accepted requests are never dropped.
+
+Prompts are checked by their size before they are tokenized (``kiln.serving.prompt_bounds``), and prompt work on
+large inputs (parsing, chat templates, tokenizing) runs in ``ServingState.workers``, off the event loop.
 
 Seeds: with ``n`` choices and a request seed ``s``, choice ``i`` samples with seed ``(s + i) mod 2**63``, so
 choice 0 reproduces a single request with seed ``s`` and the whole set is reproducible.
@@ -24,6 +28,8 @@ from starlette.requests import Request
 from kiln.runtime import LLM, RequestOutput, SamplingParams
 from kiln.runtime.outputs import RequestMetrics
 from kiln.serving.openai.protocol import SEED_MAX, FieldError
+from kiln.serving.prompt_bounds import PromptBounds, tokenize
+from kiln.serving.prompt_workers import PromptWorkers
 
 T = TypeVar("T")
 
@@ -40,6 +46,10 @@ class ClientGone(Exception):
     """The client disconnected before the answer was ready."""
 
 
+class RuntimeRefused(FieldError):
+    """A FieldError for a request the runtime refused at submission (it counted the rejection itself)."""
+
+
 def choice_seed(seed: int | None, index: int) -> int | None:
     return None if seed is None else (seed + index) % (SEED_MAX + 1)
 
@@ -49,28 +59,54 @@ class EngineLimits:
     vocab_size: int
     max_input_len: int
     max_seq_len: int
+    max_batch_size: int
+    bounds: PromptBounds
 
     @classmethod
     def of(cls, llm: LLM) -> EngineLimits:
         config = llm.engine.config
-        return cls(config.model.vocab_size, config.bounds.max_input_len, config.bounds.max_seq_len)
+        return cls(config.model.vocab_size, config.bounds.max_input_len, config.bounds.max_seq_len,
+                   int(llm.stats()["config"]["max_batch_size"]),
+                   PromptBounds.of(llm.tokenizer, config.bounds.max_input_len))
+
+    def check_text(self, text: str, param: str) -> None:
+        """FieldError for a text prompt too large for the engine by its size alone (cheap: nothing tokenized)."""
+        problem = self.bounds.text_problem(text)
+        if problem is not None:
+            raise FieldError(param, problem)
 
     def check_prompt(self, ids: list[int], param: str) -> None:
-        """FieldError naming ``param`` for a prompt this engine can never take."""
+        """FieldError naming ``param`` for a prompt this engine can never take (its length first: cheap)."""
         if not ids:
             raise FieldError(param, "the prompt is empty (it has no tokens)")
+        problem = self.bounds.ids_problem(len(ids))
+        if problem is not None:
+            raise FieldError(param, problem)
         bad = [t for t in ids if not 0 <= t < self.vocab_size]
         if bad:
             raise FieldError(param, f"token ids {bad[:5]} are outside the vocabulary [0, {self.vocab_size})")
-        if len(ids) > self.max_input_len:
-            raise FieldError(param, f"the prompt has {len(ids)} tokens, more than this engine's max_input_len "
-                                    f"{self.max_input_len}; shorten it")
 
     def check_max_tokens(self, num_prompt: int, max_tokens: int | None, param: str) -> None:
         if max_tokens is not None and num_prompt + max_tokens > self.max_seq_len:
             raise FieldError(param, f"the prompt ({num_prompt} tokens) + {param} ({max_tokens}) exceeds this "
                                     f"engine's max_seq_len {self.max_seq_len}; ask for at most "
                                     f"{max(self.max_seq_len - num_prompt, 0)} tokens")
+
+    def check_choices(self, n: int, num_prompts: int, max_waiting: int) -> None:
+        """FieldError for more choices than could ever run together: ``n`` beyond the batch, or a request whose
+        choices alone exceed ``max_waiting`` (a 429 would only make the client retry it forever)."""
+        if n > self.max_batch_size:
+            raise FieldError("n", f"n={n} is more than this server's max_batch_size {self.max_batch_size} "
+                                  "(the choices of a prompt run in one batch); lower n")
+        if n * num_prompts > max_waiting:
+            raise FieldError("n" if num_prompts == 1 else "prompt",
+                             f"{num_prompts} prompt(s) x n={n} is {n * num_prompts} choices, more than this server "
+                             f"admits at once (--max-waiting {max_waiting}); lower n or split the request")
+
+    def encode(self, tokenizer, text: str, param: str, add_special_tokens: bool = True) -> list[int]:
+        """The token ids of ``text``, its size checked first (run it in a worker when the text is long)."""
+        self.check_text(text, param)
+        return tokenize(tokenizer, text, add_special_tokens)
 
 
 class TokenText:
@@ -114,10 +150,12 @@ class Inbox:
 class ServingState:
     """What the handlers share: the LLM, admission (backpressure, draining) and the open streams."""
 
-    def __init__(self, llm: LLM, max_waiting: int):
+    def __init__(self, llm: LLM, max_waiting: int, workers: PromptWorkers | None = None):
         self.llm = llm
         self.max_waiting = max_waiting
         self.limits = EngineLimits.of(llm)
+        self.workers = workers if workers is not None else PromptWorkers()
+        self.rejected = 0   # requests this server refused before they reached the runtime (400, 413, 429)
         self.token_text = TokenText(llm.tokenizer) if llm.tokenizer is not None else None
         config = llm.stats()["config"]
         self.prefix_reuse, self.block_size = bool(config["enable_prefix_reuse"]), int(config["tokens_per_block"])
@@ -136,15 +174,17 @@ class ServingState:
     def num_waiting(self) -> int:
         return sum(len(s.waiting) for s in self.streams)
 
-    def open_stream(self) -> ChoiceStream:
+    def open_stream(self, choices: int = 1) -> ChoiceStream:
+        """A stream for ``choices`` runtime requests; Overloaded if they would exceed ``max_waiting``."""
         if not self.accepting:
             raise ShuttingDown("the server is shutting down; send the request to another replica")
         failure = self.llm.executor.failure
         if failure is not None:
             raise ShuttingDown(f"the engine is not serving: {failure}")
-        if self.num_waiting() >= self.max_waiting:
-            raise Overloaded(f"{self.max_waiting} requests are already waiting for their first token "
-                             "(--max-waiting); retry later")
+        waiting = self.num_waiting()
+        if waiting + choices > self.max_waiting:
+            raise Overloaded(f"{waiting} requests are already waiting for their first token; this one's {choices} "
+                             f"would exceed --max-waiting {self.max_waiting}; retry later")
         stream = ChoiceStream(self)
         self.streams.add(stream)
         self._idle.clear()

@@ -11,7 +11,14 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse
 
 from kiln.runtime import ExecutorClosedError, InvalidRequestError, RequestOutput, SamplingParams
-from kiln.serving.openai.generation import ChoiceStream, ServingState, ShuttingDown, choice_seed, until_disconnect
+from kiln.serving.openai.generation import (
+    ChoiceStream,
+    RuntimeRefused,
+    ServingState,
+    ShuttingDown,
+    choice_seed,
+    until_disconnect,
+)
 from kiln.serving.openai.protocol import FieldError, SamplingFields, Usage
 from kiln.serving.openai.responses import SSEResponse, error_response, sse_error, sse_event
 from kiln.serving.openai.structured import Constraint
@@ -34,13 +41,13 @@ def submit_choices(state: ServingState, request_id: str, prompts: list[list[int]
     """Open a stream with ``len(params)`` choices per prompt (choice index = prompt index * n + i)."""
     if params[0].stop and state.llm.tokenizer is None:
         raise FieldError("stop", "stop strings need a tokenizer; this engine directory has no tokenizer.json")
-    stream = state.open_stream()
+    stream = state.open_stream(len(prompts) * len(params))
     try:
         for ids in prompts:
             stream.add_prompt(ids, params, priority, request_id)
     except InvalidRequestError as exc:   # the bounds left after the prompt checks: max_tokens vs the pool
         stream.close()
-        raise FieldError(max_tokens_param, str(exc)) from None
+        raise RuntimeRefused(max_tokens_param, str(exc)) from None
     except ExecutorClosedError as exc:
         stream.close()
         raise ShuttingDown(str(exc)) from None

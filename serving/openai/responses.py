@@ -12,8 +12,8 @@ from kiln.serving.openai.protocol import ErrorBody, ErrorResponse
 
 # OpenAI's error types by status
 ERROR_TYPES = {400: "invalid_request_error", 401: "invalid_request_error", 404: "invalid_request_error",
-               405: "invalid_request_error", 413: "invalid_request_error", 429: "requests",
-               500: "server_error", 503: "server_error"}
+               405: "invalid_request_error", 408: "invalid_request_error", 413: "invalid_request_error",
+               429: "requests", 500: "server_error", 503: "server_error"}
 
 
 def error_body(status: int, message: str, param: str | None = None, code: str | None = None) -> ErrorResponse:
@@ -30,9 +30,10 @@ def sse_event(payload: str) -> str:
     return f"data: {payload}\n\n"
 
 
-def sse_error(status: int, message: str) -> str:
-    """A failure after the 200 headers went out: an error event (the stream then ends with [DONE])."""
-    return sse_event(json.dumps(error_body(status, message, code=str(status)).model_dump()))
+def sse_error(status: int, message: str, code: str | None = None) -> str:
+    """A failure after the 200 headers went out: an error event (the stream then ends with [DONE]) with the body
+    the same failure gets before the headers (``type`` from ``status``; ``code`` a string or null, as OpenAI's)."""
+    return sse_event(json.dumps(error_body(status, message, code=code).model_dump()))
 
 
 class SSEResponse(StreamingResponse):

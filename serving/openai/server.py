@@ -5,12 +5,17 @@ uvicorn's own signal handling is switched off (it would stop at once and re-rais
 SIGINT stops accepting (/v1 and /health answer 503), lets in-flight requests finish for up to
 ``--shutdown-timeout`` seconds, aborts the rest (their clients get a 503 or an error event), then stops
 uvicorn and the step loop; the process exits 0. A second signal skips the wait.
+
+Connections: uvicorn's h11 protocol with deadlines for each request's headers and body (http_protocol.py), its
+keep-alive timeout, and its concurrency limit (connections and requests in flight; beyond it new requests get
+503).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import json
 import logging
 import signal
@@ -23,6 +28,7 @@ import click
 import uvicorn
 
 from kiln.contract.summary import format_table, summary_rows
+from kiln.serving.openai.http_protocol import DeadlineH11Protocol
 
 logger = logging.getLogger("kiln.serving")
 
@@ -38,6 +44,12 @@ class ServeSettings:
     tool_call_parser: str | None = None     # default: the one the chat template's tool-call format needs
     shutdown_timeout: float = 30.0
     log_level: str = "info"
+    timeout_keep_alive: float = 5.0         # an idle kept-alive connection is closed after this
+    timeout_request_headers: float = 10.0   # a request's headers must arrive within this
+    timeout_request_body: float = 30.0      # and its body within this after them
+    max_connections: int = 1024             # connections + requests in flight beyond which requests get 503
+    metrics_require_key: bool = False       # /metrics needs the API key too
+    prompt_workers: int = 1                 # threads that parse, render and tokenize large prompts
 
 
 class _Server(uvicorn.Server):
@@ -148,14 +160,21 @@ def run(model_dir: Path, settings: ServeSettings, executor_options: dict,
         _print_summary(llm, engine_dir, template is not None, parser)
         name = settings.served_model_name or model_dir.resolve().name
         app = create_app(llm, model_name=name, api_key=settings.api_key, max_waiting=settings.max_waiting,
-                         chat_template=template, tool_call_parser=parser)
+                         chat_template=template, tool_call_parser=parser,
+                         metrics_require_key=settings.metrics_require_key, prompt_workers=settings.prompt_workers)
         sock = _bind(settings.host, settings.port)
         host, port = sock.getsockname()[:2]
         url = f"http://{f'[{host}]' if ':' in host else host}:{port}"
-        config = uvicorn.Config(app, log_level=settings.log_level, lifespan="off", timeout_graceful_shutdown=10,
-                                timeout_keep_alive=5)
+        protocol = functools.partial(DeadlineH11Protocol, header_timeout=settings.timeout_request_headers,
+                                     body_timeout=settings.timeout_request_body)
+        config = uvicorn.Config(app, http=protocol, log_level=settings.log_level, lifespan="off",
+                                timeout_graceful_shutdown=10, timeout_keep_alive=settings.timeout_keep_alive,
+                                limit_concurrency=settings.max_connections)
         server = _Server(config)
-        asyncio.run(_serve(server, sock, app.state.serving, settings.shutdown_timeout, url))
+        try:
+            asyncio.run(_serve(server, sock, app.state.serving, settings.shutdown_timeout, url))
+        finally:
+            app.state.serving.workers.shutdown()
         sock.close()
     finally:
         llm.shutdown()

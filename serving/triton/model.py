@@ -11,8 +11,13 @@ metrics about once a second. Responses go through the request's response sender 
 non-decoupled mode, which is what lets a non-decoupled model return from ``execute`` before it has answered.
 
 Errors are sent as Triton errors: INVALID_ARG for a bad request (naming the tensor and the rule), UNAVAILABLE
-for "overloaded" (more than ``max_queue_size`` requests of this instance wait for their first token) and when
-the LLM is shut down, CANCELLED for a cancelled request, INTERNAL when the step loop failed.
+for "overloaded" (more than ``max_queue_size`` requests of this instance wait for their first token, or too many
+large prompts wait to be tokenized) and when the LLM is shut down, CANCELLED for a cancelled request, INTERNAL
+when the step loop failed.
+
+A request whose inputs are large (a long ``text_input``) is checked and tokenized in a prompt worker thread
+(kiln.serving.prompt_workers) after its cheap checks (size, parameters, the prompt's byte bound), so that
+``execute`` returns at once and the requests behind it are not held up; small ones are handled in ``execute``.
 
 Only Triton's Python-backend stub imports this module (``triton_python_backend_utils`` exists only there).
 """
@@ -31,8 +36,18 @@ import torch
 import triton_python_backend_utils as pb
 
 from kiln.runtime import LLM, ConfigError, Engine, ExecutorClosedError, InvalidRequestError, RequestOutput
+from kiln.serving.prompt_bounds import PromptBounds, tokenize
+from kiln.serving.prompt_workers import Busy, PromptWorkers
 from kiln.serving.triton.metrics import TritonMetrics
-from kiln.serving.triton.protocol import BadRequest, EngineLimits, ParsedRequest, parse_request, response_tensors
+from kiln.serving.triton.protocol import (
+    BadRequest,
+    EngineLimits,
+    ParsedRequest,
+    check_envelope,
+    parse_request,
+    request_bytes,
+    response_tensors,
+)
 from kiln.serving.triton.repository import check_runtime, read_parameters
 
 CANCEL_CHECK_S = 0.1
@@ -72,7 +87,9 @@ class TritonPythonModel:
             raise pb.TritonModelException(f"config.pbtxt: {exc}") from None
         self.decoupled = pb.using_decoupled_model_transaction_policy(config)
         self.llm = LLM(engine_dir, config=runtime)
-        self.limits = EngineLimits(self.llm.engine.config.model.vocab_size, bounds.max_input_len, bounds.max_seq_len)
+        self.limits = EngineLimits(self.llm.engine.config.model.vocab_size, bounds.max_input_len, bounds.max_seq_len,
+                                   PromptBounds.of(self.llm.tokenizer, bounds.max_input_len).max_text_bytes)
+        self.workers = PromptWorkers(1, name="kiln-triton-prompt")
         self.block_size = bounds.tokens_per_block
         self.metrics = TritonMetrics(pb, args["model_name"], args["model_version"], args.get("model_instance_name", ""))
         self._lock = threading.Lock()
@@ -90,20 +107,47 @@ class TritonPythonModel:
     def execute(self, requests: list) -> None:
         for request in requests:
             sender = request.get_response_sender()
+            arrays = self._guarded(sender, lambda r=request: {t.name(): t.as_numpy() for t in r.inputs()})
+            if arrays is None:
+                continue
+            size = request_bytes(arrays)
+            if size < self.workers.inline_bytes:
+                self._guarded(sender, self._admit, request, sender, arrays)
+                continue
             try:
-                self._admit(request, sender)
-            except Exception as exc:  # a bug of ours: answer this request, keep serving the others
-                pb.Logger.log_error(f"kiln: request failed: {traceback.format_exc()}")
-                try:
-                    self._refuse(sender, f"internal error: {type(exc).__name__}: {exc}", pb.TritonError.INTERNAL)
-                except Exception:  # it was answered before the failure
-                    pass
+                self.workers.submit(self._guarded, sender, self._admit, request, sender, arrays, size=size)
+            except Busy as exc:
+                self.metrics.refused("overloaded")
+                self._guarded(sender, self._refuse, sender, f"overloaded: {exc}", pb.TritonError.UNAVAILABLE)
         return None
 
-    def _admit(self, request, sender) -> None:
+    def _guarded(self, sender, fn, *args):
+        """``fn(*args)``; an exception is a bug of ours: answer the request with it, keep serving the others."""
         try:
-            arrays = {t.name(): t.as_numpy() for t in request.inputs()}
-            parsed = parse_request(arrays, self.limits, lambda text: self.llm.encode(text)[0], self.decoupled)
+            return fn(*args)
+        except Exception as exc:
+            pb.Logger.log_error(f"kiln: request failed: {traceback.format_exc()}")
+            try:
+                self._refuse(sender, f"internal error: {type(exc).__name__}: {exc}", pb.TritonError.INTERNAL)
+            except Exception:  # it was answered before the failure
+                pass
+            return None
+
+    def _encode(self, text: str) -> list[int]:
+        if self.llm.tokenizer is None:
+            return self.llm.encode(text)[0]   # InvalidRequestError: text prompts need a tokenizer
+        return tokenize(self.llm.tokenizer, text)
+
+    @staticmethod
+    def _parameters(request) -> dict:
+        """The request's parameters (an HTTP /generate request's JSON fields that are not inputs land here)."""
+        params = json.loads(request.parameters() or "{}")
+        return params if isinstance(params, dict) else {}
+
+    def _admit(self, request, sender, arrays: dict) -> None:
+        try:
+            check_envelope(arrays, self._parameters(request))
+            parsed = parse_request(arrays, self.limits, self._encode, self.decoupled)
         except (BadRequest, InvalidRequestError) as exc:
             self.metrics.refused("invalid")
             return self._refuse(sender, str(exc), pb.TritonError.INVALID_ARG)
@@ -241,6 +285,7 @@ class TritonPythonModel:
         started = time.monotonic()
         pb.Logger.log_info("kiln: finalize: stopping the step loop")
         self._stopping.set()
+        self.workers.shutdown()
         self.llm.shutdown()
         self._outbox.put(_STOP)
         self._sender.join(timeout=SENDER_JOIN_S)

@@ -12,6 +12,9 @@ Semantics follow TensorRT-LLM's Triton backend so its clients see the same behav
 - ``guided_decoding_guide_type`` + ``guided_decoding_guide`` constrain the output (TensorRT-LLM's guided
   decoding): ``json`` (any JSON object, no guide), ``json_schema``, ``regex``, ``ebnf_grammar``,
   ``structural_tag``; an invalid guide is refused when the request is submitted (INVALID_ARG).
+
+Cheap checks come first (``check_envelope``: the request's size and its parameters; then each prompt's size), so
+that nothing large is tokenized or copied before it is known to fit the engine.
 """
 
 from __future__ import annotations
@@ -23,7 +26,13 @@ from dataclasses import dataclass
 import numpy as np
 
 from kiln.runtime import RequestOutput, SamplingParams
+from kiln.serving.prompt_bounds import MAX_REQUEST_BYTES
 from kiln.serving.triton.tensors import INPUT_SPECS
+
+# Request parameters the model accepts. tritonserver consumes its own (sequence_*, priority, timeout, triton_*) and
+# passes every other one on; the HTTP /generate endpoint turns each JSON field that is not an input into one (its
+# request "id" too), so any other parameter is a field kiln does not know
+KNOWN_PARAMETERS = frozenset({"id"})
 
 
 class BadRequest(ValueError):
@@ -32,11 +41,37 @@ class BadRequest(ValueError):
 
 @dataclass(frozen=True)
 class EngineLimits:
-    """What the parser checks prompts against (from the engine's config.json)."""
+    """What the parser checks prompts against (from the engine's config.json; ``max_text_bytes`` from its
+    tokenizer, kiln.serving.prompt_bounds: None when no byte bound is safe)."""
 
     vocab_size: int
     max_input_len: int
     max_seq_len: int
+    max_text_bytes: int | None = None
+
+
+def request_bytes(arrays: Mapping[str, np.ndarray]) -> int:
+    """The size of a request's input tensors (BYTES elements by their length)."""
+    total = 0
+    for arr in arrays.values():
+        if arr.dtype == np.object_:
+            total += sum(len(v) if isinstance(v, (bytes, str)) else 8 for v in arr.reshape(-1))
+        else:
+            total += arr.nbytes
+    return total
+
+
+def check_envelope(arrays: Mapping[str, np.ndarray], parameters: Mapping[str, object]) -> None:
+    """BadRequest for a request over MAX_REQUEST_BYTES, or with parameters kiln does not know (an HTTP /generate
+    request's unknown JSON fields arrive as parameters): the checks before anything else."""
+    size = request_bytes(arrays)
+    if size > MAX_REQUEST_BYTES:
+        raise BadRequest(f"the request's inputs are {size} bytes, more than {MAX_REQUEST_BYTES >> 20} MiB; "
+                         "send a smaller one")
+    unknown = sorted(set(parameters) - KNOWN_PARAMETERS)
+    if unknown:
+        raise BadRequest(f"unknown field(s) {', '.join(map(repr, unknown))}: not an input of this model "
+                         f"(its inputs: {', '.join(INPUT_SPECS)})")
 
 
 @dataclass
@@ -103,6 +138,12 @@ def _text(name: str, value) -> str:
         raise BadRequest(f"{name} is not valid UTF-8 ({exc.reason} at byte {exc.start})") from None
 
 
+def _check_length(name: str, num_tokens: int, limits: EngineLimits) -> None:
+    if num_tokens > limits.max_input_len:
+        raise BadRequest(f"{name}: the prompt has {num_tokens} tokens, more than the engine's max_input_len "
+                         f"{limits.max_input_len}; shorten it")
+
+
 def parse_request(arrays: Mapping[str, np.ndarray], limits: EngineLimits,
                   encode: Callable[[str], list[int]], decoupled: bool) -> ParsedRequest:
     """The kiln request described by a Triton request's input arrays, or BadRequest."""
@@ -115,27 +156,31 @@ def parse_request(arrays: Mapping[str, np.ndarray], limits: EngineLimits,
                          + ("; both were sent" if has_text else "; neither was sent"))
     prompt_text = None
     if has_text:
-        prompt_text = _text("text_input", x.scalar("text_input"))
+        raw = x.scalar("text_input")
+        size = len(raw) if isinstance(raw, (bytes, str)) else 0
+        if limits.max_text_bytes is not None and size > limits.max_text_bytes:   # before decoding or tokenizing
+            raise BadRequest(f"text_input: the prompt is {size} bytes, more than the engine's max_input_len "
+                             f"({limits.max_input_len} tokens) can hold with its tokenizer (at most "
+                             f"{limits.max_text_bytes} bytes); shorten it")
+        prompt_text = _text("text_input", raw)
         if not prompt_text:
             raise BadRequest("text_input is empty; send at least one character")
         ids = list(encode(prompt_text))
-        prompt_name = "text_input"
     else:
-        ids = [int(t) for t in x.array("input_ids").reshape(-1)]
+        arr = x.array("input_ids").reshape(-1)
         n = x.scalar("input_lengths")
         if n is not None:
-            if not 1 <= n <= len(ids):
-                raise BadRequest(f"input_lengths must be in [1, {len(ids)}] (the number of input_ids), got {n}")
-            ids = ids[:n]
-        if not ids:
+            if not 1 <= n <= len(arr):
+                raise BadRequest(f"input_lengths must be in [1, {len(arr)}] (the number of input_ids), got {n}")
+            arr = arr[:n]
+        if not len(arr):
             raise BadRequest("input_ids is empty; send at least one token id")
-        bad = [t for t in ids if not 0 <= t < limits.vocab_size]
-        if bad:
-            raise BadRequest(f"input_ids {bad[:5]} are outside the vocabulary [0, {limits.vocab_size})")
-        prompt_name = "input_ids"
-    if len(ids) > limits.max_input_len:
-        raise BadRequest(f"{prompt_name}: the prompt has {len(ids)} tokens, more than the engine's max_input_len "
-                         f"{limits.max_input_len}; shorten it")
+        _check_length("input_ids", len(arr), limits)   # before its ids are read
+        bad = arr[(arr < 0) | (arr >= limits.vocab_size)]
+        if len(bad):
+            raise BadRequest(f"input_ids {bad[:5].tolist()} are outside the vocabulary [0, {limits.vocab_size})")
+        ids = arr.tolist()
+    _check_length("text_input" if has_text else "input_ids", len(ids), limits)
 
     # ---- lengths ----
     max_tokens = x.scalar("max_tokens")
