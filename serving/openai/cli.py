@@ -38,6 +38,11 @@ LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
 @click.option("--shutdown-timeout", type=click.FloatRange(min=0), default=30.0, show_default=True,
               help="On SIGTERM/SIGINT, seconds to let in-flight requests finish before aborting them.")
 @click.option("--log-level", type=click.Choice(LOG_LEVELS), default="info", show_default=True)
+@click.option("--lora-modules", multiple=True, metavar="NAME=PATH",
+              help="A PEFT LoRA adapter to serve as model NAME (repeat the flag for more); the engine "
+                   "must be built with --lora-target-modules.")
+@click.option("--enable-lora-runtime-loading", is_flag=True, default=False,
+              help="Serve /v1/load_lora_adapter and /v1/unload_lora_adapter (vLLM's bodies).")
 @dataclass_options(ExecutorConfig)
 @build_options
 def serve(model_dir: Path, **options) -> None:

@@ -45,7 +45,7 @@ def completion_logprobs(token_text: TokenText, token_ids: list[int], logprobs: l
 
 
 async def create_completion(body: CompletionRequest, request: Request, state: ServingState, model: str,
-                            fingerprint: str) -> Response:
+                            fingerprint: str, lora: str | None = None) -> Response:
     llm, limits = state.llm, state.limits
     if len(body.prompts()) * body.n > MAX_CHOICES:
         raise FieldError("n", f"{len(body.prompts())} prompts x n={body.n} is more than {MAX_CHOICES} choices; "
@@ -66,7 +66,7 @@ async def create_completion(body: CompletionRequest, request: Request, state: Se
     request_id = new_id("cmpl")
     stream = submit_choices(state, request_id, prompts,
                             choice_params(body, body.max_tokens, body.logprobs, constraint), body.priority,
-                            "max_tokens")
+                            "max_tokens", lora)
     n = body.n
     echo = [texts[i // n] if body.echo else "" for i in range(len(prompts) * n)]
 
