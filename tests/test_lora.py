@@ -259,3 +259,23 @@ def test_cpu_compiled_engine_serves_adapters(setups):
         outs = llm.generate(prompts, GREEDY, lora=names, timeout=120)
         check_against_peft(ckpt, adapters, prompts, names, outs)
         check_pool(llm)
+
+
+def test_the_adapter_pool_is_in_the_memory_plan(setups):
+    from kiln.bench.devices import get_device
+    from kiln.bench.engine_facts import engine_facts
+    from kiln.bench.planner import WorkloadStats, plan
+    from kiln.contract import summary_rows
+
+    _, engine, _ = setups["llama"]
+    slot = engine.config.lora.slot_bytes(engine.config.torch_dtype)
+    with LLM(engine, max_loras=3, kv_cache_memory_fraction=2e-5) as llm:
+        ex = llm.executor
+        pool_bytes = ex.adapter_pool.weights.numel() * ex.adapter_pool.weights.element_size()
+        assert pool_bytes == 3 * slot and "LoRA adapter pool: 3 slots" in ex.kv_plan
+        p = plan(engine_facts(engine.directory), get_device("cpu:24"), WorkloadStats.from_percentiles(40, 20),
+                 available_bytes=ex.limits.available_bytes + pool_bytes, kv_cache_memory_fraction=2e-5, max_loras=3)
+        assert p["memory"]["lora_adapter_pool"]["value"] == pool_bytes
+        assert p["memory"]["kv_pool_blocks"]["value"] == ex.kv.num_blocks
+    rows = dict(summary_rows(engine.config))
+    assert rows["LoRA"].startswith(f"max rank {MAX_RANK}, modules self_attn.q_proj, ")
