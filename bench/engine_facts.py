@@ -56,6 +56,7 @@ class EngineFacts:
     tie_word_embeddings: bool = False
     tp_size: int = 1
     special_token_ids: list[int] = field(default_factory=list)   # eos / bos: kept out of synthetic prompts
+    lora_slot_bytes: int = 0   # one slot of the LoRA adapter pool (an engine built with lora_target_modules)
     origin: dict = field(default_factory=dict)
 
     def as_dict(self) -> dict:
@@ -104,6 +105,7 @@ def engine_facts(engine_dir: str | Path) -> EngineFacts:
         tie_word_embeddings=m.tie_word_embeddings, tp_size=cfg.tp_size,
         special_token_ids=sorted(set(tok.eos_token_ids)
                                  | ({tok.bos_token_id} if tok.bos_token_id is not None else set())),
+        lora_slot_bytes=cfg.lora.slot_bytes(cfg.torch_dtype) if cfg.lora is not None else 0,
         origin={
             "weights_bytes": f"{src} memory.weights_bytes (builder's memory plan){per_rank}",
             "streamed_weight_bytes": "weights_bytes minus the embedding table (vocab x hidden x dtype) unless it is "
@@ -112,6 +114,7 @@ def engine_facts(engine_dir: str | Path) -> EngineFacts:
             "activation_peak_bytes": f"{src} memory.activation_peak_bytes (arena at the max profile){per_rank}",
             "bounds": f"{src} bounds",
             "matmul_params": "decoder layers' GEMM weights, from the model shape in config.json",
+            "lora_slot_bytes": f"{src} lora: layers x max_rank x (in + out features) of each module x dtype",
         },
     )
 

@@ -157,7 +157,7 @@ def plan(facts: EngineFacts, device: Device, workload: WorkloadStats, *, tp: int
          kv_cache_memory_fraction: float | None | str = "recommended", max_kv_cache_tokens: int | None = None,
          available_bytes: int | None = None, headroom: float = 0.10, percentile: int = 95,
          calibration: dict | None = None, rate: float | None = None, slo_ttft_p95: float | None = None,
-         slo_tpot_p95: float | None = None, capacity_policy: str = "guaranteed_no_evict") -> dict:
+         slo_tpot_p95: float | None = None, capacity_policy: str = "guaranteed_no_evict", max_loras: int = 4) -> dict:
     """The plan: every number as {"value", "unit", "source"} under a few headings.
 
     Serving options mean what they mean to ``LLM(...)``, except ``kv_cache_memory_fraction``, which defaults
@@ -195,6 +195,12 @@ def plan(facts: EngineFacts, device: Device, workload: WorkloadStats, *, tp: int
     mem["weights_per_device"] = _v(int(weights_dev), facts.origin.get("weights_bytes", "") + weights_src, "B")
     mem["activation_peak"] = _v(facts.activation_peak_bytes, facts.origin.get("activation_peak_bytes", "")
                                 + (" (not divided by tp: hidden states are replicated)" if tp > 1 else ""), "B")
+    if facts.lora_slot_bytes:   # the runtime takes the adapter pool out of what the KV pool is sized from
+        pool = max_loras * facts.lora_slot_bytes
+        mem["lora_adapter_pool"] = _v(pool, f"max_loras {max_loras} x {facts.lora_slot_bytes} B per slot ("
+                                      + facts.origin.get("lora_slot_bytes", "") + ")", "B")
+        available_bytes -= pool
+        avail_src += " - the LoRA adapter pool"
     mem["available_after_weights"] = _v(available_bytes, avail_src, "B")
     if available_bytes <= facts.activation_peak_bytes:
         raise PlanError(f"the weights ({weights_dev / 2**30:.2f} GiB per device) leave "

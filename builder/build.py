@@ -25,6 +25,7 @@ from typing import Any
 
 import torch
 
+from kiln.builder import lora as lora_graph
 from kiln.builder import memory_plan, trace
 from kiln.builder.backends import BACKENDS
 from kiln.builder.config import BuildConfig
@@ -48,6 +49,7 @@ from kiln.contract import (
     rank_file,
     save_weights,
     stamp_rank_file,
+    torch_dtype,
     weights_file,
 )
 
@@ -136,12 +138,13 @@ def build_engine(
     _check_output_dir(ckpt, out)
     model = load_config(ckpt)
     build.check_model(model)
+    lora = lora_graph.plan(build, model)   # its target names checked before any stage runs
     if build.tp_size > 1 and checkpoint_quantization(ckpt) is not None:
         raise BuildConfigError(f"{ckpt} is pre-quantized (GPTQ / AWQ): tensor parallelism does not split its int4 "
                                "weights yet; build with tp_size 1")
     tmp = _make_build_dir(out)
     try:
-        return _build(ckpt, out, tmp, build, model, progress)
+        return _build(ckpt, out, tmp, build, model, lora, progress)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
 
@@ -160,7 +163,8 @@ def _make_build_dir(out: Path) -> Path:
     return tmp
 
 
-def _build(ckpt: Path, out: Path, tmp: Path, build: BuildConfig, model, progress: Progress | None) -> Path:
+def _build(ckpt: Path, out: Path, tmp: Path, build: BuildConfig, model, lora: lora_graph.LoraPlan | None,
+           progress: Progress | None) -> Path:
     """The stages, writing into ``tmp``, which then replaces ``out``."""
     from kiln.model_defs import checkpoint_quantization, load_checkpoint
 
@@ -169,7 +173,7 @@ def _build(ckpt: Path, out: Path, tmp: Path, build: BuildConfig, model, progress
     mapping = TensorParallelMapping.plan(model, build.tp_size)
     with _stage("load", timings, progress):
         _, weights = load_checkpoint(ckpt, build.dtype)
-    ranks = [_build_rank(model, weights, mapping, rank, build, tmp, timings, progress)
+    ranks = [_build_rank(model, weights, mapping, rank, build, lora, tmp, timings, progress)
              for rank in range(mapping.tp_size)]
     first = ranks[0]
     arena = first["memory_plan"]
@@ -204,6 +208,7 @@ def _build(ckpt: Path, out: Path, tmp: Path, build: BuildConfig, model, progress
             quantization=build.quantization, model=model, bounds=build.engine_bounds(), memory=summary,
             tokenizer=TokenizerInfo(files=copied, eos_token_ids=eos_ids, bos_token_id=bos_id),
             engine_files=engine_files, tensor_parallel=mapping, checksums=checksums, build=resolved.to_dict(),
+            lora=lora.layout if lora is not None else None,
         ).write(tmp)
     timings["total"] = round(time.perf_counter() - t_total, 3)
     report = {
@@ -215,6 +220,10 @@ def _build(ckpt: Path, out: Path, tmp: Path, build: BuildConfig, model, progress
         "memory": dataclasses.asdict(summary),
         "memory_plan": arena,
     }
+    if lora is not None:   # the adapter pool is the runtime's (max_loras slots); what one slot takes
+        report["lora"] = {"modules": [m.name for m in lora.layout.modules], "max_rank": lora.layout.max_rank,
+                          "adapted_linears": len(lora.segments),
+                          "slot_bytes": lora.layout.slot_bytes(torch_dtype(build.dtype))}
     pq = checkpoint_quantization(ckpt)
     if pq is not None:   # its linears are int4 panels as the checkpoint stored them (not re-quantized)
         report["prequantized"] = {"method": pq.method, "group_size": pq.group_size, "bits": 4}
@@ -232,7 +241,8 @@ def _build(ckpt: Path, out: Path, tmp: Path, build: BuildConfig, model, progress
     return out
 
 def _build_rank(model: ModelConfig, weights: dict[str, torch.Tensor], mapping: TensorParallelMapping, rank: int,
-                build: BuildConfig, out: Path, timings: dict[str, float], progress: Progress | None) -> dict[str, Any]:
+                build: BuildConfig, lora: lora_graph.LoraPlan | None, out: Path, timings: dict[str, float],
+                progress: Progress | None) -> dict[str, Any]:
     """trace -> passes -> export -> memory plan -> compile of rank ``rank``'s shard into ``out / rank{rank}.engine``;
     what the report and config.json need of it. The last rank empties ``weights`` once its shard is cut, so
     that the passes can free what they replace (with one rank the module holds the checkpoint's tensors)."""
@@ -246,7 +256,10 @@ def _build_rank(model: ModelConfig, weights: dict[str, torch.Tensor], mapping: T
             weights.clear()
         module = build_model(model, shard, mapping)
         del shard
-        ep = trace.export(module, rank_model, build)
+        layout = None
+        if lora is not None:   # the targeted linears add each token's adapter (the contract's adapter inputs)
+            module, layout = lora_graph.LoraModel(module, lora), lora.layout
+        ep = trace.export(module, rank_model, build, layout)
     with _stage("passes", timings, progress, label):
         gm = ep.module()
         gemms_before = count_gemms(gm)
@@ -255,7 +268,7 @@ def _build_rank(model: ModelConfig, weights: dict[str, torch.Tensor], mapping: T
         gemms_after = count_gemms(gm)
         del module, ep
     with _stage("export", timings, progress, label):
-        ep = trace.export(gm, rank_model, build)
+        ep = trace.export(gm, rank_model, build, layout)
         del gm
     with _stage("memory_plan", timings, progress, label):
         arena = memory_plan.plan(ep)
@@ -263,7 +276,7 @@ def _build_rank(model: ModelConfig, weights: dict[str, torch.Tensor], mapping: T
     with _stage("compile", timings, progress, label):
         path = out / rank_file(rank)
         backend = BACKENDS[build.backend]
-        backend_stats = backend.compile(ep, path, trace.example_inputs(rank_model, build), build)
+        backend_stats = backend.compile(ep, path, trace.example_inputs(rank_model, build, layout), build)
         if getattr(backend, "SEPARATE_WEIGHTS", False):   # the graph holds none: rank{r}.weights, mapped at load
             backend_stats["weights_bytes"] = save_weights(program_weights(ep), out / weights_file(rank))
         if build.backend in TORCH_BACKENDS:   # a .pt2 archive (an ONNX model or TensorRT plan has no place for it)

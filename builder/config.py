@@ -31,6 +31,7 @@ from kiln.contract import DTYPES as _TORCH_DTYPES
 
 DTYPES = tuple(_TORCH_DTYPES)
 TP_BACKENDS = ("cpu", "cpu-compiled")   # backends whose graphs can hold kiln's collectives (plugin ops)
+LORA_BACKENDS = ("cpu", "cpu-compiled")   # backends whose graphs can hold kiln::lora (no ONNX lowering yet)
 KV_DTYPES = ("auto",) + DTYPES
 LOGITS_DTYPES = ("float32",)
 ONNX_OPTIMIZATION = ("disable", "basic", "extended", "all")
@@ -84,11 +85,21 @@ class BuildConfig:
                                              "tensorrt: max_batch_size x max_blocks_per_seq x 4).")
     onnx_threads: int = _knob(0, "onnx: onnxruntime intra-op threads (0: torch's thread count when loaded).")
     onnx_optimization: str = _knob("all", "onnx: onnxruntime graph optimization level.", ONNX_OPTIMIZATION)
+    lora_target_modules: list[str] = field(default_factory=list, metadata={
+        "help": "Modules that take LoRA adapters at run time, as PEFT's target_modules names them (q_proj, k_proj, "
+                "v_proj, o_proj, gate_proj, up_proj, down_proj; GPT-2: c_attn, c_proj, c_fc; or all-linear); "
+                "comma-separated or repeated. Default: none (an engine without adapters)."})
+    max_lora_rank: int = _knob(16, "Largest LoRA rank the engine's adapter pool holds (with lora_target_modules).")
     num_tokens_profiles: list[int] = field(default_factory=list, metadata={
         "help": "tensorrt: one optimization profile per value, covering num_tokens up to it (ascending, the last "
                 "= max_num_tokens; default: one profile)."})
 
     def __post_init__(self) -> None:
+        if isinstance(self.lora_target_modules, str):   # YAML "q_proj,v_proj"; the command line gives a list
+            self.lora_target_modules = [self.lora_target_modules]
+        if isinstance(self.lora_target_modules, list) and all(isinstance(n, str) for n in self.lora_target_modules):
+            self.lora_target_modules = [n.strip() for entry in self.lora_target_modules for n in entry.split(",")
+                                        if n.strip()]
         self.validate()
 
     # ------------------------------------------------------------------ validation
@@ -108,7 +119,7 @@ class BuildConfig:
         choice("onnx_optimization", ONNX_OPTIMIZATION)
         if self.logits_dtype not in LOGITS_DTYPES:
             out.append(f"logits_dtype={self.logits_dtype!r}: the engine contract returns float32 logits; use 'float32'")
-        ints = ("max_batch_size", "max_seq_len", "tokens_per_block", "group_size", "tp_size")
+        ints = ("max_batch_size", "max_seq_len", "tokens_per_block", "group_size", "tp_size", "max_lora_rank")
         bad_int = False
         for name in ints:
             value = getattr(self, name)
@@ -133,6 +144,15 @@ class BuildConfig:
             bad_int = True
         if not isinstance(self.disabled_passes, list) or not all(isinstance(p, str) for p in self.disabled_passes):
             out.append(f"disabled_passes={self.disabled_passes!r} must be a list of pass names")
+        if not isinstance(self.lora_target_modules, list):
+            out.append(f"lora_target_modules={self.lora_target_modules!r} must be a list of module names")
+        elif self.lora_target_modules and self.backend not in LORA_BACKENDS:
+            out.append(f"lora_target_modules with backend={self.backend!r}: the LoRA op has no ONNX lowering yet, so "
+                       f"adapters are served by the {list(LORA_BACKENDS)} backends; build with one of them, or without "
+                       "lora_target_modules")
+        elif self.lora_target_modules and self.tp_size > 1:
+            out.append(f"lora_target_modules with tp_size={self.tp_size}: adapters are not split over "
+                       "tensor-parallel ranks yet; build with tp_size=1, or without lora_target_modules")
         if bad_int:
             return out
         # only values the user gave can conflict: a derived default follows what it is derived from
@@ -272,6 +292,7 @@ class BuildConfig:
         d = dataclasses.asdict(self)
         d["disabled_passes"] = list(self.disabled_passes)
         d["num_tokens_profiles"] = list(self.num_tokens_profiles)
+        d["lora_target_modules"] = list(self.lora_target_modules)
         return d
 
     @classmethod

@@ -28,6 +28,7 @@ from kiln.contract.engine_config import (
     verify_checksums,
 )
 from kiln.contract.errors import (
+    AdapterLoadError,
     BuildConfigError,
     CheckpointError,
     ConfigError,
@@ -50,12 +51,15 @@ from kiln.contract.io import (
     SeqChunk,
     check_inputs,
     dim_ranges,
+    input_axes,
+    input_names,
     io_spec,
     kv_bytes_per_token,
     kv_cache_shape,
     pack_inputs,
     torch_dtype,
 )
+from kiln.contract.lora import LORA_INPUT_NAMES, NO_ADAPTER, LoraLayout, LoraModule
 from kiln.contract.model import ModelConfig
 from kiln.contract.options import check_option_names, option_names, reject_unknown_options
 from kiln.contract.summary import format_table, human_bytes, summary_rows
@@ -64,13 +68,16 @@ from kiln.contract.weights import load_weights, save_weights, weights_file
 
 __all__ = [
     "BACKENDS", "CONFIG_FILE", "DTYPES", "FORMAT_VERSION", "INDEX_DTYPES", "INPUT_AXES", "INPUT_NAMES",
-    "KV_CACHE_OUTPUT", "OUTPUT_NAME", "QUANTIZATIONS", "REPORT_FILE", "SUPPORTED_FORMAT_VERSIONS", "TOKENIZER_FILES",
-    "TORCH_BACKENDS",
-    "BuildConfigError", "CheckpointError", "ConfigError", "EngineBounds", "EngineBuildError", "EngineConfig",
+    "KV_CACHE_OUTPUT", "LORA_INPUT_NAMES", "NO_ADAPTER", "OUTPUT_NAME", "QUANTIZATIONS", "REPORT_FILE",
+    "SUPPORTED_FORMAT_VERSIONS", "TOKENIZER_FILES", "TORCH_BACKENDS",
+    "AdapterLoadError", "BuildConfigError", "CheckpointError", "ConfigError", "EngineBounds", "EngineBuildError",
+    "EngineConfig",
     "EngineDeadError", "EngineInputError",
-    "EngineLoadError", "ExecutorClosedError", "InvalidRequestError", "KilnError", "MemorySummary", "ModelConfig",
+    "EngineLoadError", "ExecutorClosedError", "InvalidRequestError", "KilnError", "LoraLayout", "LoraModule",
+    "MemorySummary", "ModelConfig",
     "RequestFailedError", "SeqChunk", "TensorParallelMapping", "TokenizerInfo",
-    "check_compatible", "check_inputs", "dim_ranges", "format_table", "human_bytes", "io_spec", "is_engine_dir",
+    "check_compatible", "check_inputs", "dim_ranges", "input_axes", "input_names", "format_table", "human_bytes",
+    "io_spec", "is_engine_dir",
     "kv_bytes_per_token", "kv_cache_shape", "pack_inputs", "rank_file", "read_build_report", "read_engine_config",
     "summary_rows", "torch_dtype", "file_checksum", "verify_checksums", "check_rank_file", "mapping_problems",
     "stamp_rank_file", "load_weights", "save_weights", "weights_file", "check_option_names", "option_names",

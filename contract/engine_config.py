@@ -29,7 +29,8 @@ knobs (``build``, readable by ``BuildConfig.from_dict``) from the bounds the run
 torch backend; ``memory`` describes one rank; 5 moves the weights of ``cpu`` and ``cpu-compiled`` engines
 out of the graph files into ``rank{r}.weights`` (before, an AOTInductor package held them in its shared
 library, and the loaded process held them twice). Engines of formats 1 to 4 are refused with the rebuild
-message.
+message. ``lora`` (format 5, optional) describes the adapter pool of an engine built with LoRA targets
+(:class:`~kiln.contract.lora.LoraLayout`); engines without it have no such key.
 """
 
 from __future__ import annotations
@@ -45,7 +46,8 @@ from typing import Any
 import torch
 
 from kiln.contract.errors import EngineLoadError
-from kiln.contract.io import DTYPES, kv_bytes_per_token
+from kiln.contract.io import DTYPES, input_names, kv_bytes_per_token
+from kiln.contract.lora import LoraLayout
 from kiln.contract.model import ModelConfig
 from kiln.contract.tensor_parallel import TensorParallelMapping
 from kiln.contract.typed import read_dataclass
@@ -127,6 +129,7 @@ class EngineConfig:
     tensor_parallel: TensorParallelMapping
     checksums: dict[str, str]   # file name -> "sha256:<hex>" of every engine, weights (all ranks) and tokenizer file
     build: dict[str, Any]       # the builder's BuildConfig.to_dict() (knobs as resolved): rebuild with it
+    lora: LoraLayout | None = None   # the adapter pool's layout of an engine that takes adapters (kiln.contract.lora)
 
     @property
     def tp_size(self) -> int:
@@ -152,6 +155,16 @@ class EngineConfig:
     @property
     def torch_kv_dtype(self) -> torch.dtype:
         return DTYPES[self.kv_cache_dtype]
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        """The dtype of the weights and activations (and of the adapter pool)."""
+        return DTYPES[self.dtype]
+
+    @property
+    def input_names(self) -> tuple[str, ...]:
+        """The engine's inputs in order (the contract's, and the adapter pool's when it takes adapters)."""
+        return input_names(self.lora is not None)
 
     def problems(self) -> list[str]:
         """Values that are well typed but impossible (a hand-edited or foreign file)."""
@@ -184,10 +197,18 @@ class EngineConfig:
                 out.append(f"checksums names {name!r}, not a file of the engine directory")
             elif not _CHECKSUM.fullmatch(digest):
                 out.append(f"checksums[{name!r}]={digest!r:.80} is not 'sha256:' and 64 hex digits")
+        if self.lora is not None:
+            out += self.lora.problems()
+            if self.lora.num_layers != self.model.num_layers:
+                out.append(f"lora.num_layers={self.lora.num_layers} is not model.num_layers={self.model.num_layers}")
         return out
 
     def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        """The config.json content; an engine without adapters has no ``lora`` key (as before the key existed)."""
+        d = dataclasses.asdict(self)
+        if d["lora"] is None:
+            del d["lora"]
+        return d
 
     @classmethod
     def from_dict(cls, data: Any, source: str = CONFIG_FILE) -> EngineConfig:

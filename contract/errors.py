@@ -45,6 +45,12 @@ class InvalidRequestError(KilnError, ValueError):
     Raised at submission in the caller's thread; nothing is queued and running requests go on."""
 
 
+class AdapterLoadError(KilnError, ValueError):
+    """A LoRA adapter cannot be served by this engine as it is (a missing or unreadable file, a rank above the
+    engine's max_lora_rank, a module the engine does not adapt, mis-shaped or non-finite tensors, a PEFT
+    feature kiln does not implement); the message names the file, the tensor and what to do."""
+
+
 class ExecutorClosedError(KilnError, RuntimeError):
     """The executor was shut down, or its step loop failed (the message says why); no request can run."""
 

@@ -34,6 +34,10 @@ def summary_rows(config: EngineConfig, report: dict[str, Any] | None = None) -> 
         ("KV bytes/token", f"{kv} B{per_rank}{kv_all}"),
         ("KV tokens in 1 GiB", f"{(1 << 30) // kv:,}{per_rank}"),
     ]
+    if config.lora is not None:
+        lo = config.lora
+        rows.append(("LoRA", f"max rank {lo.max_rank}, modules {', '.join(m.name for m in lo.modules)}; "
+                             f"{human_bytes(lo.slot_bytes(config.torch_dtype))} per adapter slot"))
     if report:
         rows.extend(backend_rows(report.get("backend") or {}))
         rows.append(("GEMMs before/after passes",

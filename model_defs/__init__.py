@@ -10,9 +10,11 @@ from kiln.model_defs.checkpoint import (
     load_config,
     load_model,
 )
+from kiln.model_defs.lora import LoraTarget, lora_targets, select_targets
 from kiln.model_defs.tensor_parallel import shard_weights
 
 __all__ = [
-    "CheckpointError", "DTYPES", "FAMILIES", "ModelConfig",
-    "build_model", "checkpoint_quantization", "load_checkpoint", "load_config", "load_model", "shard_weights",
+    "CheckpointError", "DTYPES", "FAMILIES", "LoraTarget", "ModelConfig",
+    "build_model", "checkpoint_quantization", "load_checkpoint", "load_config", "load_model", "lora_targets",
+    "select_targets", "shard_weights",
 ]

@@ -10,9 +10,10 @@ from typing import Any
 
 import torch
 
-from kiln.contract import ModelConfig, TensorParallelMapping
+from kiln.contract import LoraModule, ModelConfig, TensorParallelMapping
 from kiln.model_defs.hf_config import UnsupportedConfigError, require
 from kiln.model_defs.layers import Attention, DecoderLayer, DecoderOnlyLM, GeluMLP, LayerNorm
+from kiln.model_defs.lora import LoraTarget, whole
 from kiln.model_defs.weights import WeightSpec
 
 ARCHITECTURES = ("GPT2LMHeadModel",)
@@ -64,6 +65,20 @@ def create(cfg: ModelConfig, tp: TensorParallelMapping | None = None) -> Decoder
     ]
     return DecoderOnlyLM(cfg, layers, LayerNorm(cfg.hidden_size, eps=cfg.norm_eps), None, learned_positions=True,
                          tp=tp)
+
+
+def lora_targets(cfg: ModelConfig) -> list[LoraTarget]:
+    """PEFT's names for GPT-2's Conv1D modules (``c_proj`` matches both the attention's and the MLP's). The
+    fused ``c_attn`` is computed by kiln's q/k/v linears: each takes its third of the adapter's B."""
+    h, inner = cfg.hidden_size, cfg.intermediate_size
+    c_attn = LoraModule("attn.c_attn", "transformer.h.{layer}.attn.c_attn", h, 3 * h)
+    qkv = tuple((f"layers.{{layer}}.self_attn.{p}_proj", i * h, (i + 1) * h) for i, p in enumerate("qkv"))
+    return [
+        LoraTarget(c_attn, qkv),
+        whole(LoraModule("attn.c_proj", "transformer.h.{layer}.attn.c_proj", h, h), "layers.{layer}.self_attn.o_proj"),
+        whole(LoraModule("mlp.c_fc", "transformer.h.{layer}.mlp.c_fc", h, inner), "layers.{layer}.mlp.fc_in"),
+        whole(LoraModule("mlp.c_proj", "transformer.h.{layer}.mlp.c_proj", inner, h), "layers.{layer}.mlp.fc_out"),
+    ]
 
 
 def normalize_hf_name(name: str) -> str:

@@ -7,9 +7,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from kiln.contract import ModelConfig, TensorParallelMapping
+from kiln.contract import LoraModule, ModelConfig, TensorParallelMapping
 from kiln.model_defs.hf_config import UnsupportedConfigError, require, rope_settings
 from kiln.model_defs.layers import Attention, DecoderLayer, DecoderOnlyLM, GatedMLP, RMSNorm
+from kiln.model_defs.lora import LoraTarget, whole
 from kiln.model_defs.weights import WeightSpec, identity_layout, parameter_shapes
 from kiln.plugins.rotary import cos_sin_table, rope_inv_freq
 
@@ -65,6 +66,17 @@ def hf_name(kiln_name: str) -> str:
 
 def checkpoint_layout(cfg: ModelConfig) -> dict[str, WeightSpec]:
     return identity_layout(parameter_shapes(create, cfg), hf_name)
+
+
+def lora_targets(cfg: ModelConfig) -> list[LoraTarget]:
+    """The attention projections and the gated MLP's three linears, as PEFT names them."""
+    h, q, kv, inter = cfg.hidden_size, cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim, \
+        cfg.intermediate_size
+    shapes = {"self_attn.q_proj": (h, q), "self_attn.k_proj": (h, kv), "self_attn.v_proj": (h, kv),
+              "self_attn.o_proj": (q, h), "mlp.gate_proj": (h, inter), "mlp.up_proj": (h, inter),
+              "mlp.down_proj": (inter, h)}
+    return [whole(LoraModule(name, f"model.layers.{{layer}}.{name}", i, o), f"layers.{{layer}}.{name}")
+            for name, (i, o) in shapes.items()]
 
 
 # Old Llama checkpoints store the rotary frequencies; kiln computes them from the config.

@@ -10,6 +10,7 @@ from kiln.model_defs import llama
 ARCHITECTURES = ("MistralForCausalLM",)
 create = llama.create
 checkpoint_layout = llama.checkpoint_layout
+lora_targets = llama.lora_targets
 IGNORED_HF_SUFFIXES = llama.IGNORED_HF_SUFFIXES
 
 

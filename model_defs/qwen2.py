@@ -11,6 +11,7 @@ from kiln.model_defs.hf_config import UnsupportedConfigError
 ARCHITECTURES = ("Qwen2ForCausalLM",)
 create = llama.create
 checkpoint_layout = llama.checkpoint_layout
+lora_targets = llama.lora_targets
 IGNORED_HF_SUFFIXES = llama.IGNORED_HF_SUFFIXES
 
 

@@ -22,7 +22,6 @@ import torch
 
 import kiln.plugins  # noqa: F401  (registers torch.ops.kiln.* before an engine is loaded)
 from kiln.contract import (
-    INPUT_NAMES,
     ConfigError,
     EngineConfig,
     EngineLoadError,
@@ -179,12 +178,22 @@ class Engine:
         alloc = torch.zeros if zeroed else torch.empty
         return alloc(shape, dtype=self.kv_dtype, device=self.device)
 
+    def allocate_lora_pool(self, max_loras: int, zeroed: bool = True) -> torch.Tensor:
+        """The adapter pool of an engine that takes adapters: ``max_loras`` slots in the layout of
+        ``config.lora`` (kiln.contract.lora), in the engine's dtype (zeroed, or left as allocated)."""
+        if self.config.lora is None:
+            raise ConfigError("this engine takes no LoRA adapters; rebuild it with --lora-target-modules")
+        if max_loras < 1:
+            raise ConfigError(f"max_loras must be >= 1, got {max_loras}")
+        alloc = torch.zeros if zeroed else torch.empty
+        return alloc(max_loras, self.config.lora.slot_numel, dtype=self.config.torch_dtype, device=self.device)
+
     def run(self, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
         """One forward step: contract inputs -> float32 logits [num_logits, vocab] (EngineInputError when the
         inputs break the contract or the engine's bounds)."""
         check_inputs(inputs, self.config)
         with torch.inference_mode():
-            out = self._fn(**{n: inputs[n] for n in INPUT_NAMES})
+            out = self._fn(**{n: inputs[n] for n in self.config.input_names})
         if isinstance(out, (list, tuple)):
             out = out[0]
         return out if out.dtype == torch.float32 else out.float()

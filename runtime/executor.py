@@ -32,7 +32,9 @@ Failures (the loop never dies silently, and a caller never waits on a loop that 
   teardown would crash the interpreter. An executor whose ``LLM`` is garbage-collected is closed too.
 
 The engine is anything with the ``Engine`` interface (``config`` an EngineConfig, ``kv_bytes_per_token``,
-``allocate_kv_cache(num_blocks)``, ``run(inputs) -> logits``).
+``allocate_kv_cache(num_blocks)``, ``run(inputs) -> logits``; ``allocate_lora_pool(max_loras)`` when its
+config has a ``lora`` layout: then the executor owns the adapter pool (``kiln.runtime.adapters``) and passes
+it with each token's slot to every step, and a request may name a loaded adapter).
 """
 
 from __future__ import annotations
@@ -63,6 +65,7 @@ from kiln.contract import (
     pack_inputs,
     reject_unknown_options,
 )
+from kiln.runtime.adapters import AdapterPool, AdapterRegistry, LoraAdapter
 from kiln.runtime.fields import SEED_RANGE, FieldChecks, is_integer
 from kiln.runtime.grammar import GrammarCompiler
 from kiln.runtime.kv_cache import KVCacheManager, available_memory_bytes, plan_num_blocks
@@ -118,6 +121,9 @@ class ExecutorConfig:
         "help": "Compiled structured-output grammars kept for reuse (least recently used go first)."})
     grammar_compile_threads: int = field(default=1, metadata={
         "help": "Threads compiling structured-output grammars (off the step loop, scheduled SCHED_IDLE)."})
+    max_loras: int = field(default=4, metadata={
+        "help": "LoRA adapters resident at once in the adapter pool (an engine built with lora_target_modules); "
+                "more can be loaded: they swap in, least recently used out, between steps."})
 
     def __post_init__(self) -> None:
         c = FieldChecks()
@@ -131,6 +137,7 @@ class ExecutorConfig:
         self.metrics_window = c.integer("metrics_window", self.metrics_window, 1)
         self.grammar_cache_size = c.integer("grammar_cache_size", self.grammar_cache_size, 1)
         self.grammar_compile_threads = c.integer("grammar_compile_threads", self.grammar_compile_threads, 1)
+        self.max_loras = c.integer("max_loras", self.max_loras, 1)
         if c.problems:
             raise ConfigError("invalid ExecutorConfig: " + "; ".join(c.problems))
 
@@ -142,6 +149,7 @@ class CheckedRequest(NamedTuple):
     params: SamplingParams
     max_tokens: int
     priority: int
+    adapter: LoraAdapter | None = None
 
 
 @dataclass(frozen=True)
@@ -200,12 +208,20 @@ class Executor:
         self.vocab_size = model.vocab_size
         self.eos_token_ids = tuple(engine.config.tokenizer.eos_token_ids)
 
-        self.limits = limits = resolve_serving_limits(b, engine.kv_bytes_per_token, config)
+        layout = getattr(engine.config, "lora", None)
+        lora_bytes = config.max_loras * layout.slot_bytes(engine.config.torch_dtype) if layout is not None else 0
+        available = None   # the adapter pool (allocated below, untouched until filled) comes out of the KV share
+        if lora_bytes and config.kv_cache_memory_fraction is not None:
+            available = max(0, available_memory_bytes() - lora_bytes)
+        self.limits = limits = resolve_serving_limits(b, engine.kv_bytes_per_token, config, available)
         sched_config = SchedulerConfig(limits.max_batch_size, limits.max_num_tokens, b.max_seq_len, b.max_input_len,
                                        config.capacity_policy)
         num_blocks = limits.num_blocks
         logger.info(limits.kv_plan)
         self.kv_plan = limits.kv_plan
+        if lora_bytes:
+            self.kv_plan += (f"; LoRA adapter pool: {config.max_loras} slots x "
+                             f"{lora_bytes // config.max_loras / 2**20:.1f} MiB")
         # zeroed by the step loop (_loop), not here: zeroing a large pool is a 2-thread OpenMP loop, and a
         # process whose main thread has run one has two OpenMP thread teams on these cores; libgomp then
         # stops spinning between parallel regions (more of its threads than CPUs), and every region of the
@@ -213,7 +229,13 @@ class Executor:
         # ms a step when the loop's thread is the only one with a team, 12.2-15 ms otherwise)
         self.kv_cache = engine.allocate_kv_cache(num_blocks, zeroed=False)
         self.kv = KVCacheManager(num_blocks, self.block_size, config.enable_prefix_reuse, model.sliding_window)
-        self.scheduler = Scheduler(sched_config, self.kv)
+        self.adapters: AdapterRegistry | None = None   # loaded LoRA adapters by name (an engine that takes them)
+        self.adapter_pool: AdapterPool | None = None   # their resident slots (the step loop's)
+        if layout is not None:
+            self.adapters = AdapterRegistry(layout, engine.config.torch_dtype)
+            # not zeroed: a slot is read only by tokens of the adapter written into it (whole rows)
+            self.adapter_pool = AdapterPool(engine.allocate_lora_pool(config.max_loras, zeroed=False))
+        self.scheduler = Scheduler(sched_config, self.kv, self.adapter_pool)
         self.sampler = Sampler(self.vocab_size, config.seed)
         self.metrics = RuntimeMetrics(config.metrics_window)
         self.metrics.gauges["kv_blocks_total"] = num_blocks
@@ -250,18 +272,20 @@ class Executor:
         return self._thread is threading.current_thread()
 
     def validate(self, prompt: Any, params: SamplingParams | None = None, *, priority: Any = 0,
-                 request_id: Any = None, callback: Any = None, arrival_time: Any = None) -> CheckedRequest:
+                 request_id: Any = None, callback: Any = None, arrival_time: Any = None,
+                 lora: Any = None) -> CheckedRequest:
         """Check one request in the caller's thread: its token ids (see ``kiln.runtime.prompts``), every
         SamplingParams field again (it may have changed since construction) and the engine's limits, the
-        priority, id, callback and arrival time. Returns the normalised request; raises InvalidRequestError
+        priority, id, callback and arrival time, and the LoRA adapter it names (``lora``: a loaded adapter's name,
+        None for the base model). Returns the normalised request; raises InvalidRequestError
         or ConfigError (both ValueErrors, counted as rejected). Nothing is queued."""
         try:
-            return self._check(prompt, params, priority, request_id, callback, arrival_time)
+            return self._check(prompt, params, priority, request_id, callback, arrival_time, lora)
         except (InvalidRequestError, ConfigError):
             self.metrics.incr("requests_rejected")
             raise
 
-    def _check(self, prompt, params, priority, request_id, callback, arrival_time) -> CheckedRequest:
+    def _check(self, prompt, params, priority, request_id, callback, arrival_time, lora) -> CheckedRequest:
         ids = checked_token_ids(prompt)
         params = SamplingParams() if params is None else params
         if not isinstance(params, SamplingParams):
@@ -287,8 +311,21 @@ class Executor:
             raise InvalidRequestError(f"callback must be callable, got {type(callback).__name__}")
         if arrival_time is not None and not (isinstance(arrival_time, numbers.Real) and math.isfinite(arrival_time)):
             raise InvalidRequestError(f"arrival_time must be a finite number (time.monotonic()), got {arrival_time!r}")
+        adapter = self._adapter(lora)
         max_tokens = self.scheduler.resolve_max_tokens(len(ids), params.max_tokens)
-        return CheckedRequest(ids, params, max_tokens, int(priority))
+        return CheckedRequest(ids, params, max_tokens, int(priority), adapter)
+
+    def _adapter(self, lora: Any) -> LoraAdapter | None:
+        """The loaded adapter a request names (InvalidRequestError for an unknown name, or any name on an engine
+        without adapters)."""
+        if lora is None:
+            return None
+        if not isinstance(lora, str):
+            raise InvalidRequestError(f"lora must be a loaded LoRA adapter's name (str) or None, got {lora!r:.40}")
+        if self.adapters is None:
+            raise InvalidRequestError(f"lora={lora!r}: this engine takes no LoRA adapters; rebuild it with "
+                                      "--lora-target-modules")
+        return self.adapters.get(lora)
 
     def grammar_compiler(self) -> GrammarCompiler:
         """The structured-output grammar compiler over this engine's vocabulary (made on first use: it needs
@@ -305,12 +342,13 @@ class Executor:
 
     def submit(self, prompt_token_ids: Any, params: SamplingParams | None = None, *,
                request_id: str | None = None, priority: int = 0, prompt: str | None = None,
-               callback: Callable[[RequestOutput], None] | None = None, arrival_time: float | None = None) -> str:
+               callback: Callable[[RequestOutput], None] | None = None, arrival_time: float | None = None,
+               lora: str | None = None) -> str:
         """Queue a request (token ids, any form :func:`kiln.runtime.prompts.prompt_token_ids` accepts); returns
         its id. ``callback`` receives a RequestOutput after every step that changed it (from the step-loop
-        thread; keep it short) and once more when it finishes."""
+        thread; keep it short) and once more when it finishes. ``lora``: a loaded adapter's name."""
         checked = self.validate(prompt_token_ids, params, priority=priority, request_id=request_id,
-                                callback=callback, arrival_time=arrival_time)
+                                callback=callback, arrival_time=arrival_time, lora=lora)
         engine_failure = self.engine.failure   # a tensor-parallel rank died while idle
         if engine_failure is not None:
             self.metrics.incr("requests_rejected")
@@ -329,7 +367,7 @@ class Executor:
                 raise InvalidRequestError(f"request id {request_id!r} is already in use")
             req = Request(request_id, checked.token_ids, checked.params, checked.max_tokens,
                           priority=checked.priority, arrival_time=arrival_time, seq=next(self._seq), prompt=prompt,
-                          eos_token_ids=self.eos_token_ids)
+                          eos_token_ids=self.eos_token_ids, adapter=checked.adapter)
             self._streams[request_id] = OutputStream.open(req, self.tokenizer, callback)
             self._requests[request_id] = req
             self._live.add(request_id)
@@ -374,6 +412,8 @@ class Executor:
             "enable_prefix_reuse": self.kv.enable_prefix_reuse,
             "tokens_per_block": self.block_size,
         }
+        if self.adapter_pool is not None:
+            snap["lora"] = {"loaded": self.adapters.names(), **self.adapter_pool.stats()}
         return snap
 
     @property
@@ -547,9 +587,11 @@ class Executor:
     def _pack(self, out: SchedulerOutput) -> tuple[dict[str, torch.Tensor], list[int]]:
         """Contract inputs for the scheduled tokens; also which scheduled entries produce logits."""
         chunks = [SeqChunk(s.request.all_token_ids[s.start:s.start + s.num_new_tokens], s.start,
-                           self.kv.block_table(s.request.request_id), 1 if s.samples else 0) for s in out.scheduled]
+                           self.kv.block_table(s.request.request_id), 1 if s.samples else 0, s.request.lora_slot)
+                  for s in out.scheduled]
         rows = [i for i, s in enumerate(out.scheduled) if s.samples]
-        return pack_inputs(chunks, self.kv_cache, self.block_size), rows
+        pool = self.adapter_pool.weights if self.adapter_pool is not None else None
+        return pack_inputs(chunks, self.kv_cache, self.block_size, lora_weights=pool), rows
 
     def _emit_outputs(self, new_tokens: list[tuple[Request, int]], logprobs: list) -> None:
         """Token times, logprobs and text of each new token; the stop rules end requests through the

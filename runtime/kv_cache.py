@@ -45,9 +45,10 @@ def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
-def hash_block(parent: bytes | None, tokens: list[int]) -> bytes:
-    """Hash of one full block: chained over the parent block's hash, so it names the whole prefix."""
-    h = hashlib.blake2b(parent or _ROOT_HASH, digest_size=16)
+def hash_block(parent: bytes | None, tokens: list[int], salt: bytes | None = None) -> bytes:
+    """Hash of one full block: chained over the parent block's hash, so it names the whole prefix. The first
+    block's chain starts from ``salt`` when given (a LoRA adapter: its KV differs for the same tokens)."""
+    h = hashlib.blake2b(parent or (_ROOT_HASH + salt if salt else _ROOT_HASH), digest_size=16)
     h.update(array("q", tokens).tobytes())
     return h.digest()
 
@@ -139,7 +140,7 @@ class KVCacheManager:
         hashes, bs, toks = request.block_hashes, self.block_size, request.all_token_ids
         while len(hashes) < num_blocks:
             i = len(hashes)
-            hashes.append(hash_block(hashes[-1] if hashes else None, toks[i * bs:(i + 1) * bs]))
+            hashes.append(hash_block(hashes[-1] if hashes else None, toks[i * bs:(i + 1) * bs], request.cache_salt))
 
     def get_computed_blocks(self, request: Request) -> list[int]:
         """Blocks holding the longest cached prefix of a request that holds no blocks yet (nothing is taken).

@@ -15,6 +15,11 @@ never be served, ``ConfigError`` (a ValueError) for invalid SamplingParams or op
 steps (the LLM serves on), ``ExecutorClosedError`` (a RuntimeError) after ``shutdown``/``close`` or when the
 step loop stopped (``llm.executor.failure`` says why).
 
+LoRA adapters (an engine built with ``--lora-target-modules``): ``LLM(engine, lora_modules={"name": "path"},
+max_loras=4)`` loads PEFT adapter directories; ``load_lora(name, path)`` / ``unload_lora(name)`` at any time;
+``generate(prompts, params, lora="name" | [name or None per prompt])``, and ``lora=`` on ``submit``, ``stream``
+and ``generate_async``. ``AdapterLoadError`` names what an adapter the engine cannot serve gets wrong.
+
 Prompts: text, or token ids as a list/tuple of Python or numpy integers or a 1-D integer numpy array or torch
 tensor, the same in every method (``kiln.runtime.prompts``); anything else is refused at submission.
 Exiting the interpreter, or dropping the LLM, without ``shutdown()`` stops the step loop cleanly.
@@ -50,9 +55,11 @@ if TYPE_CHECKING:
 
 
 class LLM:
-    def __init__(self, engine, tokenizer=None, *, config: ExecutorConfig | None = None, **options):
+    def __init__(self, engine, tokenizer=None, *, config: ExecutorConfig | None = None,
+                 lora_modules: dict[str, str | Path] | None = None, **options):
         """``engine``: an engine directory, or an already loaded ``Engine`` (shared, e.g. by tests; its owner
         closes it). Serving options: an ``ExecutorConfig`` as ``config``, or its fields as keywords.
+        ``lora_modules``: LoRA adapters to load, name -> PEFT adapter directory.
         A tensor-parallel engine directory starts its other ranks (see ``kiln.runtime.tensor_parallel``)."""
         check_option_names(options, self.option_names(), type(self).__name__)
         if config is not None and options:
@@ -67,7 +74,11 @@ class LLM:
         try:
             self.tokenizer = tokenizer if tokenizer is not None else load_tokenizer(engine.directory)
             self.executor = Executor(engine, config, tokenizer=self.tokenizer)
+            for name, path in (lora_modules or {}).items():
+                self.load_lora(name, path)
         except BaseException:
+            if hasattr(self, "executor"):
+                self.executor.close()
             if self._owns_engine:
                 engine.close()
             raise
@@ -80,7 +91,7 @@ class LLM:
     def option_names(cls) -> list[str]:
         """Every keyword this constructor takes: its own and ExecutorConfig's fields (what an unknown one is
         checked against)."""
-        return ["tokenizer", "config", *option_names(ExecutorConfig)]
+        return ["tokenizer", "config", "lora_modules", *option_names(ExecutorConfig)]
 
     # ---- helpers --------------------------------------------------------------------------------------
     def encode(self, prompt: Prompt) -> tuple[list[int], str | None]:
@@ -108,21 +119,43 @@ class LLM:
     def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return self.tokenizer.decode(list(token_ids), skip_special_tokens=skip_special_tokens)
 
+    # ---- LoRA adapters --------------------------------------------------------------------------------
+    def _adapters(self):
+        if self.executor.adapters is None:
+            raise ConfigError("this engine takes no LoRA adapters; rebuild it with --lora-target-modules (and "
+                              "--max-lora-rank)")
+        return self.executor.adapters
+
+    def load_lora(self, name: str, path: str | Path) -> None:
+        """Read the PEFT adapter directory ``path`` (in this thread: the step loop serves on) and serve it as
+        ``name``; AdapterLoadError names what the engine cannot serve (rank, modules, shapes, files)."""
+        self._adapters().load(name, path)
+
+    def unload_lora(self, name: str) -> None:
+        """Stop serving ``name``: new requests naming it are refused; those already running finish with it."""
+        self._adapters().unload(name)
+
+    def lora_names(self) -> list[str]:
+        """The loaded adapters' names (empty for an engine without adapters)."""
+        return [] if self.executor.adapters is None else self.executor.adapters.names()
+
     # ---- API ------------------------------------------------------------------------------------------
     def submit(self, prompt: Prompt, params: SamplingParams | None = None, *, request_id: str | None = None,
-               priority: int = 0, callback=None) -> str:
+               priority: int = 0, callback=None, lora: str | None = None) -> str:
         ids, text = self._encode_request(prompt)
         return self.executor.submit(ids, params, request_id=request_id, priority=priority, prompt=text,
-                                    callback=callback)
+                                    callback=callback, lora=lora)
 
     def generate(self, prompts: Prompt | Sequence[Prompt],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 *, priority: int | Sequence[int] = 0, timeout: float | None = None) -> list[RequestOutput]:
+                 *, priority: int | Sequence[int] = 0, timeout: float | None = None,
+                 lora: str | None | Sequence[str | None] = None) -> list[RequestOutput]:
         """Run every prompt concurrently; the final RequestOutputs in input order.
 
         A prompt is a string or token ids (a list of ints, a 1-D integer array or tensor); a single prompt may
-        be passed bare. Every request is checked before any is queued: if one is invalid, none runs and its
-        InvalidRequestError (or ConfigError) is raised. On any exception while waiting (a timeout, Ctrl-C),
+        be passed bare. ``lora``: one adapter name (or None) for all prompts, or one per prompt. Every request
+        is checked before any is queued: if one is invalid, none runs and its InvalidRequestError
+        (or ConfigError) is raised. On any exception while waiting (a timeout, Ctrl-C),
         this call's requests are aborted before it propagates. Requests the engine failed raise
         RequestFailedError (``outputs`` keeps every result); ExecutorClosedError if the step loop stopped.
         """
@@ -137,11 +170,13 @@ class LLM:
         n = len(prompts)
         params = list(sampling_params) if isinstance(sampling_params, (list, tuple)) else [sampling_params] * n
         prios = list(priority) if isinstance(priority, (list, tuple)) else [priority] * n
-        if len(params) != n or len(prios) != n:
-            raise InvalidRequestError(f"{n} prompts but {len(params)} sampling params and {len(prios)} priorities")
+        loras = list(lora) if isinstance(lora, (list, tuple)) else [lora] * n
+        if len(params) != n or len(prios) != n or len(loras) != n:
+            raise InvalidRequestError(f"{n} prompts but {len(params)} sampling params, {len(prios)} priorities and "
+                                      f"{len(loras)} LoRA adapter names")
         encoded = [self._encode_request(p) for p in prompts]
-        for (ids, _), sp, prio in zip(encoded, params, prios):
-            self.executor.validate(ids, sp, priority=prio)
+        for (ids, _), sp, prio, name in zip(encoded, params, prios, loras):
+            self.executor.validate(ids, sp, priority=prio, lora=name)
         results: list[RequestOutput | None] = [None] * n
         done = threading.Event()
         remaining = [n]
@@ -161,7 +196,7 @@ class LLM:
         try:
             for i, ((ids, text), sp) in enumerate(zip(encoded, params)):
                 ids_submitted.append(self.executor.submit(ids, sp, priority=prios[i], prompt=text,
-                                                          callback=on_output(i)))
+                                                          callback=on_output(i), lora=loras[i]))
             if n and not done.wait(timeout):
                 raise TimeoutError(f"generate did not finish within {timeout} s; its requests were aborted")
         except BaseException:   # KeyboardInterrupt included: nothing of this call is left running
@@ -176,7 +211,8 @@ class LLM:
         return results
 
     async def generate_async(self, prompt: Prompt, sampling_params: SamplingParams | None = None, *,
-                             request_id: str | None = None, priority: int = 0) -> AsyncIterator[RequestOutput]:
+                             request_id: str | None = None, priority: int = 0,
+                             lora: str | None = None) -> AsyncIterator[RequestOutput]:
         """Incremental outputs of one request (each with ``delta_text`` / ``delta_token_ids``); the last one
         has ``finish_reason`` set. Closing or cancelling the iterator aborts the request."""
         loop = asyncio.get_running_loop()
@@ -188,7 +224,7 @@ class LLM:
             except RuntimeError:  # the consumer's event loop is gone (it stopped listening); nothing to deliver
                 pass
 
-        rid = self.submit(prompt, sampling_params, request_id=request_id, priority=priority, callback=cb)
+        rid = self.submit(prompt, sampling_params, request_id=request_id, priority=priority, callback=cb, lora=lora)
         finished = False
         try:
             while True:
@@ -203,12 +239,13 @@ class LLM:
                 self.executor.abort(rid)
 
     def stream(self, prompt: Prompt, sampling_params: SamplingParams | None = None, *,
-               request_id: str | None = None, priority: int = 0) -> Iterator[RequestOutput]:
+               request_id: str | None = None, priority: int = 0, lora: str | None = None) -> Iterator[RequestOutput]:
         """Blocking iterator of incremental outputs (the thread-based twin of ``generate_async``);
         leaving it early aborts the request."""
         self._not_in_loop_thread("stream")
         q: queue.SimpleQueue[RequestOutput] = queue.SimpleQueue()
-        rid = self.submit(prompt, sampling_params, request_id=request_id, priority=priority, callback=q.put)
+        rid = self.submit(prompt, sampling_params, request_id=request_id, priority=priority, callback=q.put,
+                          lora=lora)
         finished = False
         try:
             while not finished:

@@ -4,6 +4,8 @@ The scheduler writes progress (``num_computed_tokens``), ``status``, the generat
 reason; the KV cache manager extends ``block_hashes`` (its blocks live in the manager, by request id);
 the sampler owns ``generator``; the executor appends ``logprobs`` and attaches ``grammar`` (the matcher of a
 request with ``structured_output``, once its grammar is compiled; it advances on each generated token).
+``adapter`` (a LoRA adapter, set at submission) salts the prefix-cache hash chain (``cache_salt``); the
+scheduler writes ``lora_slot`` (the adapter pool slot the request holds while it runs).
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ from __future__ import annotations
 import enum
 import time
 
+from kiln.contract import NO_ADAPTER
 from kiln.runtime.outputs import RequestMetrics
 from kiln.runtime.sampling_params import SamplingParams
 
@@ -37,11 +40,12 @@ class Request:
         "request_id", "prompt", "prompt_token_ids", "output_token_ids", "all_token_ids", "params", "priority",
         "arrival_time", "seq", "status", "num_computed_tokens", "block_hashes", "max_tokens",
         "metrics", "stop_reason", "logprobs", "generator", "num_prompt_tokens", "eos_token_ids", "grammar",
+        "adapter", "cache_salt", "lora_slot",
     )
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, max_tokens: int,
                  priority: int = 0, arrival_time: float | None = None, seq: int = 0, prompt: str | None = None,
-                 eos_token_ids: tuple[int, ...] = ()):
+                 eos_token_ids: tuple[int, ...] = (), adapter=None):
         self.request_id = request_id
         self.prompt = prompt
         self.prompt_token_ids = list(prompt_token_ids)
@@ -62,6 +66,10 @@ class Request:
         self.generator = None
         self.eos_token_ids = eos_token_ids
         self.grammar = None   # kiln.runtime.grammar.RequestGrammar of a structured-output request
+        self.adapter = adapter              # kiln.runtime.adapters.LoraAdapter, or None: the base model
+        # the same tokens under another adapter (or another load of it) have other KV: never shared
+        self.cache_salt: bytes | None = None if adapter is None else b"lora:%d" % adapter.adapter_id
+        self.lora_slot = NO_ADAPTER
 
     @property
     def num_tokens(self) -> int:

@@ -28,6 +28,11 @@ Capacity policies:
   of lower priority than it, lowest priority and latest arrival first, until it fits; running requests of
   lower priority than it are served after it in the step, so they are still preemptable. A preempted
   request's blocks are freed and it waits to be recomputed (its prefix may still be cached).
+
+LoRA adapters (an engine that takes them): a request of an adapter holds a slot of the adapter pool while it
+runs (acquired at admission, released when it is preempted or ends). A waiting request whose adapter finds
+no slot (every slot holds an adapter some running request uses) waits at the head of the queue, as it does
+for blocks; the pool's LRU swap happens at admission, between steps, never under a running request.
 """
 
 from __future__ import annotations
@@ -38,7 +43,8 @@ import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from kiln.contract import InvalidRequestError
+from kiln.contract import NO_ADAPTER, InvalidRequestError
+from kiln.runtime.adapters import AdapterPool
 from kiln.runtime.kv_cache import KVCacheManager, cdiv
 from kiln.runtime.request import Request, RequestStatus
 
@@ -97,9 +103,10 @@ class _Step:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, kv: KVCacheManager):
+    def __init__(self, config: SchedulerConfig, kv: KVCacheManager, adapters: AdapterPool | None = None):
         self.config = config
         self.kv = kv
+        self.adapters = adapters   # the adapter pool's slots (an engine that takes LoRA adapters), or None
         self.block_size = kv.block_size
         self.waiting: list[Request] = []     # sorted by order_key
         self.running: list[Request] = []
@@ -176,6 +183,7 @@ class Scheduler:
                 continue
             (self.running if req.status is RequestStatus.RUNNING else self.waiting).remove(req)
             self.kv.free(req)
+            self._release_adapter(req)
             req.status = status
             req.stop_reason = stop_reason
             req.metrics.finished_time = now
@@ -185,6 +193,7 @@ class Scheduler:
     def _preempt(self, request: Request, out: SchedulerOutput) -> None:
         self.running.remove(request)
         self.kv.free(request)
+        self._release_adapter(request)
         request.num_computed_tokens = 0
         request.status = RequestStatus.PREEMPTED
         request.metrics.num_preemptions += 1
@@ -192,6 +201,14 @@ class Scheduler:
         out.preempted.append(request)
         self._enqueue(request)
         logger.debug("preempted %s", request.request_id)
+
+    def _release_adapter(self, request: Request) -> None:
+        if request.lora_slot != NO_ADAPTER:
+            self.adapters.release(request.lora_slot)
+            request.lora_slot = NO_ADAPTER
+
+    def _adapter_fits(self, request: Request) -> bool:
+        return request.adapter is None or self.adapters.can_acquire(request.adapter)
 
     def _reserved_blocks(self) -> int:
         """Blocks running requests may still claim (guaranteed_no_evict's promise to them)."""
@@ -265,6 +282,8 @@ class Scheduler:
                 # the pool must also hold the rest of this request and what running requests may claim
                 rest = self.blocks_for_request(req.num_prompt_tokens, req.max_tokens) - cdiv(start + n, bs)
                 keep_free = self._reserved_blocks() + rest
+            if not self._adapter_fits(req):
+                break   # every adapter slot is in use by running requests: it waits for one to end
             if not (len(self.running) < c.max_batch_size and kv.allocate_slots(req, n, hits, keep_free)):
                 victims = [r for r in self.running if r.priority < req.priority and r.request_id not in step.scheduled]
                 if c.capacity_policy != "max_utilization" or not victims:
@@ -272,6 +291,8 @@ class Scheduler:
                 self._preempt(max(victims, key=lambda r: r.order_key), step.out)
                 continue
             self.waiting.pop(0)
+            if req.adapter is not None:
+                req.lora_slot = self.adapters.acquire(req.adapter)
             req.status = RequestStatus.RUNNING
             req.num_computed_tokens = start
             if req.metrics.first_scheduled_time is None:

@@ -8,8 +8,11 @@ from collections.abc import Callable, Iterable
 import torch
 from torch import fx
 
+import kiln.plugins.lora  # noqa: F401  (registers kiln::lora)
+
 aten = torch.ops.aten
 LINEAR = aten.linear.default
+LORA = torch.ops.kiln.lora.default
 
 
 def attr(gm: fx.GraphModule, target: str) -> torch.Tensor:
@@ -89,12 +92,14 @@ def weights_bytes(gm: torch.nn.Module) -> int:
 
 def merge_sibling_linears(
     gm: fx.GraphModule, groups: Iterable[list[fx.Node]], fused_name: Callable[[list[fx.Node]], str]
-) -> int:
+) -> tuple[int, int]:
     """Replace each group of linears on the same input by one linear on concatenated weights + slices.
 
-    Returns the number of groups merged.
+    Adapters (``kiln::lora`` on the linears' outputs) stay right: each reads its slice of the fused output;
+    then :func:`merge_lora` makes them one op on the fused output. Returns the number of groups merged, and of
+    those whose adapters were merged too.
     """
-    merged = 0
+    merged = lora_merged = 0
     for group in groups:
         if len(group) < 2:
             continue
@@ -112,6 +117,7 @@ def merge_sibling_linears(
         if biases[0] is not None:
             b = torch.cat([attr(gm, bn.target) for bn in biases], 0)
             b_node = add_weight(gm, fused_name(group) + "_bias", b, anchor)
+        parts = []
         with gm.graph.inserting_before(anchor):
             fused = gm.graph.call_function(LINEAR, (x, w_node, b_node) if b_node is not None else (x, w_node))
             start = 0
@@ -119,11 +125,52 @@ def merge_sibling_linears(
                 end = start + w.shape[0]
                 part = gm.graph.call_function(aten.slice.Tensor, (fused, -1, start, end))
                 node.replace_all_uses_with(part)
+                parts.append(part)
                 start = end
         for node in group:
             gm.graph.erase_node(node)
+        lora_merged += merge_lora(gm, fused, parts)
         merged += 1
-    return merged
+    return merged, lora_merged
+
+
+def is_lora(node: fx.Node) -> bool:
+    return node.op == "call_function" and node.target is LORA
+
+
+def merge_lora(gm: fx.GraphModule, fused: fx.Node, parts: list[fx.Node]) -> bool:
+    """The adapters of a merged GEMM's parts (``kiln::lora`` on each slice of ``fused``) -> one ``kiln::lora``
+    on ``fused`` whose segments are theirs at their slices' columns; the slices then read its output (the
+    columns of a part without an adapter are unchanged by it). Only when every adapted slice feeds nothing
+    but its adapter, and the adapters share x, slots, pool and rank. Returns whether it merged."""
+    loras = {}
+    for part in parts:
+        users = [u for u in part.users if is_lora(u) and u.args[0] is part]
+        if users:
+            if len(part.users) != 1:
+                return False
+            loras[part] = users[0]
+    if not loras:
+        return False
+    shared = {tuple(u.args[1:4]) + (u.args[5],) for u in loras.values()}
+    if len(shared) != 1:
+        return False
+    x, slots, weights, rank = next(iter(shared))
+    segments: list[int] = []
+    for part, u in loras.items():
+        start = part.args[2]
+        seg = list(u.args[4])
+        for i in range(0, len(seg), 5):
+            segments += [seg[i], seg[i + 1], seg[i + 2], seg[i + 3] + start, seg[i + 4]]
+    with gm.graph.inserting_after(fused):
+        adapted = gm.graph.call_function(LORA, (fused, x, slots, weights, segments, rank))
+    adapted.meta.update(fused.meta)
+    for part in parts:
+        part.args = (adapted, *part.args[1:])
+    for part, u in loras.items():
+        u.replace_all_uses_with(part)
+        gm.graph.erase_node(u)
+    return True
 
 
 def _index(gm: fx.GraphModule, node: fx.Node) -> int:

@@ -14,6 +14,6 @@ SUFFIXES = ("gate_proj.weight", "up_proj.weight")
 def run(gm: fx.GraphModule, ctx=None) -> dict:
     before = count_gemms(gm)
     groups = sibling_groups(gm, SUFFIXES)
-    merged = merge_sibling_linears(gm, groups,
+    merged, adapters = merge_sibling_linears(gm, groups,
                                    lambda g: g[0].args[1].target.replace("gate_proj.weight", "gate_up_proj"))
-    return {"merged": merged, "gemms_before": before, "gemms_after": count_gemms(gm)}
+    return {"merged": merged, "adapters_merged": adapters, "gemms_before": before, "gemms_after": count_gemms(gm)}

@@ -14,5 +14,6 @@ SUFFIXES = ("q_proj.weight", "k_proj.weight", "v_proj.weight")
 def run(gm: fx.GraphModule, ctx=None) -> dict:
     before = count_gemms(gm)
     groups = sibling_groups(gm, SUFFIXES)
-    merged = merge_sibling_linears(gm, groups, lambda g: g[0].args[1].target.replace("q_proj.weight", "qkv_proj"))
-    return {"merged": merged, "gemms_before": before, "gemms_after": count_gemms(gm)}
+    merged, adapters = merge_sibling_linears(gm, groups,
+                                             lambda g: g[0].args[1].target.replace("q_proj.weight", "qkv_proj"))
+    return {"merged": merged, "adapters_merged": adapters, "gemms_before": before, "gemms_after": count_gemms(gm)}

@@ -5,10 +5,16 @@ that every malformed request (bad JSON included) gets OpenAI's error object with
 A body over ``MAX_REQUEST_BYTES`` gets 413 (by its Content-Length, before it is read, when it declares one); a
 large one is parsed in the prompt workers, off the event loop. There is no /docs page (FastAPI's loads Swagger
 UI from a CDN): the API is OpenAI's.
+
+LoRA adapters (an engine built with lora_target_modules): ``/v1/models`` lists each loaded adapter with the
+served model as its ``parent``; a request's ``model`` may name one (its tokens come from that adapter). With
+``enable_lora_runtime_loading``, ``/v1/load_lora_adapter`` and ``/v1/unload_lora_adapter`` (vLLM's bodies)
+load and unload adapters while serving; without it they answer 404.
 """
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import json
 import logging
@@ -23,22 +29,32 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, G
 from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect, Request
-from starlette.responses import JSONResponse, Response
+from starlette.responses import JSONResponse, PlainTextResponse, Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from kiln.contract import AdapterLoadError, ConfigError, InvalidRequestError
 from kiln.serving.chat_template import ChatTemplate
 from kiln.serving.metrics import RuntimeCollector
 from kiln.serving.openai.chat import check_raw_chat, create_chat_completion
 from kiln.serving.openai.completions import check_raw_completion, create_completion
 from kiln.serving.openai.generation import ClientGone, Overloaded, RuntimeRefused, ServingState, ShuttingDown
-from kiln.serving.openai.protocol import ChatCompletionRequest, CompletionRequest, FieldError, ModelCard, ModelList
+from kiln.serving.openai.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    FieldError,
+    LoadLoraAdapterRequest,
+    ModelCard,
+    ModelList,
+    UnloadLoraAdapterRequest,
+)
 from kiln.serving.openai.responses import error_response
 from kiln.serving.openai.tool_parsers import detect_parser
 from kiln.serving.prompt_bounds import MAX_REQUEST_BYTES
 from kiln.serving.prompt_workers import Busy, PromptWorkers
 
 logger = logging.getLogger("kiln.serving")
-ROUTES = ("/v1/models", "/v1/completions", "/v1/chat/completions", "/health", "/metrics", "/version")
+ROUTES = ("/v1/models", "/v1/completions", "/v1/chat/completions", "/v1/load_lora_adapter", "/v1/unload_lora_adapter",
+          "/health", "/metrics", "/version")
 
 
 def kiln_version() -> str:
@@ -185,7 +201,8 @@ class Gate:
 
 def create_app(llm, *, model_name: str, api_key: str | None = None, max_waiting: int = 256,
                chat_template: ChatTemplate | None = None, tool_call_parser: str | None = None,
-               metrics_require_key: bool = False, prompt_workers: int = 1) -> FastAPI:
+               metrics_require_key: bool = False, prompt_workers: int = 1,
+               enable_lora_runtime_loading: bool = False) -> FastAPI:
     """The OpenAI-compatible app over one ``LLM`` (which the caller starts and shuts down; ``app.state.serving``
     is shut down with it). ``tool_call_parser``: how ``tool_choice="auto"`` finds tool calls in answers (default:
     the one the chat template's format needs)."""
@@ -247,38 +264,81 @@ def create_app(llm, *, model_name: str, api_key: str | None = None, max_waiting:
         logger.exception("unexpected error serving %s", request.url.path)
         return error_response(500, f"internal server error ({type(exc).__name__}); see the server log")
 
-    def check_model(name: str | None) -> None:
-        if name is not None and name != model_name:
-            raise ModelNotFound(name)
+    def resolve_model(name: str | None) -> str | None:
+        """The LoRA adapter a request's model names (None: the base model); ModelNotFound for any other name."""
+        if name is None or name == model_name:
+            return None
+        if name in llm.lora_names():
+            return name
+        raise ModelNotFound(name)
 
     @app.exception_handler(ModelNotFound)
     async def _model_not_found(request: Request, exc: ModelNotFound):
+        adapters = f" and the LoRA adapters {llm.lora_names()}" if llm.lora_names() else ""
         return error_response(404, f"the model {exc.args[0]!r} does not exist here; this server serves "
-                                   f"{model_name!r} (GET /v1/models)", param="model", code="model_not_found")
+                                   f"{model_name!r}{adapters} (GET /v1/models)", param="model",
+                              code="model_not_found")
 
     card = ModelCard(id=model_name, created=created, max_model_len=state.limits.max_seq_len)
+    adapter_cards: dict[str, ModelCard] = {}
+
+    def cards() -> list[ModelCard]:
+        adapters = llm.executor.adapters
+        out = [card]
+        for adapter in adapters.adapters() if adapters is not None else []:
+            known = adapter_cards.get(adapter.name)
+            if known is None or known.root != adapter.path:
+                known = adapter_cards[adapter.name] = ModelCard(id=adapter.name, created=int(time.time()),
+                                                                max_model_len=card.max_model_len, root=adapter.path,
+                                                                parent=model_name)
+            out.append(known)
+        return out
 
     @app.get("/v1/models")
     async def list_models() -> JSONResponse:
-        return JSONResponse(ModelList(data=[card]).model_dump())
+        return JSONResponse(ModelList(data=cards()).model_dump())
 
     @app.get("/v1/models/{model_id:path}")
     async def get_model(model_id: str) -> JSONResponse:
-        check_model(model_id)
-        return JSONResponse(card.model_dump())
+        for c in cards():
+            if c.id == model_id:
+                return JSONResponse(c.model_dump())
+        raise ModelNotFound(model_id)
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
         body = await read_body(request, CompletionRequest, state.workers, lambda raw: check_raw_completion(raw, state))
-        check_model(body.model)
-        return await create_completion(body, request, state, model_name, fingerprint)
+        lora = resolve_model(body.model)
+        return await create_completion(body, request, state, lora or model_name, fingerprint, lora)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
         body = await read_body(request, ChatCompletionRequest, state.workers, lambda raw: check_raw_chat(raw, state))
-        check_model(body.model)
-        return await create_chat_completion(body, request, state, model_name, fingerprint, chat_template,
-                                            tool_call_parser)
+        lora = resolve_model(body.model)
+        return await create_chat_completion(body, request, state, lora or model_name, fingerprint, chat_template,
+                                            tool_call_parser, lora)
+
+    if enable_lora_runtime_loading:
+        @app.post("/v1/load_lora_adapter")
+        async def load_lora_adapter(request: Request) -> Response:
+            body = await read_body(request, LoadLoraAdapterRequest, state.workers)
+            if body.lora_name == model_name:
+                raise FieldError("lora_name", f"{body.lora_name!r} is the served model's name; pick another")
+            try:   # reading and converting take a while: off the event loop
+                await asyncio.to_thread(llm.load_lora, body.lora_name, body.lora_path)
+            except (AdapterLoadError, ConfigError) as exc:
+                raise FieldError("lora_path" if isinstance(exc, AdapterLoadError) and "already loaded" not in str(exc)
+                                 else "lora_name", str(exc)) from None
+            return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' added successfully.")
+
+        @app.post("/v1/unload_lora_adapter")
+        async def unload_lora_adapter(request: Request) -> Response:
+            body = await read_body(request, UnloadLoraAdapterRequest, state.workers)
+            try:
+                llm.unload_lora(body.lora_name)
+            except (InvalidRequestError, ConfigError) as exc:
+                raise FieldError("lora_name", str(exc)) from None
+            return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' removed successfully.")
 
     @app.get("/health")
     async def health() -> JSONResponse:

@@ -161,7 +161,7 @@ def finish_reason(reason: str, parser: ToolParser | None) -> str:
 
 async def create_chat_completion(body: ChatCompletionRequest, request: Request, state: ServingState, model: str,
                                  fingerprint: str, template: ChatTemplate | None,
-                                 tool_call_parser: str | None = None) -> Response:
+                                 tool_call_parser: str | None = None, lora: str | None = None) -> Response:
     size = check_sizes(body, state, template)
     ids = await state.workers.run(render_prompt, body, state, template, size=size)
     max_tokens = body.effective_max_tokens
@@ -173,7 +173,7 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request, 
         await check_constraint(state.llm, constraint)
     request_id = new_id("chatcmpl")
     stream = submit_choices(state, request_id, [ids], choice_params(body, max_tokens, top, constraint), body.priority,
-                            body.max_tokens_field)
+                            body.max_tokens_field, lora)
 
     def logprobs_of(token_ids: list[int], logprobs: list) -> ChatLogprobs | None:
         return None if top is None else chat_logprobs(state.token_text, token_ids, logprobs, top)

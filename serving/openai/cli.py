@@ -53,6 +53,11 @@ LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
               help="Require the --api-key on /metrics too (by default /metrics is open, as vLLM's is).")
 @click.option("--prompt-workers", type=click.IntRange(min=1), default=1, show_default=True,
               help="Threads that parse, render and tokenize large prompts off the event loop.")
+@click.option("--lora-modules", multiple=True, metavar="NAME=PATH",
+              help="A PEFT LoRA adapter to serve as model NAME (repeat the flag for more); the engine "
+                   "must be built with --lora-target-modules.")
+@click.option("--enable-lora-runtime-loading", is_flag=True, default=False,
+              help="Serve /v1/load_lora_adapter and /v1/unload_lora_adapter (vLLM's bodies).")
 @dataclass_options(ExecutorConfig)
 @build_options
 def serve(model_dir: Path, **options) -> None:

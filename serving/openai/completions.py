@@ -105,7 +105,7 @@ def encode_prompts(body: CompletionRequest, state: ServingState) -> tuple[list[l
 
 
 async def create_completion(body: CompletionRequest, request: Request, state: ServingState, model: str,
-                            fingerprint: str) -> Response:
+                            fingerprint: str, lora: str | None = None) -> Response:
     size = check_sizes(body, state)
     prompts, texts = await state.workers.run(encode_prompts, body, state, size=size)
     constraint = request_constraint(body, body.min_tokens)
@@ -114,7 +114,7 @@ async def create_completion(body: CompletionRequest, request: Request, state: Se
     request_id = new_id("cmpl")
     stream = submit_choices(state, request_id, prompts,
                             choice_params(body, body.max_tokens, body.logprobs, constraint), body.priority,
-                            "max_tokens")
+                            "max_tokens", lora)
     n = body.n
     echo = [texts[i // n] if body.echo else "" for i in range(len(prompts) * n)]
 

@@ -228,6 +228,7 @@ class ChoiceStream:
         self.waiting: set[int] = set()
         self.deferred: dict[int, list[tuple[int, list[int], SamplingParams, int, str]]] = {}
         self.closed = False
+        self.lora: str | None = None   # the LoRA adapter every choice runs with (the request's model), or None
 
     def add_prompt(self, prompt_ids: list[int], params: list[SamplingParams], priority: int, request_id: str) -> None:
         """Queue ``len(params)`` choices over one prompt (InvalidRequestError / ExecutorClosedError pass through)."""
@@ -247,7 +248,7 @@ class ChoiceStream:
     def _submit(self, index: int, prompt_ids: list[int], params: SamplingParams, priority: int,
                 request_id: str) -> None:
         self.state.llm.submit(prompt_ids, params, request_id=request_id, priority=priority,
-                              callback=functools.partial(self.inbox.put, self, index))
+                              callback=functools.partial(self.inbox.put, self, index), lora=self.lora)
         self.request_ids[index] = request_id
 
     def _submit_deferred(self, first: int) -> None:

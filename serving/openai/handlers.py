@@ -37,11 +37,13 @@ def choice_params(body: SamplingFields, max_tokens: int | None, logprobs: int | 
 
 
 def submit_choices(state: ServingState, request_id: str, prompts: list[list[int]], params: list[SamplingParams],
-                   priority: int, max_tokens_param: str) -> ChoiceStream:
-    """Open a stream with ``len(params)`` choices per prompt (choice index = prompt index * n + i)."""
+                   priority: int, max_tokens_param: str, lora: str | None = None) -> ChoiceStream:
+    """Open a stream with ``len(params)`` choices per prompt (choice index = prompt index * n + i), each on the
+    LoRA adapter ``lora`` (None: the base model)."""
     if params[0].stop and state.llm.tokenizer is None:
         raise FieldError("stop", "stop strings need a tokenizer; this engine directory has no tokenizer.json")
     stream = state.open_stream(len(prompts) * len(params))
+    stream.lora = lora
     try:
         for ids in prompts:
             stream.add_prompt(ids, params, priority, request_id)

@@ -426,12 +426,28 @@ class ChatCompletionChunk(ResponseModel):
     usage: Usage | None = None
 
 
+class LoadLoraAdapterRequest(RequestModel):
+    """vLLM's ``/v1/load_lora_adapter`` body."""
+
+    lora_name: Annotated[str, Field(min_length=1, max_length=256)]
+    lora_path: Annotated[str, Field(min_length=1, max_length=4096)]
+
+
+class UnloadLoraAdapterRequest(RequestModel):
+    """vLLM's ``/v1/unload_lora_adapter`` body (``lora_int_id`` is accepted and not needed)."""
+
+    lora_name: Annotated[str, Field(min_length=1, max_length=256)]
+    lora_int_id: int | None = None
+
+
 class ModelCard(ResponseModel):
     id: str
     object: Literal["model"] = "model"
     created: int
     owned_by: str = "kiln"
     max_model_len: int
+    root: str | None = None     # a LoRA adapter's directory
+    parent: str | None = None   # a LoRA adapter's base model (the served model name)
 
 
 class ModelList(ResponseModel):

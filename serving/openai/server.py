@@ -50,6 +50,8 @@ class ServeSettings:
     max_connections: int = 1024             # connections + requests in flight beyond which requests get 503
     metrics_require_key: bool = False       # /metrics needs the API key too
     prompt_workers: int = 1                 # threads that parse, render and tokenize large prompts
+    lora_modules: tuple[str, ...] = ()      # "name=path" of each LoRA adapter loaded at start
+    enable_lora_runtime_loading: bool = False
 
 
 class _Server(uvicorn.Server):
@@ -129,12 +131,26 @@ async def _serve(server: _Server, sock: socket.socket, state, shutdown_timeout: 
             loop.remove_signal_handler(sig)
 
 
+def lora_modules(specs: tuple[str, ...]) -> dict[str, str]:
+    """``--lora-modules name=path ...`` as LLM's lora_modules (a ClickException naming a malformed one)."""
+    out: dict[str, str] = {}
+    for spec in specs:
+        name, sep, path = spec.partition("=")
+        if not sep or not name.strip() or not path.strip():
+            raise click.ClickException(f"--lora-modules {spec!r}: give NAME=PATH (a PEFT adapter directory)")
+        if name in out:
+            raise click.ClickException(f"--lora-modules names {name!r} twice")
+        out[name.strip()] = path.strip()
+    return out
+
+
 def run(model_dir: Path, settings: ServeSettings, executor_options: dict,
         build: tuple[dict | None, Path | None] = (None, None)) -> int:
     """Serve until SIGTERM/SIGINT; the process exit code. ``model_dir``: an engine directory or a Hugging Face
     checkpoint (built into the engine cache with ``build``: the given BuildConfig fields and YAML path);
     ``executor_options``: ExecutorConfig's fields."""
     from kiln.build_flags import resolve
+    from kiln.contract import AdapterLoadError
     from kiln.runtime import LLM, ConfigError, EngineLoadError, ExecutorConfig
     from kiln.serving.chat_template import ChatTemplateError, load_chat_template
     from kiln.serving.openai.app import create_app
@@ -152,8 +168,8 @@ def run(model_dir: Path, settings: ServeSettings, executor_options: dict,
         raise click.ClickException(str(exc)) from None
     click.echo(f"kiln serve: loading {engine_dir}")
     try:
-        llm = LLM(engine_dir, config=config)
-    except (EngineLoadError, ConfigError) as exc:
+        llm = LLM(engine_dir, config=config, lora_modules=lora_modules(settings.lora_modules))
+    except (EngineLoadError, ConfigError, AdapterLoadError) as exc:
         raise click.ClickException(str(exc)) from None
     try:
         parser = settings.tool_call_parser or detect_parser(template.source if template is not None else None)
@@ -161,7 +177,8 @@ def run(model_dir: Path, settings: ServeSettings, executor_options: dict,
         name = settings.served_model_name or model_dir.resolve().name
         app = create_app(llm, model_name=name, api_key=settings.api_key, max_waiting=settings.max_waiting,
                          chat_template=template, tool_call_parser=parser,
-                         metrics_require_key=settings.metrics_require_key, prompt_workers=settings.prompt_workers)
+                         metrics_require_key=settings.metrics_require_key, prompt_workers=settings.prompt_workers,
+                         enable_lora_runtime_loading=settings.enable_lora_runtime_loading)
         sock = _bind(settings.host, settings.port)
         host, port = sock.getsockname()[:2]
         url = f"http://{f'[{host}]' if ':' in host else host}:{port}"

@@ -43,6 +43,9 @@ def repository_options(fn):
                           "limit."),
         click.option("--copy-engine", is_flag=True,
                      help="Copy the engine into the repository (a self-contained folder to mount in a container)."),
+        click.option("--lora-modules", multiple=True, metavar="NAME=PATH",
+                     help="A PEFT LoRA adapter the model loads as NAME (requests send lora_name NAME, or "
+                          "lora_task_id N for the name 'N'); repeat for more. The engine must take adapters."),
         dataclass_options(ExecutorConfig, exclude=_EXECUTOR_EXCLUDE),
     ]
     for option in reversed(options):
@@ -56,7 +59,14 @@ def _repo_options(kw: dict) -> RepoOptions:
     except ConfigError as exc:
         raise click.UsageError(str(exc)) from None
     return RepoOptions(model_name=kw.pop("model_name"), instances=kw.pop("instances"), decoupled=kw.pop("decoupled"),
-                       copy_engine=kw.pop("copy_engine"), max_queue_size=kw.pop("max_queue_size"), runtime=runtime)
+                       copy_engine=kw.pop("copy_engine"), max_queue_size=kw.pop("max_queue_size"), runtime=runtime,
+                       lora_modules=tuple(_absolute(spec) for spec in kw.pop("lora_modules")))
+
+
+def _absolute(spec: str) -> str:
+    """NAME=PATH with PATH absolute (tritonserver runs elsewhere); a spec without '=' is left to be refused."""
+    name, sep, path = spec.partition("=")
+    return f"{name}={Path(path).resolve()}" if sep and path else spec
 
 
 def _render(engine_dir: Path, output: Path, options: RepoOptions) -> Path:

@@ -35,6 +35,7 @@ from pathlib import Path
 import torch
 import triton_python_backend_utils as pb
 
+from kiln.contract import AdapterLoadError
 from kiln.runtime import LLM, ConfigError, Engine, ExecutorClosedError, InvalidRequestError, RequestOutput
 from kiln.serving.prompt_bounds import PromptBounds, tokenize
 from kiln.serving.prompt_workers import Busy, PromptWorkers
@@ -48,7 +49,7 @@ from kiln.serving.triton.protocol import (
     request_bytes,
     response_tensors,
 )
-from kiln.serving.triton.repository import check_runtime, read_parameters
+from kiln.serving.triton.repository import check_runtime, lora_modules, read_parameters
 
 CANCEL_CHECK_S = 0.1
 STATS_PERIOD_S = 1.0
@@ -86,7 +87,14 @@ class TritonPythonModel:
         except ConfigError as exc:
             raise pb.TritonModelException(f"config.pbtxt: {exc}") from None
         self.decoupled = pb.using_decoupled_model_transaction_policy(config)
-        self.llm = LLM(engine_dir, config=runtime)
+        try:
+            adapters = lora_modules(params.get("lora_modules", ""))
+        except ConfigError as exc:
+            raise pb.TritonModelException(f"config.pbtxt: {exc}") from None
+        try:
+            self.llm = LLM(engine_dir, config=runtime, lora_modules=adapters)
+        except (AdapterLoadError, ConfigError) as exc:
+            raise pb.TritonModelException(f"kiln: {exc}") from None
         self.limits = EngineLimits(self.llm.engine.config.model.vocab_size, bounds.max_input_len, bounds.max_seq_len,
                                    PromptBounds.of(self.llm.tokenizer, bounds.max_input_len).max_text_bytes)
         self.workers = PromptWorkers(1, name="kiln-triton-prompt")
@@ -169,7 +177,8 @@ class TritonPythonModel:
                                         "token (max_queue_size); retry later", pb.TritonError.UNAVAILABLE)
         try:
             stream.request_id = self.llm.submit(parsed.prompt_token_ids, parsed.params, priority=parsed.priority,
-                                                callback=lambda out, s=stream: self._outbox.put((s, out)))
+                                                callback=lambda out, s=stream: self._outbox.put((s, out)),
+                                                lora=parsed.lora)
         except (InvalidRequestError, ExecutorClosedError) as exc:
             with self._lock:
                 self._waiting_first -= 1

@@ -12,6 +12,9 @@ Semantics follow TensorRT-LLM's Triton backend so its clients see the same behav
 - ``guided_decoding_guide_type`` + ``guided_decoding_guide`` constrain the output (TensorRT-LLM's guided
   decoding): ``json`` (any JSON object, no guide), ``json_schema``, ``regex``, ``ebnf_grammar``,
   ``structural_tag``; an invalid guide is refused when the request is submitted (INVALID_ARG).
+- ``lora_task_id`` N selects the LoRA adapter loaded under the name "N" (kiln loads adapters by name at start,
+  so the weights tensors TensorRT-LLM's clients send with a task's first request are not needed);
+  ``lora_name`` selects one by name.
 
 Cheap checks come first (``check_envelope``: the request's size and its parameters; then each prompt's size), so
 that nothing large is tokenized or copied before it is known to fit the engine.
@@ -83,6 +86,7 @@ class ParsedRequest:
     stream: bool
     exclude_input_in_output: bool
     return_log_probs: bool
+    lora: str | None = None          # the LoRA adapter's name (lora_name, or lora_task_id as a name)
 
 
 _KINDS = {"TYPE_STRING": "OSU", "TYPE_BOOL": "b", "TYPE_FP32": "f", "TYPE_INT32": "iu", "TYPE_UINT64": "iu"}
@@ -251,7 +255,7 @@ def parse_request(arrays: Mapping[str, np.ndarray], limits: EngineLimits,
     return ParsedRequest(
         prompt_token_ids=ids, prompt_text=prompt_text, params=params, priority=int(x.scalar("priority", 0)),
         stream=stream, exclude_input_in_output=bool(x.scalar("exclude_input_in_output", False)),
-        return_log_probs=return_log_probs,
+        return_log_probs=return_log_probs, lora=_lora(x),
     )
 
 
@@ -279,6 +283,19 @@ def guided_decoding(x: _Inputs) -> dict | None:
         raise BadRequest(f"guided_decoding_guide_type {kind} needs guided_decoding_guide: the "
                          f"{kind.replace('_', ' ')} (text)")
     return {GUIDE_TYPES[kind]: guide}
+
+
+def _lora(x: _Inputs) -> str | None:
+    names = x.strings("lora_name")
+    if len(names) > 1:
+        raise BadRequest(f"lora_name must hold one adapter name (shape [1, 1]), got {len(names)}")
+    name = names[0] if names and names[0] else None
+    task = x.scalar("lora_task_id")
+    if task is not None:
+        if name is not None and name != str(task):
+            raise BadRequest(f"lora_name {name!r} and lora_task_id {task} name different adapters; send one")
+        name = str(task)
+    return name
 
 
 def _ns(t: float | None) -> int:

@@ -42,6 +42,7 @@ class RepoOptions:
     copy_engine: bool = False
     max_queue_size: int = 0    # requests waiting for their first token above which new ones are refused; 0: no limit
     runtime: ExecutorConfig = field(default_factory=ExecutorConfig)
+    lora_modules: tuple[str, ...] = ()   # "NAME=PATH" of each LoRA adapter the model loads
 
     def validate(self, bounds: EngineBounds) -> None:
         """OptionError for the first bad option (the engine's bounds included)."""
@@ -51,6 +52,19 @@ class RepoOptions:
         if self.instances < 1:
             raise OptionError("instances", self.instances, ">= 1")
         check_runtime(self.runtime, self.max_queue_size, bounds)
+        lora_modules(";".join(self.lora_modules))
+
+
+def lora_modules(value: str) -> dict[str, str]:
+    """The ``lora_modules`` parameter ("NAME=PATH;NAME=PATH") as LLM's lora_modules (OptionError naming a bad one)."""
+    out: dict[str, str] = {}
+    for spec in filter(None, (s.strip() for s in value.split(";"))):
+        name, sep, path = (part.strip() for part in spec.partition("="))
+        if not sep or not name or not path or '"' in spec or name in out:
+            raise OptionError("lora_modules", spec, "NAME=PATH of a PEFT adapter directory, each name once (no "
+                              "';' or '\"' in them)")
+        out[name] = path
+    return out
 
 
 def check_runtime(config: ExecutorConfig, max_queue_size: int, bounds: EngineBounds) -> None:
@@ -73,7 +87,8 @@ def _text(value) -> str:
 def parameters(options: RepoOptions, engine_dir: str) -> dict[str, str]:
     """The model's config.pbtxt parameters."""
     runtime = {f.name: _text(getattr(options.runtime, f.name)) for f in dataclasses.fields(ExecutorConfig)}
-    return {"engine_dir": engine_dir, **runtime, "max_queue_size": str(options.max_queue_size)}
+    return {"engine_dir": engine_dir, **runtime, "max_queue_size": str(options.max_queue_size),
+            "lora_modules": ";".join(options.lora_modules)}
 
 
 def read_parameters(params: dict[str, str]) -> tuple[ExecutorConfig, int]:

@@ -62,6 +62,9 @@ INPUTS: tuple[TensorSpec, ...] = (
                "structured output: json (any JSON object), json_schema, regex, ebnf_grammar or structural_tag"),
     TensorSpec("guided_decoding_guide", "TYPE_STRING", (1,),
                "the JSON schema, regex, EBNF grammar or structural tag (JSON) of guided_decoding_guide_type"),
+    TensorSpec("lora_name", "TYPE_STRING", (1,), "the loaded LoRA adapter to generate with (kiln); default: none"),
+    TensorSpec("lora_task_id", "TYPE_UINT64", (1,), "TensorRT-LLM's adapter id: the adapter loaded under the name "
+                                                    "'<id>' (--lora-modules 7=PATH); weights are not sent"),
 )
 
 OUTPUTS: tuple[TensorSpec, ...] = (
