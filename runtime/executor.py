@@ -112,6 +112,9 @@ class ExecutorConfig:
         "choices": CAPACITY_POLICIES,
         "help": "guaranteed_no_evict: admit a request only when its prompt + max_tokens fit; max_utilization: "
                 "admit greedily, preempt (lowest priority, latest first) when blocks run out."})
+    batch_max_share: float = field(default=1.0, metadata={
+        "help": "Most of a step's token budget batch work (kiln run-batch, /v1/batches: the lowest priority) may "
+                "take, in (0, 1]; the rest stays free for online requests arriving mid-step."})
     enable_prefix_reuse: bool = field(default=True, metadata={
         "help": "Share the KV blocks of common prefixes between requests."})
     seed: int | None = field(default=None, metadata={
@@ -132,6 +135,7 @@ class ExecutorConfig:
         self.kv_cache_memory_fraction = c.number("kv_cache_memory_fraction", self.kv_cache_memory_fraction, 0, 1,
                                                  lo_open=True, optional=True)
         c.choice("capacity_policy", self.capacity_policy, CAPACITY_POLICIES)
+        self.batch_max_share = c.number("batch_max_share", self.batch_max_share, 0, 1, lo_open=True)
         self.enable_prefix_reuse = c.flag("enable_prefix_reuse", self.enable_prefix_reuse)
         self.seed = c.integer("seed", self.seed, *SEED_RANGE, optional=True)
         self.metrics_window = c.integer("metrics_window", self.metrics_window, 1)
@@ -215,7 +219,7 @@ class Executor:
             available = max(0, available_memory_bytes() - lora_bytes)
         self.limits = limits = resolve_serving_limits(b, engine.kv_bytes_per_token, config, available)
         sched_config = SchedulerConfig(limits.max_batch_size, limits.max_num_tokens, b.max_seq_len, b.max_input_len,
-                                       config.capacity_policy)
+                                       config.capacity_policy, config.batch_max_share)
         num_blocks = limits.num_blocks
         logger.info(limits.kv_plan)
         self.kv_plan = limits.kv_plan
@@ -647,7 +651,8 @@ class Executor:
 
     def _refresh_gauges(self) -> None:
         self._kv_stats = self.kv.stats().as_dict()
-        self.metrics.set_gauges(self.scheduler.num_running, self._num_waiting, self._kv_stats)
+        self.metrics.set_gauges(self.scheduler.num_running, self._num_waiting, self._kv_stats,
+                                self.scheduler.class_counts())
 
     def _record_step(self, out: SchedulerOutput, sampled: int, step_time: float, engine_time: float,
                      mask_time: float | None) -> None:
@@ -659,4 +664,4 @@ class Executor:
             time=time.monotonic(), step_time=step_time, engine_time=engine_time, num_running=sched.num_running,
             num_waiting=self._num_waiting, num_preempted=len(out.preempted), batch_size=len(out.scheduled),
             prefill_tokens=out.num_prefill_tokens, decode_tokens=out.num_decode_tokens, sampled_tokens=sampled,
-            kv_usage=self.kv.usage, prefix_hit_rate=self._kv_stats["hit_rate"]), self._kv_stats)
+            kv_usage=self.kv.usage, prefix_hit_rate=self._kv_stats["hit_rate"]), self._kv_stats, sched.class_counts())

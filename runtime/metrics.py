@@ -14,6 +14,8 @@ import threading
 from collections import deque
 from dataclasses import dataclass
 
+from kiln.runtime.outputs import REQUEST_CLASSES, request_class
+
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75,
                    1.0, 1.5, 2.0, 3.0, 5.0, 7.5, 10.0, 20.0, 30.0, 60.0)
 
@@ -83,6 +85,8 @@ HISTOGRAMS = ("ttft", "tpot", "queue_time", "e2e_latency", "step_time", "inter_t
               "grammar_compile_time")
 # per step with constrained rows: filling and applying their token bitmasks (tens of microseconds and up)
 MASK_TIME_BUCKETS = (1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 0.01, 0.025, 0.05, 0.1)
+# per request class (online / batch): f"{name}_{class}"
+CLASS_HISTOGRAMS = ("ttft", "tpot", "queue_time")
 # How requests end: the RequestOutput finish reasons, plus "error" for those the step loop failed.
 OUTCOMES = ("stop", "length", "abort", "error")
 
@@ -94,22 +98,28 @@ class RuntimeMetrics:
         self.hist = {name: Histogram() for name in HISTOGRAMS}
         self.hist["batch_size"] = Histogram(buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256))
         self.hist["grammar_mask_time"] = Histogram(buckets=MASK_TIME_BUCKETS)
+        for cls in REQUEST_CLASSES:
+            for name in CLASS_HISTOGRAMS:
+                self.hist[f"{name}_{cls}"] = Histogram()
         self.counters = {
             "steps": 0, "requests_submitted": 0, "requests_finished": 0, "requests_aborted": 0,
             "requests_rejected": 0, "preemptions": 0, "prompt_tokens": 0, "generation_tokens": 0,
             "prefill_tokens_computed": 0, "decode_tokens_computed": 0, "engine_time": 0.0, "step_time": 0.0,
             # structured output: requests with a constraint, and whether their grammar was compiled already
             "structured_requests": 0, "grammar_cache_hits": 0, "grammar_cache_misses": 0,
+            # per request class, counted when a request ends
+            **{f"{n}_{cls}": 0 for cls in REQUEST_CLASSES for n in ("requests_ended", "generated_tokens")},
         }
         self.gauges = {"running": 0, "waiting": 0, "kv_usage": 0.0, "kv_blocks_total": 0, "kv_blocks_used": 0,
-                       "kv_blocks_cached": 0, "prefix_hit_rate": 0.0, "kv_evictions": 0}
+                       "kv_blocks_cached": 0, "prefix_hit_rate": 0.0, "kv_evictions": 0,
+                       **{f"{n}_{cls}": 0 for cls in REQUEST_CLASSES for n in ("running", "waiting")}}
         self.outcomes = dict.fromkeys(OUTCOMES, 0)
 
     def incr(self, name: str, value: float = 1) -> None:
         with self.lock:
             self.counters[name] += value
 
-    def record_step(self, rec: StepRecord, kv_stats: dict) -> None:
+    def record_step(self, rec: StepRecord, kv_stats: dict, by_class: dict[str, int] | None = None) -> None:
         with self.lock:
             self.steps.append(rec)
             c = self.counters
@@ -122,11 +132,14 @@ class RuntimeMetrics:
             c["step_time"] += rec.step_time
             self.hist["step_time"].observe(rec.step_time)
             self.hist["batch_size"].observe(rec.batch_size)
-        self.set_gauges(rec.num_running, rec.num_waiting, kv_stats)
+        self.set_gauges(rec.num_running, rec.num_waiting, kv_stats, by_class)
 
-    def set_gauges(self, running: int, waiting: int, kv_stats: dict) -> None:
-        """The scheduler's queue lengths and the KV pool's state (a KVCacheStats dict) as of now."""
+    def set_gauges(self, running: int, waiting: int, kv_stats: dict,
+                   by_class: dict[str, int] | None = None) -> None:
+        """The scheduler's queue lengths and the KV pool's state (a KVCacheStats dict) as of now; ``by_class``:
+        "running_online", "waiting_batch", ... ."""
         with self.lock:
+            self.gauges.update(by_class or {})
             self.gauges.update(running=running, waiting=waiting, kv_usage=kv_stats["usage"],
                                kv_blocks_total=kv_stats["num_blocks"], kv_blocks_used=kv_stats["used_blocks"],
                                kv_blocks_cached=kv_stats["cached_blocks"], prefix_hit_rate=kv_stats["hit_rate"],
@@ -137,10 +150,15 @@ class RuntimeMetrics:
         with self.lock:
             self.counters["requests_aborted" if outcome in ("abort", "error") else "requests_finished"] += 1
             self.outcomes[outcome] += 1
+            cls = request_class(metrics.priority)
+            self.counters[f"requests_ended_{cls}"] += 1
+            self.counters[f"generated_tokens_{cls}"] += metrics.num_generated_tokens
             for name, value in (("ttft", metrics.ttft), ("tpot", metrics.mean_tpot),
                                 ("queue_time", metrics.queue_time), ("e2e_latency", metrics.e2e_latency)):
                 if value is not None:
                     self.hist[name].observe(value)
+                    if name in CLASS_HISTOGRAMS:
+                        self.hist[f"{name}_{cls}"].observe(value)
 
     def observe(self, name: str, value: float) -> None:
         with self.lock:

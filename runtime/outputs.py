@@ -4,6 +4,16 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+# The priority of batch work (kiln run-batch, the server's /v1/batches): below any other, so every other request
+# is admitted first and, under max_utilization, preempts it. Requests at it are the "batch" class (metrics per
+# class, ExecutorConfig.batch_max_share); every other request is "online".
+BATCH_PRIORITY = -(2**31)
+REQUEST_CLASSES = ("online", "batch")
+
+
+def request_class(priority: int) -> str:
+    return "batch" if priority <= BATCH_PRIORITY else "online"
+
 
 @dataclass
 class RequestMetrics:

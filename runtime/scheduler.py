@@ -17,6 +17,9 @@ Per step, within ``max_batch_size`` sequences and ``max_num_tokens`` tokens:
 
 Chunks of a long prompt end on block boundaries, except the last one.
 
+Batch work (priority ``BATCH_PRIORITY``, the lowest) takes at most ``batch_max_share`` of each step's token
+budget; its decodes beyond that share wait a step.
+
 Capacity policies:
 
 * ``guaranteed_no_evict``: a request is admitted only if the pool can hold its prompt + max_tokens on top
@@ -46,6 +49,7 @@ from dataclasses import dataclass, field
 from kiln.contract import NO_ADAPTER, InvalidRequestError
 from kiln.runtime.adapters import AdapterPool
 from kiln.runtime.kv_cache import KVCacheManager, cdiv
+from kiln.runtime.outputs import BATCH_PRIORITY, REQUEST_CLASSES, request_class
 from kiln.runtime.request import Request, RequestStatus
 
 logger = logging.getLogger("kiln.runtime")
@@ -62,6 +66,7 @@ class SchedulerConfig:
     max_seq_len: int
     max_input_len: int
     capacity_policy: str = "guaranteed_no_evict"
+    batch_max_share: float = 1.0    # most of a step's token budget batch-class requests may take
 
 
 @dataclass
@@ -98,6 +103,7 @@ class _Step:
     tokens: int
     seats: int
     out: SchedulerOutput
+    batch_tokens: int = 0          # what is left of the batch class's share
     scheduled: set[str] = field(default_factory=set)   # request ids given tokens in this step
     now: float = 0.0
 
@@ -162,6 +168,14 @@ class Scheduler:
     def unfinished_ids(self) -> list[str]:
         return list(self.requests)
 
+    def class_counts(self) -> dict[str, int]:
+        """Running and waiting requests per class ("running_online", "waiting_batch", ...)."""
+        out = {f"{state}_{cls}": 0 for state in ("running", "waiting") for cls in REQUEST_CLASSES}
+        for state, reqs in (("running", self.running), ("waiting", self.waiting)):
+            for r in reqs:
+                out[f"{state}_{request_class(r.priority)}"] += 1
+        return out
+
     @property
     def num_running(self) -> int:
         return len(self.running)
@@ -225,7 +239,8 @@ class Scheduler:
     # ---- one step -------------------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
         c = self.config
-        step = _Step(c.max_num_tokens, c.max_batch_size, SchedulerOutput(), now=time.monotonic())
+        step = _Step(c.max_num_tokens, c.max_batch_size, SchedulerOutput(), now=time.monotonic(),
+                     batch_tokens=max(1, int(c.batch_max_share * c.max_num_tokens)))
         first, later = self.running, []
         if c.capacity_policy == "max_utilization" and self.waiting:
             head = self.waiting[0].priority   # lower-priority running requests come after the waiting head
@@ -252,7 +267,7 @@ class Scheduler:
                 continue  # preempted, or preempted and admitted again, earlier in this step
             if step.tokens <= 0 or step.seats <= 0:
                 break
-            n = self._chunk(req.num_computed_tokens, req.num_tokens, step.tokens)
+            n = self._chunk(req.num_computed_tokens, req.num_tokens, self._budget(req, step))
             if n == 0:
                 continue
             while not self.kv.allocate_slots(req, n):
@@ -274,7 +289,7 @@ class Scheduler:
                 break  # it made room in this step; it comes back in a later one
             hits = kv.get_computed_blocks(req)
             start = len(hits) * bs
-            n = self._chunk(start, req.num_tokens, step.tokens)
+            n = self._chunk(start, req.num_tokens, self._budget(req, step))
             if n == 0:
                 break  # no budget left for a block-aligned chunk: preempting would not help
             keep_free = 0
@@ -301,10 +316,16 @@ class Scheduler:
             self.running.append(req)
             self._take(req, start, n, step)
 
+    def _budget(self, req: Request, step: _Step) -> int:
+        """Tokens ``req`` may take in this step: batch-class requests only from their share."""
+        return min(step.tokens, step.batch_tokens) if req.priority <= BATCH_PRIORITY else step.tokens
+
     def _take(self, req: Request, start: int, n: int, step: _Step) -> None:
         step.out.scheduled.append(ScheduledRequest(req, start, n))
         step.scheduled.add(req.request_id)
         step.tokens -= n
+        if req.priority <= BATCH_PRIORITY:
+            step.batch_tokens -= n
         step.seats -= 1
 
     # ---- after the forward ----------------------------------------------------------------------------

@@ -230,3 +230,24 @@ def test_guaranteed_no_evict_orders_by_priority_but_never_preempts():
     assert not out.preempted and hi.status is RequestStatus.WAITING
     drain(s)
     assert s.num_preemptions == 0 and hi.num_output_tokens == 4
+
+
+def test_batch_max_share_caps_batch_tokens_per_step():
+    """Batch work (BATCH_PRIORITY) takes at most its share of each step's tokens; online work the rest."""
+    from kiln.runtime.outputs import BATCH_PRIORITY
+
+    s = make(num_blocks=64, bs=4, batch=8, tokens=16, max_in=48)
+    s.config.batch_max_share = 0.25   # 4 of 16 tokens
+    batch = [add(s, 8, 3, f"b{i}", priority=BATCH_PRIORITY, arrival=float(i)) for i in range(3)]
+    out, _ = step(s)
+    assert [(x.request.request_id, x.num_new_tokens) for x in out.scheduled] == [("b0", 4)]   # one aligned chunk
+    online = add(s, 8, 3, "online", priority=0, arrival=9.0, first=100)
+    out, _ = step(s)
+    assert {x.request.request_id: x.num_new_tokens for x in out.scheduled} == {"b0": 4, "online": 8}
+    assert s.class_counts() == {"running_online": 1, "running_batch": 1, "waiting_online": 0, "waiting_batch": 2}
+    for _ in range(200):
+        if not s.has_unfinished():
+            break
+        out, _ = step(s)
+        assert sum(x.num_new_tokens for x in out.scheduled if x.request.priority == BATCH_PRIORITY) <= 4
+    assert not s.has_unfinished() and all(r.num_output_tokens == 3 for r in [*batch, online])

@@ -151,6 +151,12 @@ def bearer_token(scope: Scope) -> bytes | None:
     return None
 
 
+def engine_fingerprint(llm) -> str:
+    """``system_fingerprint``: this kiln version + this engine (what decides the outputs)."""
+    config = json.dumps(llm.engine.config.to_dict(), sort_keys=True, default=str)
+    return "fp_kiln_" + hashlib.sha256((kiln_version() + config).encode()).hexdigest()[:12]
+
+
 class ModelNotFound(Exception):
     """The request names a model this server does not serve (404)."""
 
@@ -214,8 +220,7 @@ def create_app(llm, *, model_name: str, api_key: str | None = None, max_waiting:
     created = int(time.time())
     version = kiln_version()
     engine_config = llm.engine.config
-    fingerprint = "fp_kiln_" + hashlib.sha256(
-        (version + json.dumps(engine_config.to_dict(), sort_keys=True, default=str)).encode()).hexdigest()[:12]
+    fingerprint = engine_fingerprint(llm)
 
     registry = CollectorRegistry()
     registry.register(RuntimeCollector(llm, server_rejected=lambda: state.rejected))

@@ -37,6 +37,11 @@ LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
                    "llama3_json (Llama 3.1+ JSON calls); default: the one the chat template's format needs.")
 @click.option("--shutdown-timeout", type=click.FloatRange(min=0), default=30.0, show_default=True,
               help="On SIGTERM/SIGINT, seconds to let in-flight requests finish before aborting them.")
+@click.option("--batch-store", type=click.Path(path_type=Path, file_okay=False), default=None,
+              help="Serve the Batch API (/v1/files, /v1/batches) with its state in DIR/batches.sqlite3; a "
+                   "restarted server resumes the unfinished batches of the same DIR.")
+@click.option("--batch-window", type=click.IntRange(min=1), default=None,
+              help="Batch lines in the engine at once (at the lowest priority); default: --max-batch-size.")
 @click.option("--log-level", type=click.Choice(LOG_LEVELS), default="info", show_default=True)
 @click.option("--timeout-keep-alive", type=click.FloatRange(min=0, min_open=True), default=5.0, show_default=True,
               help="Seconds an idle kept-alive connection stays open.")

@@ -52,6 +52,8 @@ class ServeSettings:
     prompt_workers: int = 1                 # threads that parse, render and tokenize large prompts
     lora_modules: tuple[str, ...] = ()      # "name=path" of each LoRA adapter loaded at start
     enable_lora_runtime_loading: bool = False
+    batch_store: Path | None = None         # /v1/files + /v1/batches, state in DIR/batches.sqlite3
+    batch_window: int | None = None         # batch lines in the engine at once; default max_batch_size
 
 
 class _Server(uvicorn.Server):
@@ -90,12 +92,17 @@ def _print_summary(llm, engine_dir: Path, chat_template: bool, tool_call_parser:
     click.echo(llm.executor.kv_plan)
 
 
-async def _serve(server: _Server, sock: socket.socket, state, shutdown_timeout: float, url: str) -> None:
+async def _serve(server: _Server, sock: socket.socket, state, shutdown_timeout: float, url: str,
+                 batch=None) -> None:
     loop = asyncio.get_running_loop()
     drain: asyncio.Task | None = None
+    if batch is not None:
+        batch.start()
 
     async def drain_then_stop(sig: str) -> None:
         state.accepting = False
+        if batch is not None:   # unfinished batch lines stay in the store for the next start
+            await batch.stop()
         busy = len(state.streams)
         click.echo(f"kiln serve: {sig}: no new requests; waiting up to {shutdown_timeout:g} s for {busy} in flight",
                    err=True)
@@ -144,6 +151,18 @@ def lora_modules(specs: tuple[str, ...]) -> dict[str, str]:
     return out
 
 
+def _batch_api(app, llm, settings: ServeSettings, name: str, template, parser):
+    from kiln.serving.batch.api import add_batch_api
+    from kiln.serving.batch.store import BatchStore
+    from kiln.serving.openai.app import engine_fingerprint
+
+    window = settings.batch_window or int(llm.stats()["config"]["max_batch_size"])
+    store = BatchStore(settings.batch_store)
+    click.echo(f"kiln serve: batch store {store.path} (window {window})")
+    return add_batch_api(app, llm, store, window=window, model_name=name, fingerprint=engine_fingerprint(llm),
+                         chat_template=template, tool_call_parser=parser)
+
+
 def run(model_dir: Path, settings: ServeSettings, executor_options: dict,
         build: tuple[dict | None, Path | None] = (None, None)) -> int:
     """Serve until SIGTERM/SIGINT; the process exit code. ``model_dir``: an engine directory or a Hugging Face
@@ -188,8 +207,9 @@ def run(model_dir: Path, settings: ServeSettings, executor_options: dict,
                                 timeout_graceful_shutdown=10, timeout_keep_alive=settings.timeout_keep_alive,
                                 limit_concurrency=settings.max_connections)
         server = _Server(config)
+        batch = _batch_api(app, llm, settings, name, template, parser) if settings.batch_store else None
         try:
-            asyncio.run(_serve(server, sock, app.state.serving, settings.shutdown_timeout, url))
+            asyncio.run(_serve(server, sock, app.state.serving, settings.shutdown_timeout, url, batch))
         finally:
             app.state.serving.workers.shutdown()
         sock.close()
