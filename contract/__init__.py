@@ -56,7 +56,7 @@ from kiln.contract.io import (
     pack_inputs,
     torch_dtype,
 )
-from kiln.contract.model import ModelConfig
+from kiln.contract.model import LAYER_TYPES, ModelConfig
 from kiln.contract.options import check_option_names, option_names, reject_unknown_options
 from kiln.contract.summary import format_table, human_bytes, summary_rows
 from kiln.contract.tensor_parallel import TensorParallelMapping, check_rank_file, mapping_problems, stamp_rank_file
@@ -64,8 +64,8 @@ from kiln.contract.weights import load_weights, save_weights, weights_file
 
 __all__ = [
     "BACKENDS", "CONFIG_FILE", "DTYPES", "FORMAT_VERSION", "INDEX_DTYPES", "INPUT_AXES", "INPUT_NAMES",
-    "KV_CACHE_OUTPUT", "OUTPUT_NAME", "QUANTIZATIONS", "REPORT_FILE", "SUPPORTED_FORMAT_VERSIONS", "TOKENIZER_FILES",
-    "TORCH_BACKENDS",
+    "KV_CACHE_OUTPUT", "LAYER_TYPES", "OUTPUT_NAME", "QUANTIZATIONS", "REPORT_FILE", "SUPPORTED_FORMAT_VERSIONS",
+    "TOKENIZER_FILES", "TORCH_BACKENDS",
     "BuildConfigError", "CheckpointError", "ConfigError", "EngineBounds", "EngineBuildError", "EngineConfig",
     "EngineDeadError", "EngineInputError",
     "EngineLoadError", "ExecutorClosedError", "InvalidRequestError", "KilnError", "MemorySummary", "ModelConfig",

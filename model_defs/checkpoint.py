@@ -15,10 +15,11 @@ import torch
 from safetensors import safe_open
 
 from kiln.contract import DTYPES, CheckpointError, ModelConfig, TensorParallelMapping
-from kiln.model_defs import gpt2, llama, mistral, prequantized, qwen2
+from kiln.model_defs import gpt2, llama, mistral, prequantized, qwen2, qwen3
 from kiln.model_defs.hf_config import UnsupportedConfigError
 
-FAMILIES: dict[str, ModuleType] = {arch: fam for fam in (llama, mistral, qwen2, gpt2) for arch in fam.ARCHITECTURES}
+_MODULES = (llama, mistral, qwen2, gpt2, qwen3)
+FAMILIES: dict[str, ModuleType] = {arch: fam for fam in _MODULES for arch in fam.ARCHITECTURES}
 
 
 def family_of(architecture: str) -> ModuleType:

@@ -14,6 +14,7 @@ the embedding whole. ``kiln.model_defs.tensor_parallel.shard_weights`` cuts the 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import NamedTuple
 
 import torch
@@ -84,9 +85,12 @@ def tp_size_of(tp: TensorParallelMapping | None) -> int:
 
 
 class Attention(nn.Module):
-    """Multi-head attention with GQA/MQA, optional rotary embedding and sliding window."""
+    """Multi-head attention with GQA/MQA, optional rotary embedding, the layer's sliding window (``cfg.window_of``)
+    and softmax scale, and optional per-head q/k norms (``qk_norm``: a norm over head_dim, built per norm, applied
+    before the rotary embedding: Qwen3, Gemma 3)."""
 
-    def __init__(self, cfg: ModelConfig, layer_idx: int, use_rope: bool, tp: TensorParallelMapping | None = None):
+    def __init__(self, cfg: ModelConfig, layer_idx: int, use_rope: bool, tp: TensorParallelMapping | None = None,
+                 qk_norm: Callable[[int], nn.Module] | None = None):
         super().__init__()
         h, d = cfg.hidden_size, cfg.head_dim
         rank = tp.rank_model(cfg) if tp is not None else cfg   # this rank's heads
@@ -95,15 +99,23 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(h, rank.num_kv_heads * d, bias=cfg.attention_bias)
         self.v_proj = nn.Linear(h, rank.num_kv_heads * d, bias=cfg.attention_bias)
         self.o_proj = RowParallelLinear(cfg.num_heads * d, h, cfg.attention_out_bias, tp_size_of(tp))
+        if qk_norm is not None:
+            self.q_norm, self.k_norm = qk_norm(d), qk_norm(d)
+        else:
+            self.q_norm = self.k_norm = None
         self.layer_idx = layer_idx
         self.use_rope = use_rope
-        self.scale = d**-0.5
-        self.sliding_window = cfg.sliding_window
+        self.scale = cfg.attention_scale if cfg.attention_scale is not None else d**-0.5
+        self.sliding_window = cfg.window_of(layer_idx)
+        # the sliding layers of a model with a local rotary base read the LM's local table (Gemma 3)
+        self.local_rope = cfg.local_rope_theta > 0 and self.sliding_window > 0
 
     def forward(self, x: torch.Tensor, step: StepInputs, rope_table: torch.Tensor | None) -> torch.Tensor:
         q = self.q_proj(x).view(-1, self.num_heads, self.head_dim)
         k = self.k_proj(x).view(-1, self.num_kv_heads, self.head_dim)
         v = self.v_proj(x).view(-1, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
         if self.use_rope:
             q, k = ops.rotary_embedding(q, k, step.position_ids, rope_table)
         out = ops.paged_attention(
@@ -162,17 +174,21 @@ class DecoderOnlyLM(nn.Module):
     """Embeddings -> decoder layers -> final norm -> lm_head, over packed tokens.
 
     forward() takes the engine contract's inputs and returns float32 logits for the rows
-    named by ``logits_indices``.
+    named by ``logits_indices``. ``embed_scale``: the embeddings are multiplied by it rounded to their dtype
+    (Gemma: sqrt(hidden)); ``local_rope_table``: the table of the layers whose attention has ``local_rope``;
+    ``cfg.final_logit_softcapping`` caps the logits (in fp32).
     """
 
     def __init__(
         self,
         cfg: ModelConfig,
-        layers: list[DecoderLayer],
+        layers: list[nn.Module],
         norm: nn.Module,
         rope_table: torch.Tensor | None,
         learned_positions: bool = False,
         tp: TensorParallelMapping | None = None,
+        local_rope_table: torch.Tensor | None = None,
+        embed_scale: float | None = None,
     ):
         super().__init__()
         self.config = cfg
@@ -186,10 +202,16 @@ class DecoderOnlyLM(nn.Module):
             self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
             if cfg.tie_word_embeddings:
                 self.lm_head.weight = self.embed_tokens.weight
-        if rope_table is not None:
-            self.register_buffer("rope_table", rope_table, persistent=False)
-        else:
-            self.rope_table = None
+        for name, table in (("rope_table", rope_table), ("local_rope_table", local_rope_table)):
+            if table is not None:
+                self.register_buffer(name, table, persistent=False)
+            else:
+                setattr(self, name, None)
+        # the scale as each dtype holds it (transformers rounds it to the embedding's dtype)
+        self.embed_scale = None if embed_scale is None else {
+            dt: float(torch.tensor(embed_scale, dtype=dt, device="cpu"))
+            for dt in (torch.float32, torch.bfloat16, torch.float16)}
+        self.final_softcap = cfg.final_logit_softcapping
 
     def forward(
         self,
@@ -204,10 +226,15 @@ class DecoderOnlyLM(nn.Module):
     ) -> torch.Tensor:
         step = StepInputs(position_ids, seq_lens, context_lens, block_tables, slot_mapping, kv_cache)
         x = self.embed_tokens(input_ids)
+        if self.embed_scale is not None:
+            x = x * self.embed_scale[x.dtype]
         if self.embed_positions is not None:
             x = x + self.embed_positions(position_ids)
         for layer in self.layers:
-            x = layer(x, step, self.rope_table)
+            local = self.local_rope_table is not None and layer.self_attn.local_rope
+            x = layer(x, step, self.local_rope_table if local else self.rope_table)
         x = self.norm(x[logits_indices])
-        return self.lm_head(x).float()
-
+        logits = self.lm_head(x).float()
+        if self.final_softcap:
+            logits = torch.tanh(logits / self.final_softcap) * self.final_softcap
+        return logits

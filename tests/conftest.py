@@ -24,6 +24,7 @@ FAST_MODULES = {
     "test_plugin_ops_native", "test_weight_only_linear", "test_native_library", "test_serving_chat_template",
     "test_bench_workload", "test_bench_stats", "test_panel_kernels", "test_docs", "test_structured_output",
     "test_tool_parsers", "test_prompt_bounds", "test_triton_protocol",
+    "test_family_configs",
 }
 
 
@@ -36,7 +37,7 @@ def pytest_collection_modifyitems(config, items):
     items.sort(key=lambda item: item.path.name != "test_packaging.py")
 
 
-FAMILIES = ["llama", "mistral", "qwen2", "gpt2"]
+FAMILIES = ["llama", "mistral", "qwen2", "gpt2", "qwen3"]
 # Per family: what makes its test checkpoint exercise the family's special features.
 FAMILY_OVERRIDES = {
     "llama": dict(rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
@@ -44,6 +45,8 @@ FAMILY_OVERRIDES = {
     "mistral": dict(sliding_window=8),
     "qwen2": dict(tie_word_embeddings=True),
     "gpt2": dict(),
+    # layer 0 full attention, layer 1 a window of 8; untied head
+    "qwen3": dict(use_sliding_window=True, sliding_window=8, max_window_layers=1, tie_word_embeddings=False),
 }
 
 

@@ -42,6 +42,7 @@ CASES = {
     "qwen2-tied": ("qwen2", {"tie_word_embeddings": True}, {}),
     "qwen2-untied-mha": ("qwen2", {"tie_word_embeddings": False, "num_key_value_heads": 4}, {}),
     "gpt2": ("gpt2", {}, {}),
+    "qwen3-window-layer1": ("qwen3", {}, {}),
 }
 
 _hf_cache: dict[tuple, torch.nn.Module] = {}
@@ -200,6 +201,10 @@ def test_cases_exercise_their_features(checkpoint_dir):
     assert cfg("qwen2-tied").tie_word_embeddings and cfg("qwen2-tied").attention_bias
     assert not cfg("qwen2-untied-mha").tie_word_embeddings and cfg("qwen2-untied-mha").num_kv_heads == 4
     assert cfg("gpt2").hidden_act == "gelu_new" and cfg("gpt2").attention_bias
+    c = cfg("qwen3-window-layer1")
+    assert (c.layer_types, c.sliding_window, c.window_of(0), c.window_of(1)) == (
+        ["full_attention", "sliding_attention"], 8, 0, 8)
+    assert not c.tie_word_embeddings
 
 
 def test_sharded_checkpoint_is_sharded(checkpoint_dir):

