@@ -15,10 +15,10 @@ import torch
 from safetensors import safe_open
 
 from kiln.contract import DTYPES, CheckpointError, ModelConfig, TensorParallelMapping
-from kiln.model_defs import gpt2, llama, mistral, prequantized, qwen2, qwen3
+from kiln.model_defs import gemma2, gemma3, gpt2, llama, mistral, prequantized, qwen2, qwen3
 from kiln.model_defs.hf_config import UnsupportedConfigError
 
-_MODULES = (llama, mistral, qwen2, gpt2, qwen3)
+_MODULES = (llama, mistral, qwen2, gpt2, qwen3, gemma2, gemma3)
 FAMILIES: dict[str, ModuleType] = {arch: fam for fam in _MODULES for arch in fam.ARCHITECTURES}
 
 

@@ -85,9 +85,9 @@ def tp_size_of(tp: TensorParallelMapping | None) -> int:
 
 
 class Attention(nn.Module):
-    """Multi-head attention with GQA/MQA, optional rotary embedding, the layer's sliding window (``cfg.window_of``)
-    and softmax scale, and optional per-head q/k norms (``qk_norm``: a norm over head_dim, built per norm, applied
-    before the rotary embedding: Qwen3, Gemma 3)."""
+    """Multi-head attention with GQA/MQA, optional rotary embedding, the layer's sliding window (``cfg.window_of``),
+    softmax scale and attention-logit soft-capping, and optional per-head q/k norms (``qk_norm`` builds each: a
+    norm over head_dim, applied before the rotary embedding: Qwen3, Gemma 3)."""
 
     def __init__(self, cfg: ModelConfig, layer_idx: int, use_rope: bool, tp: TensorParallelMapping | None = None,
                  qk_norm: Callable[[int], nn.Module] | None = None):
@@ -107,8 +107,10 @@ class Attention(nn.Module):
         self.use_rope = use_rope
         self.scale = cfg.attention_scale if cfg.attention_scale is not None else d**-0.5
         self.sliding_window = cfg.window_of(layer_idx)
+        self.softcap = cfg.attn_logit_softcapping
         # the sliding layers of a model with a local rotary base read the LM's local table (Gemma 3)
-        self.local_rope = cfg.local_rope_theta > 0 and self.sliding_window > 0
+        self.local_rope = cfg.local_rope_theta > 0 and bool(cfg.layer_types) and \
+            cfg.layer_types[layer_idx] == "sliding_attention"
 
     def forward(self, x: torch.Tensor, step: StepInputs, rope_table: torch.Tensor | None) -> torch.Tensor:
         q = self.q_proj(x).view(-1, self.num_heads, self.head_dim)
@@ -120,24 +122,31 @@ class Attention(nn.Module):
             q, k = ops.rotary_embedding(q, k, step.position_ids, rope_table)
         out = ops.paged_attention(
             q, k, v, step.kv_cache, self.layer_idx, step.seq_lens, step.context_lens,
-            step.block_tables, step.slot_mapping, self.scale, self.sliding_window,
+            step.block_tables, step.slot_mapping, self.scale, self.sliding_window, self.softcap,
         )
         return self.o_proj(out.view(-1, self.num_heads * self.head_dim))
 
 
+GATED_ACTIVATIONS = ("silu", "gelu_pytorch_tanh")   # cfg.hidden_act of a gated MLP: SwiGLU, GeGLU (tanh GELU)
+
+
 class GatedMLP(nn.Module):
-    """down(silu(gate(x)) * up(x)): Llama, Mistral, Qwen2."""
+    """down(act(gate(x)) * up(x)): SwiGLU (silu: Llama, Mistral, Qwen, Phi-3) or GeGLU (gelu_pytorch_tanh: Gemma)."""
 
     def __init__(self, cfg: ModelConfig, tp: TensorParallelMapping | None = None):
         super().__init__()
+        if cfg.hidden_act not in GATED_ACTIVATIONS:
+            raise ValueError(f"gated MLP activation {cfg.hidden_act!r} is not one of {GATED_ACTIVATIONS}")
         n = tp_size_of(tp)
         inter = cfg.intermediate_size // n
         self.gate_proj = nn.Linear(cfg.hidden_size, inter, bias=cfg.mlp_bias)
         self.up_proj = nn.Linear(cfg.hidden_size, inter, bias=cfg.mlp_bias)
         self.down_proj = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size, cfg.mlp_bias, n)
+        self.gelu = cfg.hidden_act == "gelu_pytorch_tanh"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(ops.silu_mul(self.gate_proj(x), self.up_proj(x)))
+        gate, up = self.gate_proj(x), self.up_proj(x)
+        return self.down_proj(ops.gelu(gate, "tanh") * up if self.gelu else ops.silu_mul(gate, up))
 
 
 class GeluMLP(nn.Module):

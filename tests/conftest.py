@@ -37,7 +37,7 @@ def pytest_collection_modifyitems(config, items):
     items.sort(key=lambda item: item.path.name != "test_packaging.py")
 
 
-FAMILIES = ["llama", "mistral", "qwen2", "gpt2", "qwen3"]
+FAMILIES = ["llama", "mistral", "qwen2", "gpt2", "qwen3", "gemma2", "gemma3"]
 # Per family: what makes its test checkpoint exercise the family's special features.
 FAMILY_OVERRIDES = {
     "llama": dict(rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
@@ -47,6 +47,17 @@ FAMILY_OVERRIDES = {
     "gpt2": dict(),
     # layer 0 full attention, layer 1 a window of 8; untied head
     "qwen3": dict(use_sliding_window=True, sliding_window=8, max_window_layers=1, tie_word_embeddings=False),
+    # layer 0 a window of 8, layer 1 full; soft-capping low enough to change the scores and logits; a softmax scale
+    # that is not head_dim's. Untied: with Gemma's sqrt(hidden) embedding scale a random tied head predicts the
+    # input token again and again (a degenerate reference); tying is the families' shared code
+    "gemma2": dict(sliding_window=8, attn_logit_softcapping=1.0, final_logit_softcapping=5.0,
+                   query_pre_attn_scalar=24, tie_word_embeddings=False),
+    # the same layers, a linear-scaled rotary base on the full layer and the default one on the sliding layer;
+    # final-logit soft-capping; untied head
+    "gemma3": dict(sliding_window=8, layer_types=["sliding_attention", "full_attention"], final_logit_softcapping=6.0,
+                   query_pre_attn_scalar=20, tie_word_embeddings=False,
+                   rope_parameters={"full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 1e6},
+                                    "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}}),
 }
 
 

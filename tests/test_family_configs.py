@@ -59,3 +59,50 @@ def test_kv_window_is_zero_when_any_layer_attends_to_all():
     every = config("Qwen3ForCausalLM", head_dim=16, use_sliding_window=True, sliding_window=8, max_window_layers=0)
     assert every.layer_types == ["sliding_attention"] * 4 and every.kv_window == 8
     assert config("MistralForCausalLM", sliding_window=16).kv_window == 16
+
+
+# ------------------------------------------------------------------------------------------------ Gemma 2 / 3
+GEMMA = dict(head_dim=16, sliding_window=32, query_pre_attn_scalar=16, hidden_activation="gelu_pytorch_tanh")
+
+
+def test_gemma2_defaults_alternate_windows_and_cap():
+    c = config("Gemma2ForCausalLM", **GEMMA, attn_logit_softcapping=50.0, final_logit_softcapping=30.0)
+    assert [c.window_of(i) for i in range(4)] == [32, 0, 32, 0]   # transformers' default: every other layer
+    assert (c.attn_logit_softcapping, c.final_logit_softcapping, c.attention_scale) == (50.0, 30.0, 0.25)
+    assert c.tie_word_embeddings and c.hidden_act == "gelu_pytorch_tanh" and c.kv_window == 0
+    off = config("Gemma2ForCausalLM", **GEMMA, attn_logit_softcapping=None, final_logit_softcapping=None)
+    assert (off.attn_logit_softcapping, off.final_logit_softcapping) == (0.0, 0.0)
+
+
+def test_gemma3_transformers4_rope_keys():
+    """transformers 4 files: rope_theta + rope_scaling for the full layers, rope_local_base_freq for the sliding
+    ones, one full layer in sliding_window_pattern."""
+    c = config("Gemma3ForCausalLM", **GEMMA, num_hidden_layers=6, rope_theta=1e6, rope_local_base_freq=1e4,
+               rope_scaling={"rope_type": "linear", "factor": 8.0}, sliding_window_pattern=3)
+    assert [c.window_of(i) for i in range(6)] == [32, 32, 0, 32, 32, 0]
+    assert (c.rope_theta, c.rope_scaling, c.local_rope_theta, c.local_rope_scaling) == (
+        1e6, {"rope_type": "linear", "factor": 8.0}, 1e4, None)
+    assert c.attn_logit_softcapping == 0.0
+
+
+def test_gemma3_transformers5_rope_parameters_per_layer_type():
+    params = {"full_attention": {"rope_type": "default", "rope_theta": 5e5},
+              "sliding_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 2e4}}
+    c = config("Gemma3ForCausalLM", **GEMMA, rope_parameters=params)
+    assert (c.rope_theta, c.rope_scaling, c.local_rope_theta) == (5e5, None, 2e4)
+    assert c.local_rope_scaling == {"rope_type": "linear", "factor": 2.0}
+
+
+@pytest.mark.parametrize("arch,changes,fragments", [
+    ("Gemma2ForCausalLM", dict(hidden_activation="gelu"), ("hidden_activation", "'gelu'")),
+    ("Gemma2ForCausalLM", dict(use_bidirectional_attention=True), ("use_bidirectional_attention",)),
+    ("Gemma3ForCausalLM", dict(use_bidirectional_attention=True), ("use_bidirectional_attention",)),
+    ("Gemma3ForCausalLM", dict(attn_logit_softcapping=50.0), ("attn_logit_softcapping", "does not apply")),
+    ("Gemma3ForCausalLM", dict(rope_parameters={"rope_type": "default", "rope_theta": 1e4}),
+     ("rope_parameters", "full_attention")),
+    ("Gemma3ForCausalLM", dict(rope_parameters={"full_attention": {"rope_type": "yarn", "factor": 2.0},
+                                                "sliding_attention": {}}), ("'yarn'",)),
+    ("Gemma2ForCausalLM", dict(layer_types=["sliding_attention"] * 3), ("layer_types", "4 layers")),
+])
+def test_gemma_refusals(arch, changes, fragments):
+    refused(arch, *fragments, **{**GEMMA, **changes})

@@ -21,8 +21,8 @@ from runtime_support import get_engine, hf_greedy, random_prompts
 pytestmark = [pytest.mark.xdist_group("families"), pytest.mark.usefixtures("hang_watchdog")]
 
 VOCAB = 512
-NEW_FAMILIES = ["qwen3"]
-ONNX_FAMILIES = ["qwen3"]
+NEW_FAMILIES = ["qwen3", "gemma2", "gemma3"]
+ONNX_FAMILIES = ["qwen3", "gemma3"]
 
 
 def workload(seed: int, n: int = 24):

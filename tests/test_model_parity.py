@@ -43,6 +43,8 @@ CASES = {
     "qwen2-untied-mha": ("qwen2", {"tie_word_embeddings": False, "num_key_value_heads": 4}, {}),
     "gpt2": ("gpt2", {}, {}),
     "qwen3-window-layer1": ("qwen3", {}, {}),
+    "gemma2-softcap-window-layer0": ("gemma2", {}, {}),
+    "gemma3-local-rope": ("gemma3", {}, {}),
 }
 
 _hf_cache: dict[tuple, torch.nn.Module] = {}
@@ -205,6 +207,13 @@ def test_cases_exercise_their_features(checkpoint_dir):
     assert (c.layer_types, c.sliding_window, c.window_of(0), c.window_of(1)) == (
         ["full_attention", "sliding_attention"], 8, 0, 8)
     assert not c.tie_word_embeddings
+    c = cfg("gemma2-softcap-window-layer0")
+    assert (c.window_of(0), c.window_of(1), c.attn_logit_softcapping, c.final_logit_softcapping) == (8, 0, 1.0, 5.0)
+    assert c.attention_scale == 24**-0.5 and c.hidden_act == "gelu_pytorch_tanh"
+    c = cfg("gemma3-local-rope")
+    assert (c.window_of(0), c.window_of(1), c.rope_theta, c.local_rope_theta) == (8, 0, 1e6, 1e4)
+    assert c.rope_scaling == {"rope_type": "linear", "factor": 4.0} and c.local_rope_scaling is None
+    assert (c.attn_logit_softcapping, c.final_logit_softcapping, c.tie_word_embeddings) == (0.0, 6.0, False)
 
 
 def test_sharded_checkpoint_is_sharded(checkpoint_dir):

@@ -68,10 +68,10 @@ class Probe(torch.nn.Module):
     """Every plugin op once, on a mixed paged batch (context chunk with an offset, a fresh prefill, decodes;
     GQA; a sliding window), so that one export checks every lowering."""
 
-    def __init__(self, window: int):
+    def __init__(self, window: int, softcap: float = 0.0):
         super().__init__()
         g = torch.Generator().manual_seed(0)
-        self.window = window
+        self.window, self.softcap = window, softcap
         self.register_buffer("norm_w", torch.randn(32, generator=g))
         self.register_buffer("table", cos_sin_table(64, rope_inv_freq(8, 10000.0, None)))
         w = torch.randn(48, 96, generator=g)
@@ -101,7 +101,7 @@ class Probe(torch.nn.Module):
         normed, summed = ops.fused_add_rms_norm(x, residual, self.norm_w, 1e-5)
         qr, kr = ops.rotary_embedding(q, k, position_ids, self.table)
         attn = ops.paged_attention_functional(qr, kr, v, kv_cache, 1, seq_lens, context_lens, block_tables,
-                                              slot_mapping, 0.35, self.window)
+                                              slot_mapping, 0.35, self.window, self.softcap)
         pool = ops.kv_cache_update(kv_cache, [kr, kr * 2], [v, v * 2], slot_mapping)
         return (ops.rms_norm(x, self.norm_w, 1e-5), normed, summed, qr, kr, ops.silu_mul(x, residual),
                 ops.gelu(x, "tanh"), ops.gelu(x, "none"), ops.fp32_linear(xw, self.w_packed, self.bias),
@@ -134,7 +134,7 @@ def probe_references(m: Probe, a: dict[str, torch.Tensor]) -> list[torch.Tensor]
     pool = a["kv_cache"].clone()
     paged = (a["seq_lens"], a["context_lens"], a["block_tables"], a["slot_mapping"])
     paged_attention_reference(qr, kr * 2, a["v"] * 2, pool, 1, *paged, 0.35, m.window)   # the pool of layer 1
-    attn = paged_attention_reference(qr, kr, a["v"], a["kv_cache"].clone(), 1, *paged, 0.35, m.window)
+    attn = paged_attention_reference(qr, kr, a["v"], a["kv_cache"].clone(), 1, *paged, 0.35, m.window, m.softcap)
     paged_attention_reference(qr, kr, a["v"], pool, 0, *paged, 0.35, m.window)
     return [rms_norm_reference(a["x"], m.norm_w, 1e-5), *fused_add_rms_norm_reference(a["x"], a["residual"], m.norm_w,
                                                                                         1e-5),
@@ -149,9 +149,9 @@ def probe_references(m: Probe, a: dict[str, torch.Tensor]) -> list[torch.Tensor]
             weight_only_linear_reference(a["xw4"], m.pz, m.pzs, None, 4, 32, m.pzz), attn, pool]
 
 
-@pytest.mark.parametrize("window", [0, 5])
-def test_every_plugin_lowering_matches_its_reference(window, tmp_path):
-    m, args = Probe(window).eval(), probe_inputs()
+@pytest.mark.parametrize("window,softcap", [(0, 0.0), (5, 0.8)])
+def test_every_plugin_lowering_matches_its_reference(window, softcap, tmp_path):
+    m, args = Probe(window, softcap).eval(), probe_inputs()
     program = torch.onnx.export(m, (), kwargs=args, dynamo=True, opset_version=OPSET,
                                 custom_translation_table=lowerings(), verbose=False)
     path = tmp_path / "probe.onnx"
@@ -178,9 +178,9 @@ def test_every_plugin_lowering_matches_its_reference(window, tmp_path):
 def test_functional_attention_matches_the_reference():
     """The torch form of the lowering's formulation (token-level mask over the gathered contexts)."""
     a = probe_inputs()
-    for window in (0, 3):
+    for window, softcap in ((0, 0.0), (3, 0.0), (0, 0.5)):
         pool = a["kv_cache"].clone()
-        paged = (a["seq_lens"], a["context_lens"], a["block_tables"], a["slot_mapping"], 0.2, window)
+        paged = (a["seq_lens"], a["context_lens"], a["block_tables"], a["slot_mapping"], 0.2, window, softcap)
         want = paged_attention_reference(a["q"], a["k"], a["v"], pool, 0, *paged)
         got = torch.ops.kiln.paged_attention_functional(a["q"], a["k"], a["v"], a["kv_cache"], 0, *paged)
         torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
