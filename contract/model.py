@@ -29,6 +29,7 @@ class ModelConfig:
     norm_eps: float = 1e-6
     rope_theta: float = 10000.0
     rope_scaling: dict[str, Any] | None = None
+    rotary_dim: int = 0      # dims of each head the rotary embedding turns (the first ones); 0 = head_dim
     tie_word_embeddings: bool = False
     sliding_window: int = 0  # 0 = full attention; else each token attends to the last sliding_window positions
     attention_bias: bool = False

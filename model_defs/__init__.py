@@ -5,6 +5,7 @@ from kiln.model_defs.checkpoint import (
     DTYPES,
     FAMILIES,
     build_model,
+    build_problems,
     checkpoint_quantization,
     load_checkpoint,
     load_config,
@@ -14,5 +15,6 @@ from kiln.model_defs.tensor_parallel import shard_weights
 
 __all__ = [
     "CheckpointError", "DTYPES", "FAMILIES", "ModelConfig",
-    "build_model", "checkpoint_quantization", "load_checkpoint", "load_config", "load_model", "shard_weights",
+    "build_model", "build_problems", "checkpoint_quantization", "load_checkpoint", "load_config", "load_model",
+    "shard_weights",
 ]

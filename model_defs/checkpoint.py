@@ -15,10 +15,10 @@ import torch
 from safetensors import safe_open
 
 from kiln.contract import DTYPES, CheckpointError, ModelConfig, TensorParallelMapping
-from kiln.model_defs import gemma2, gemma3, gpt2, llama, mistral, prequantized, qwen2, qwen3
+from kiln.model_defs import gemma2, gemma3, gpt2, llama, mistral, phi3, prequantized, qwen2, qwen3
 from kiln.model_defs.hf_config import UnsupportedConfigError
 
-_MODULES = (llama, mistral, qwen2, gpt2, qwen3, gemma2, gemma3)
+_MODULES = (llama, mistral, qwen2, gpt2, qwen3, gemma2, gemma3, phi3)
 FAMILIES: dict[str, ModuleType] = {arch: fam for fam in _MODULES for arch in fam.ARCHITECTURES}
 
 
@@ -29,6 +29,13 @@ def family_of(architecture: str) -> ModuleType:
         raise CheckpointError(
             f"unsupported architecture {architecture!r}; kiln supports {sorted(FAMILIES)}"
         ) from None
+
+
+def build_problems(config: ModelConfig, max_seq_len: int) -> list[str]:
+    """Why an engine of ``max_seq_len`` positions would not compute this model as transformers does (a family's
+    ``build_problems``, e.g. Phi-3's LongRoPE beyond its original length); empty when it would."""
+    check = getattr(family_of(config.architecture), "build_problems", None)
+    return check(config, max_seq_len) if check else []
 
 
 def read_hf_config(ckpt_dir: Path) -> dict:

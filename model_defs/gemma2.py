@@ -17,9 +17,8 @@ from torch import nn
 from kiln.contract import ModelConfig, TensorParallelMapping
 from kiln.model_defs import llama
 from kiln.model_defs.hf_config import UnsupportedConfigError, layer_types, refuse_if, require, rope_settings
-from kiln.model_defs.layers import Attention, DecoderOnlyLM, GatedMLP, StepInputs
+from kiln.model_defs.layers import Attention, DecoderOnlyLM, GatedMLP, StepInputs, rope_table
 from kiln.model_defs.weights import WeightSpec, identity_layout, parameter_shapes
-from kiln.plugins.rotary import cos_sin_table, rope_inv_freq
 
 ARCHITECTURES = ("Gemma2ForCausalLM",)
 IGNORED_HF_SUFFIXES = llama.IGNORED_HF_SUFFIXES
@@ -104,22 +103,13 @@ def config_from_hf(hf: dict[str, Any]) -> ModelConfig:
     return cfg
 
 
-def rope_tables(cfg: ModelConfig) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """The rotary table of the full-attention layers and, with ``local_rope_theta``, of the sliding ones."""
-    def table(theta, scaling):
-        return cos_sin_table(cfg.max_position_embeddings, rope_inv_freq(cfg.head_dim, theta, scaling))
-
-    local = table(cfg.local_rope_theta, cfg.local_rope_scaling) if cfg.local_rope_theta > 0 else None
-    return table(cfg.rope_theta, cfg.rope_scaling), local
-
-
 def create(cfg: ModelConfig, tp: TensorParallelMapping | None = None, qk_norm: bool = False) -> DecoderOnlyLM:
     """Gemma 2's module; ``qk_norm``: Gemma 3's per-head q/k norms (Gemma's RMSNorm over head_dim)."""
     norm = (lambda d: GemmaRMSNorm(d, cfg.norm_eps)) if qk_norm else None
     layers = [SandwichDecoderLayer(cfg, Attention(cfg, i, use_rope=True, tp=tp, qk_norm=norm), GatedMLP(cfg, tp))
               for i in range(cfg.num_layers)]
-    table, local = rope_tables(cfg)
-    return DecoderOnlyLM(cfg, layers, GemmaRMSNorm(cfg.hidden_size, cfg.norm_eps), table, tp=tp,
+    local = rope_table(cfg, cfg.local_rope_theta, cfg.local_rope_scaling) if cfg.local_rope_theta > 0 else None
+    return DecoderOnlyLM(cfg, layers, GemmaRMSNorm(cfg.hidden_size, cfg.norm_eps), rope_table(cfg), tp=tp,
                          local_rope_table=local, embed_scale=cfg.hidden_size**0.5)
 
 

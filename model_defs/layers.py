@@ -23,6 +23,7 @@ from torch import nn
 
 import kiln.plugins  # noqa: F401  (registers torch.ops.kiln.*)
 from kiln.contract import ModelConfig, TensorParallelMapping
+from kiln.plugins.rotary import cos_sin_table, rope_attention_factor, rope_inv_freq
 
 ops = torch.ops.kiln
 
@@ -36,6 +37,15 @@ class StepInputs(NamedTuple):
     block_tables: torch.Tensor
     slot_mapping: torch.Tensor
     kv_cache: torch.Tensor
+
+
+def rope_table(cfg: ModelConfig, theta: float | None = None, scaling: dict | None = None) -> torch.Tensor:
+    """The cos/sin table of ``cfg``'s rotary dims for every position (``theta``/``scaling``: another base than
+    the model's, e.g. Gemma 3's sliding layers)."""
+    theta, scaling = (cfg.rope_theta, cfg.rope_scaling) if theta is None else (theta, scaling)
+    inv_freq = rope_inv_freq(cfg.rotary_dim or cfg.head_dim, theta, scaling)
+    return cos_sin_table(cfg.max_position_embeddings, inv_freq,
+                         rope_attention_factor(scaling, cfg.max_position_embeddings))
 
 
 class RMSNorm(nn.Module):
@@ -105,6 +115,7 @@ class Attention(nn.Module):
             self.q_norm = self.k_norm = None
         self.layer_idx = layer_idx
         self.use_rope = use_rope
+        self.rotary_dim = cfg.rotary_dim or d
         self.scale = cfg.attention_scale if cfg.attention_scale is not None else d**-0.5
         self.sliding_window = cfg.window_of(layer_idx)
         self.softcap = cfg.attn_logit_softcapping
@@ -118,7 +129,12 @@ class Attention(nn.Module):
         v = self.v_proj(x).view(-1, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        if self.use_rope:
+        if self.use_rope and self.rotary_dim < self.head_dim:   # partial: the first rotary_dim dims of each head
+            r = self.rotary_dim
+            qr, kr = ops.rotary_embedding(q[..., :r].contiguous(), k[..., :r].contiguous(), step.position_ids,
+                                          rope_table)
+            q, k = torch.cat([qr, q[..., r:]], -1), torch.cat([kr, k[..., r:]], -1)
+        elif self.use_rope:
             q, k = ops.rotary_embedding(q, k, step.position_ids, rope_table)
         out = ops.paged_attention(
             q, k, v, step.kv_cache, self.layer_idx, step.seq_lens, step.context_lens,

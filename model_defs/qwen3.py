@@ -11,9 +11,8 @@ from typing import Any
 from kiln.contract import ModelConfig, TensorParallelMapping
 from kiln.model_defs import llama
 from kiln.model_defs.hf_config import layer_types
-from kiln.model_defs.layers import Attention, DecoderLayer, DecoderOnlyLM, GatedMLP, RMSNorm
+from kiln.model_defs.layers import Attention, DecoderLayer, DecoderOnlyLM, GatedMLP, RMSNorm, rope_table
 from kiln.model_defs.weights import WeightSpec, identity_layout, parameter_shapes
-from kiln.plugins.rotary import cos_sin_table, rope_inv_freq
 
 ARCHITECTURES = ("Qwen3ForCausalLM",)
 IGNORED_HF_SUFFIXES = llama.IGNORED_HF_SUFFIXES
@@ -38,10 +37,6 @@ def config_from_hf(hf: dict[str, Any]) -> ModelConfig:
 def attention(cfg: ModelConfig, i: int, tp: TensorParallelMapping | None) -> Attention:
     """Qwen3's attention: Llama's with q/k RMSNorms over head_dim (Llama's norm definition)."""
     return Attention(cfg, i, use_rope=True, tp=tp, qk_norm=lambda d: RMSNorm(d, cfg.norm_eps))
-
-
-def rope_table(cfg: ModelConfig):
-    return cos_sin_table(cfg.max_position_embeddings, rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling))
 
 
 def create(cfg: ModelConfig, tp: TensorParallelMapping | None = None) -> DecoderOnlyLM:

@@ -37,7 +37,7 @@ def pytest_collection_modifyitems(config, items):
     items.sort(key=lambda item: item.path.name != "test_packaging.py")
 
 
-FAMILIES = ["llama", "mistral", "qwen2", "gpt2", "qwen3", "gemma2", "gemma3"]
+FAMILIES = ["llama", "mistral", "qwen2", "gpt2", "qwen3", "gemma2", "gemma3", "phi3"]
 # Per family: what makes its test checkpoint exercise the family's special features.
 FAMILY_OVERRIDES = {
     "llama": dict(rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
@@ -58,6 +58,11 @@ FAMILY_OVERRIDES = {
                    query_pre_attn_scalar=20, tie_word_embeddings=False,
                    rope_parameters={"full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 1e6},
                                     "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}}),
+    # fused qkv / gate_up in the checkpoint, a window of 8 on every layer, half of each head rotated, LongRoPE's
+    # short factors and attention factor (2048 positions over an original 256)
+    "phi3": dict(sliding_window=8, partial_rotary_factor=0.5, original_max_position_embeddings=256,
+                 rope_scaling={"type": "longrope", "short_factor": [1.0, 1.5, 2.0, 3.0],
+                               "long_factor": [2.0, 3.0, 5.0, 9.0]}),
 }
 
 

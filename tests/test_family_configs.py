@@ -106,3 +106,42 @@ def test_gemma3_transformers5_rope_parameters_per_layer_type():
 ])
 def test_gemma_refusals(arch, changes, fragments):
     refused(arch, *fragments, **{**GEMMA, **changes})
+
+
+# ------------------------------------------------------------------------------------------------ Phi-3
+LONGROPE = {"type": "longrope", "short_factor": [1.0] * 8, "long_factor": [4.0] * 8}
+
+
+def test_phi3_longrope_keys_transformers4_and_5():
+    v4 = config("Phi3ForCausalLM", rope_scaling=LONGROPE, original_max_position_embeddings=512, sliding_window=64)
+    assert v4.rope_scaling["rope_type"] == "longrope" and v4.rope_scaling["original_max_position_embeddings"] == 512
+    assert (v4.sliding_window, v4.layer_types, v4.rotary_dim, v4.attention_bias) == (64, [], 0, False)
+    su = config("Phi3ForCausalLM", rope_scaling={**LONGROPE, "type": "su"}, original_max_position_embeddings=512)
+    assert su.rope_scaling["rope_type"] == "longrope"
+    v5 = config("Phi3ForCausalLM", rope_parameters={**LONGROPE, "rope_type": "longrope", "rope_theta": 1e4,
+                                                    "partial_rotary_factor": 0.5,
+                                                    "original_max_position_embeddings": 512})
+    assert v5.rotary_dim == 8 and v5.rope_scaling["original_max_position_embeddings"] == 512
+    assert "partial_rotary_factor" not in v5.rope_scaling
+
+
+def test_phi3_longrope_beyond_its_original_length_is_refused_by_the_builder():
+    from kiln.builder import BuildConfig
+    from kiln.contract import BuildConfigError
+
+    cfg = config("Phi3ForCausalLM", rope_scaling=LONGROPE, original_max_position_embeddings=512)
+    BuildConfig(max_seq_len=512, max_input_len=256).check_model(cfg)
+    with pytest.raises(BuildConfigError, match="longrope.*original_max_position_embeddings=512.*max_seq_len <= 512"):
+        BuildConfig(max_seq_len=1024, max_input_len=256).check_model(cfg)
+
+
+@pytest.mark.parametrize("changes,fragments", [
+    (dict(rope_scaling={"type": "dynamic", "factor": 2.0}), ("'dynamic'", "longrope")),
+    (dict(rope_scaling={"type": "longrope", "short_factor": [1.0] * 8}, original_max_position_embeddings=512),
+     ("long_factor",)),
+    (dict(rope_scaling=LONGROPE), ("original_max_position_embeddings",)),
+    (dict(partial_rotary_factor=0.1), ("partial_rotary_factor",)),
+    (dict(hidden_act="gelu_new"), ("hidden_act",)),
+])
+def test_phi3_refusals(changes, fragments):
+    refused("Phi3ForCausalLM", *fragments, **changes)

@@ -10,6 +10,7 @@ bf16 over mixed packed steps: tests/test_model_parity.py; TP=2: tests/test_tenso
 
 from __future__ import annotations
 
+import json
 import random
 
 import pytest
@@ -21,7 +22,7 @@ from runtime_support import get_engine, hf_greedy, random_prompts
 pytestmark = [pytest.mark.xdist_group("families"), pytest.mark.usefixtures("hang_watchdog")]
 
 VOCAB = 512
-NEW_FAMILIES = ["qwen3", "gemma2", "gemma3"]
+NEW_FAMILIES = ["qwen3", "gemma2", "gemma3", "phi3"]
 ONNX_FAMILIES = ["qwen3", "gemma3"]
 
 
@@ -42,7 +43,11 @@ def mismatches(ckpt, prompts, max_tokens, outs) -> list[str]:
 def test_24_concurrent_greedy_requests_match_transformers(family, checkpoint_dir):
     ckpt = checkpoint_dir(family)
     prompts, max_tokens = workload(seed=len(family))
-    with LLM(get_engine(ckpt)) as llm:
+    engine = get_engine(ckpt)
+    passes = json.loads((engine.directory / "build_report.json").read_text())["passes"]
+    layers = engine.config.model.num_layers
+    assert passes["merge_qkv"]["merged"] == layers, "q/k/v (Phi-3: split from qkv_proj) were not merged back"
+    with LLM(engine) as llm:
         outs = llm.generate(prompts, [SamplingParams(temperature=0, max_tokens=m) for m in max_tokens])
         biggest = max(s.batch_size for s in llm.executor.metrics.steps)
     bad = mismatches(ckpt, prompts, max_tokens, outs)

@@ -45,6 +45,7 @@ CASES = {
     "qwen3-window-layer1": ("qwen3", {}, {}),
     "gemma2-softcap-window-layer0": ("gemma2", {}, {}),
     "gemma3-local-rope": ("gemma3", {}, {}),
+    "phi3-fused-longrope-partial": ("phi3", {}, {}),
 }
 
 _hf_cache: dict[tuple, torch.nn.Module] = {}
@@ -214,6 +215,9 @@ def test_cases_exercise_their_features(checkpoint_dir):
     assert (c.window_of(0), c.window_of(1), c.rope_theta, c.local_rope_theta) == (8, 0, 1e6, 1e4)
     assert c.rope_scaling == {"rope_type": "linear", "factor": 4.0} and c.local_rope_scaling is None
     assert (c.attn_logit_softcapping, c.final_logit_softcapping, c.tie_word_embeddings) == (0.0, 6.0, False)
+    c = cfg("phi3-fused-longrope-partial")
+    assert (c.sliding_window, c.layer_types, c.rotary_dim, c.head_dim) == (8, [], 8, 16)
+    assert c.rope_scaling["rope_type"] == "longrope" and c.rope_scaling["original_max_position_embeddings"] == 256
 
 
 def test_sharded_checkpoint_is_sharded(checkpoint_dir):
