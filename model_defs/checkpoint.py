@@ -15,10 +15,11 @@ import torch
 from safetensors import safe_open
 
 from kiln.contract import DTYPES, CheckpointError, ModelConfig, TensorParallelMapping
-from kiln.model_defs import gemma2, gemma3, gpt2, llama, mistral, phi3, prequantized, qwen2, qwen3
+from kiln.model_defs import gemma2, gemma3, gpt2, llama, mistral, mixtral, phi3, prequantized, qwen2, qwen3, qwen3_moe
 from kiln.model_defs.hf_config import UnsupportedConfigError
+from kiln.model_defs.weights import Part
 
-_MODULES = (llama, mistral, qwen2, gpt2, qwen3, gemma2, gemma3, phi3)
+_MODULES = (llama, mistral, qwen2, gpt2, qwen3, gemma2, gemma3, phi3, mixtral, qwen3_moe)
 FAMILIES: dict[str, ModuleType] = {arch: fam for fam in _MODULES for arch in fam.ARCHITECTURES}
 
 
@@ -181,7 +182,13 @@ def load_checkpoint(ckpt_dir: str | Path,
                                       "is damaged (an engine built from it would compute garbage)")
             seen[name] = path
             for kiln_name, value in spec.convert(tensor).items():
-                weights[kiln_name] = value = value.to(dtype)
+                value = value.to(dtype)
+                if isinstance(kiln_name, Part):   # an expert's block of a stacked parameter
+                    if kiln_name.name not in weights:
+                        weights[kiln_name.name] = torch.empty(kiln_name.shape, dtype=dtype)
+                    weights[kiln_name.name][kiln_name.index, kiln_name.start:kiln_name.start + len(value)] = value
+                else:
+                    weights[kiln_name] = value
                 bad = _count_non_finite(value)
                 if bad:
                     raise CheckpointError(

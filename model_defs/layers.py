@@ -9,7 +9,8 @@ Tensor parallelism (``tp``, a :class:`~kiln.contract.TensorParallelMapping`, Non
 module of one rank holds its shard's shapes: q/k/v and gate/up (fc_in) column-parallel (fewer heads, a
 slice of the MLP), o_proj and down_proj (fc_out) row-parallel (``RowParallelLinear``: partial sums
 all-reduced, bias added once), the LM head vocab-parallel (``VocabParallelHead``: logits all-gathered),
-the embedding whole. ``kiln.model_defs.tensor_parallel.shard_weights`` cuts the weights to match.
+the embedding whole; an MoE layer's experts split along their intermediate dim (``MoE``: output
+all-reduced). ``kiln.model_defs.tensor_parallel.shard_weights`` cuts the weights to match.
 """
 
 from __future__ import annotations
@@ -163,6 +164,48 @@ class GatedMLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_proj(x), self.up_proj(x)
         return self.down_proj(ops.gelu(gate, "tanh") * up if self.gelu else ops.silu_mul(gate, up))
+
+
+class Router(nn.Module):
+    """The router of an MoE layer: ``weight`` [experts, hidden], read by ``kiln::moe`` (so the builder's GEMM passes
+    leave it in the engine dtype: its choice decides which expert weights a step reads)."""
+
+    def __init__(self, hidden: int, num_experts: int):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(num_experts, hidden))
+
+
+class Experts(nn.Module):
+    """The experts of an MoE layer, stacked: ``gate_up_proj`` [E, 2I, H] (each expert's gate rows, then its up
+    rows) and ``down_proj`` [E, H, I] (transformers 5's in-memory layout)."""
+
+    def __init__(self, num_experts: int, hidden: int, inter: int):
+        super().__init__()
+        self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * inter, hidden))
+        self.down_proj = nn.Parameter(torch.empty(num_experts, hidden, inter))
+
+
+class MoE(nn.Module):
+    """Sparse MoE MLP (Mixtral, Qwen3-MoE): each token's ``num_experts_per_tok`` experts of ``num_experts``, through
+    ``kiln::moe``. Tensor parallelism splits every expert's intermediate dim (gate/up rows, down columns) like the
+    dense MLP's; the partial sums are all-reduced."""
+
+    def __init__(self, cfg: ModelConfig, tp: TensorParallelMapping | None = None):
+        super().__init__()
+        self.tp_size = tp_size_of(tp)
+        self.gate = Router(cfg.hidden_size, cfg.num_experts)
+        self.experts = Experts(cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size // self.tp_size)
+        self.top_k, self.renormalize = cfg.num_experts_per_tok, cfg.norm_topk_prob
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = ops.moe(x, self.gate.weight, self.experts.gate_up_proj, None, self.experts.down_proj, None, self.top_k,
+                    self.renormalize, 0, 0)
+        return ops.all_reduce(y) if self.tp_size > 1 else y
+
+
+def mlp_of(cfg: ModelConfig, layer: int, tp: TensorParallelMapping | None = None) -> nn.Module:
+    """Layer ``layer``'s MLP: the MoE block for the layers in ``cfg.moe_layers``, else the gated MLP."""
+    return MoE(cfg, tp) if cfg.num_experts and layer in cfg.moe_layers else GatedMLP(cfg, tp)
 
 
 class GeluMLP(nn.Module):

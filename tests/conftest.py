@@ -37,7 +37,7 @@ def pytest_collection_modifyitems(config, items):
     items.sort(key=lambda item: item.path.name != "test_packaging.py")
 
 
-FAMILIES = ["llama", "mistral", "qwen2", "gpt2", "qwen3", "gemma2", "gemma3", "phi3"]
+FAMILIES = ["llama", "mistral", "qwen2", "gpt2", "qwen3", "gemma2", "gemma3", "phi3", "mixtral", "qwen3_moe"]
 # Per family: what makes its test checkpoint exercise the family's special features.
 FAMILY_OVERRIDES = {
     "llama": dict(rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
@@ -63,6 +63,10 @@ FAMILY_OVERRIDES = {
     "phi3": dict(sliding_window=8, partial_rotary_factor=0.5, original_max_position_embeddings=256,
                  rope_scaling={"type": "longrope", "short_factor": [1.0, 1.5, 2.0, 3.0],
                                "long_factor": [2.0, 3.0, 5.0, 9.0]}),
+    # 8 experts, top 2 renormalized, a window of 8 (synthetic_checkpoints' MoE preset)
+    "mixtral": dict(sliding_window=8),
+    # 16 small experts, top 4 not renormalized (norm_topk_prob false); layer 0 a dense MLP (mlp_only_layers)
+    "qwen3_moe": dict(num_experts=16, num_experts_per_tok=4, moe_intermediate_size=32, mlp_only_layers=[0]),
 }
 
 

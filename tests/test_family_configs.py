@@ -145,3 +145,37 @@ def test_phi3_longrope_beyond_its_original_length_is_refused_by_the_builder():
 ])
 def test_phi3_refusals(changes, fragments):
     refused("Phi3ForCausalLM", *fragments, **changes)
+
+
+# ------------------------------------------------------------------------------------------------ MoE
+def test_mixtral_experts():
+    c = config("MixtralForCausalLM", num_local_experts=8, num_experts_per_tok=2, sliding_window=None)
+    assert (c.num_experts, c.num_experts_per_tok, c.moe_intermediate_size, c.norm_topk_prob) == (8, 2, 128, True)
+    assert c.moe_layers == [0, 1, 2, 3] and c.is_moe and c.sliding_window == 0
+
+
+def test_qwen3_moe_sparse_step_and_dense_layers():
+    c = config("Qwen3MoeForCausalLM", head_dim=16, num_experts=64, num_experts_per_tok=8, moe_intermediate_size=32,
+               decoder_sparse_step=2, mlp_only_layers=[3], norm_topk_prob=True)
+    assert c.moe_layers == [1] and c.moe_intermediate_size == 32 and c.norm_topk_prob   # layer 3 is dense
+    v5 = config("Qwen3MoeForCausalLM", head_dim=16, num_local_experts=4, num_experts_per_tok=2,
+                moe_intermediate_size=32, use_sliding_window=True, sliding_window=64)
+    assert v5.num_experts == 4 and v5.moe_layers == [0, 1, 2, 3] and v5.kv_window == 64   # every layer's window
+
+
+@pytest.mark.parametrize("changes,fragments", [
+    (dict(mlp_only_layers=[7]), ("mlp_only_layers", "[7]", "4")),
+    (dict(num_experts_per_tok=9), ("num_experts_per_tok=9", "num_experts=8")),
+    (dict(num_experts=None), ("num_experts",)),
+])
+def test_qwen3_moe_refusals(changes, fragments):
+    base = dict(head_dim=16, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32)
+    refused("Qwen3MoeForCausalLM", *fragments, **{**base, **changes})
+
+
+def test_moe_tensor_parallel_split_needs_the_expert_width():
+    from kiln.contract import mapping_problems
+
+    c = config("Qwen3MoeForCausalLM", head_dim=16, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=30)
+    assert mapping_problems(c, 2) == []
+    assert any("moe_intermediate_size=30" in p for p in mapping_problems(c, 4))

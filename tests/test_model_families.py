@@ -22,7 +22,7 @@ from runtime_support import get_engine, hf_greedy, random_prompts
 pytestmark = [pytest.mark.xdist_group("families"), pytest.mark.usefixtures("hang_watchdog")]
 
 VOCAB = 512
-NEW_FAMILIES = ["qwen3", "gemma2", "gemma3", "phi3"]
+NEW_FAMILIES = ["qwen3", "gemma2", "gemma3", "phi3", "mixtral", "qwen3_moe"]
 ONNX_FAMILIES = ["qwen3", "gemma3"]
 
 
@@ -47,6 +47,7 @@ def test_24_concurrent_greedy_requests_match_transformers(family, checkpoint_dir
     passes = json.loads((engine.directory / "build_report.json").read_text())["passes"]
     layers = engine.config.model.num_layers
     assert passes["merge_qkv"]["merged"] == layers, "q/k/v (Phi-3: split from qkv_proj) were not merged back"
+    assert passes["fast_linear"]["packed_moe_layers"] == len(engine.config.model.moe_layers)   # experts in panels
     with LLM(engine) as llm:
         outs = llm.generate(prompts, [SamplingParams(temperature=0, max_tokens=m) for m in max_tokens])
         biggest = max(s.batch_size for s in llm.executor.metrics.steps)
@@ -62,7 +63,10 @@ def test_int8_top1_agreement(family, checkpoint_dir):
     transformers fp32; printed for the report."""
     ckpt = checkpoint_dir(family)
     prompts, _ = workload(seed=100 + len(family))
-    with LLM(get_engine(ckpt, quantization="int8_weight_only")) as llm:
+    engine = get_engine(ckpt, quantization="int8_weight_only")
+    passes = json.loads((engine.directory / "build_report.json").read_text())["passes"]
+    assert passes["weight_only_quant"]["quantized_moe_layers"] == len(engine.config.model.moe_layers)
+    with LLM(engine) as llm:
         outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=1, ignore_eos=True))
     agree = sum(o.token_ids == hf_greedy(ckpt, p, 1, ignore_eos=True) for p, o in zip(prompts, outs)) / len(prompts)
     print(f"\n{family}: int8 weight-only top-1 agreement with transformers fp32: {agree:.0%} of {len(prompts)}")
