@@ -7,6 +7,7 @@ Engines are tiny and built once per session, in their own xdist group.
 
 from __future__ import annotations
 
+import importlib
 import json
 import subprocess
 import sys
@@ -173,6 +174,44 @@ def test_every_plugin_lowering_matches_its_reference(window, softcap, tmp_path):
     for name, g, w in zip(names, got, want):
         err = (torch.from_numpy(g) - w).abs().max().item()
         assert err <= 2e-5 * max(1.0, w.abs().max().item()), f"{name}: max abs error {err}"
+
+
+def test_moe_lowering_matches_the_reference(tmp_path):
+    """kiln::moe's dense lowering, for every expert format the builder stores (float, int8 and its panels, int4),
+    against the sparse op's reference."""
+    from test_moe import experts, formats
+
+    moe_ref = importlib.import_module("kiln.plugins.moe").moe_reference
+    router, gate_up, down = experts(11)
+
+    class Block(torch.nn.Module):
+        def __init__(self, gu, gus, dn, ds, bits, group, top_k, renormalize):
+            super().__init__()
+            self.args = (bits, group, top_k, renormalize)
+            for name, t in (("router", router), ("gu", gu), ("gus", gus), ("dn", dn), ("ds", ds)):
+                self.register_buffer(name, t)
+
+        def forward(self, x):
+            bits, group, top_k, renormalize = self.args
+            return torch.ops.kiln.moe(x, self.router, self.gu, self.gus, self.dn, self.ds, top_k, renormalize, bits,
+                                      group)
+
+    x = torch.randn(7, router.shape[1], generator=torch.Generator().manual_seed(12))
+    for i, (name, gu, gus, dn, ds, bits, group) in enumerate(formats(gate_up, down)):
+        top_k, renormalize = (2, True) if i % 2 else (3, False)
+        block = Block(gu, gus, dn, ds, bits, group, top_k, renormalize).eval()
+        program = torch.onnx.export(block, (x,), dynamo=True, opset_version=OPSET, custom_translation_table=lowerings(),
+                                    dynamic_shapes=({0: torch.export.Dim("t")},), verbose=False)
+        path = tmp_path / f"moe{i}.onnx"
+        program.save(str(path))
+        onnx.checker.check_model(str(path), full_check=True)
+        options = ort.SessionOptions()
+        options.add_session_config_entry("session.qdq_matmulnbits_accuracy_level", "1")
+        session = ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
+        for t in (1, 7):
+            got = torch.from_numpy(session.run(None, {session.get_inputs()[0].name: x[:t].numpy()})[0])
+            want = moe_ref(x[:t], router, gu, gus, dn, ds, top_k, renormalize, bits, group)
+            torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-3, msg=lambda m: f"{name}, {t} tokens: {m}")
 
 
 def test_functional_attention_matches_the_reference():
