@@ -210,6 +210,8 @@ class BuildConfig:
             tp = self.tp_size   # the row-parallel GEMMs (o_proj, down_proj) read 1 / tp of their input
             widths = {int(m["hidden_size"]), int(m["intermediate_size"]) // tp,
                       int(m["num_heads"]) // tp * int(m["head_dim"])}
+            if model.num_experts:   # an MoE layer's down GEMMs read the experts' width
+                widths.add(model.moe_intermediate_size // tp)
             bad = sorted(w for w in widths if w % self.group_size)
             if bad:
                 fits = [g for g in (32, 64, 128, 256) if all(w % g == 0 for w in widths)]

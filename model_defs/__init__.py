@@ -10,11 +10,13 @@ from kiln.model_defs.checkpoint import (
     load_checkpoint,
     load_config,
     load_model,
+    parameter_counts,
 )
 from kiln.model_defs.tensor_parallel import shard_weights
 
 __all__ = [
     "CheckpointError", "DTYPES", "FAMILIES", "ModelConfig",
     "build_model", "build_problems", "checkpoint_quantization", "load_checkpoint", "load_config", "load_model",
+    "parameter_counts",
     "shard_weights",
 ]

@@ -217,6 +217,19 @@ def load_checkpoint(ckpt_dir: str | Path,
     return config, weights
 
 
+def parameter_counts(config: ModelConfig) -> tuple[int, int]:
+    """(total, active per token) parameters of the model: each counted once (a tied head is the embedding); active
+    leaves out, in every MoE layer, the experts a token does not use ((num_experts - top_k) / num_experts of them)."""
+    from kiln.model_defs.layers import MoE
+
+    with torch.device("meta"):
+        module = family_of(config.architecture).create(config)
+    total = sum(p.numel() for p in module.parameters())
+    experts = sum(p.numel() for m in module.modules() if isinstance(m, MoE) for p in m.experts.parameters())
+    unused = experts * (config.num_experts - config.num_experts_per_tok) // config.num_experts if experts else 0
+    return total, total - unused
+
+
 def build_model(config: ModelConfig, weights: dict[str, torch.Tensor],
                 tp: TensorParallelMapping | None = None) -> torch.nn.Module:
     """The family's packed-token module holding ``weights`` (no copy), in eval mode; with ``tp`` (more than

@@ -23,7 +23,7 @@ pytestmark = [pytest.mark.xdist_group("families"), pytest.mark.usefixtures("hang
 
 VOCAB = 512
 NEW_FAMILIES = ["qwen3", "gemma2", "gemma3", "phi3", "mixtral", "qwen3_moe"]
-ONNX_FAMILIES = ["qwen3", "gemma3"]
+ONNX_FAMILIES = ["qwen3", "gemma3", "qwen3_moe"]
 
 
 def workload(seed: int, n: int = 24):
@@ -83,3 +83,44 @@ def test_onnx_engine_greedy_matches_transformers(family, checkpoint_dir):
         outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=10, ignore_eos=True))
     for p, o in zip(prompts, outs):
         assert o.token_ids == hf_greedy(ckpt, p, 10, ignore_eos=True), f"{family}: prompt of {len(p)} tokens"
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "gemma3"])
+def test_engine_knows_total_and_active_parameters_and_bytes_read(family, checkpoint_dir):
+    """config.json's memory section: the parameters (transformers' count), those one token uses (an MoE token: its
+    top_k experts), and the weight bytes a decode step of one sequence reads (the memory plan: one embedding row, the
+    chosen share of the experts); ``kiln inspect`` and ``kiln plan`` show them."""
+    from click.testing import CliRunner
+    from transformers import AutoModelForCausalLM
+
+    from kiln.bench.devices import get_device
+    from kiln.bench.engine_facts import engine_facts
+    from kiln.bench.planner import WorkloadStats, plan
+    from kiln.contract import load_weights
+    from kiln.runtime.cli import main as kiln_main
+
+    ckpt = checkpoint_dir(family)
+    engine = get_engine(ckpt)
+    m, mem = engine.config.model, engine.config.memory
+    hf = AutoModelForCausalLM.from_pretrained(ckpt)
+    assert mem.total_params == sum(p.numel() for p in hf.parameters())
+    stored = load_weights(engine.directory / "rank0.weights")
+    experts = sum(t.numel() * t.element_size() for n, t in stored.items() if "experts" in n)
+    share = m.num_experts_per_tok / m.num_experts if m.is_moe else 1.0
+    table = m.vocab_size * m.hidden_size * 4   # an untied embedding table: one row read
+    expected = mem.weights_bytes - experts * (1 - share) - (0 if m.tie_word_embeddings else table * (1 - 1 / 512))
+    assert mem.decode_read_bytes == pytest.approx(expected, abs=16)
+    rows = dict(tuple(p.strip() for p in line.split("|", 1)) for line in
+                CliRunner().invoke(kiln_main, ["inspect", str(engine.directory)]).output.splitlines() if "|" in line)
+    assert rows["decode reads"].endswith("of weights per step of one sequence")
+    facts = engine_facts(engine.directory)
+    assert facts.streamed_weight_bytes == mem.decode_read_bytes and facts.expert_share == share
+    step = plan(facts, get_device("cpu:24"), WorkloadStats.from_percentiles(40, 20))["step_time"]
+    if m.is_moe:
+        unused = sum(p.numel() for n, p in hf.named_parameters() if ".experts." in n) * (1 - share)
+        assert mem.active_params == mem.total_params - unused
+        assert rows["parameters"].endswith(f"active per token (4 of 16 experts in {len(m.moe_layers)} of 2 layers)")
+        assert "(25% of the experts)" in step["decode_step_batch_1"]["source"]
+        assert facts.expert_bytes > 0 and facts.active_params == mem.active_params
+    else:
+        assert mem.active_params == mem.total_params and "active" not in rows["parameters"]
