@@ -20,12 +20,18 @@ import torch
 
 # Sizes: "tiny" for tests, "small" for the demo, "300m" for benchmarks (~300-500M parameters),
 # "246m" the same architecture with 16 layers: the size of the checkpoint the peers' decode speeds in
-# ../shared/notes were measured on (llama.cpp, onnxruntime-genai).
+# ../shared/notes were measured on (llama.cpp, onnxruntime-genai); "246m-moe*" its MoE twins (scripts/bench_moe.py).
 PRESETS: dict[str, dict[str, int]] = {
     "tiny": dict(hidden=64, inter=128, layers=2, heads=4, kv_heads=2, vocab=512),
     "small": dict(hidden=256, inter=688, layers=4, heads=8, kv_heads=4, vocab=2048),
     "300m": dict(hidden=1024, inter=2816, layers=22, heads=16, kv_heads=4, vocab=32000),
     "246m": dict(hidden=1024, inter=2816, layers=16, heads=16, kv_heads=4, vocab=32000),
+    # MoE models with the 246m's attention and its active MLP width per token (top_k x expert width = 2816):
+    # Mixtral-style 8 experts, top 2; Qwen3-MoE-style 16 experts, top 4 (~660M parameters each, ~246M active)
+    "246m-moe8": dict(hidden=1024, inter=2816, layers=16, heads=16, kv_heads=4, vocab=32000, experts=8, top_k=2,
+                      expert_inter=1408),
+    "246m-moe16": dict(hidden=1024, inter=2816, layers=16, heads=16, kv_heads=4, vocab=32000, experts=16, top_k=4,
+                       expert_inter=704),
 }
 
 # Families whose random checkpoints get norm weights away from their init (ones, or Gemma's zeros under 1 + w),
