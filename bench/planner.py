@@ -20,6 +20,8 @@ head of the queue needs room for its own blocks).
 Step time (per device, additive: the memory and compute phases of kiln's kernels do not overlap much,
 and ``a + b x tokens`` is what ``--calibration`` fits):
     t_step = (streamed weights / tp + KV bytes read per device) / bandwidth
+    (an MoE model streams the experts its tokens choose: a batch of B reads 1 - (1 - top_k / E)^B of them,
+    the matmul parameters are one token's: its top_k experts and the router)
            + (2 x matmul params / tp x tokens + 2 x lm_head params / tp x sequences + attention FLOPs / tp) / FLOP/s
            + t_allreduce + t_allgather
     t_allreduce = layers x 2 x [2 (tp - 1) / tp x tokens x hidden x activation bytes / link bandwidth
@@ -152,6 +154,12 @@ def device_share(facts: EngineFacts, mapping: TensorParallelMapping) -> tuple[fl
     return weights, facts.streamed_weight_bytes / tp, kv
 
 
+def experts_read(share: float, tokens: float) -> float:
+    """The expected share of an MoE layer's experts that ``tokens`` tokens read, each choosing ``share`` of them
+    (independent choices): 1 - (1 - share)^tokens; ``share`` for one token, 1 for a dense model."""
+    return 1.0 - (1.0 - share) ** max(tokens, 1.0)
+
+
 def plan(facts: EngineFacts, device: Device, workload: WorkloadStats, *, tp: int | None = None,
          max_batch_size: int | None = None, max_num_tokens: int | None = None,
          kv_cache_memory_fraction: float | None | str = "recommended", max_kv_cache_tokens: int | None = None,
@@ -180,6 +188,10 @@ def plan(facts: EngineFacts, device: Device, workload: WorkloadStats, *, tp: int
     inp["engine"] = _v(facts.name, "--engine / --hf-config")
     inp["device"] = _v(device.name, device.source)
     inp["tp"] = _v(tp, "--tp")
+    if facts.total_params:
+        moe = (f"; {facts.active_params / 1e9:.3f}B active per token ({facts.expert_share:.0%} of the experts)"
+               if facts.expert_share < 1 else "")
+        inp["parameters"] = _v(f"{facts.total_params / 1e9:.3f}B{moe}", facts.origin.get("parameters", "model shape"))
     inp["workload"] = _v({"prompt": workload.prompt, "output": workload.output}, workload.source, "tokens")
 
     mem = out["memory"]
@@ -295,8 +307,14 @@ def plan(facts: EngineFacts, device: Device, workload: WorkloadStats, *, tp: int
         return (allreduce_seconds(facts.num_layers, facts.hidden_size, elem, tokens, tp, link or 0.0)
                 + allgather_seconds(mapping.vocab_size_per_rank * tp, elem, seqs, tp, link or 0.0))
 
-    def t_mem(kv_tokens: float) -> float:
-        return (streamed_dev + kv_tokens * kv_dev) / bw
+    # an MoE step reads the experts its tokens chose: streamed_dev holds one token's share of them
+    expert_dev = facts.expert_bytes / (tp if facts.tp_size == 1 else 1)
+
+    def streamed(tokens: float) -> float:
+        return streamed_dev + expert_dev * (experts_read(facts.expert_share, tokens) - facts.expert_share)
+
+    def t_mem(kv_tokens: float, tokens: float = 1) -> float:
+        return (streamed(tokens) + kv_tokens * kv_dev) / bw
 
     def t_compute(tokens: float, seqs: float, ctx_tokens: float) -> float:
         flops = (2 * facts.matmul_params * tokens + 2 * facts.lm_head_params * seqs
@@ -309,15 +327,16 @@ def plan(facts: EngineFacts, device: Device, workload: WorkloadStats, *, tp: int
     ctx_mean = workload.prompt["mean"] + workload.output["mean"] / 2
     for batch in sorted({1, limit}):
         kv_tok = batch * ctx_mean
-        m, c, a = t_mem(kv_tok), t_compute(batch, batch, kv_tok), allreduce(batch, batch)
+        m, c, a = t_mem(kv_tok, batch), t_compute(batch, batch, kv_tok), allreduce(batch, batch)
+        moe = (f" ({experts_read(facts.expert_share, batch):.0%} of the experts)" if facts.expert_share < 1 else "")
         stime[f"decode_step_batch_{batch}"] = _v(
-            m + c + a, f"weights {streamed_dev / 1e6:.0f} MB + KV "
+            m + c + a, f"weights {streamed(batch) / 1e6:.0f} MB{moe} + KV "
                        f"{kv_tok * kv_dev / 1e6:.1f} MB read: {m * 1e3:.2f} ms; FLOPs: "
                        f"{c * 1e3:.2f} ms; all-reduce + logits gather {a * 1e3:.2f} ms (mean context "
                        f"{ctx_mean:.0f} tokens)", "s")
         stime[f"decode_step_batch_{batch}_roofline_max"] = _v(max(m, c) + a, "max(memory, compute) + all-reduce", "s")
-    # ---- load model
-    A = t_mem(0) + allreduce(0, 0)
+    # ---- load model (an MoE step's experts read at the concurrency limit's batch: conservative)
+    A = t_mem(0, limit) + allreduce(0, 0)
     per_token = t_compute(1, 0, 0) + (allreduce(1, 0) - allreduce(0, 0))
     per_sequence = allreduce(0, 1) - allreduce(0, 0)    # the logits gather of a sampled sequence
     Pm, Om = workload.prompt["mean"], workload.output["mean"]
@@ -353,7 +372,8 @@ def plan(facts: EngineFacts, device: Device, workload: WorkloadStats, *, tp: int
     lam_budget = budget / ((Pm + Om) * A + budget * K)     # solves rate x (P + O) x t_step(rate) = budget
     lam_q = min(lam_seats, lam_budget)
     load = out["load"]
-    load["fixed_step_cost"] = _v(A, "streamed weights / bandwidth (+ all-reduce latency)", "s")
+    load["fixed_step_cost"] = _v(A, "streamed weights / bandwidth (+ all-reduce latency)"
+                                 + (f"; the experts {limit} sequences read" if facts.expert_share < 1 else ""), "s")
     load["engine_time_per_request"] = _v(K, f"mean prompt {Pm:.0f} + output {Om:.0f} tokens: GEMMs, lm_head, KV reads, "
                                             "attention (see module docstring)", "s")
     load["saturation_rate"] = _v(lam_sat, "1 / engine time per request: beyond it steps grow without bound", "req/s")

@@ -166,7 +166,7 @@ def _make_build_dir(out: Path) -> Path:
 def _build(ckpt: Path, out: Path, tmp: Path, build: BuildConfig, model, lora: lora_graph.LoraPlan | None,
            progress: Progress | None) -> Path:
     """The stages, writing into ``tmp``, which then replaces ``out``."""
-    from kiln.model_defs import checkpoint_quantization, load_checkpoint
+    from kiln.model_defs import checkpoint_quantization, load_checkpoint, parameter_counts
 
     timings: dict[str, float] = {}
     t_total = time.perf_counter()
@@ -178,6 +178,7 @@ def _build(ckpt: Path, out: Path, tmp: Path, build: BuildConfig, model, lora: lo
     first = ranks[0]
     arena = first["memory_plan"]
     kv_bytes = kv_bytes_per_token(mapping.rank_model(model), build.resolved_kv_cache_dtype)
+    total_params, active_params = parameter_counts(model)
     summary = MemorySummary(
         weights_bytes=first["weights_bytes"],
         activation_peak_bytes=arena["activation_peak_bytes"],
@@ -186,6 +187,9 @@ def _build(ckpt: Path, out: Path, tmp: Path, build: BuildConfig, model, lora: lo
         num_buffers=arena["num_buffers"],
         kv_bytes_per_token=kv_bytes,
         kv_tokens_per_gib=(1 << 30) // kv_bytes,
+        total_params=total_params,
+        active_params=active_params,
+        decode_read_bytes=first["decode_read_bytes"],
     )
     engine_files = [rank_file(r) for r in range(mapping.tp_size)]
     with _stage("write", timings, progress):
@@ -273,6 +277,7 @@ def _build_rank(model: ModelConfig, weights: dict[str, torch.Tensor], mapping: T
     with _stage("memory_plan", timings, progress, label):
         arena = memory_plan.plan(ep)
         weights_bytes = memory_plan.weights_bytes(ep)
+        decode_read = memory_plan.decode_read_bytes(ep)
     with _stage("compile", timings, progress, label):
         path = out / rank_file(rank)
         backend = BACKENDS[build.backend]
@@ -282,4 +287,5 @@ def _build_rank(model: ModelConfig, weights: dict[str, torch.Tensor], mapping: T
         if build.backend in TORCH_BACKENDS:   # a .pt2 archive (an ONNX model or TensorRT plan has no place for it)
             stamp_rank_file(path, rank, mapping)
     return {"gemms": {"before_passes": gemms_before, "after_passes": gemms_after}, "passes": pass_stats,
-            "backend": backend_stats, "memory_plan": arena, "weights_bytes": weights_bytes}
+            "backend": backend_stats, "memory_plan": arena, "weights_bytes": weights_bytes,
+            "decode_read_bytes": decode_read}

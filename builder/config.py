@@ -223,10 +223,15 @@ class BuildConfig:
                 f"max_seq_len={self.max_seq_len} > the model's max_position_embeddings={max_pos}: positions beyond "
                 f"it were never trained; lower max_seq_len to <= {max_pos}"
             )
+        from kiln.model_defs import build_problems  # the family's own limits (Phi-3's LongRoPE length)
+
+        issues.extend(build_problems(model, self.max_seq_len))
         if self.quantization == "int4_weight_only" and not issues:
             tp = self.tp_size   # the row-parallel GEMMs (o_proj, down_proj) read 1 / tp of their input
             widths = {int(m["hidden_size"]), int(m["intermediate_size"]) // tp,
                       int(m["num_heads"]) // tp * int(m["head_dim"])}
+            if model.num_experts:   # an MoE layer's down GEMMs read the experts' width
+                widths.add(model.moe_intermediate_size // tp)
             bad = sorted(w for w in widths if w % self.group_size)
             if bad:
                 fits = [g for g in (32, 64, 128, 256) if all(w % g == 0 for w in widths)]

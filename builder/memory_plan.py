@@ -183,3 +183,31 @@ def weights_bytes(ep: torch.export.ExportedProgram) -> int:
         if isinstance(t, torch.Tensor):
             seen[id(t)] = t.numel() * t.element_size()
     return sum(seen.values())
+
+
+def decode_read_bytes(ep: torch.export.ExportedProgram) -> int:
+    """Weight bytes one decode step of one sequence reads: every weight, except that an embedding table (only read
+    by ``aten.embedding``) gives one row, and the experts of a ``kiln.moe`` are read top_k of num_experts (each
+    tensor once, however many ops read it). The step's bandwidth floor is this over the memory bandwidth."""
+    sig = ep.graph_signature
+    names = {**sig.inputs_to_parameters, **sig.inputs_to_buffers, **sig.inputs_to_lifted_tensor_constants}
+    tensors = {**ep.state_dict, **ep.constants}
+    share: dict[int, float] = {}   # storage -> bytes read
+    for node in ep.graph.nodes:
+        t = tensors.get(names.get(node.name)) if node.op == "placeholder" else None
+        if not isinstance(t, torch.Tensor):
+            continue
+        nbytes = t.numel() * t.element_size()
+        read = 0.0
+        for user in node.users:
+            target = getattr(user.target, "_schema", None)
+            name = target.name if target is not None else ""
+            if name == "aten::embedding" and user.args[0] is node:
+                read = max(read, nbytes / max(t.shape[0], 1))
+            elif name == "kiln::moe" and node in user.args[2:6]:
+                read = max(read, nbytes * user.args[6] / user.args[1].meta["val"].shape[0])
+            else:
+                read = nbytes
+        key = t.untyped_storage().data_ptr()
+        share[key] = max(share.get(key, 0.0), read)
+    return int(sum(share.values()))

@@ -60,7 +60,7 @@ from kiln.contract.io import (
     torch_dtype,
 )
 from kiln.contract.lora import LORA_INPUT_NAMES, NO_ADAPTER, LoraLayout, LoraModule
-from kiln.contract.model import ModelConfig
+from kiln.contract.model import LAYER_TYPES, ModelConfig
 from kiln.contract.options import check_option_names, option_names, reject_unknown_options
 from kiln.contract.summary import format_table, human_bytes, summary_rows
 from kiln.contract.tensor_parallel import TensorParallelMapping, check_rank_file, mapping_problems, stamp_rank_file
@@ -68,8 +68,8 @@ from kiln.contract.weights import load_weights, save_weights, weights_file
 
 __all__ = [
     "BACKENDS", "CONFIG_FILE", "DTYPES", "FORMAT_VERSION", "INDEX_DTYPES", "INPUT_AXES", "INPUT_NAMES",
-    "KV_CACHE_OUTPUT", "LORA_INPUT_NAMES", "NO_ADAPTER", "OUTPUT_NAME", "QUANTIZATIONS", "REPORT_FILE",
-    "SUPPORTED_FORMAT_VERSIONS", "TOKENIZER_FILES", "TORCH_BACKENDS",
+    "KV_CACHE_OUTPUT", "LAYER_TYPES", "LORA_INPUT_NAMES", "NO_ADAPTER", "OUTPUT_NAME", "QUANTIZATIONS",
+    "REPORT_FILE", "SUPPORTED_FORMAT_VERSIONS", "TOKENIZER_FILES", "TORCH_BACKENDS",
     "AdapterLoadError", "BuildConfigError", "CheckpointError", "ConfigError", "EngineBounds", "EngineBuildError",
     "EngineConfig",
     "EngineDeadError", "EngineInputError",

@@ -101,6 +101,11 @@ class MemorySummary:
     num_buffers: int
     kv_bytes_per_token: int             # of one rank's pool
     kv_tokens_per_gib: int
+    # the model's parameters (whole, not per rank) and what one decode token uses: an MoE token uses top_k of
+    # num_experts experts per MoE layer (0: an engine built before these were recorded)
+    total_params: int = 0
+    active_params: int = 0
+    decode_read_bytes: int = 0          # weight bytes a decode step of one sequence reads (one rank's; memory plan)
 
 
 @dataclass(frozen=True)

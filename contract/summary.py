@@ -15,6 +15,22 @@ def human_bytes(n: float) -> str:
     return f"{n:.1f} GiB"
 
 
+def count(n: float) -> str:
+    for unit, size in (("B", 1e9), ("M", 1e6), ("k", 1e3)):
+        if n >= size:
+            return f"{n / size:.2f}{unit}"
+    return str(int(n))
+
+
+def parameters(config: EngineConfig) -> str:
+    """Total parameters and, for an MoE model, those one token uses."""
+    m, mem = config.model, config.memory
+    if not m.is_moe:
+        return count(mem.total_params)
+    return (f"{count(mem.total_params)} total, {count(mem.active_params)} active per token ({m.num_experts_per_tok} "
+            f"of {m.num_experts} experts in {len(m.moe_layers)} of {m.num_layers} layers)")
+
+
 def summary_rows(config: EngineConfig, report: dict[str, Any] | None = None) -> list[tuple[str, str]]:
     """(label, value) rows of an engine; ``report`` (build_report.json) adds GEMM counts and build time."""
     m, b, mem, tp = config.model, config.bounds, config.memory, config.tp_size
@@ -27,7 +43,10 @@ def summary_rows(config: EngineConfig, report: dict[str, Any] | None = None) -> 
                             f"quantization {config.quantization})"),
         ("limits", f"batch {b.max_batch_size}, tokens/step {b.max_num_tokens}, seq {b.max_seq_len}, "
                    f"block {b.tokens_per_block}"),
+        *([("parameters", parameters(config))] if mem.total_params else []),
         ("weights", human_bytes(mem.weights_bytes) + per_rank),
+        *([("decode reads", f"{human_bytes(mem.decode_read_bytes)} of weights per step of one sequence{per_rank}")]
+          if mem.decode_read_bytes else []),
         ("activation peak", f"{human_bytes(mem.activation_peak_bytes)} "
                             f"(no reuse: {human_bytes(mem.activation_naive_bytes)})"),
         ("tensor parallel", config.tensor_parallel.describe(m)),

@@ -7,7 +7,8 @@ TensorRT-LLM and vLLM:
 * attention: Q/K/V column-parallel by heads (rank r holds query heads ``[r*H/N, (r+1)*H/N)`` and the KV
   heads they read), O row-parallel followed by an all-reduce (its bias is added once, after the sum);
   when ``num_kv_heads < tp_size`` each KV head is replicated on ``tp_size / num_kv_heads`` ranks;
-* MLP: gate/up (fc_in) column-parallel, down (fc_out) row-parallel + all-reduce;
+* MLP: gate/up (fc_in) column-parallel, down (fc_out) row-parallel + all-reduce; an MoE layer's experts the
+  same way, each expert's intermediate dim split (the router replicated: every rank routes alike);
 * embedding replicated: a lookup costs no compute, and splitting it would add one all-reduce of
   ``[tokens, hidden]`` per step to save ``vocab x hidden`` bytes per rank;
 * LM head vocab-parallel: each rank multiplies ``vocab / N`` rows (the largest GEMM of a decode step
@@ -60,6 +61,10 @@ def mapping_problems(model: ModelConfig, tp_size: int) -> list[str]:
     if inter % tp_size:
         out.append(f"tp_size={tp_size} does not divide intermediate_size={inter}: each rank takes an equal slice of "
                    f"the MLP; use a tp_size that divides {inter}")
+    moe = model.moe_intermediate_size
+    if model.num_experts and moe % tp_size:
+        out.append(f"tp_size={tp_size} does not divide moe_intermediate_size={moe}: each rank takes an equal slice of "
+                   f"every expert; use a tp_size that divides {moe}")
     return out
 
 

@@ -15,10 +15,12 @@ import torch
 from safetensors import safe_open
 
 from kiln.contract import DTYPES, CheckpointError, ModelConfig, TensorParallelMapping
-from kiln.model_defs import gpt2, llama, mistral, prequantized, qwen2
+from kiln.model_defs import gemma2, gemma3, gpt2, llama, mistral, mixtral, phi3, prequantized, qwen2, qwen3, qwen3_moe
 from kiln.model_defs.hf_config import UnsupportedConfigError
+from kiln.model_defs.weights import Part
 
-FAMILIES: dict[str, ModuleType] = {arch: fam for fam in (llama, mistral, qwen2, gpt2) for arch in fam.ARCHITECTURES}
+_MODULES = (llama, mistral, qwen2, gpt2, qwen3, gemma2, gemma3, phi3, mixtral, qwen3_moe)
+FAMILIES: dict[str, ModuleType] = {arch: fam for fam in _MODULES for arch in fam.ARCHITECTURES}
 
 
 def family_of(architecture: str) -> ModuleType:
@@ -28,6 +30,13 @@ def family_of(architecture: str) -> ModuleType:
         raise CheckpointError(
             f"unsupported architecture {architecture!r}; kiln supports {sorted(FAMILIES)}"
         ) from None
+
+
+def build_problems(config: ModelConfig, max_seq_len: int) -> list[str]:
+    """Why an engine of ``max_seq_len`` positions would not compute this model as transformers does (a family's
+    ``build_problems``, e.g. Phi-3's LongRoPE beyond its original length); empty when it would."""
+    check = getattr(family_of(config.architecture), "build_problems", None)
+    return check(config, max_seq_len) if check else []
 
 
 def read_hf_config(ckpt_dir: Path) -> dict:
@@ -173,7 +182,13 @@ def load_checkpoint(ckpt_dir: str | Path,
                                       "is damaged (an engine built from it would compute garbage)")
             seen[name] = path
             for kiln_name, value in spec.convert(tensor).items():
-                weights[kiln_name] = value = value.to(dtype)
+                value = value.to(dtype)
+                if isinstance(kiln_name, Part):   # an expert's block of a stacked parameter
+                    if kiln_name.name not in weights:
+                        weights[kiln_name.name] = torch.empty(kiln_name.shape, dtype=dtype)
+                    weights[kiln_name.name][kiln_name.index, kiln_name.start:kiln_name.start + len(value)] = value
+                else:
+                    weights[kiln_name] = value
                 bad = _count_non_finite(value)
                 if bad:
                     raise CheckpointError(
@@ -200,6 +215,19 @@ def load_checkpoint(ckpt_dir: str | Path,
         more = f" and {len(missing) - 5} more" if len(missing) > 5 else ""
         raise CheckpointError(f"{ckpt_dir}: missing tensor(s) {shown}{more} (expected for {config.architecture})")
     return config, weights
+
+
+def parameter_counts(config: ModelConfig) -> tuple[int, int]:
+    """(total, active per token) parameters of the model: each counted once (a tied head is the embedding); active
+    leaves out, in every MoE layer, the experts a token does not use ((num_experts - top_k) / num_experts of them)."""
+    from kiln.model_defs.layers import MoE
+
+    with torch.device("meta"):
+        module = family_of(config.architecture).create(config)
+    total = sum(p.numel() for p in module.parameters())
+    experts = sum(p.numel() for m in module.modules() if isinstance(m, MoE) for p in m.experts.parameters())
+    unused = experts * (config.num_experts - config.num_experts_per_tok) // config.num_experts if experts else 0
+    return total, total - unused
 
 
 def build_model(config: ModelConfig, weights: dict[str, torch.Tensor],

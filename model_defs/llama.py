@@ -9,10 +9,9 @@ from typing import Any
 
 from kiln.contract import LoraModule, ModelConfig, TensorParallelMapping
 from kiln.model_defs.hf_config import UnsupportedConfigError, require, rope_settings
-from kiln.model_defs.layers import Attention, DecoderLayer, DecoderOnlyLM, GatedMLP, RMSNorm
+from kiln.model_defs.layers import Attention, DecoderLayer, DecoderOnlyLM, GatedMLP, RMSNorm, rope_table
 from kiln.model_defs.lora import LoraTarget, whole
 from kiln.model_defs.weights import WeightSpec, identity_layout, parameter_shapes
-from kiln.plugins.rotary import cos_sin_table, rope_inv_freq
 
 ARCHITECTURES = ("LlamaForCausalLM",)
 
@@ -54,9 +53,7 @@ def create(cfg: ModelConfig, tp: TensorParallelMapping | None = None) -> Decoder
         )
         for i in range(cfg.num_layers)
     ]
-    inv_freq = rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
-    table = cos_sin_table(cfg.max_position_embeddings, inv_freq)
-    return DecoderOnlyLM(cfg, layers, RMSNorm(cfg.hidden_size, cfg.norm_eps), table, tp=tp)
+    return DecoderOnlyLM(cfg, layers, RMSNorm(cfg.hidden_size, cfg.norm_eps), rope_table(cfg), tp=tp)
 
 
 def hf_name(kiln_name: str) -> str:

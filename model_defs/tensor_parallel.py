@@ -1,7 +1,8 @@
 """Cut a model's weights into the shard of one tensor-parallel rank (the layout of ``kiln.contract``'s
 :class:`~kiln.contract.TensorParallelMapping`, the shapes of ``layers.py``'s modules built with ``tp``).
 
-Works on kiln parameter names, which every family shares (``layers.N.self_attn.q_proj.weight``, ...), so a
+Works on kiln parameter names, which every family shares (``layers.N.self_attn.q_proj.weight``, ...,
+``layers.N.mlp.experts.gate_up_proj`` for an MoE layer's stacked experts), so a
 new family needs nothing here unless it adds a new kind of projection; ``build_model`` loads the shard
 with ``strict=True``, so a weight this function does not know fails the build by name instead of being
 silently replicated.
@@ -40,11 +41,18 @@ def shard_weights(cfg: ModelConfig, weights: dict[str, torch.Tensor], tp: Tensor
     kv = tp.kv_heads(rank)
     kv_heads = slice(kv.start * d, kv.stop * d)
     mlp = slice(rank * tp.intermediate_size_per_rank, (rank + 1) * tp.intermediate_size_per_rank)
+    per = cfg.moe_intermediate_size // tp.tp_size
+    expert = slice(rank * per, (rank + 1) * per)
     out: dict[str, torch.Tensor] = {}
     for name, w in weights.items():
         module, _, kind = name.rpartition(".")
         leaf = module.rpartition(".")[2]
-        if leaf == "q_proj":
+        if leaf == "experts" and kind == "gate_up_proj":   # [E, 2I, H]: this rank's gate rows and up rows
+            gate, up = w.split(cfg.moe_intermediate_size, dim=1)
+            out[name] = torch.cat([gate[:, expert], up[:, expert]], dim=1)
+        elif leaf == "experts" and kind == "down_proj":    # [E, H, I]: this rank's columns
+            out[name] = w[:, :, expert].contiguous()
+        elif leaf == "q_proj":
             out[name] = _rows(w, heads)
         elif leaf in ("k_proj", "v_proj"):
             out[name] = _rows(w, kv_heads)

@@ -8,11 +8,22 @@ from typing import NamedTuple
 import torch
 
 
+class Part(NamedTuple):
+    """A block of a stacked kiln parameter (the experts of an MoE layer): the loader writes a checkpoint tensor
+    ``t`` into rows ``start:start + len(t)`` of expert ``index`` of parameter ``name`` (whole shape ``shape``),
+    allocated once, so no stack of copies is ever made."""
+
+    name: str
+    index: int
+    start: int
+    shape: tuple[int, ...]
+
+
 class WeightSpec(NamedTuple):
-    """One checkpoint tensor: the shape it must have and the kiln parameters it becomes."""
+    """One checkpoint tensor: the shape it must have and the kiln parameters (or parts of one) it becomes."""
 
     shape: tuple[int, ...]
-    convert: Callable[[torch.Tensor], dict[str, torch.Tensor]]
+    convert: Callable[[torch.Tensor], dict[str | Part, torch.Tensor]]
 
 
 def identity_layout(kiln_shapes: dict[str, tuple[int, ...]], hf_name: Callable[[str], str]) -> dict[str, WeightSpec]:

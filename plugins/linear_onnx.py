@@ -48,9 +48,10 @@ def _unpacked_rows(weight):
     return weight
 
 
-def _unpack_int4(packed):
-    """kiln's int4 bytes [out, in/2] -> int8 values [out, in] in -8..7 (inverse of ``pack_int4``)."""
-    n, half = (int(d) for d in packed.shape)
+def _unpack_int4(packed, shape: tuple[int, int] | None = None):
+    """kiln's int4 bytes [out, in/2] -> int8 values [out, in] in -8..7 (inverse of ``pack_int4``); ``shape``: the
+    bytes' (out, in/2) when ``packed`` is computed (its shape not known statically)."""
+    n, half = shape or (int(d) for d in packed.shape)
     k = 2 * half
     lo = op.BitwiseAnd(packed, op.Constant(value=_u8(15)))
     hi = op.BitShift(packed, op.Constant(value=_u8(4)), direction="RIGHT")

@@ -33,9 +33,9 @@ def scalar(value: float, like):
 
 def lowerings() -> dict[Callable, Callable]:
     """torch op overload -> its ONNX lowering, for every kiln plugin op a graph may hold at export."""
-    from kiln.plugins import activations_onnx, linear_onnx, paged_attention_onnx, rms_norm_onnx, rotary_onnx
+    from kiln.plugins import activations_onnx, linear_onnx, moe_onnx, paged_attention_onnx, rms_norm_onnx, rotary_onnx
 
     table: dict[Callable, Callable] = {}
-    for module in (activations_onnx, linear_onnx, paged_attention_onnx, rms_norm_onnx, rotary_onnx):
+    for module in (activations_onnx, linear_onnx, moe_onnx, paged_attention_onnx, rms_norm_onnx, rotary_onnx):
         table.update(module.LOWERINGS)
     return table

@@ -14,6 +14,10 @@ are read, so garbage/NaN elsewhere in the pool cannot leak in), with no Python p
 sequences go to ``_context_sequences`` below (SDPA, one call per sequence). Other cases, and
 ``KILN_DISABLE_NATIVE_KERNELS=1``, run the plain-torch implementation ``_paged_attention_py``.
 
+Per-call options (per layer): ``scale`` (the softmax scale of q.k), ``sliding_window`` (0 = full) and
+``softcap`` (0 = off; else scores -> cap * tanh(scores / cap) before the softmax: Gemma 2's attention-logit
+soft-capping, computed in fp32 on every path).
+
 Shapes (packed tokens, see DESIGN.md):
     q [T, Hq, D], k/v [T, Hkv, D], kv_cache [L, 2, num_blocks, block_size, Hkv, D],
     seq_lens/context_lens [S] int32, block_tables [S, max_blocks] int32, slot_mapping [T] int64.
@@ -28,7 +32,7 @@ from kiln.plugins.native import define_native_op
 
 __all__ = [
     "paged_attention", "paged_attention_reference", "write_kv", "paged_attention_functional", "kv_cache_update",
-    "token_layout",
+    "token_layout", "softcap_scores",
 ]
 
 
@@ -49,8 +53,22 @@ def _gather_context(
     return gathered.view(s, nb * bs, h, d)
 
 
+def softcap_scores(scores: torch.Tensor, softcap: float) -> torch.Tensor:
+    """Attention-logit soft-capping (Gemma 2): ``cap * tanh(scores / cap)``; ``softcap`` 0 leaves them."""
+    return torch.tanh(scores / softcap) * softcap if softcap > 0 else scores
+
+
+def _sdpa(q, k, v, mask, scale: float, softcap: float):
+    """SDPA, or its definition in fp32 with the scores soft-capped (SDPA has no soft-capping)."""
+    if softcap <= 0:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+    scores = softcap_scores((q.float() @ k.float().transpose(-1, -2)) * scale, softcap)
+    weights = torch.softmax(scores.masked_fill(~mask, float("-inf")), dim=-1)
+    return (weights @ v.float()).to(q.dtype)
+
+
 def _attend(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float, softcap: float = 0.0
 ) -> torch.Tensor:
     """Masked attention with GQA. q [B, Hq, M, D], k/v [B, Hkv, N, D], mask [B, 1, M, N] bool (True = attend).
 
@@ -60,12 +78,12 @@ def _attend(
     b, hq, m, d = q.shape
     hkv = k.shape[1]
     if hq == hkv:
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+        return _sdpa(q, k, v, mask, scale, softcap)
     group = hq // hkv
     q = q.reshape(b, hkv, group * m, d)  # row g*M + i = query i of head kv*group + g
     if m > 1:
         mask = mask.repeat(1, 1, group, 1)
-    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+    out = _sdpa(q, k, v, mask, scale, softcap)
     return out.reshape(b, hq, m, d)
 
 
@@ -77,6 +95,7 @@ def _decode_batch(
     block_tables: torch.Tensor,
     scale: float,
     sliding_window: int,
+    softcap: float = 0.0,
 ) -> torch.Tensor:
     """All one-token sequences at once: q [N, Hq, D] -> [N, Hq, D]."""
     block_size = k_pool.shape[1]
@@ -96,7 +115,7 @@ def _decode_batch(
     zero = torch.zeros((), dtype=q.dtype)
     keys = torch.where(keep, keys.to(q.dtype), zero)
     values = torch.where(keep, values.to(q.dtype), zero)
-    out = _attend(q.unsqueeze(2), keys, values, mask[:, None, None, :], scale)
+    out = _attend(q.unsqueeze(2), keys, values, mask[:, None, None, :], scale, softcap)
     return out.squeeze(2)
 
 
@@ -108,6 +127,7 @@ def _context_one(
     block_table: torch.Tensor,
     scale: float,
     sliding_window: int,
+    softcap: float = 0.0,
 ) -> torch.Tensor:
     """One sequence with n new tokens at the end of context_len: q [n, Hq, D] -> [n, Hq, D]."""
     n = q.shape[0]
@@ -120,7 +140,8 @@ def _context_one(
     mask = k_pos <= q_pos
     if sliding_window > 0:
         mask &= k_pos > q_pos - sliding_window
-    out = _attend(q.transpose(0, 1)[None], keys[None].to(q.dtype), values[None].to(q.dtype), mask[None, None], scale)
+    out = _attend(q.transpose(0, 1)[None], keys[None].to(q.dtype), values[None].to(q.dtype), mask[None, None], scale,
+                  softcap)
     return out[0].transpose(0, 1)
 
 
@@ -134,6 +155,7 @@ def _context_sequences(
     out: torch.Tensor,
     scale: float,
     sliding_window: int,
+    softcap: float = 0.0,
 ) -> None:
     """Rows of the context sequences (more than one new token) into ``out``, one SDPA call each."""
     k_pool, v_pool = kv_cache[layer, 0], kv_cache[layer, 1]
@@ -143,7 +165,7 @@ def _context_sequences(
     for i, n in enumerate(lens):
         if n > 1:
             out[s : s + n] = _context_one(
-                q[s : s + n], k_pool, v_pool, ctx_lens[i], block_tables[i], scale, sliding_window
+                q[s : s + n], k_pool, v_pool, ctx_lens[i], block_tables[i], scale, sliding_window, softcap
             )
         s += n
 
@@ -160,6 +182,7 @@ def _paged_attention_py(
     slot_mapping: torch.Tensor,
     scale: float,
     sliding_window: int,
+    softcap: float = 0.0,
 ) -> torch.Tensor:
     """Plain-torch kernel (the fallback): decode sequences as one batch, context ones one by one."""
     write_kv(kv_cache, layer, k, v, slot_mapping)
@@ -174,27 +197,25 @@ def _paged_attention_py(
         idx = torch.tensor(decode)
         rows = torch.tensor([starts[i] for i in decode])
         out[rows] = _decode_batch(
-            q[rows], k_pool, v_pool, context_lens[idx], block_tables[idx], scale, sliding_window
+            q[rows], k_pool, v_pool, context_lens[idx], block_tables[idx], scale, sliding_window, softcap
         )
     if any(n > 1 for n in lens):
-        _context_sequences(q, kv_cache, layer, seq_lens, context_lens, block_tables, out, scale, sliding_window)
+        _context_sequences(q, kv_cache, layer, seq_lens, context_lens, block_tables, out, scale, sliding_window,
+                           softcap)
     return out
 
 
+# softcap: attention-logit soft-capping, 0 = off (a default, so graphs exported before it existed still load)
 _PA_SCHEMA = (
     "(Tensor q, Tensor k, Tensor v, Tensor(a3!) kv_cache, SymInt layer, Tensor seq_lens, Tensor context_lens, "
-    "Tensor block_tables, Tensor slot_mapping, float scale, SymInt sliding_window) -> Tensor"
+    "Tensor block_tables, Tensor slot_mapping, float scale, SymInt sliding_window, float softcap=0.0) -> Tensor"
 )
 _lib = torch.library.Library("kiln", "FRAGMENT")
-define_native_op(
-    _lib, "paged_attention", _PA_SCHEMA, _paged_attention_py,
-    lambda q, k, v, kv_cache, layer, seq_lens, context_lens, block_tables, slot_mapping, scale, sliding_window:
-    torch.empty_like(q),
-)
+define_native_op(_lib, "paged_attention", _PA_SCHEMA, _paged_attention_py, lambda q, *args: torch.empty_like(q))
 # called by the C++ kernel for the context sequences of a mixed batch (not part of any graph)
 _lib.define(
     "_paged_attention_context_py(Tensor q, Tensor kv_cache, int layer, Tensor seq_lens, Tensor context_lens, "
-    "Tensor block_tables, Tensor(a!) out, float scale, int sliding_window) -> ()"
+    "Tensor block_tables, Tensor(a!) out, float scale, int sliding_window, float softcap) -> ()"
 )
 _lib.impl("_paged_attention_context_py", _context_sequences, "CompositeExplicitAutograd")
 
@@ -215,6 +236,7 @@ def paged_attention_reference(
     slot_mapping: torch.Tensor,
     scale: float,
     sliding_window: int,
+    softcap: float = 0.0,
 ) -> torch.Tensor:
     """Token-by-token attention in plain torch: the definition the kernel is tested against."""
     block_size = kv_cache.shape[3]
@@ -237,7 +259,10 @@ def paged_attention_reference(
             for h in range(q.shape[1]):
                 kh = keys[lo : pos + 1, h // group].float()
                 vh = values[lo : pos + 1, h // group].float()
-                weights = torch.softmax(kh @ q[t + i, h].float() * scale, dim=0)
+                scores = kh @ q[t + i, h].float() * scale
+                if softcap > 0:
+                    scores = softcap * torch.tanh(scores / softcap)
+                weights = torch.softmax(scores, dim=0)
                 out[t + i, h] = (weights @ vh).to(q.dtype)
         t += n
     return out
@@ -270,7 +295,7 @@ def token_layout(seq_lens: torch.Tensor, context_lens: torch.Tensor, num_tokens:
 
 
 def _paged_attention_functional(q, k, v, kv_cache, layer, seq_lens, context_lens, block_tables, slot_mapping,
-                                scale, sliding_window):
+                                scale, sliding_window, softcap=0.0):
     """Attention of every packed token over its sequence's context, as one masked product.
 
     Each sequence's context is gathered through its block table ([S * width] slots), this step's keys and
@@ -295,7 +320,7 @@ def _paged_attention_functional(q, k, v, kv_cache, layer, seq_lens, context_lens
     if sliding_window > 0:
         mask &= slot_pos[None, :] > pos[:, None] - sliding_window
     qh = q.float().reshape(t, hkv, group, d).permute(1, 0, 2, 3).reshape(hkv, t * group, d)
-    scores = qh @ keys.permute(1, 2, 0) * scale                       # [Hkv, T*group, S*width]
+    scores = softcap_scores(qh @ keys.permute(1, 2, 0) * scale, softcap)   # [Hkv, T*group, S*width]
     scores = torch.where(mask.repeat_interleave(group, 0), scores, float("-inf"))
     out = torch.softmax(scores, -1) @ values.transpose(0, 1)          # [Hkv, T*group, D]
     return out.reshape(hkv, t, group, d).permute(1, 0, 2, 3).reshape(t, hq, d).to(q.dtype)
@@ -311,7 +336,8 @@ def _kv_cache_update(kv_cache, keys, values, slot_mapping):
 
 _lib.define(
     "paged_attention_functional(Tensor q, Tensor k, Tensor v, Tensor kv_cache, SymInt layer, Tensor seq_lens, "
-    "Tensor context_lens, Tensor block_tables, Tensor slot_mapping, float scale, SymInt sliding_window) -> Tensor"
+    "Tensor context_lens, Tensor block_tables, Tensor slot_mapping, float scale, SymInt sliding_window, "
+    "float softcap=0.0) -> Tensor"
 )
 _lib.impl("paged_attention_functional", _paged_attention_functional, "CompositeExplicitAutograd")
 torch.library.register_fake("kiln::paged_attention_functional", lambda q, *args: torch.empty_like(q), lib=_lib)

@@ -4,7 +4,8 @@
 Attention, per layer: each sequence's context is gathered from the pool through its block table
 (``Gather``: [S * width] slots, width = block table width x block size), this step's keys/values are put at
 their positions in that copy (``ScatterND``), and every packed token attends to every gathered slot under
-a token-level mask (same sequence, causal with the context offset, inside the sliding window): one
+a token-level mask (same sequence, causal with the context offset, inside the sliding window; the scores
+soft-capped first when ``softcap`` > 0): one
 ``MatMul``/``Softmax``/``MatMul`` per layer over [Hkv, T*group, S*width] for GQA, no loop over sequences.
 Every shape comes from the inputs' dims (no data-dependent shape), which TensorRT needs. The cost: a token
 scores the slots of every sequence of the step (masked), S times the useful work.
@@ -31,7 +32,7 @@ def _dim(x, axis: int):
 
 
 def paged_attention_functional(q, k, v, kv_cache, layer: int, seq_lens, context_lens, block_tables, slot_mapping,
-                               scale: float, sliding_window: int):
+                               scale: float, sliding_window: int, softcap: float = 0.0):
     _, hq, d = _dims(q)
     block_size, hkv = _dims(kv_cache)[3:5]
     group = hq // hkv
@@ -74,6 +75,8 @@ def paged_attention_functional(q, k, v, kv_cache, layer: int, seq_lens, context_
     qh = op.Reshape(op.Transpose(op.Reshape(op.Cast(q, to=FLOAT), ints([-1, hkv, group, d])), perm=[1, 0, 2, 3]),
                     ints([hkv, -1, d]))                                                # [Hkv, T*group, D]
     scores = op.Mul(op.MatMul(qh, op.Transpose(keys, perm=[1, 2, 0])), scalar(scale, keys))
+    if softcap > 0:   # attention-logit soft-capping: cap * tanh(scores / cap)
+        scores = op.Mul(op.Tanh(op.Div(scores, scalar(softcap, scores))), scalar(softcap, scores))
     scores = op.Where(mask, scores, scalar(float("-inf"), scores))
     out = op.MatMul(op.Softmax(scores, axis=-1), op.Transpose(values, perm=[1, 0, 2]))  # [Hkv, T*group, D]
     out = op.Reshape(op.Transpose(op.Reshape(out, ints([hkv, -1, group, d])), perm=[1, 0, 2, 3]), ints([-1, hq, d]))

@@ -232,7 +232,7 @@ class Executor:
         # step loop's thread pays a sleep and a wake-up (~180 a decode step: bf16 cpu-compiled 246M, 9.5-10
         # ms a step when the loop's thread is the only one with a team, 12.2-15 ms otherwise)
         self.kv_cache = engine.allocate_kv_cache(num_blocks, zeroed=False)
-        self.kv = KVCacheManager(num_blocks, self.block_size, config.enable_prefix_reuse, model.sliding_window)
+        self.kv = KVCacheManager(num_blocks, self.block_size, config.enable_prefix_reuse, model.kv_window)
         self.adapters: AdapterRegistry | None = None   # loaded LoRA adapters by name (an engine that takes them)
         self.adapter_pool: AdapterPool | None = None   # their resident slots (the step loop's)
         if layout is not None:

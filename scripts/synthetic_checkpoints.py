@@ -20,13 +20,23 @@ import torch
 
 # Sizes: "tiny" for tests, "small" for the demo, "300m" for benchmarks (~300-500M parameters),
 # "246m" the same architecture with 16 layers: the size of the checkpoint the peers' decode speeds in
-# ../shared/notes were measured on (llama.cpp, onnxruntime-genai).
+# ../shared/notes were measured on (llama.cpp, onnxruntime-genai); "246m-moe*" its MoE twins (scripts/bench_moe.py).
 PRESETS: dict[str, dict[str, int]] = {
     "tiny": dict(hidden=64, inter=128, layers=2, heads=4, kv_heads=2, vocab=512),
     "small": dict(hidden=256, inter=688, layers=4, heads=8, kv_heads=4, vocab=2048),
     "300m": dict(hidden=1024, inter=2816, layers=22, heads=16, kv_heads=4, vocab=32000),
     "246m": dict(hidden=1024, inter=2816, layers=16, heads=16, kv_heads=4, vocab=32000),
+    # MoE models with the 246m's attention and its active MLP width per token (top_k x expert width = 2816):
+    # Mixtral-style 8 experts, top 2; Qwen3-MoE-style 16 experts, top 4 (~660M parameters each, ~246M active)
+    "246m-moe8": dict(hidden=1024, inter=2816, layers=16, heads=16, kv_heads=4, vocab=32000, experts=8, top_k=2,
+                      expert_inter=1408),
+    "246m-moe16": dict(hidden=1024, inter=2816, layers=16, heads=16, kv_heads=4, vocab=32000, experts=16, top_k=4,
+                       expert_inter=704),
 }
+
+# Families whose random checkpoints get norm weights away from their init (ones, or Gemma's zeros under 1 + w),
+# so that a norm applied wrongly (or not at all) changes the logits; the older families keep their checkpoints.
+NORM_JITTER = {"qwen3", "gemma2", "gemma3", "phi3", "mixtral", "qwen3_moe"}
 
 CORPUS = """\
 The kiln fires the clay slowly, and the potter waits by the door. A request arrives, then another;
@@ -49,21 +59,36 @@ CHAT_TEMPLATE = (
 
 
 def hf_config(family: str, size: str = "tiny", **overrides: Any):
-    """A transformers config object for ``family`` (llama, mistral, qwen2, gpt2) at a preset size."""
-    from transformers import GPT2Config, LlamaConfig, MistralConfig, Qwen2Config
+    """A transformers config object for ``family`` at a preset size: llama, mistral, qwen2, gpt2, qwen3,
+    gemma2, gemma3 (text), phi3, mixtral, qwen3_moe. The MoE families get ``experts`` experts (preset
+    ``experts``/``top_k``/``expert_inter``, or 8 experts, top 2, half the dense width)."""
+    import transformers
 
     p = PRESETS[size]
     if family == "gpt2":
         args = dict(n_embd=p["hidden"], n_inner=p["inter"], n_layer=p["layers"], n_head=p["heads"],
                     vocab_size=p["vocab"], n_positions=1024, bos_token_id=1, eos_token_id=2)
         args.update(overrides)
-        return GPT2Config(**args)
+        return transformers.GPT2Config(**args)
     args = dict(hidden_size=p["hidden"], intermediate_size=p["inter"], num_hidden_layers=p["layers"],
                 num_attention_heads=p["heads"], num_key_value_heads=p["kv_heads"], vocab_size=p["vocab"],
-                max_position_embeddings=2048, bos_token_id=1, eos_token_id=2)
+                max_position_embeddings=2048, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    head_dim = p["hidden"] // p["heads"]
+    experts = dict(experts=p.get("experts", 8), top_k=p.get("top_k", 2), inter=p.get("expert_inter", p["inter"] // 2))
+    args.update({
+        "qwen3": dict(head_dim=head_dim),
+        "gemma2": dict(head_dim=head_dim, query_pre_attn_scalar=head_dim),
+        "gemma3": dict(head_dim=head_dim, query_pre_attn_scalar=head_dim),
+        "mixtral": dict(num_local_experts=experts["experts"], num_experts_per_tok=experts["top_k"],
+                        intermediate_size=experts["inter"]),
+        "qwen3_moe": dict(head_dim=head_dim, num_experts=experts["experts"], num_experts_per_tok=experts["top_k"],
+                          moe_intermediate_size=experts["inter"]),
+    }.get(family, {}))
     args.update(overrides)
-    cls = {"llama": LlamaConfig, "mistral": MistralConfig, "qwen2": Qwen2Config}[family]
-    return cls(**args)
+    classes = {"llama": "LlamaConfig", "mistral": "MistralConfig", "qwen2": "Qwen2Config", "qwen3": "Qwen3Config",
+               "gemma2": "Gemma2Config", "gemma3": "Gemma3TextConfig", "phi3": "Phi3Config",
+               "mixtral": "MixtralConfig", "qwen3_moe": "Qwen3MoeConfig"}
+    return getattr(transformers, classes[family])(**args)
 
 
 def _pseudo_words(count: int, seed: int = 0) -> list[str]:
@@ -177,6 +202,8 @@ def make_checkpoint(
         for name, param in model.named_parameters():
             if param.dim() >= 2 and "norm" not in name and "ln" not in name:
                 param.normal_(0.0, 1.0 / max(param.shape[-1], 1) ** 0.5)
+            elif "norm" in name and family in NORM_JITTER:   # norms a test must see (Gemma's 1 + w, q/k norms)
+                param.add_(torch.empty_like(param).uniform_(-0.3, 0.3))
     tok = train_tokenizer(config.vocab_size, tokenizer)
     if train_steps:
         train_on_corpus(model, corpus_token_ids(tok), train_steps, seed=seed)

@@ -24,6 +24,7 @@ FAST_MODULES = {
     "test_plugin_ops_native", "test_weight_only_linear", "test_native_library", "test_serving_chat_template",
     "test_bench_workload", "test_bench_stats", "test_panel_kernels", "test_docs", "test_structured_output",
     "test_tool_parsers", "test_prompt_bounds", "test_triton_protocol", "test_lora_op", "test_batch_lines",
+    "test_family_configs", "test_moe",
 }
 
 
@@ -36,7 +37,7 @@ def pytest_collection_modifyitems(config, items):
     items.sort(key=lambda item: item.path.name != "test_packaging.py")
 
 
-FAMILIES = ["llama", "mistral", "qwen2", "gpt2"]
+FAMILIES = ["llama", "mistral", "qwen2", "gpt2", "qwen3", "gemma2", "gemma3", "phi3", "mixtral", "qwen3_moe"]
 # Per family: what makes its test checkpoint exercise the family's special features.
 FAMILY_OVERRIDES = {
     "llama": dict(rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
@@ -44,6 +45,28 @@ FAMILY_OVERRIDES = {
     "mistral": dict(sliding_window=8),
     "qwen2": dict(tie_word_embeddings=True),
     "gpt2": dict(),
+    # layer 0 full attention, layer 1 a window of 8; untied head
+    "qwen3": dict(use_sliding_window=True, sliding_window=8, max_window_layers=1, tie_word_embeddings=False),
+    # layer 0 a window of 8, layer 1 full; soft-capping low enough to change the scores and logits; a softmax scale
+    # that is not head_dim's. Untied: with Gemma's sqrt(hidden) embedding scale a random tied head predicts the
+    # input token again and again (a degenerate reference); tying is the families' shared code
+    "gemma2": dict(sliding_window=8, attn_logit_softcapping=1.0, final_logit_softcapping=5.0,
+                   query_pre_attn_scalar=24, tie_word_embeddings=False),
+    # the same layers, a linear-scaled rotary base on the full layer and the default one on the sliding layer;
+    # final-logit soft-capping; untied head
+    "gemma3": dict(sliding_window=8, layer_types=["sliding_attention", "full_attention"], final_logit_softcapping=6.0,
+                   query_pre_attn_scalar=20, tie_word_embeddings=False,
+                   rope_parameters={"full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 1e6},
+                                    "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}}),
+    # fused qkv / gate_up in the checkpoint, a window of 8 on every layer, half of each head rotated, LongRoPE's
+    # short factors and attention factor (2048 positions over an original 256)
+    "phi3": dict(sliding_window=8, partial_rotary_factor=0.5, original_max_position_embeddings=256,
+                 rope_scaling={"type": "longrope", "short_factor": [1.0, 1.5, 2.0, 3.0],
+                               "long_factor": [2.0, 3.0, 5.0, 9.0]}),
+    # 8 experts, top 2 renormalized, a window of 8 (synthetic_checkpoints' MoE preset)
+    "mixtral": dict(sliding_window=8),
+    # 16 small experts, top 4 not renormalized (norm_topk_prob false); layer 0 a dense MLP (mlp_only_layers)
+    "qwen3_moe": dict(num_experts=16, num_experts_per_tok=4, moe_intermediate_size=32, mlp_only_layers=[0]),
 }
 
 

@@ -183,3 +183,26 @@ def test_load_model_onset_is_the_first_limit_reached(tmp_path):
     assert load["queueing_onset_rate"]["value"] == min(lam, load["seat_limit_rate"]["value"])
     assert load["queueing_onset_rate"]["value"] < load["saturation_rate"]["value"]
     assert 0 < load["queueing_onset_concurrency"]["value"] <= 64
+
+
+MIXTRAL_8X7B = dict(architectures=["MixtralForCausalLM"], hidden_size=4096, intermediate_size=14336,
+                    num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8, vocab_size=32000,
+                    max_position_embeddings=32768, tie_word_embeddings=False, num_local_experts=8,
+                    num_experts_per_tok=2)
+
+
+def test_hf_config_estimate_of_an_moe_model(tmp_path):
+    """Mixtral-8x7B: 46.7B parameters, 12.9B of them active per token (Mistral AI's figures); a decode step of one
+    sequence streams 2 of 8 experts, a batch of 16 nearly all of them."""
+    cfg = tmp_path / "config.json"
+    cfg.write_text(json.dumps(MIXTRAL_8X7B))
+    f = hf_facts(cfg, "bfloat16", max_batch_size=64, max_seq_len=8192)
+    assert f.total_params == pytest.approx(46.7e9, rel=0.01) and f.active_params == pytest.approx(12.9e9, rel=0.01)
+    assert f.expert_share == 0.25 and f.expert_bytes == pytest.approx(32 * 8 * 3 * 4096 * 14336 * 2)
+    assert f.streamed_weight_bytes == pytest.approx(2 * 12.9e9 - 2 * 32000 * 4096, rel=0.02)
+    p = plan(f, get_device("h200"), WorkloadStats.from_percentiles(2000, 200), max_batch_size=16)
+    step = p["step_time"]
+    assert "(25% of the experts)" in step["decode_step_batch_1"]["source"]
+    assert "(99% of the experts)" in step["decode_step_batch_16"]["source"]
+    params = p["inputs"]["parameters"]["value"]
+    assert params.startswith("46.70") and "12.880B active" in params

@@ -324,3 +324,14 @@ def test_weights_that_overflow_the_build_dtype_are_named(llama):
     with pytest.raises(CheckpointError, match=r"tensor 'model\.norm\.weight' has 1 values? beyond the range of "
                                               r"torch\.float16"):
         load_checkpoint(llama, torch.float16)
+
+
+def test_moe_checkpoint_missing_an_expert_is_named(checkpoint_dir, tmp_path):
+    """Per-expert tensors fill one stacked parameter: a missing or extra expert is named, never left empty."""
+    path = Path(shutil.copytree(checkpoint_dir("mixtral"), tmp_path / "mixtral"))
+    config, weights = load_checkpoint(path)
+    assert weights["layers.0.mlp.experts.gate_up_proj"].shape == (8, 2 * config.moe_intermediate_size, 64)
+    edit_tensors(path / "model.safetensors", lambda t: t.pop("model.layers.1.block_sparse_moe.experts.3.w3.weight"))
+    raises(path, "missing tensor(s)", "'model.layers.1.block_sparse_moe.experts.3.w3.weight'")
+    edit_config(path, num_local_experts=4)
+    raises(path, "unexpected tensor", "block_sparse_moe.experts.")

@@ -9,7 +9,7 @@ Two checks per model case:
 * greedy generation: 32 tokens for prompts of different lengths, run batched through kiln
   (one of them joining late), equal token for token to HF ``generate(do_sample=False)``.
 
-Tolerances are the README's ("Numerical tolerances").
+Tolerances are the README's ("Numerical tolerances"); MoE in bf16 has its own rule (``check_moe_bf16``).
 """
 
 from __future__ import annotations
@@ -42,6 +42,12 @@ CASES = {
     "qwen2-tied": ("qwen2", {"tie_word_embeddings": True}, {}),
     "qwen2-untied-mha": ("qwen2", {"tie_word_embeddings": False, "num_key_value_heads": 4}, {}),
     "gpt2": ("gpt2", {}, {}),
+    "qwen3-window-layer1": ("qwen3", {}, {}),
+    "gemma2-softcap-window-layer0": ("gemma2", {}, {}),
+    "gemma3-local-rope": ("gemma3", {}, {}),
+    "phi3-fused-longrope-partial": ("phi3", {}, {}),
+    "mixtral-8x-top2-window": ("mixtral", {}, {}),
+    "qwen3moe-16x-top4-dense0": ("qwen3_moe", {}, {}),
 }
 
 _hf_cache: dict[tuple, torch.nn.Module] = {}
@@ -122,7 +128,10 @@ def test_schedule_covers_the_contract_cases():
     assert ("E", 7) in steps[7]  # second chunk of E: 7 new tokens after 5 cached
 
 
-def check_logit_parity(path, dtype, with_hf_dtype=False):
+def check_logit_parity(path, dtype, with_hf_dtype=False, per_position=False):
+    """Per sequence, the max abs logit error of kiln in ``dtype`` against transformers fp32, and the largest fp32
+    logit; ``with_hf_dtype``: transformers' own errors in ``dtype`` too; ``per_position``: also the max error of each
+    compared position, kiln's and transformers' (in ``dtype``), as two 1-D tensors."""
     model = kiln_model(path, dtype)
     vocab = model.config.vocab_size
     steps = schedule()
@@ -152,7 +161,7 @@ def check_logit_parity(path, dtype, with_hf_dtype=False):
         assert row == logits.shape[0]
 
     ref32 = hf_model(path, torch.float32)
-    errors, hf_errors, scale = {}, {}, 0.0
+    errors, hf_errors, scale, rows, hf_rows = {}, {}, 0.0, [], []
     for name, toks in tokens.items():
         with torch.no_grad():
             ref = ref32(torch.tensor([toks])).logits[0].float()
@@ -161,8 +170,12 @@ def check_logit_parity(path, dtype, with_hf_dtype=False):
         pos = sorted(got[name])
         mine = torch.stack([got[name][p] for p in pos])
         errors[name] = (mine - ref[pos]).abs().max().item()
+        rows.append((mine - ref[pos]).abs().amax(-1))
         if with_hf_dtype:
             hf_errors[name] = (same_dtype - ref).abs().max().item()
+            hf_rows.append((same_dtype - ref)[pos].abs().amax(-1))
+    if per_position:
+        return errors, scale, hf_errors, torch.cat(rows), torch.cat(hf_rows)
     return (errors, scale, hf_errors) if with_hf_dtype else (errors, scale)
 
 
@@ -175,6 +188,8 @@ def test_logits_match_transformers_fp32(case):
 
 def test_logits_match_transformers_bf16(case):
     name, path = case
+    if kiln_model(path).config.is_moe:
+        return check_moe_bf16(name, path)
     errors, scale, hf_errors = check_logit_parity(path, torch.bfloat16, with_hf_dtype=True)
     # the README's bound, against the fp32 truth
     assert max(errors.values()) <= BF16_REL * scale, (
@@ -184,6 +199,18 @@ def test_logits_match_transformers_bf16(case):
     assert max(errors.values()) <= 1.5 * max(hf_errors.values()), (
         f"{name}: kiln bf16 errors {errors} vs transformers bf16 errors {hf_errors}"
     )
+
+
+def check_moe_bf16(name, path):
+    """MoE in bf16: a router near-tie flips a token's expert choice (transformers' own bf16 forward flips some too),
+    and a flipped choice moves that position's logits far beyond any rounding bound. So the bound holds for most
+    positions, as many as for transformers in bf16 (less 5 points), and the typical error is transformers'."""
+    _, scale, _, rows, hf_rows = check_logit_parity(path, torch.bfloat16, with_hf_dtype=True, per_position=True)
+    share, hf_share = ((r <= BF16_REL * scale).float().mean().item() for r in (rows, hf_rows))
+    print(f"\n{name}: bf16 positions within {BF16_REL} x max |logit|: kiln {share:.1%}, transformers {hf_share:.1%}; "
+          f"median error kiln {rows.median():.4f}, transformers {hf_rows.median():.4f}")
+    assert share >= 0.9 and share >= hf_share - 0.05, (name, share, hf_share)
+    assert rows.median() <= 1.5 * hf_rows.median(), (name, rows.median(), hf_rows.median())
 
 
 def test_cases_exercise_their_features(checkpoint_dir):
@@ -200,6 +227,26 @@ def test_cases_exercise_their_features(checkpoint_dir):
     assert cfg("qwen2-tied").tie_word_embeddings and cfg("qwen2-tied").attention_bias
     assert not cfg("qwen2-untied-mha").tie_word_embeddings and cfg("qwen2-untied-mha").num_kv_heads == 4
     assert cfg("gpt2").hidden_act == "gelu_new" and cfg("gpt2").attention_bias
+    c = cfg("qwen3-window-layer1")
+    assert (c.layer_types, c.sliding_window, c.window_of(0), c.window_of(1)) == (
+        ["full_attention", "sliding_attention"], 8, 0, 8)
+    assert not c.tie_word_embeddings
+    c = cfg("gemma2-softcap-window-layer0")
+    assert (c.window_of(0), c.window_of(1), c.attn_logit_softcapping, c.final_logit_softcapping) == (8, 0, 1.0, 5.0)
+    assert c.attention_scale == 24**-0.5 and c.hidden_act == "gelu_pytorch_tanh"
+    c = cfg("gemma3-local-rope")
+    assert (c.window_of(0), c.window_of(1), c.rope_theta, c.local_rope_theta) == (8, 0, 1e6, 1e4)
+    assert c.rope_scaling == {"rope_type": "linear", "factor": 4.0} and c.local_rope_scaling is None
+    assert (c.attn_logit_softcapping, c.final_logit_softcapping, c.tie_word_embeddings) == (0.0, 6.0, False)
+    c = cfg("phi3-fused-longrope-partial")
+    assert (c.sliding_window, c.layer_types, c.rotary_dim, c.head_dim) == (8, [], 8, 16)
+    assert c.rope_scaling["rope_type"] == "longrope" and c.rope_scaling["original_max_position_embeddings"] == 256
+    c = cfg("mixtral-8x-top2-window")
+    assert (c.num_experts, c.num_experts_per_tok, c.norm_topk_prob, c.moe_layers, c.sliding_window) == (
+        8, 2, True, [0, 1], 8)
+    c = cfg("qwen3moe-16x-top4-dense0")
+    assert (c.num_experts, c.num_experts_per_tok, c.norm_topk_prob, c.moe_layers, c.moe_intermediate_size) == (
+        16, 4, False, [1], 32)
 
 
 def test_sharded_checkpoint_is_sharded(checkpoint_dir):

@@ -7,6 +7,7 @@ Engines are tiny and built once per session, in their own xdist group.
 
 from __future__ import annotations
 
+import importlib
 import json
 import subprocess
 import sys
@@ -68,10 +69,10 @@ class Probe(torch.nn.Module):
     """Every plugin op once, on a mixed paged batch (context chunk with an offset, a fresh prefill, decodes;
     GQA; a sliding window), so that one export checks every lowering."""
 
-    def __init__(self, window: int):
+    def __init__(self, window: int, softcap: float = 0.0):
         super().__init__()
         g = torch.Generator().manual_seed(0)
-        self.window = window
+        self.window, self.softcap = window, softcap
         self.register_buffer("norm_w", torch.randn(32, generator=g))
         self.register_buffer("table", cos_sin_table(64, rope_inv_freq(8, 10000.0, None)))
         w = torch.randn(48, 96, generator=g)
@@ -101,7 +102,7 @@ class Probe(torch.nn.Module):
         normed, summed = ops.fused_add_rms_norm(x, residual, self.norm_w, 1e-5)
         qr, kr = ops.rotary_embedding(q, k, position_ids, self.table)
         attn = ops.paged_attention_functional(qr, kr, v, kv_cache, 1, seq_lens, context_lens, block_tables,
-                                              slot_mapping, 0.35, self.window)
+                                              slot_mapping, 0.35, self.window, self.softcap)
         pool = ops.kv_cache_update(kv_cache, [kr, kr * 2], [v, v * 2], slot_mapping)
         return (ops.rms_norm(x, self.norm_w, 1e-5), normed, summed, qr, kr, ops.silu_mul(x, residual),
                 ops.gelu(x, "tanh"), ops.gelu(x, "none"), ops.fp32_linear(xw, self.w_packed, self.bias),
@@ -134,7 +135,7 @@ def probe_references(m: Probe, a: dict[str, torch.Tensor]) -> list[torch.Tensor]
     pool = a["kv_cache"].clone()
     paged = (a["seq_lens"], a["context_lens"], a["block_tables"], a["slot_mapping"])
     paged_attention_reference(qr, kr * 2, a["v"] * 2, pool, 1, *paged, 0.35, m.window)   # the pool of layer 1
-    attn = paged_attention_reference(qr, kr, a["v"], a["kv_cache"].clone(), 1, *paged, 0.35, m.window)
+    attn = paged_attention_reference(qr, kr, a["v"], a["kv_cache"].clone(), 1, *paged, 0.35, m.window, m.softcap)
     paged_attention_reference(qr, kr, a["v"], pool, 0, *paged, 0.35, m.window)
     return [rms_norm_reference(a["x"], m.norm_w, 1e-5), *fused_add_rms_norm_reference(a["x"], a["residual"], m.norm_w,
                                                                                         1e-5),
@@ -149,9 +150,9 @@ def probe_references(m: Probe, a: dict[str, torch.Tensor]) -> list[torch.Tensor]
             weight_only_linear_reference(a["xw4"], m.pz, m.pzs, None, 4, 32, m.pzz), attn, pool]
 
 
-@pytest.mark.parametrize("window", [0, 5])
-def test_every_plugin_lowering_matches_its_reference(window, tmp_path):
-    m, args = Probe(window).eval(), probe_inputs()
+@pytest.mark.parametrize("window,softcap", [(0, 0.0), (5, 0.8)])
+def test_every_plugin_lowering_matches_its_reference(window, softcap, tmp_path):
+    m, args = Probe(window, softcap).eval(), probe_inputs()
     program = torch.onnx.export(m, (), kwargs=args, dynamo=True, opset_version=OPSET,
                                 custom_translation_table=lowerings(), verbose=False)
     path = tmp_path / "probe.onnx"
@@ -175,12 +176,50 @@ def test_every_plugin_lowering_matches_its_reference(window, tmp_path):
         assert err <= 2e-5 * max(1.0, w.abs().max().item()), f"{name}: max abs error {err}"
 
 
+def test_moe_lowering_matches_the_reference(tmp_path):
+    """kiln::moe's dense lowering, for every expert format the builder stores (float, int8 and its panels, int4),
+    against the sparse op's reference."""
+    from test_moe import experts, formats
+
+    moe_ref = importlib.import_module("kiln.plugins.moe").moe_reference
+    router, gate_up, down = experts(11)
+
+    class Block(torch.nn.Module):
+        def __init__(self, gu, gus, dn, ds, bits, group, top_k, renormalize):
+            super().__init__()
+            self.args = (bits, group, top_k, renormalize)
+            for name, t in (("router", router), ("gu", gu), ("gus", gus), ("dn", dn), ("ds", ds)):
+                self.register_buffer(name, t)
+
+        def forward(self, x):
+            bits, group, top_k, renormalize = self.args
+            return torch.ops.kiln.moe(x, self.router, self.gu, self.gus, self.dn, self.ds, top_k, renormalize, bits,
+                                      group)
+
+    x = torch.randn(7, router.shape[1], generator=torch.Generator().manual_seed(12))
+    for i, (name, gu, gus, dn, ds, bits, group) in enumerate(formats(gate_up, down)):
+        top_k, renormalize = (2, True) if i % 2 else (3, False)
+        block = Block(gu, gus, dn, ds, bits, group, top_k, renormalize).eval()
+        program = torch.onnx.export(block, (x,), dynamo=True, opset_version=OPSET, custom_translation_table=lowerings(),
+                                    dynamic_shapes=({0: torch.export.Dim("t")},), verbose=False)
+        path = tmp_path / f"moe{i}.onnx"
+        program.save(str(path))
+        onnx.checker.check_model(str(path), full_check=True)
+        options = ort.SessionOptions()
+        options.add_session_config_entry("session.qdq_matmulnbits_accuracy_level", "1")
+        session = ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
+        for t in (1, 7):
+            got = torch.from_numpy(session.run(None, {session.get_inputs()[0].name: x[:t].numpy()})[0])
+            want = moe_ref(x[:t], router, gu, gus, dn, ds, top_k, renormalize, bits, group)
+            torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-3, msg=lambda m: f"{name}, {t} tokens: {m}")
+
+
 def test_functional_attention_matches_the_reference():
     """The torch form of the lowering's formulation (token-level mask over the gathered contexts)."""
     a = probe_inputs()
-    for window in (0, 3):
+    for window, softcap in ((0, 0.0), (3, 0.0), (0, 0.5)):
         pool = a["kv_cache"].clone()
-        paged = (a["seq_lens"], a["context_lens"], a["block_tables"], a["slot_mapping"], 0.2, window)
+        paged = (a["seq_lens"], a["context_lens"], a["block_tables"], a["slot_mapping"], 0.2, window, softcap)
         want = paged_attention_reference(a["q"], a["k"], a["v"], pool, 0, *paged)
         got = torch.ops.kiln.paged_attention_functional(a["q"], a["k"], a["v"], a["kv_cache"], 0, *paged)
         torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)

@@ -26,7 +26,7 @@ HYPOTHESIS = settings(max_examples=80, deadline=None, suppress_health_check=[Hea
 
 
 def build_case(block_size, head_dim, num_kv_heads, group, seqs, sliding_window, dtype, layer, spare_blocks,
-               seed, pad_with_garbage=True, nan_garbage=False):
+               seed, pad_with_garbage=True, nan_garbage=False, softcap=0.0):
     """Random inputs for paged_attention; seqs = [(cached, new)], context ones (new > 1) first.
 
     The pool starts with the cached tokens' K/V in shuffled, non-contiguous blocks; every other slot
@@ -64,7 +64,7 @@ def build_case(block_size, head_dim, num_kv_heads, group, seqs, sliding_window, 
         context_lens=torch.tensor([c + n for c, n in seqs], dtype=torch.int32),
         block_tables=torch.tensor(tables, dtype=torch.int32),
         slot_mapping=torch.tensor(slots, dtype=torch.int64),
-        scale=head_dim**-0.5, sliding_window=sliding_window,
+        scale=head_dim**-0.5, sliding_window=sliding_window, softcap=softcap,
     )
 
 
@@ -99,7 +99,7 @@ def attention_cases(draw):
         sliding_window=draw(st.sampled_from([0, 0, 1, 3, 8])),
         dtype=draw(st.sampled_from([torch.float32, torch.bfloat16])),
         layer=draw(st.integers(0, 1)), spare_blocks=draw(st.integers(0, 3)), seed=draw(st.integers(0, 2**16)),
-        nan_garbage=draw(st.booleans()),
+        nan_garbage=draw(st.booleans()), softcap=draw(st.sampled_from([0.0, 0.0, 0.7, 3.0])),
     )
 
 
@@ -111,6 +111,8 @@ def attention_cases(draw):
               sliding_window=0, dtype=torch.float32, layer=0, spare_blocks=1, seed=1, nan_garbage=True))  # NaN tails
 @example(dict(block_size=4, head_dim=8, num_kv_heads=1, group=4, seqs=[(5, 6), (0, 1), (15, 1)],
               sliding_window=3, dtype=torch.bfloat16, layer=0, spare_blocks=2, seed=2, nan_garbage=False))  # chunk, MQA
+@example(dict(block_size=4, head_dim=16, num_kv_heads=2, group=2, seqs=[(5, 6), (0, 1), (15, 1)], sliding_window=0,
+              dtype=torch.float32, layer=1, spare_blocks=1, seed=3, nan_garbage=True, softcap=0.7))  # soft-capped
 def test_paged_attention_matches_reference(params):
     case = build_case(**params)
     out, ref, kernel_cache, ref_cache = run_both(case)
@@ -153,6 +155,24 @@ def test_paged_attention_sliding_window_boundary():
     decode = dict(case, q=case["q"][-1:], k=k[-1:], v=v[-1:], seq_lens=torch.tensor([1], dtype=torch.int32),
                   slot_mapping=case["slot_mapping"][-1:])
     torch.testing.assert_close(ops.paged_attention(**decode)[0, 0, 0], expected[-1])
+
+
+def test_paged_attention_softcap_changes_the_result_as_transformers_does():
+    """Soft-capping is Gemma 2's: scores -> cap * tanh(scores / cap) before the softmax (and it matters)."""
+    case = build_case(4, 8, 2, 2, [(3, 6), (9, 1)], 0, torch.float32, 0, 1, seed=7)
+    case["q"] = case["q"] * 4   # scores well beyond the cap
+    capped, plain = (ops.paged_attention(**{**case, "kv_cache": case["kv_cache"].clone(), "softcap": c})
+                     for c in (1.0, 0.0))
+    assert (capped - plain).abs().max() > 0.1
+    # decode row of the second sequence by hand: its 10 keys, query head 0 reads kv head 0
+    kv = case["kv_cache"].clone()
+    ops.paged_attention(**{**case, "kv_cache": kv, "softcap": 1.0})
+    table, ctx = case["block_tables"][1], 10
+    keys = torch.stack([kv[0, 0, table[p // 4], p % 4, 0] for p in range(ctx)])
+    values = torch.stack([kv[0, 1, table[p // 4], p % 4, 0] for p in range(ctx)])
+    scores = keys @ case["q"][6, 0] * case["scale"]
+    want = torch.softmax(torch.tanh(scores / 1.0) * 1.0, 0) @ values
+    torch.testing.assert_close(capped[6, 0], want, atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize("native", [True, False], ids=["native", "torch"])

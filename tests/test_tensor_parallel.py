@@ -42,7 +42,10 @@ BUILD = BuildConfig(max_batch_size=16, max_input_len=96, max_seq_len=128, max_nu
                     gather_all_logits=True)
 # case -> (family, checkpoint overrides): every family with its special feature (conftest), and MQA
 CASES = {"llama": ("llama", {}), "mistral": ("mistral", {}), "qwen2": ("qwen2", {}), "gpt2": ("gpt2", {}),
-         "mqa": ("llama", {"num_key_value_heads": 1})}
+         "mqa": ("llama", {"num_key_value_heads": 1}),
+         # the 2026 families: a dense one (q/k norms replicated, per-layer windows and rotary bases) and an MoE one
+         # (every expert's intermediate dim split, the router replicated)
+         "gemma3": ("gemma3", {}), "qwen3_moe": ("qwen3_moe", {})}
 FP32_ATOL = 1e-4
 
 

@@ -35,6 +35,25 @@ def is_linear(node: fx.Node) -> bool:
     return is_weight(weight) and (bias is None or is_weight(bias))
 
 
+MOE = "kiln::moe"
+
+
+def is_moe(node: fx.Node, bits: int | None = None) -> bool:
+    """kiln.moe with constant expert weights (and, given ``bits``, in that format: 0 = float)."""
+    if node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload) or node.target.name() != MOE:
+        return False
+    return is_weight(node.args[2]) and is_weight(node.args[4]) and (bits is None or node.args[8] == bits)
+
+
+def per_expert(w: torch.Tensor, fn: Callable) -> torch.Tensor | tuple[torch.Tensor, ...]:
+    """``fn`` applied to each expert of a stacked weight [E, ...], its results stacked again (a tuple of stacks when
+    ``fn`` returns a tuple)."""
+    parts = [fn(w[e]) for e in range(w.shape[0])]
+    if isinstance(parts[0], tuple):
+        return tuple(torch.stack(p) for p in zip(*parts))
+    return torch.stack(parts)
+
+
 def linear_bias(node: fx.Node):
     return node.args[2] if len(node.args) > 2 else node.kwargs.get("bias")
 

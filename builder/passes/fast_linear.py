@@ -8,7 +8,7 @@ Weights are stored in panels where the shape allows (``pack_panels``: 16 output 
 k's 16 weights side by side, [out/16, in, 16] for fp32 and [out/16, in/2, 16, 2] for bf16), so that
 each panel the kernel reads is one sequential stream and one vector load feeds 16 outputs for every
 row of x. A weight that another op also reads (an lm_head tied to the embedding table) stays plain:
-packing it would store it twice.
+packing it would store it twice. The experts of ``kiln.moe`` are packed the same way, expert by expert.
 """
 
 from __future__ import annotations
@@ -19,7 +19,9 @@ from kiln.builder.passes.common import (
     add_weight,
     attr,
     is_linear,
+    is_moe,
     linear_bias,
+    per_expert,
     prune_unused_attrs,
 )
 
@@ -73,5 +75,24 @@ def run(gm: fx.GraphModule, ctx) -> dict:
         gm.graph.erase_node(node)
         key = str(w.dtype).removeprefix("torch.")
         counts[key] = counts.get(key, 0) + 1
+    moe_layers = _pack_experts(gm, pack_panels, can_pack_panels)
     prune_unused_attrs(gm)
-    return {"replaced": counts, "packed": packed, "plain": plain}
+    return {"replaced": counts, "packed": packed, "plain": plain, "packed_moe_layers": moe_layers}
+
+
+def _pack_experts(gm: fx.GraphModule, pack_panels, can_pack_panels) -> int:
+    """Float kiln.moe experts in the activations' dtype -> panels, expert by expert (the kernels' layout)."""
+    count = 0
+    for node in list(gm.graph.nodes):
+        if not is_moe(node, bits=0):
+            continue
+        x = node.args[0].meta.get("val") if hasattr(node.args[0], "meta") else None
+        stacks = [attr(gm, node.args[i].target) for i in (2, 4)]
+        if any(w.dim() != 3 or not can_pack_panels(w[0]) or (x is not None and x.dtype != w.dtype) for w in stacks):
+            continue
+        args = list(node.args)
+        for i, w in zip((2, 4), stacks):
+            args[i] = add_weight(gm, node.args[i].target + "_packed", per_expert(w, pack_panels), node)
+        node.args = tuple(args)
+        count += 1
+    return count

@@ -5,7 +5,8 @@ Weights are quantized at build time (int8: per output channel; int4: group-wise 
 stay in the engine dtype. The lm_head is quantized too (it is the largest single GEMM at decode).
 int8 weights are stored in panels of 16 rows where the shape allows (``pack_panels``: each panel one sequential
 stream, as in ``fast_linear``); int4 weights in int4 panels (``quantize_int4_panels``: 8 k of 16 rows per 64-byte
-line, fp16 group scales), else kiln's plain int4 layout.
+line, fp16 group scales), else kiln's plain int4 layout. The experts of ``kiln.moe`` are quantized the same
+way, expert by expert (int4 in the plain layout; the router is not quantized: it stays a float GEMM inside the op).
 
 The token embedding table (decode gathers one row of it per token; 131 MB in fp32 for a 32000 x 1024 table) is
 stored as int8 rows with one fp32 scale per row (``quantize_int8``'s scheme, error <= max|row| / 254) and
@@ -20,7 +21,9 @@ from kiln.builder.passes.common import (
     add_weight,
     attr,
     is_linear,
+    is_moe,
     linear_bias,
+    per_expert,
     prune_unused_attrs,
     weights_bytes,
 )
@@ -79,10 +82,11 @@ def run(gm: fx.GraphModule, ctx) -> dict:
         node.replace_all_uses_with(new)
         gm.graph.erase_node(node)
         count += 1
+    moe_layers = _quantize_experts(gm, fmt, bits, group)
     embeddings = _quantize_embeddings(gm, fmt)
     prune_unused_attrs(gm)
-    return {"quantized_gemms": count, "packed": packed, "bits": bits, "group_size": group,
-            "quantized_embeddings": embeddings,
+    return {"quantized_gemms": count, "packed": packed, "quantized_moe_layers": moe_layers, "bits": bits,
+            "group_size": group, "quantized_embeddings": embeddings,
             "weights_bytes_before": before_bytes, "weights_bytes_after": weights_bytes(gm)}
 
 
@@ -121,3 +125,30 @@ def _quantize_embeddings(gm: fx.GraphModule, fmt) -> int:
         gm.graph.erase_node(node)
         done += 1
     return done
+
+
+def _quantize_experts(gm: fx.GraphModule, fmt, bits: int, group: int) -> int:
+    """Every float kiln.moe's experts, each expert as the GEMMs above (int8 in panels where they fit, or int4); the
+    router stays in the engine dtype. An MoE layer whose widths the int4 group does not divide stays float."""
+    count = 0
+    for node in list(gm.graph.nodes):
+        if not is_moe(node, bits=0):
+            continue
+        stacks = [attr(gm, node.args[i].target) for i in (2, 4)]
+        if bits == 4 and any(w.shape[2] % group for w in stacks):
+            continue
+        new = []
+        for i, w in zip((2, 4), stacks):
+            if bits == 8:
+                q, s = per_expert(w.float(), fmt.quantize_int8)
+                if fmt.can_pack_panels(q[0]):
+                    q = per_expert(q, fmt.pack_panels)
+            else:
+                q, s = per_expert(w.float(), lambda m: fmt.quantize_int4(m, group))
+            base = node.args[i].target
+            new += [add_weight(gm, f"{base}_q{bits}", q, node), add_weight(gm, f"{base}_scales", s, node)]
+        args = list(node.args)
+        args[2], args[3], args[4], args[5], args[8], args[9] = new[0], new[1], new[2], new[3], bits, group
+        node.args = tuple(args)
+        count += 1
+    return count

@@ -9,8 +9,8 @@
 //
 // paged_attention: the new K/V are written into the pool here; decode sequences (one new token)
 // are computed here, one work item per (sequence, kv head): the group's query heads share one pass
-// over the keys and values, read through the block table, scores in fp32 with an exact softmax
-// (max, exp, sum). Only the slots inside each sequence's context (and window) are read, so
+// over the keys and values, read through the block table, scores in fp32 (soft-capped when asked) with an
+// exact softmax (max, exp, sum). Only the slots inside each sequence's context (and window) are read, so
 // whatever the rest of the pool holds (stale values, NaN) cannot leak in. Context sequences
 // (several new tokens) go to the Python SDPA path, kiln::_paged_attention_context_py.
 
@@ -82,22 +82,22 @@ Tensor gelu_py(const Tensor& x, c10::string_view a) {
 
 Tensor paged_py(const Tensor& q, const Tensor& k, const Tensor& v, Tensor& kv, int64_t layer,
                 const Tensor& sl, const Tensor& cl, const Tensor& bt, const Tensor& sm, double scale,
-                int64_t window) {
+                int64_t window, double softcap) {
   static auto op = c10::Dispatcher::singleton()
                        .findSchemaOrThrow("kiln::_paged_attention_py", "")
                        .typed<Tensor(const Tensor&, const Tensor&, const Tensor&, Tensor&, int64_t,
                                      const Tensor&, const Tensor&, const Tensor&, const Tensor&, double,
-                                     int64_t)>();
-  return op.call(q, k, v, kv, layer, sl, cl, bt, sm, scale, window);
+                                     int64_t, double)>();
+  return op.call(q, k, v, kv, layer, sl, cl, bt, sm, scale, window, softcap);
 }
 
 void paged_context_py(const Tensor& q, const Tensor& kv, int64_t layer, const Tensor& sl, const Tensor& cl,
-                      const Tensor& bt, Tensor& out, double scale, int64_t window) {
+                      const Tensor& bt, Tensor& out, double scale, int64_t window, double softcap) {
   static auto op = c10::Dispatcher::singleton()
                        .findSchemaOrThrow("kiln::_paged_attention_context_py", "")
                        .typed<void(const Tensor&, const Tensor&, int64_t, const Tensor&, const Tensor&,
-                                   const Tensor&, Tensor&, double, int64_t)>();
-  op.call(q, kv, layer, sl, cl, bt, out, scale, window);
+                                   const Tensor&, Tensor&, double, int64_t, double)>();
+  op.call(q, kv, layer, sl, cl, bt, out, scale, window, softcap);
 }
 
 bool enabled() { return kiln_ops_enabled() != 0; }
@@ -325,7 +325,7 @@ template <typename Q, typename KV>
 void decode_attention(const Q* q, const KV* kpool, const KV* vpool, Q* out, const std::vector<int64_t>& rows,
                       const std::vector<int64_t>& seqs, const int32_t* ctx_lens, const int32_t* tables,
                       int64_t max_blocks, int64_t block_size, int64_t hkv, int64_t group, int64_t d,
-                      float scale, int64_t window) {
+                      float scale, int64_t window, float softcap) {
   const int64_t hq = hkv * group;
   const int64_t items = static_cast<int64_t>(rows.size()) * hkv;
   const int64_t slot_stride = hkv * d;                 // one token of one pool (all kv heads)
@@ -394,6 +394,9 @@ void decode_attention(const Q* q, const KV* kpool, const KV* vpool, Q* out, cons
           scores[g * len + p] = sc;
         }
       }
+      // soft-capping (Gemma 2): cap * tanh(score / cap), before the softmax
+      if (softcap > 0.0f)
+        for (int64_t i = 0; i < group * len; ++i) scores[i] = softcap * std::tanh(scores[i] / softcap);
       // softmax per query head
       for (int64_t g = 0; g < group; ++g) {
         float* sg = scores.data() + g * len;
@@ -477,27 +480,27 @@ void decode_attention(const Q* q, const KV* kpool, const KV* vpool, Q* out, cons
 template <typename Q>
 void decode_dispatch_kv(const Tensor& qc, const Tensor& kv, int64_t layer, Tensor& out,
                         const std::vector<int64_t>& rows, const std::vector<int64_t>& seqs, const int32_t* ctx,
-                        const int32_t* tables, int64_t max_blocks, float scale, int64_t window) {
+                        const int32_t* tables, int64_t max_blocks, float scale, int64_t window, float softcap) {
   const int64_t nb = kv.size(2), bs = kv.size(3), hkv = kv.size(4), d = kv.size(5);
   const int64_t pool = nb * bs * hkv * d;
   const int64_t group = qc.size(1) / hkv;
   if (kv.scalar_type() == at::kFloat) {
     const float* base = kv.const_data_ptr<float>() + layer * 2 * pool;
     decode_attention<Q, float>(qc.const_data_ptr<Q>(), base, base + pool, out.data_ptr<Q>(), rows, seqs, ctx, tables,
-                               max_blocks, bs, hkv, group, d, scale, window);
+                               max_blocks, bs, hkv, group, d, scale, window, softcap);
   } else {
     const BF* base = kv.const_data_ptr<BF>() + layer * 2 * pool;
     decode_attention<Q, BF>(qc.const_data_ptr<Q>(), base, base + pool, out.data_ptr<Q>(), rows, seqs, ctx, tables,
-                            max_blocks, bs, hkv, group, d, scale, window);
+                            max_blocks, bs, hkv, group, d, scale, window, softcap);
   }
 }
 
 Tensor paged_attention_cpu(const Tensor& q, const Tensor& k, const Tensor& v, Tensor& kv_cache, int64_t layer,
                            const Tensor& seq_lens, const Tensor& context_lens, const Tensor& block_tables,
-                           const Tensor& slot_mapping, double scale, int64_t sliding_window) {
+                           const Tensor& slot_mapping, double scale, int64_t sliding_window, double softcap) {
   auto fallback = [&]() {
     return paged_py(q, k, v, kv_cache, layer, seq_lens, context_lens, block_tables, slot_mapping, scale,
-                    sliding_window);
+                    sliding_window, softcap);
   };
   if (!enabled() || kv_cache.dim() != 6 || !kv_cache.is_contiguous() || !f32_or_bf16(kv_cache) || !f32_or_bf16(q) ||
       !f32_or_bf16(k) || !f32_or_bf16(v) || q.dim() != 3 || k.dim() != 3 || v.dim() != 3 ||
@@ -560,13 +563,14 @@ Tensor paged_attention_cpu(const Tensor& q, const Tensor& k, const Tensor& v, Te
   if (!rows.empty()) {
     if (q.scalar_type() == at::kFloat)
       decode_dispatch_kv<float>(qc, kv_cache, layer, out, rows, seqs, ctx, tables, max_blocks, (float)scale,
-                                sliding_window);
+                                sliding_window, (float)softcap);
     else
       decode_dispatch_kv<BF>(qc, kv_cache, layer, out, rows, seqs, ctx, tables, max_blocks, (float)scale,
-                             sliding_window);
+                             sliding_window, (float)softcap);
   }
   // 3) context sequences: SDPA, one sequence at a time (Python)
-  if (has_context) paged_context_py(qc, kv_cache, layer, seq_lens, context_lens, block_tables, out, scale, sliding_window);
+  if (has_context)
+    paged_context_py(qc, kv_cache, layer, seq_lens, context_lens, block_tables, out, scale, sliding_window, softcap);
   return out;
 }
 
