@@ -12,8 +12,8 @@ from torch.export import Dim
 
 from kiln.builder.config import BuildConfig
 from kiln.contract import (
-    DTYPES,
     INPUT_AXES,
+    KV_CACHE_DTYPES,
     EngineBounds,
     ModelConfig,
     SeqChunk,
@@ -53,7 +53,8 @@ def example_inputs(model: ModelConfig, build: BuildConfig) -> dict[str, torch.Te
                  block_ids=[(i * mb + j) % nb for j in range(mb)], num_logits=lg - (s - 1) if i == 0 else 1)
         for i in range(s)
     ]
-    kv = torch.zeros(kv_cache_shape(model, bs, nb), dtype=DTYPES[build.resolved_kv_cache_dtype])
+    kv_dtype = build.resolved_kv_cache_dtype
+    kv = torch.zeros(kv_cache_shape(model, bs, nb, kv_dtype), dtype=KV_CACHE_DTYPES[kv_dtype])
     return pack_inputs(chunks, kv, bs, block_table_width=mb)
 
 

@@ -45,7 +45,7 @@ from typing import Any
 import torch
 
 from kiln.contract.errors import EngineLoadError
-from kiln.contract.io import DTYPES, kv_bytes_per_token
+from kiln.contract.io import DTYPES, KV_CACHE_DTYPES, kv_bytes_per_token
 from kiln.contract.model import ModelConfig
 from kiln.contract.tensor_parallel import TensorParallelMapping
 from kiln.contract.typed import read_dataclass
@@ -151,12 +151,13 @@ class EngineConfig:
 
     @property
     def torch_kv_dtype(self) -> torch.dtype:
-        return DTYPES[self.kv_cache_dtype]
+        """The dtype of the KV pool tensor (int8 / float8_e4m3fn for the 8-bit pools, scales in their rows)."""
+        return KV_CACHE_DTYPES[self.kv_cache_dtype]
 
     def problems(self) -> list[str]:
         """Values that are well typed but impossible (a hand-edited or foreign file)."""
         out = []
-        for name, allowed in (("dtype", tuple(DTYPES)), ("kv_cache_dtype", tuple(DTYPES)),
+        for name, allowed in (("dtype", tuple(DTYPES)), ("kv_cache_dtype", tuple(KV_CACHE_DTYPES)),
                               ("quantization", QUANTIZATIONS)):
             if getattr(self, name) not in allowed:
                 out.append(f"{name}={getattr(self, name)!r} is not one of {list(allowed)}")
