@@ -197,8 +197,9 @@ class BuildConfig:
                        "bytes as float8, and ONNX has no bit cast; use kv_cache_dtype 'int8' (DequantizeLinear), or "
                        "backend 'cpu' / 'cpu-compiled' for fp8")
         elif kv == "int8" and self.backend == "tensorrt":
-            out.append("kv_cache_dtype='int8' with backend 'tensorrt': not checked on a GPU yet (no TensorRT run "
-                       "here); use kv_cache_dtype 'auto', or backend 'onnx' / 'cpu' for an int8 KV cache")
+            out.append("kv_cache_dtype='int8' with backend 'tensorrt': TensorRT's ONNX parser rejects the lowering's "
+                       "QuantizeLinear with per-row scales computed in the graph (tensorrt_rtx 1.7); use "
+                       "kv_cache_dtype 'auto', or backend 'onnx' / 'cpu' for an int8 KV cache")
         if self.kv_calibration is not None and (not isinstance(self.kv_calibration, str) or not self.kv_calibration):
             out.append(f"kv_calibration={self.kv_calibration!r} must be the path of a text file or null")
         elif self.kv_calibration is not None and kv not in QUANTIZED_KV_DTYPES:
