@@ -1,7 +1,8 @@
 """build_engine: checkpoint directory -> engine directory (the only thing that passes to the runtime).
 
-Stages: load -> trace -> passes -> re-export -> memory plan -> compile -> write. Each stage is
-timed; ``progress(stage, message)`` is called as stages start ("start", or "start rank r/N") and end.
+Stages: load -> kv_accuracy (an 8-bit KV cache's accuracy report, :mod:`kiln.builder.kv_accuracy`) -> trace ->
+passes -> re-export -> memory plan -> compile -> write. Each stage is timed; ``progress(stage, message)`` is
+called as stages start ("start", or "start rank r/N") and end.
 
 Tensor parallelism (``tp_size`` > 1): the checkpoint is loaded once, then each rank's shard of the weights
 (``kiln.model_defs.shard_weights``) goes through trace -> passes -> export -> memory plan -> compile on its
@@ -25,13 +26,14 @@ from typing import Any
 
 import torch
 
-from kiln.builder import memory_plan, trace
+from kiln.builder import kv_accuracy, memory_plan, trace
 from kiln.builder.backends import BACKENDS
 from kiln.builder.config import BuildConfig
 from kiln.builder.passes import PassContext, check_names, run_passes
 from kiln.builder.passes.common import count_gemms
 from kiln.contract import (
     FORMAT_VERSION,
+    QUANTIZED_KV_DTYPES,
     REPORT_FILE,
     TOKENIZER_FILES,
     TORCH_BACKENDS,
@@ -51,9 +53,15 @@ from kiln.contract import (
     weights_file,
 )
 
-STAGES = ("load", "trace", "passes", "export", "memory_plan", "compile", "write")
+STAGES = ("load", "kv_accuracy", "trace", "passes", "export", "memory_plan", "compile", "write")
 
 Progress = Callable[[str, str], None]
+
+
+def stages(build: BuildConfig) -> tuple[str, ...]:
+    """The stages ``build`` runs, in order (kv_accuracy only for an 8-bit KV cache)."""
+    quantized = build.resolved_kv_cache_dtype in QUANTIZED_KV_DTYPES
+    return tuple(s for s in STAGES if s != "kv_accuracy" or quantized)
 
 
 def kiln_version() -> str:
@@ -139,9 +147,11 @@ def build_engine(
     if build.tp_size > 1 and checkpoint_quantization(ckpt) is not None:
         raise BuildConfigError(f"{ckpt} is pre-quantized (GPTQ / AWQ): tensor parallelism does not split its int4 "
                                "weights yet; build with tp_size 1")
+    calibration = (kv_accuracy.calibration_file_prompts(build.kv_calibration, ckpt, kv_accuracy.max_prompt_len(build))
+                   if build.kv_calibration else None)   # a bad file fails here, before any stage
     tmp = _make_build_dir(out)
     try:
-        return _build(ckpt, out, tmp, build, model, progress)
+        return _build(ckpt, out, tmp, build, model, progress, calibration)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
 
@@ -160,15 +170,23 @@ def _make_build_dir(out: Path) -> Path:
     return tmp
 
 
-def _build(ckpt: Path, out: Path, tmp: Path, build: BuildConfig, model, progress: Progress | None) -> Path:
+def _build(ckpt: Path, out: Path, tmp: Path, build: BuildConfig, model, progress: Progress | None,
+           calibration: list[list[int]] | None) -> Path:
     """The stages, writing into ``tmp``, which then replaces ``out``."""
-    from kiln.model_defs import checkpoint_quantization, load_checkpoint
+    from kiln.model_defs import build_model, checkpoint_quantization, load_checkpoint
 
     timings: dict[str, float] = {}
     t_total = time.perf_counter()
     mapping = TensorParallelMapping.plan(model, build.tp_size)
     with _stage("load", timings, progress):
         _, weights = load_checkpoint(ckpt, build.dtype)
+    accuracy = None
+    if "kv_accuracy" in stages(build):
+        with _stage("kv_accuracy", timings, progress):
+            # the whole model on one rank (a token's 8-bit row is the same on any rank); it holds the weights
+            # without a copy
+            accuracy = kv_accuracy.kv_accuracy(build_model(model, weights), model, build, calibration,
+                                               special_tokens(ckpt)[1])
     ranks = [_build_rank(model, weights, mapping, rank, build, tmp, timings, progress)
              for rank in range(mapping.tp_size)]
     first = ranks[0]
@@ -218,6 +236,8 @@ def _build(ckpt: Path, out: Path, tmp: Path, build: BuildConfig, model, progress
     pq = checkpoint_quantization(ckpt)
     if pq is not None:   # its linears are int4 panels as the checkpoint stored them (not re-quantized)
         report["prequantized"] = {"method": pq.method, "group_size": pq.group_size, "bits": 4}
+    if accuracy is not None:
+        report["kv_cache_accuracy"] = accuracy
     if mapping.tp_size > 1:   # the sections above are rank 0's
         report["tensor_parallel"] = {
             "mapping": dataclasses.asdict(mapping),
