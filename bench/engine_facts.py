@@ -11,7 +11,15 @@ import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from kiln.contract import EngineBounds, EngineLoadError, KilnError, read_engine_config
+from kiln.contract import (
+    KV_CACHE_DTYPES,
+    QUANTIZED_KV_DTYPES,
+    EngineBounds,
+    EngineLoadError,
+    KilnError,
+    kv_row_size,
+    read_engine_config,
+)
 
 _DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 _QUANT_BYTES = {"none": None, "int8_weight_only": 1.0, "int4_weight_only": 0.5}
@@ -55,6 +63,7 @@ class EngineFacts:
     embedding_bytes: int = 0
     tie_word_embeddings: bool = False
     tp_size: int = 1
+    kv_cache_dtype: str = ""                                     # the pool's (int8 / fp8: with their scales)
     special_token_ids: list[int] = field(default_factory=list)   # eos / bos: kept out of synthetic prompts
     origin: dict = field(default_factory=dict)
 
@@ -69,6 +78,13 @@ def _layer_params(m: dict) -> int:
     gated = m.get("architecture", "") != "GPT2LMHeadModel"
     mlp = (3 if gated else 2) * h * m["intermediate_size"]
     return attn + mlp
+
+
+def _kv_layout(kv_cache_dtype: str) -> str:
+    """How one KV row's bytes are made up, for the ``origin`` notes."""
+    if kv_cache_dtype in QUANTIZED_KV_DTYPES:
+        return f"(head_dim + 2 B scale) x 1 B ({kv_cache_dtype})"
+    return f"head_dim x {KV_CACHE_DTYPES[kv_cache_dtype].itemsize} B ({kv_cache_dtype})"
 
 
 def _read_json(path: Path) -> dict:
@@ -101,16 +117,18 @@ def engine_facts(engine_dir: str | Path) -> EngineFacts:
         streamed_weight_bytes=max(mem.weights_bytes - embed, 0), kv_bytes_per_token=cfg.kv_bytes_per_token,
         activation_peak_bytes=mem.activation_peak_bytes, matmul_params=m.num_layers * _layer_params(m.to_dict()),
         lm_head_params=m.vocab_size * m.hidden_size, bounds=cfg.bounds, embedding_bytes=table,
-        tie_word_embeddings=m.tie_word_embeddings, tp_size=cfg.tp_size,
+        tie_word_embeddings=m.tie_word_embeddings, tp_size=cfg.tp_size, kv_cache_dtype=cfg.kv_cache_dtype,
         special_token_ids=sorted(set(tok.eos_token_ids)
                                  | ({tok.bos_token_id} if tok.bos_token_id is not None else set())),
         origin={
             "weights_bytes": f"{src} memory.weights_bytes (builder's memory plan){per_rank}",
             "streamed_weight_bytes": "weights_bytes minus the embedding table (vocab x hidden x dtype) unless it is "
                                      f"the LM head{per_rank}",
-            "kv_bytes_per_token": f"{src}: 2 x layers x kv_heads x head_dim x kv dtype (kiln.contract){per_rank}",
+            "kv_bytes_per_token": f"{src}: 2 x layers x kv_heads x {_kv_layout(cfg.kv_cache_dtype)} "
+                                  f"(kiln.contract){per_rank}",
             "activation_peak_bytes": f"{src} memory.activation_peak_bytes (arena at the max profile){per_rank}",
             "bounds": f"{src} bounds",
+            "kv_cache_dtype": f"{src} kv_cache_dtype",
             "matmul_params": "decoder layers' GEMM weights, from the model shape in config.json",
         },
     )
@@ -118,8 +136,10 @@ def engine_facts(engine_dir: str | Path) -> EngineFacts:
 
 def hf_facts(config_path: str | Path, dtype: str = "bfloat16", quantization: str = "none", *,
              max_batch_size: int = 64, max_num_tokens: int = 4096, max_seq_len: int | None = None,
-             max_input_len: int | None = None, tokens_per_block: int = 16) -> EngineFacts:
-    """Facts of a Hugging Face model not built yet: sizes from its config.json, dtype and quantization.
+             max_input_len: int | None = None, tokens_per_block: int = 16, kv_cache_dtype: str = "auto"
+             ) -> EngineFacts:
+    """Facts of a Hugging Face model not built yet: sizes from its config.json, dtype, quantization and KV
+    cache dtype (auto: the dtype; int8 / fp8: 8-bit rows with their scales, as kiln.contract lays them out).
 
     Estimates (said so in ``origin``): weights = GEMM weights at the quantized width + embeddings, norms and
     position tables at dtype (the rotary table in fp32); activation peak = the largest step's hidden states
@@ -133,6 +153,9 @@ def hf_facts(config_path: str | Path, dtype: str = "bfloat16", quantization: str
         raise FactsError(f"dtype {dtype!r} is not one of {list(_DTYPE_BYTES)}")
     if quantization not in _QUANT_BYTES:
         raise FactsError(f"quantization {quantization!r} is not one of {list(_QUANT_BYTES)}")
+    kv_dtype = dtype if kv_cache_dtype == "auto" else kv_cache_dtype
+    if kv_dtype not in KV_CACHE_DTYPES:
+        raise FactsError(f"kv_cache_dtype {kv_cache_dtype!r} is not one of {['auto', *KV_CACHE_DTYPES]}")
     try:
         arch = (hf.get("architectures") or ["?"])[0]
         h = hf.get("hidden_size") or hf["n_embd"]
@@ -162,7 +185,8 @@ def hf_facts(config_path: str | Path, dtype: str = "bfloat16", quantization: str
         head_dim=head_dim, intermediate_size=inter, vocab_size=vocab, dtype=dtype, quantization=quantization,
         weights_bytes=weights, embedding_bytes=embed, tie_word_embeddings=tied,
         streamed_weight_bytes=weights - (0 if tied else embed),
-        kv_bytes_per_token=2 * layers * kv_heads * head_dim * elem,
+        kv_bytes_per_token=2 * layers * kv_heads * kv_row_size(head_dim, kv_dtype) * KV_CACHE_DTYPES[kv_dtype].itemsize,
+        kv_cache_dtype=kv_dtype,
         activation_peak_bytes=int(max_num_tokens * (4 * h + 2 * inter) * elem + max_batch_size * vocab * 4),
         matmul_params=layers * layer_params, lm_head_params=vocab * h,
         bounds=EngineBounds(max_batch_size=max_batch_size, max_num_tokens=max_num_tokens,
@@ -173,10 +197,12 @@ def hf_facts(config_path: str | Path, dtype: str = "bfloat16", quantization: str
     facts.origin = {
         "weights_bytes": f"estimated from {path} (GEMMs at {quantization}, embeddings/norms at {dtype})",
         "streamed_weight_bytes": "weights_bytes minus the untied embedding table",
-        "kv_bytes_per_token": f"2 x layers x kv_heads x head_dim x {elem} B ({dtype}), from {path}",
+        "kv_bytes_per_token": f"2 x layers x kv_heads x {_kv_layout(kv_dtype)}, from {path}",
         "activation_peak_bytes": "estimated: max_num_tokens x (4 x hidden + 2 x intermediate) x dtype + logits "
                                  "(build the engine for the builder's exact plan)",
         "bounds": "planner options (no engine built)",
+        "kv_cache_dtype": f"--kv-cache-dtype {kv_cache_dtype}"
+                          + (f" (the dtype, {dtype})" if kv_cache_dtype == "auto" else ""),
         "matmul_params": f"decoder layers' GEMM weights, from {path}",
     }
     return facts

@@ -180,6 +180,7 @@ def plan(facts: EngineFacts, device: Device, workload: WorkloadStats, *, tp: int
     inp["engine"] = _v(facts.name, "--engine / --hf-config")
     inp["device"] = _v(device.name, device.source)
     inp["tp"] = _v(tp, "--tp")
+    inp["kv_cache_dtype"] = _v(facts.kv_cache_dtype, facts.origin.get("kv_cache_dtype", ""))
     inp["workload"] = _v({"prompt": workload.prompt, "output": workload.output}, workload.source, "tokens")
 
     mem = out["memory"]
