@@ -1,8 +1,8 @@
 """build_engine: checkpoint directory -> engine directory (the only thing that passes to the runtime).
 
-Stages: load -> kv_accuracy (an 8-bit KV cache's accuracy report, :mod:`kiln.builder.kv_accuracy`) -> trace ->
-passes -> re-export -> memory plan -> compile -> write. Each stage is timed; ``progress(stage, message)`` is
-called as stages start ("start", or "start rank r/N") and end.
+Stages: load -> trace -> passes -> kv_accuracy (an 8-bit KV cache's accuracy report, run on the graph after
+the passes: :mod:`kiln.builder.kv_accuracy`) -> re-export -> memory plan -> compile -> write. Each stage is
+timed; ``progress(stage, message)`` is called as stages start ("start", or "start rank r/N") and end.
 
 Tensor parallelism (``tp_size`` > 1): the checkpoint is loaded once, then each rank's shard of the weights
 (``kiln.model_defs.shard_weights``) goes through trace -> passes -> export -> memory plan -> compile on its
@@ -53,15 +53,18 @@ from kiln.contract import (
     weights_file,
 )
 
-STAGES = ("load", "kv_accuracy", "trace", "passes", "export", "memory_plan", "compile", "write")
+STAGES = ("load", "trace", "passes", "kv_accuracy", "export", "memory_plan", "compile", "write")
+# why a tensor-parallel build has no accuracy report (a rank's graph computes only its shard)
+TP_ACCURACY_SKIPPED = ("tensor-parallel build: a rank's graph computes its shard only; build with tp_size 1 for the "
+                       "report (a token's 8-bit rows are the same bytes on any split)")
 
 Progress = Callable[[str, str], None]
 
 
 def stages(build: BuildConfig) -> tuple[str, ...]:
-    """The stages ``build`` runs, in order (kv_accuracy only for an 8-bit KV cache)."""
-    quantized = build.resolved_kv_cache_dtype in QUANTIZED_KV_DTYPES
-    return tuple(s for s in STAGES if s != "kv_accuracy" or quantized)
+    """The stages ``build`` runs, in order (kv_accuracy only for an 8-bit KV cache on one rank)."""
+    accuracy = build.resolved_kv_cache_dtype in QUANTIZED_KV_DTYPES and build.tp_size == 1
+    return tuple(s for s in STAGES if s != "kv_accuracy" or accuracy)
 
 
 def kiln_version() -> str:
@@ -173,21 +176,15 @@ def _make_build_dir(out: Path) -> Path:
 def _build(ckpt: Path, out: Path, tmp: Path, build: BuildConfig, model, progress: Progress | None,
            calibration: list[list[int]] | None) -> Path:
     """The stages, writing into ``tmp``, which then replaces ``out``."""
-    from kiln.model_defs import build_model, checkpoint_quantization, load_checkpoint
+    from kiln.model_defs import checkpoint_quantization, load_checkpoint
 
     timings: dict[str, float] = {}
     t_total = time.perf_counter()
     mapping = TensorParallelMapping.plan(model, build.tp_size)
     with _stage("load", timings, progress):
         _, weights = load_checkpoint(ckpt, build.dtype)
-    accuracy = None
-    if "kv_accuracy" in stages(build):
-        with _stage("kv_accuracy", timings, progress):
-            # the whole model on one rank (a token's 8-bit row is the same on any rank); it holds the weights
-            # without a copy
-            accuracy = kv_accuracy.kv_accuracy(build_model(model, weights), model, build, calibration,
-                                               special_tokens(ckpt)[1])
-    ranks = [_build_rank(model, weights, mapping, rank, build, tmp, timings, progress)
+    measure = (calibration, special_tokens(ckpt)[1]) if "kv_accuracy" in stages(build) else None
+    ranks = [_build_rank(model, weights, mapping, rank, build, tmp, timings, progress, measure)
              for rank in range(mapping.tp_size)]
     first = ranks[0]
     arena = first["memory_plan"]
@@ -236,8 +233,10 @@ def _build(ckpt: Path, out: Path, tmp: Path, build: BuildConfig, model, progress
     pq = checkpoint_quantization(ckpt)
     if pq is not None:   # its linears are int4 panels as the checkpoint stored them (not re-quantized)
         report["prequantized"] = {"method": pq.method, "group_size": pq.group_size, "bits": 4}
-    if accuracy is not None:
-        report["kv_cache_accuracy"] = accuracy
+    if measure is not None:
+        report["kv_cache_accuracy"] = first["kv_cache_accuracy"]
+    elif build.resolved_kv_cache_dtype in QUANTIZED_KV_DTYPES:
+        report["kv_cache_accuracy"] = {"kv_cache_dtype": build.resolved_kv_cache_dtype, "skipped": TP_ACCURACY_SKIPPED}
     if mapping.tp_size > 1:   # the sections above are rank 0's
         report["tensor_parallel"] = {
             "mapping": dataclasses.asdict(mapping),
@@ -252,10 +251,13 @@ def _build(ckpt: Path, out: Path, tmp: Path, build: BuildConfig, model, progress
     return out
 
 def _build_rank(model: ModelConfig, weights: dict[str, torch.Tensor], mapping: TensorParallelMapping, rank: int,
-                build: BuildConfig, out: Path, timings: dict[str, float], progress: Progress | None) -> dict[str, Any]:
-    """trace -> passes -> export -> memory plan -> compile of rank ``rank``'s shard into ``out / rank{rank}.engine``;
-    what the report and config.json need of it. The last rank empties ``weights`` once its shard is cut, so
-    that the passes can free what they replace (with one rank the module holds the checkpoint's tensors)."""
+                build: BuildConfig, out: Path, timings: dict[str, float], progress: Progress | None,
+                measure: tuple[list[list[int]] | None, int | None] | None = None) -> dict[str, Any]:
+    """trace -> passes -> (kv_accuracy) -> export -> memory plan -> compile of rank ``rank``'s shard into
+    ``out / rank{rank}.engine``; what the report and config.json need of it. The last rank empties ``weights``
+    once its shard is cut, so that the passes can free what they replace (with one rank the module holds the
+    checkpoint's tensors). ``measure`` (calibration prompts or None, bos id): run the 8-bit KV accuracy report
+    on the graph after the passes (the engine's own kernels)."""
     from kiln.model_defs import build_model, shard_weights
 
     label = f"rank {rank + 1}/{mapping.tp_size}" if mapping.tp_size > 1 else ""
@@ -274,6 +276,10 @@ def _build_rank(model: ModelConfig, weights: dict[str, torch.Tensor], mapping: T
         pass_stats = run_passes(gm, ctx, build.disabled_passes)
         gemms_after = count_gemms(gm)
         del module, ep
+    accuracy = None
+    if measure is not None:
+        with _stage("kv_accuracy", timings, progress, label):
+            accuracy = kv_accuracy.kv_accuracy(gm, model, build, *measure)
     with _stage("export", timings, progress, label):
         ep = trace.export(gm, rank_model, build)
         del gm
@@ -289,4 +295,5 @@ def _build_rank(model: ModelConfig, weights: dict[str, torch.Tensor], mapping: T
         if build.backend in TORCH_BACKENDS:   # a .pt2 archive (an ONNX model or TensorRT plan has no place for it)
             stamp_rank_file(path, rank, mapping)
     return {"gemms": {"before_passes": gemms_before, "after_passes": gemms_after}, "passes": pass_stats,
-            "backend": backend_stats, "memory_plan": arena, "weights_bytes": weights_bytes}
+            "backend": backend_stats, "memory_plan": arena, "weights_bytes": weights_bytes,
+            "kv_cache_accuracy": accuracy}

@@ -1,7 +1,7 @@
 """The accuracy report of an 8-bit KV cache: what int8 / fp8 keys and values cost against the engine dtype's.
 
-The model (the eager packed-token module, before passes: the pool is all that differs) runs the same
-calibration sequences twice, once over a pool of the engine dtype and once over the 8-bit pool, on the
+The model (the engine's graph after the builder's passes: its own kernels; only the pool differs) runs the
+same calibration sequences twice, once over a pool of the engine dtype and once over the 8-bit pool, on the
 runtime's schedule: the first half of every sequence as one mixed prefill step (context chunks), then the rest
 one token per sequence per step (decode, teacher forced), so both the context path and the decode kernel
 read the quantized pool. Every position's logits are compared: max and mean absolute error, and how often
@@ -68,7 +68,10 @@ class _Stepper:
         packed = pack_inputs([SeqChunk(toks, start, self.tables[s], len(toks)) for s, toks, start in chunks],
                              self.pool, self.block)
         with torch.no_grad():
-            return self.module(**packed).float()
+            out = self.module(**packed)
+        if isinstance(out, tuple):   # after functional_kv (onnx): the graph returns the pool it wrote
+            out, self.pool = out
+        return out.float()
 
 
 def own_text(module: torch.nn.Module, model: ModelConfig, kv_dtype: str, bos: int | None, max_len: int,

@@ -48,6 +48,8 @@ def summary_rows(config: EngineConfig, report: dict[str, Any] | None = None) -> 
 
 def kv_accuracy_row(acc: dict[str, Any]) -> str:
     """The build report's 8-bit KV accuracy in one line."""
+    if acc.get("skipped"):
+        return f"not measured: {acc['skipped']}"
     return (f"{acc['kv_cache_dtype']} vs {acc['reference_kv_cache_dtype']} pool, {acc['positions']} positions of "
             f"{acc['calibration']}: top-1 agreement {100 * acc['top1_agreement']:.1f}%, logit error max "
             f"{acc['max_abs_logit_error']:.3g} / mean {acc['mean_abs_logit_error']:.3g}")

@@ -127,14 +127,14 @@ def test_a_missing_checkpoint_is_reported_as_missing(tmp_path):
 
 
 def test_8bit_kv_build_reports_its_accuracy(checkpoint_dir, tmp_path):
-    """--kv-cache-dtype int8: the accuracy stage runs after load, its report (against the float32 pool, on text
+    """--kv-cache-dtype int8: the accuracy stage runs after the passes, its report (against the float32 pool, on text
     the checkpoint writes) lands in build_report.json and in the summary build-engine and kiln inspect print;
     --kv-calibration FILE measures on the file's paragraphs instead."""
     ckpt, out = checkpoint_dir("llama"), tmp_path / "eng"
     result = CliRunner().invoke(build_engine_cmd, ["--checkpoint", str(ckpt), "--output", str(out),
                                                    "--config", str(TINY_YAML), "--kv-cache-dtype", "int8"])
     assert result.exit_code == 0, result.output
-    for stage in ("[1/8] load", "[2/8] kv_accuracy", "[3/8] trace", "[8/8] write"):
+    for stage in ("[1/8] load", "[3/8] passes", "[4/8] kv_accuracy", "[5/8] export", "[8/8] write"):
         assert stage in result.output
     acc = json.loads((out / "build_report.json").read_text())["kv_cache_accuracy"]
     assert acc["kv_cache_dtype"] == "int8" and acc["reference_kv_cache_dtype"] == "float32"

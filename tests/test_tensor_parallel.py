@@ -194,6 +194,8 @@ def test_int8_kv_each_rank_quantizes_its_heads(case, engines):
     err, quant_err = max_diff(schedule_logits(q2), one), max_diff(one, schedule_logits(fp))
     print(f"\n{case} int8 KV: TP=2 vs TP=1 {err:.2e}, TP=1 int8 vs fp32 pool {quant_err:.2e}")
     assert err <= 0.25 * quant_err, (err, quant_err)
+    accuracy = [json.loads((e.directory / "build_report.json").read_text())["kv_cache_accuracy"] for e in (q1, q2)]
+    assert accuracy[0]["positions"] > 0 and "tensor-parallel build" in accuracy[1]["skipped"]
 
 
 def _inspect_rows(directory: Path) -> list[tuple[str, str]]:
