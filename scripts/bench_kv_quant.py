@@ -138,7 +138,7 @@ def kiln_plan(engine: Path, out: Path) -> dict:
             "--kv-cache-memory-fraction", "0.9", "--output", str(out)]
     log("$ kiln " + " ".join(shlex.quote(a) for a in args))
     subprocess.run([str(Path(sys.executable).parent / "kiln"), *args], check=True, stdout=subprocess.DEVNULL)
-    p = json.loads(out.read_text())
+    p = json.loads(out.read_text())["plan"]
     pick = {"kv_bytes_per_token": p["memory"]["kv_bytes_per_token_per_device"]["value"],
             "kv_pool_tokens": p["memory"]["kv_pool_tokens"]["value"]}
     pick.update({k: v["value"] for k, v in p["concurrency"].items() if isinstance(v.get("value"), (int, float))})
@@ -148,6 +148,7 @@ def kiln_plan(engine: Path, out: Path) -> dict:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--build-only", action="store_true")
+    ap.add_argument("--plan-only", action="store_true", help="only the kiln plan part (untimed)")
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--threads", type=int, default=2)
@@ -163,7 +164,7 @@ def main() -> int:
                 if ln.startswith("model name")), "?")
     log(f"cpu: {cpu}, torch {torch.__version__}, {torch.get_num_threads()} threads")
     rounds: dict[str, list[dict]] = {kv: [] for kv in KV}
-    for r in range(args.rounds):
+    for r in range(0 if args.plan_only else args.rounds):
         for kv in (KV if r % 2 == 0 else tuple(reversed(KV))):
             log(f"round {r + 1}: {kv}")
             engine = Engine.from_dir(engines[kv])
@@ -171,10 +172,11 @@ def main() -> int:
             del engine
     args.out.mkdir(parents=True, exist_ok=True)
     results = {"cpu": cpu, "threads": args.threads, "date": time.strftime("%Y-%m-%d"), "timings": {}, "plan": {}}
-    print(f"\ndecode, 246m Llama bf16 weights, {args.threads} threads, median of {args.steps} steps, best of "
-          f"{args.rounds} rounds (ms); x = vs bfloat16")
-    print(f"{'case':<12} " + " ".join(f"{kv + ' step':>16} {'attn/layer':>10}" for kv in KV))
-    for case in rounds[KV[0]][0]:
+    if not args.plan_only:
+        print(f"\ndecode, 246m Llama bf16 weights, {args.threads} threads, median of {args.steps} steps, best of "
+              f"{args.rounds} rounds (ms); x = vs bfloat16")
+        print(f"{'case':<12} " + " ".join(f"{kv + ' step':>16} {'attn/layer':>10}" for kv in KV))
+    for case in rounds[KV[0]][0] if rounds[KV[0]] else ():
         row = {}
         for kv in KV:
             row[kv] = {k: min(r[case][k] for r in rounds[kv]) for k in ("step_ms", "attention_layer_ms")}
@@ -193,8 +195,9 @@ def main() -> int:
         print(f"  {kv:<9} {p['kv_bytes_per_token']:>6} B/token, pool {p['kv_pool_tokens']:>9,} tokens, "
               f"max concurrent sequences {p.get('max_concurrent_sequences')}, KV sequences at p95 "
               f"{p.get('kv_sequences_at_p95', '?')}")
-    (args.out / "result.json").write_text(json.dumps(results, indent=2) + "\n")
-    log(f"results in {args.out / 'result.json'}")
+    path = args.out / ("plan.json" if args.plan_only else "result.json")
+    path.write_text(json.dumps(results, indent=2) + "\n")
+    log(f"results in {path}")
     return 0
 
 
