@@ -11,7 +11,15 @@ import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from kiln.contract import EngineBounds, EngineLoadError, KilnError, read_engine_config
+from kiln.contract import (
+    KV_CACHE_DTYPES,
+    QUANTIZED_KV_DTYPES,
+    EngineBounds,
+    EngineLoadError,
+    KilnError,
+    kv_row_size,
+    read_engine_config,
+)
 
 _DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 _QUANT_BYTES = {"none": None, "int8_weight_only": 1.0, "int4_weight_only": 0.5}
@@ -62,6 +70,7 @@ class EngineFacts:
     total_params: int = 0
     active_params: int = 0
     tp_size: int = 1
+    kv_cache_dtype: str = ""                                     # the pool's (int8 / fp8: with their scales)
     special_token_ids: list[int] = field(default_factory=list)   # eos / bos: kept out of synthetic prompts
     lora_slot_bytes: int = 0   # one slot of the LoRA adapter pool (an engine built with lora_target_modules)
     origin: dict = field(default_factory=dict)
@@ -90,6 +99,13 @@ def _moe_params(m: dict) -> tuple[int, int, float]:
     expert = 3 * h * m["moe_intermediate_size"]
     per_token = layers * attn + (layers - moe) * 3 * h * m["intermediate_size"] + moe * (k * expert + e * h)
     return per_token, moe * e * expert, k / e
+
+
+def _kv_layout(kv_cache_dtype: str) -> str:
+    """How one KV row's bytes are made up, for the ``origin`` notes."""
+    if kv_cache_dtype in QUANTIZED_KV_DTYPES:
+        return f"(head_dim + 2 B scale) x 1 B ({kv_cache_dtype})"
+    return f"head_dim x {KV_CACHE_DTYPES[kv_cache_dtype].itemsize} B ({kv_cache_dtype})"
 
 
 def _read_json(path: Path) -> dict:
@@ -127,6 +143,7 @@ def engine_facts(engine_dir: str | Path) -> EngineFacts:
         lm_head_params=m.vocab_size * m.hidden_size, bounds=cfg.bounds, embedding_bytes=table,
         tie_word_embeddings=m.tie_word_embeddings, expert_bytes=expert_bytes, expert_share=share,
         total_params=mem.total_params, active_params=mem.active_params, tp_size=cfg.tp_size,
+        kv_cache_dtype=cfg.kv_cache_dtype,
         special_token_ids=sorted(set(tok.eos_token_ids)
                                  | ({tok.bos_token_id} if tok.bos_token_id is not None else set())),
         lora_slot_bytes=cfg.lora.slot_bytes(cfg.torch_dtype) if cfg.lora is not None else 0,
@@ -138,9 +155,11 @@ def engine_facts(engine_dir: str | Path) -> EngineFacts:
                                       f"the LM head{per_rank}"),
             "expert_bytes": "experts' parameters from the model shape x the stored width" + per_rank,
             "parameters": f"{src} memory.total_params / active_params (the builder's count of the module)",
-            "kv_bytes_per_token": f"{src}: 2 x layers x kv_heads x head_dim x kv dtype (kiln.contract){per_rank}",
+            "kv_bytes_per_token": f"{src}: 2 x layers x kv_heads x {_kv_layout(cfg.kv_cache_dtype)} "
+                                  f"(kiln.contract){per_rank}",
             "activation_peak_bytes": f"{src} memory.activation_peak_bytes (arena at the max profile){per_rank}",
             "bounds": f"{src} bounds",
+            "kv_cache_dtype": f"{src} kv_cache_dtype",
             "matmul_params": "decoder layers' GEMM weights one token multiplies (an MoE token: its top_k experts "
                              "and the router), from the model shape in config.json",
             "lora_slot_bytes": f"{src} lora: layers x max_rank x (in + out features) of each module x dtype",
@@ -150,8 +169,10 @@ def engine_facts(engine_dir: str | Path) -> EngineFacts:
 
 def hf_facts(config_path: str | Path, dtype: str = "bfloat16", quantization: str = "none", *,
              max_batch_size: int = 64, max_num_tokens: int = 4096, max_seq_len: int | None = None,
-             max_input_len: int | None = None, tokens_per_block: int = 16) -> EngineFacts:
-    """Facts of a Hugging Face model not built yet: sizes from its config.json, dtype and quantization.
+             max_input_len: int | None = None, tokens_per_block: int = 16, kv_cache_dtype: str = "auto"
+             ) -> EngineFacts:
+    """Facts of a Hugging Face model not built yet: sizes from its config.json, dtype, quantization and KV
+    cache dtype (auto: the dtype; int8 / fp8: 8-bit rows with their scales, as kiln.contract lays them out).
 
     Estimates (said so in ``origin``): weights = GEMM weights at the quantized width + embeddings, norms and
     position tables at dtype (the rotary table in fp32); activation peak = the largest step's hidden states
@@ -165,6 +186,9 @@ def hf_facts(config_path: str | Path, dtype: str = "bfloat16", quantization: str
         raise FactsError(f"dtype {dtype!r} is not one of {list(_DTYPE_BYTES)}")
     if quantization not in _QUANT_BYTES:
         raise FactsError(f"quantization {quantization!r} is not one of {list(_QUANT_BYTES)}")
+    kv_dtype = dtype if kv_cache_dtype == "auto" else kv_cache_dtype
+    if kv_dtype not in KV_CACHE_DTYPES:
+        raise FactsError(f"kv_cache_dtype {kv_cache_dtype!r} is not one of {['auto', *KV_CACHE_DTYPES]}")
     try:
         arch = (hf.get("architectures") or ["?"])[0]
         h = hf.get("hidden_size") or hf["n_embd"]
@@ -208,7 +232,8 @@ def hf_facts(config_path: str | Path, dtype: str = "bfloat16", quantization: str
         streamed_weight_bytes=weights - (0 if tied else embed) - unused,
         expert_bytes=int(expert_params * gemm_elem), expert_share=share,
         total_params=params, active_params=int(params - (1 - share) * expert_params),
-        kv_bytes_per_token=2 * layers * kv_heads * head_dim * elem,
+        kv_bytes_per_token=2 * layers * kv_heads * kv_row_size(head_dim, kv_dtype) * KV_CACHE_DTYPES[kv_dtype].itemsize,
+        kv_cache_dtype=kv_dtype,
         activation_peak_bytes=int(max_num_tokens * (4 * h + 2 * inter) * elem + max_batch_size * vocab * 4),
         matmul_params=per_token, lm_head_params=vocab * h,
         bounds=EngineBounds(max_batch_size=max_batch_size, max_num_tokens=max_num_tokens,
@@ -222,10 +247,12 @@ def hf_facts(config_path: str | Path, dtype: str = "bfloat16", quantization: str
                                  + (" and the experts a token does not use" if experts else ""),
         "expert_bytes": f"experts' parameters from {path} at {quantization}",
         "parameters": f"estimated from {path} (GEMMs, routers, embeddings, norms)",
-        "kv_bytes_per_token": f"2 x layers x kv_heads x head_dim x {elem} B ({dtype}), from {path}",
+        "kv_bytes_per_token": f"2 x layers x kv_heads x {_kv_layout(kv_dtype)}, from {path}",
         "activation_peak_bytes": "estimated: max_num_tokens x (4 x hidden + 2 x intermediate) x dtype + logits "
                                  "(build the engine for the builder's exact plan)",
         "bounds": "planner options (no engine built)",
+        "kv_cache_dtype": f"--kv-cache-dtype {kv_cache_dtype}"
+                          + (f" (the dtype, {dtype})" if kv_cache_dtype == "auto" else ""),
         "matmul_params": f"decoder layers' GEMM weights, from {path}",
     }
     return facts

@@ -30,6 +30,8 @@ _EXCLUDE = ("seed", "metrics_window", "enable_prefix_reuse", "kv_cache_memory_fr
 @click.option("--dtype", default="bfloat16", show_default=True, help="With --hf-config.")
 @click.option("--quantization", default="none", show_default=True,
               help="With --hf-config: none, int8_weight_only, int4_weight_only.")
+@click.option("--kv-cache-dtype", default="auto", show_default=True,
+              help="With --hf-config: auto (the dtype), float32, bfloat16, float16, int8, fp8.")
 @click.option("--max-seq-len", type=int, help="With --hf-config: the engine's max_seq_len (default: the model's).")
 @click.option("--tokens-per-block", type=int, default=16, show_default=True, help="With --hf-config.")
 @click.option("--device", help="h100-80gb, h200, a100-80gb, l4 or cpu:<GiB>.")
@@ -65,10 +67,10 @@ _EXCLUDE = ("seed", "metrics_window", "enable_prefix_reuse", "kv_cache_memory_fr
 @click.option("--calibration", type=click.Path(path_type=Path, dir_okay=False),
               help="A kiln bench result.json of this engine: measured bandwidth and FLOP/s replace the roofline's.")
 @click.option("--output", "out_path", type=click.Path(path_type=Path, dir_okay=False), help="Write the plan as JSON.")
-def plan(engine_dir, hf_config, dtype, quantization, max_seq_len, tokens_per_block, device, memory, bandwidth, flops,
-         tp, trace, window, max_requests, length_scale, prompt_scale, output_scale, clip_to_engine, context_p95,
-         output_p95, context_mean, output_mean, rate, ttft_p95, tpot_p95, kv_cache_memory_fraction, headroom,
-         percentile, calibration, out_path, **options):
+def plan(engine_dir, hf_config, dtype, quantization, kv_cache_dtype, max_seq_len, tokens_per_block, device, memory,
+         bandwidth, flops, tp, trace, window, max_requests, length_scale, prompt_scale, output_scale, clip_to_engine,
+         context_p95, output_p95, context_mean, output_mean, rate, ttft_p95, tpot_p95, kv_cache_memory_fraction,
+         headroom, percentile, calibration, out_path, **options):
     """Capacity plan: KV pool, concurrency limits, settings, step time and instances (every number with its source)."""
     from dataclasses import replace
 
@@ -94,7 +96,7 @@ def plan(engine_dir, hf_config, dtype, quantization, max_seq_len, tokens_per_blo
         else:
             facts = hf_facts(hf_config, dtype, quantization, max_batch_size=max_batch_size or 256,
                              max_num_tokens=max_num_tokens or 8192, max_seq_len=max_seq_len,
-                             tokens_per_block=tokens_per_block)
+                             tokens_per_block=tokens_per_block, kv_cache_dtype=kv_cache_dtype)
     except FactsError as exc:
         raise click.ClickException(str(exc)) from None
     try:

@@ -192,6 +192,7 @@ def plan(facts: EngineFacts, device: Device, workload: WorkloadStats, *, tp: int
         moe = (f"; {facts.active_params / 1e9:.3f}B active per token ({facts.expert_share:.0%} of the experts)"
                if facts.expert_share < 1 else "")
         inp["parameters"] = _v(f"{facts.total_params / 1e9:.3f}B{moe}", facts.origin.get("parameters", "model shape"))
+    inp["kv_cache_dtype"] = _v(facts.kv_cache_dtype, facts.origin.get("kv_cache_dtype", ""))
     inp["workload"] = _v({"prompt": workload.prompt, "output": workload.output}, workload.source, "tokens")
 
     mem = out["memory"]

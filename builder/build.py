@@ -1,6 +1,7 @@
 """build_engine: checkpoint directory -> engine directory (the only thing that passes to the runtime).
 
-Stages: load -> trace -> passes -> re-export -> memory plan -> compile -> write. Each stage is
+Stages: load -> trace -> passes -> kv_accuracy (an 8-bit KV cache's accuracy report, run on the graph after
+the passes: :mod:`kiln.builder.kv_accuracy`) -> re-export -> memory plan -> compile -> write. Each stage is
 timed; ``progress(stage, message)`` is called as stages start ("start", or "start rank r/N") and end.
 
 Tensor parallelism (``tp_size`` > 1): the checkpoint is loaded once, then each rank's shard of the weights
@@ -25,14 +26,15 @@ from typing import Any
 
 import torch
 
+from kiln.builder import kv_accuracy, memory_plan, trace
 from kiln.builder import lora as lora_graph
-from kiln.builder import memory_plan, trace
 from kiln.builder.backends import BACKENDS
 from kiln.builder.config import BuildConfig
 from kiln.builder.passes import PassContext, check_names, run_passes
 from kiln.builder.passes.common import count_gemms
 from kiln.contract import (
     FORMAT_VERSION,
+    QUANTIZED_KV_DTYPES,
     REPORT_FILE,
     TOKENIZER_FILES,
     TORCH_BACKENDS,
@@ -53,9 +55,28 @@ from kiln.contract import (
     weights_file,
 )
 
-STAGES = ("load", "trace", "passes", "export", "memory_plan", "compile", "write")
+STAGES = ("load", "trace", "passes", "kv_accuracy", "export", "memory_plan", "compile", "write")
+# why a tensor-parallel build has no accuracy report (a rank's graph computes only its shard)
+TP_ACCURACY_SKIPPED = ("tensor-parallel build: a rank's graph computes its shard only; build with tp_size 1 for the "
+                       "report (a token's 8-bit rows are the same bytes on any split)")
+# why an engine that takes LoRA adapters has none (its graph needs the adapter inputs)
+LORA_ACCURACY_SKIPPED = ("LoRA engine: the report runs the base model's graph; build the same checkpoint without "
+                         "lora_target_modules for it (the adapters do not change how KV rows are quantized)")
 
 Progress = Callable[[str, str], None]
+
+
+def _accuracy_skipped(build: BuildConfig) -> str | None:
+    """Why this build can have no 8-bit KV accuracy report (None: it can)."""
+    if build.tp_size > 1:
+        return TP_ACCURACY_SKIPPED
+    return LORA_ACCURACY_SKIPPED if build.lora_target_modules else None
+
+
+def stages(build: BuildConfig) -> tuple[str, ...]:
+    """The stages ``build`` runs, in order (kv_accuracy only for an 8-bit KV cache on one rank, no adapters)."""
+    accuracy = build.resolved_kv_cache_dtype in QUANTIZED_KV_DTYPES and _accuracy_skipped(build) is None
+    return tuple(s for s in STAGES if s != "kv_accuracy" or accuracy)
 
 
 def kiln_version() -> str:
@@ -142,9 +163,11 @@ def build_engine(
     if build.tp_size > 1 and checkpoint_quantization(ckpt) is not None:
         raise BuildConfigError(f"{ckpt} is pre-quantized (GPTQ / AWQ): tensor parallelism does not split its int4 "
                                "weights yet; build with tp_size 1")
+    calibration = (kv_accuracy.calibration_file_prompts(build.kv_calibration, ckpt, kv_accuracy.max_prompt_len(build))
+                   if build.kv_calibration else None)   # a bad file fails here, before any stage
     tmp = _make_build_dir(out)
     try:
-        return _build(ckpt, out, tmp, build, model, lora, progress)
+        return _build(ckpt, out, tmp, build, model, lora, progress, calibration)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
 
@@ -164,7 +187,7 @@ def _make_build_dir(out: Path) -> Path:
 
 
 def _build(ckpt: Path, out: Path, tmp: Path, build: BuildConfig, model, lora: lora_graph.LoraPlan | None,
-           progress: Progress | None) -> Path:
+           progress: Progress | None, calibration: list[list[int]] | None) -> Path:
     """The stages, writing into ``tmp``, which then replaces ``out``."""
     from kiln.model_defs import checkpoint_quantization, load_checkpoint, parameter_counts
 
@@ -173,7 +196,8 @@ def _build(ckpt: Path, out: Path, tmp: Path, build: BuildConfig, model, lora: lo
     mapping = TensorParallelMapping.plan(model, build.tp_size)
     with _stage("load", timings, progress):
         _, weights = load_checkpoint(ckpt, build.dtype)
-    ranks = [_build_rank(model, weights, mapping, rank, build, lora, tmp, timings, progress)
+    measure = (calibration, special_tokens(ckpt)[1]) if "kv_accuracy" in stages(build) else None
+    ranks = [_build_rank(model, weights, mapping, rank, build, lora, tmp, timings, progress, measure)
              for rank in range(mapping.tp_size)]
     first = ranks[0]
     arena = first["memory_plan"]
@@ -231,6 +255,11 @@ def _build(ckpt: Path, out: Path, tmp: Path, build: BuildConfig, model, lora: lo
     pq = checkpoint_quantization(ckpt)
     if pq is not None:   # its linears are int4 panels as the checkpoint stored them (not re-quantized)
         report["prequantized"] = {"method": pq.method, "group_size": pq.group_size, "bits": 4}
+    if measure is not None:
+        report["kv_cache_accuracy"] = first["kv_cache_accuracy"]
+    elif build.resolved_kv_cache_dtype in QUANTIZED_KV_DTYPES:
+        report["kv_cache_accuracy"] = {"kv_cache_dtype": build.resolved_kv_cache_dtype,
+                                       "skipped": _accuracy_skipped(build)}
     if mapping.tp_size > 1:   # the sections above are rank 0's
         report["tensor_parallel"] = {
             "mapping": dataclasses.asdict(mapping),
@@ -246,10 +275,13 @@ def _build(ckpt: Path, out: Path, tmp: Path, build: BuildConfig, model, lora: lo
 
 def _build_rank(model: ModelConfig, weights: dict[str, torch.Tensor], mapping: TensorParallelMapping, rank: int,
                 build: BuildConfig, lora: lora_graph.LoraPlan | None, out: Path, timings: dict[str, float],
-                progress: Progress | None) -> dict[str, Any]:
-    """trace -> passes -> export -> memory plan -> compile of rank ``rank``'s shard into ``out / rank{rank}.engine``;
-    what the report and config.json need of it. The last rank empties ``weights`` once its shard is cut, so
-    that the passes can free what they replace (with one rank the module holds the checkpoint's tensors)."""
+                progress: Progress | None,
+                measure: tuple[list[list[int]] | None, int | None] | None = None) -> dict[str, Any]:
+    """trace -> passes -> (kv_accuracy) -> export -> memory plan -> compile of rank ``rank``'s shard into
+    ``out / rank{rank}.engine``; what the report and config.json need of it. The last rank empties ``weights``
+    once its shard is cut, so that the passes can free what they replace (with one rank the module holds the
+    checkpoint's tensors). ``measure`` (calibration prompts or None, bos id): run the 8-bit KV accuracy report
+    on the graph after the passes (the engine's own kernels)."""
     from kiln.model_defs import build_model, shard_weights
 
     label = f"rank {rank + 1}/{mapping.tp_size}" if mapping.tp_size > 1 else ""
@@ -271,6 +303,10 @@ def _build_rank(model: ModelConfig, weights: dict[str, torch.Tensor], mapping: T
         pass_stats = run_passes(gm, ctx, build.disabled_passes)
         gemms_after = count_gemms(gm)
         del module, ep
+    accuracy = None
+    if measure is not None:
+        with _stage("kv_accuracy", timings, progress, label):
+            accuracy = kv_accuracy.kv_accuracy(gm, model, build, *measure)
     with _stage("export", timings, progress, label):
         ep = trace.export(gm, rank_model, build, layout)
         del gm
@@ -288,4 +324,4 @@ def _build_rank(model: ModelConfig, weights: dict[str, torch.Tensor], mapping: T
             stamp_rank_file(path, rank, mapping)
     return {"gemms": {"before_passes": gemms_before, "after_passes": gemms_after}, "passes": pass_stats,
             "backend": backend_stats, "memory_plan": arena, "weights_bytes": weights_bytes,
-            "decode_read_bytes": decode_read}
+            "decode_read_bytes": decode_read, "kv_cache_accuracy": accuracy}

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import click
 
-from kiln.builder.build import STAGES, build_engine
+from kiln.builder.build import build_engine, stages
 from kiln.builder.config import BuildConfig
 from kiln.clikit import dataclass_options, given
 from kiln.contract import KilnError, format_table, read_build_report, read_engine_config, summary_rows
@@ -50,13 +50,14 @@ def build_engine_cmd(checkpoint, output, config_path, disabled, **flags) -> None
         raise click.ClickException(str(exc)) from None
 
     started: dict[str, float] = {}
+    runs = stages(build)
 
     def progress(stage: str, message: str) -> None:
-        n = STAGES.index(stage) + 1 if stage in STAGES else 0
+        n = runs.index(stage) + 1 if stage in runs else 0
         if message.startswith("start"):
             started[stage] = time.perf_counter()
             rank = message.removeprefix("start").strip()   # "rank r/N" of a tensor-parallel build
-            click.echo(f"[{n}/{len(STAGES)}] {stage:<12}{' ' + rank if rank else ''} ...", nl=False)
+            click.echo(f"[{n}/{len(runs)}] {stage:<12}{' ' + rank if rank else ''} ...", nl=False)
         else:
             click.echo(f" {message}")
 

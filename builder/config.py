@@ -19,6 +19,7 @@ from typing import Any
 from kiln.contract import (
     BACKENDS,
     QUANTIZATIONS,
+    QUANTIZED_KV_DTYPES,
     BuildConfigError,
     EngineBounds,
     ModelConfig,
@@ -32,7 +33,7 @@ from kiln.contract import DTYPES as _TORCH_DTYPES
 DTYPES = tuple(_TORCH_DTYPES)
 TP_BACKENDS = ("cpu", "cpu-compiled")   # backends whose graphs can hold kiln's collectives (plugin ops)
 LORA_BACKENDS = ("cpu", "cpu-compiled")   # backends whose graphs can hold kiln::lora (no ONNX lowering yet)
-KV_DTYPES = ("auto",) + DTYPES
+KV_DTYPES = ("auto",) + DTYPES + QUANTIZED_KV_DTYPES
 LOGITS_DTYPES = ("float32",)
 ONNX_OPTIMIZATION = ("disable", "basic", "extended", "all")
 DEFAULT_MAX_NUM_TOKENS = 1024
@@ -71,7 +72,12 @@ class BuildConfig:
     opt_num_tokens: int | None = _knob(None, "Tokens per step the engine is tuned for (default: "
                                              "min(max_num_tokens, 128)).")
     tokens_per_block: int = _knob(16, "KV block size in tokens.")
-    kv_cache_dtype: str = _knob("auto", "KV pool dtype (auto: the engine dtype).", KV_DTYPES)
+    kv_cache_dtype: str = _knob("auto", "KV pool dtype (auto: the engine dtype; int8 / fp8 (e4m3): 8-bit keys and "
+                                        "values with a scale per token and KV head, about half of bf16's bytes).",
+                                KV_DTYPES)
+    kv_calibration: str | None = _knob(None, "Text file of calibration prompts (separated by blank lines) for the "
+                                             "8-bit KV cache's accuracy report (default: text the checkpoint writes "
+                                             "itself).")
     quantization: str = _knob("none", "Weight-only quantization of the GEMMs.", QUANTIZATIONS)
     group_size: int = _knob(128, "int4 group size (weights per scale along the input).")
     logits_dtype: str = _knob("float32", "Dtype of the logits (the engine contract returns float32).",
@@ -193,6 +199,7 @@ class BuildConfig:
             out.append(f"tp_size={self.tp_size} with backend={self.backend!r}: tensor-parallel engines build for "
                        f"{list(TP_BACKENDS)} (the collectives have no lowering for {self.backend!r} yet); use "
                        "tp_size=1 or one of those backends")
+        out += self._kv_problems()
         if self.quantization == "int4_weight_only" and self.group_size % 2:
             out.append(f"group_size={self.group_size} must be even for int4 (two weights per byte)")
         if self.quantization != "none" and self.dtype == "float16":
@@ -200,6 +207,24 @@ class BuildConfig:
                 f"quantization={self.quantization!r} with dtype='float16': the weight-only kernels take float32 or "
                 "bfloat16 activations; use dtype 'bfloat16' or 'float32'"
             )
+        return out
+
+    def _kv_problems(self) -> list[str]:
+        out = []
+        kv = self.kv_cache_dtype
+        if kv == "fp8" and self.backend in ("onnx", "tensorrt"):
+            out.append(f"kv_cache_dtype='fp8' with backend {self.backend!r}: the graph would have to read the pool's "
+                       "bytes as float8, and ONNX has no bit cast; use kv_cache_dtype 'int8' (DequantizeLinear), or "
+                       "backend 'cpu' / 'cpu-compiled' for fp8")
+        elif kv == "int8" and self.backend == "tensorrt":
+            out.append("kv_cache_dtype='int8' with backend 'tensorrt': TensorRT's ONNX parser rejects the lowering's "
+                       "QuantizeLinear with per-row scales computed in the graph (tensorrt_rtx 1.7); use "
+                       "kv_cache_dtype 'auto', or backend 'onnx' / 'cpu' for an int8 KV cache")
+        if self.kv_calibration is not None and (not isinstance(self.kv_calibration, str) or not self.kv_calibration):
+            out.append(f"kv_calibration={self.kv_calibration!r} must be the path of a text file or null")
+        elif self.kv_calibration is not None and kv not in QUANTIZED_KV_DTYPES:
+            out.append(f"kv_calibration={self.kv_calibration!r} calibrates the accuracy report of an 8-bit KV cache; "
+                       f"kv_cache_dtype is {kv!r}: set kv_cache_dtype int8 or fp8, or drop kv_calibration")
         return out
 
     def validate(self) -> BuildConfig:

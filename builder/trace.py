@@ -13,6 +13,7 @@ from torch.export import Dim
 from kiln.builder.config import BuildConfig
 from kiln.contract import (
     DTYPES,
+    KV_CACHE_DTYPES,
     NO_ADAPTER,
     EngineBounds,
     LoraLayout,
@@ -59,7 +60,8 @@ def example_inputs(model: ModelConfig, build: BuildConfig, lora: LoraLayout | No
                  lora_slot=i % (loras + 1) - 1 if loras else NO_ADAPTER)
         for i in range(s)
     ]
-    kv = torch.zeros(kv_cache_shape(model, bs, nb), dtype=DTYPES[build.resolved_kv_cache_dtype])
+    kv_dtype = build.resolved_kv_cache_dtype
+    kv = torch.zeros(kv_cache_shape(model, bs, nb, kv_dtype), dtype=KV_CACHE_DTYPES[kv_dtype])
     pool = torch.zeros(loras, lora.slot_numel, dtype=DTYPES[build.dtype]) if lora is not None else None
     return pack_inputs(chunks, kv, bs, block_table_width=mb, lora_weights=pool)
 

@@ -46,7 +46,7 @@ from typing import Any
 import torch
 
 from kiln.contract.errors import EngineLoadError
-from kiln.contract.io import DTYPES, input_names, kv_bytes_per_token
+from kiln.contract.io import DTYPES, KV_CACHE_DTYPES, input_names, kv_bytes_per_token
 from kiln.contract.lora import LoraLayout
 from kiln.contract.model import ModelConfig
 from kiln.contract.tensor_parallel import TensorParallelMapping
@@ -159,7 +159,8 @@ class EngineConfig:
 
     @property
     def torch_kv_dtype(self) -> torch.dtype:
-        return DTYPES[self.kv_cache_dtype]
+        """The dtype of the KV pool tensor (int8 / float8_e4m3fn for the 8-bit pools, scales in their rows)."""
+        return KV_CACHE_DTYPES[self.kv_cache_dtype]
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -174,7 +175,7 @@ class EngineConfig:
     def problems(self) -> list[str]:
         """Values that are well typed but impossible (a hand-edited or foreign file)."""
         out = []
-        for name, allowed in (("dtype", tuple(DTYPES)), ("kv_cache_dtype", tuple(DTYPES)),
+        for name, allowed in (("dtype", tuple(DTYPES)), ("kv_cache_dtype", tuple(KV_CACHE_DTYPES)),
                               ("quantization", QUANTIZATIONS)):
             if getattr(self, name) not in allowed:
                 out.append(f"{name}={getattr(self, name)!r} is not one of {list(allowed)}")

@@ -33,6 +33,12 @@ INDEX_DTYPES = {
     "block_tables": torch.int32, "slot_mapping": torch.int64, "logits_indices": torch.int64,
 }
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# The KV pool's dtypes: the float ones store keys/values as they are; the 8-bit ones (fp8 = e4m3) store each
+# token's keys (values) of one KV head as head_dim 8-bit numbers followed by their scale, a bfloat16 in the
+# row's last KV_SCALE_BYTES bytes (kiln.plugins.kv_quant owns what the bytes mean).
+KV_CACHE_DTYPES = {**DTYPES, "int8": torch.int8, "fp8": torch.float8_e4m3fn}
+QUANTIZED_KV_DTYPES = ("int8", "fp8")
+KV_SCALE_BYTES = 2
 
 # Which dynamic dim each input axis is (one Dim per name: equal-size axes are provably equal).
 INPUT_AXES: dict[str, dict[int, str]] = {
@@ -79,15 +85,25 @@ def torch_dtype(name: str) -> torch.dtype:
     return DTYPES[name]
 
 
-def kv_cache_shape(model: ModelConfig, tokens_per_block: int, num_blocks: int) -> tuple[int, ...]:
-    """The paged KV pool: [num_layers, 2 (K, V), num_blocks, tokens_per_block, num_kv_heads, head_dim]."""
-    return (model.num_layers, 2, num_blocks, tokens_per_block, model.num_kv_heads, model.head_dim)
+def kv_row_size(head_dim: int, kv_cache_dtype: str) -> int:
+    """Elements of one token's keys (or values) of one KV head in the pool: head_dim, plus the scale's bytes
+    for an 8-bit pool."""
+    return head_dim + KV_SCALE_BYTES if kv_cache_dtype in QUANTIZED_KV_DTYPES else head_dim
+
+
+def kv_cache_shape(model: ModelConfig, tokens_per_block: int, num_blocks: int, kv_cache_dtype: str
+                   ) -> tuple[int, ...]:
+    """The paged KV pool: [num_layers, 2 (K, V), num_blocks, tokens_per_block, num_kv_heads, row], row =
+    :func:`kv_row_size` (head_dim for a float pool, head_dim + 2 scale bytes for an 8-bit one), of dtype
+    ``KV_CACHE_DTYPES[kv_cache_dtype]``."""
+    return (model.num_layers, 2, num_blocks, tokens_per_block, model.num_kv_heads,
+            kv_row_size(model.head_dim, kv_cache_dtype))
 
 
 def kv_bytes_per_token(model: ModelConfig, kv_cache_dtype: str) -> int:
-    """Bytes one token's keys and values take in the pool, across all layers."""
-    elem = torch.empty(0, dtype=DTYPES[kv_cache_dtype]).element_size()
-    return 2 * model.num_layers * model.num_kv_heads * model.head_dim * elem
+    """Bytes one token's keys and values take in the pool, across all layers (scales included)."""
+    elem = torch.empty(0, dtype=KV_CACHE_DTYPES[kv_cache_dtype]).element_size()
+    return 2 * model.num_layers * model.num_kv_heads * kv_row_size(model.head_dim, kv_cache_dtype) * elem
 
 
 class SeqChunk(NamedTuple):
@@ -171,12 +187,13 @@ def check_inputs(inputs: dict[str, torch.Tensor], config: EngineConfig) -> None:
         if inputs[name].dtype != dtype:
             raise EngineInputError(f"engine input {name} has dtype {inputs[name].dtype}, the contract says {dtype}")
     kv, b = inputs["kv_cache"], config.bounds
-    want = kv_cache_shape(config.rank_model, b.tokens_per_block, kv.shape[2] if kv.dim() == 6 else 0)
-    if kv.dtype != DTYPES[config.kv_cache_dtype] or tuple(kv.shape) != want:
+    want = kv_cache_shape(config.rank_model, b.tokens_per_block, kv.shape[2] if kv.dim() == 6 else 0,
+                          config.kv_cache_dtype)
+    pool_dtype = KV_CACHE_DTYPES[config.kv_cache_dtype]
+    if kv.dtype != pool_dtype or tuple(kv.shape) != want:
         fixed = ", ".join(map(str, want[3:]))
         raise EngineInputError(f"kv_cache is {kv.dtype} {list(kv.shape)}; this engine needs "
-                               f"{DTYPES[config.kv_cache_dtype]} [{want[0]}, 2, num_blocks, {fixed}] "
-                               "(allocate_kv_cache)")
+                               f"{pool_dtype} [{want[0]}, 2, num_blocks, {fixed}] (allocate_kv_cache)")
     if lora:
         _check_lora_inputs(inputs, config)
     axes_of = input_axes(lora)
@@ -213,7 +230,7 @@ def _check_lora_inputs(inputs: dict[str, torch.Tensor], config: EngineConfig) ->
 def io_spec(config: EngineConfig) -> dict[str, Any]:
     """Names, dtypes and shapes (dim names or sizes) of the engine's inputs and output, and each dim's range."""
     lora = config.lora is not None
-    kv = list(kv_cache_shape(config.rank_model, config.bounds.tokens_per_block, 0))  # one rank's pool
+    kv = list(kv_cache_shape(config.rank_model, config.bounds.tokens_per_block, 0, config.kv_cache_dtype))
     shapes: dict[str, list[Any]] = {}
     for name, axes in input_axes(lora).items():
         shapes[name] = [axes[a] for a in sorted(axes)] if name != "kv_cache" else [*kv[:2], "num_blocks", *kv[3:]]

@@ -59,12 +59,23 @@ def summary_rows(config: EngineConfig, report: dict[str, Any] | None = None) -> 
                              f"{human_bytes(lo.slot_bytes(config.torch_dtype))} per adapter slot"))
     if report:
         rows.extend(backend_rows(report.get("backend") or {}))
+        if report.get("kv_cache_accuracy"):
+            rows.append(("KV cache accuracy", kv_accuracy_row(report["kv_cache_accuracy"])))
         rows.append(("GEMMs before/after passes",
                      f"{report['gemms']['before_passes']} -> {report['gemms']['after_passes']}"))
         rows.append(("build time", f"{report['timings_s'].get('total', 0):.1f} s"))
     rows.append(("format / kiln / torch", f"{config.format_version} / {config.kiln_version} / {config.torch_version}"))
     rows.append(("eos / bos token ids", f"{config.tokenizer.eos_token_ids} / {config.tokenizer.bos_token_id}"))
     return rows
+
+
+def kv_accuracy_row(acc: dict[str, Any]) -> str:
+    """The build report's 8-bit KV accuracy in one line."""
+    if acc.get("skipped"):
+        return f"not measured: {acc['skipped']}"
+    return (f"{acc['kv_cache_dtype']} vs {acc['reference_kv_cache_dtype']} pool, {acc['positions']} positions of "
+            f"{acc['calibration']}: top-1 agreement {100 * acc['top1_agreement']:.1f}%, logit error max "
+            f"{acc['max_abs_logit_error']:.3g} / mean {acc['mean_abs_logit_error']:.3g}")
 
 
 def format_table(rows: list[tuple[str, str]]) -> str:

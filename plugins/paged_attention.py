@@ -28,6 +28,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from kiln.contract import KV_SCALE_BYTES
+from kiln.plugins.kv_quant import from_pool, is_quantized, to_pool, writable
 from kiln.plugins.native import define_native_op
 
 __all__ = [
@@ -36,12 +38,22 @@ __all__ = [
 ]
 
 
+def check_pool(kv_cache: torch.Tensor, head_dim: int) -> None:
+    """ValueError unless ``kv_cache`` is a pool of rows of ``head_dim`` values (+ the scale of an 8-bit pool)."""
+    row = head_dim + KV_SCALE_BYTES if is_quantized(kv_cache.dtype) else head_dim
+    if kv_cache.dim() != 6 or kv_cache.shape[1] != 2 or kv_cache.shape[5] != row:
+        raise ValueError(f"kv_cache {kv_cache.dtype} {list(kv_cache.shape)} is not a pool of rows of {row} "
+                         f"{'(head_dim + 2 scale bytes)' if row != head_dim else '(head_dim)'} for head_dim "
+                         f"{head_dim}: [layers, 2, blocks, block_size, kv_heads, {row}]")
+
+
 def write_kv(kv_cache: torch.Tensor, layer: int, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-    """Scatter the new keys/values of this step into the pool slots they own."""
-    _, _, num_blocks, block_size, num_kv_heads, head_dim = kv_cache.shape
-    flat = kv_cache[layer].view(2, num_blocks * block_size, num_kv_heads, head_dim)
-    flat[0].index_copy_(0, slot_mapping, k.to(kv_cache.dtype))
-    flat[1].index_copy_(0, slot_mapping, v.to(kv_cache.dtype))
+    """Scatter the new keys/values of this step into the pool slots they own (quantized for an 8-bit pool)."""
+    check_pool(kv_cache, k.shape[-1])
+    _, _, num_blocks, block_size, num_kv_heads, row = kv_cache.shape
+    flat = writable(kv_cache[layer]).view(2, num_blocks * block_size, num_kv_heads, row)
+    flat[0].index_copy_(0, slot_mapping, writable(to_pool(k, kv_cache.dtype)))
+    flat[1].index_copy_(0, slot_mapping, writable(to_pool(v, kv_cache.dtype)))
 
 
 def _gather_context(
@@ -113,8 +125,8 @@ def _decode_batch(
     # a masked score still multiplies its value, and NaN * 0 is NaN.
     keep = mask[:, None, :, None]
     zero = torch.zeros((), dtype=q.dtype)
-    keys = torch.where(keep, keys.to(q.dtype), zero)
-    values = torch.where(keep, values.to(q.dtype), zero)
+    keys = torch.where(keep, from_pool(keys, q.dtype), zero)
+    values = torch.where(keep, from_pool(values, q.dtype), zero)
     out = _attend(q.unsqueeze(2), keys, values, mask[:, None, None, :], scale, softcap)
     return out.squeeze(2)
 
@@ -140,8 +152,8 @@ def _context_one(
     mask = k_pos <= q_pos
     if sliding_window > 0:
         mask &= k_pos > q_pos - sliding_window
-    out = _attend(q.transpose(0, 1)[None], keys[None].to(q.dtype), values[None].to(q.dtype), mask[None, None], scale,
-                  softcap)
+    out = _attend(q.transpose(0, 1)[None], from_pool(keys[None], q.dtype), from_pool(values[None], q.dtype),
+                  mask[None, None], scale, softcap)
     return out[0].transpose(0, 1)
 
 
@@ -238,27 +250,29 @@ def paged_attention_reference(
     sliding_window: int,
     softcap: float = 0.0,
 ) -> torch.Tensor:
-    """Token-by-token attention in plain torch: the definition the kernel is tested against."""
+    """Token-by-token attention in plain torch: the definition the kernel is tested against (an 8-bit pool:
+    each row quantized as it is written, every context row dequantized in float32 as it is read)."""
+    check_pool(kv_cache, q.shape[-1])
     block_size = kv_cache.shape[3]
     num_kv_heads = kv_cache.shape[4]
     group = q.shape[1] // num_kv_heads
     for t in range(q.shape[0]):
         slot = int(slot_mapping[t])
-        kv_cache[layer, 0, slot // block_size, slot % block_size] = k[t]
-        kv_cache[layer, 1, slot // block_size, slot % block_size] = v[t]
+        writable(kv_cache)[layer, 0, slot // block_size, slot % block_size] = writable(to_pool(k[t], kv_cache.dtype))
+        writable(kv_cache)[layer, 1, slot // block_size, slot % block_size] = writable(to_pool(v[t], kv_cache.dtype))
     out = torch.zeros_like(q)
     t = 0
     for s in range(seq_lens.shape[0]):
         n, ctx = int(seq_lens[s]), int(context_lens[s])
         slots = [(int(block_tables[s, j // block_size]), j % block_size) for j in range(ctx)]
-        keys = torch.stack([kv_cache[layer, 0, b, o] for b, o in slots])
-        values = torch.stack([kv_cache[layer, 1, b, o] for b, o in slots])
+        keys = from_pool(torch.stack([kv_cache[layer, 0, b, o] for b, o in slots]), torch.float32)
+        values = from_pool(torch.stack([kv_cache[layer, 1, b, o] for b, o in slots]), torch.float32)
         for i in range(n):
             pos = ctx - n + i
             lo = max(0, pos - sliding_window + 1) if sliding_window > 0 else 0
             for h in range(q.shape[1]):
-                kh = keys[lo : pos + 1, h // group].float()
-                vh = values[lo : pos + 1, h // group].float()
+                kh = keys[lo : pos + 1, h // group]
+                vh = values[lo : pos + 1, h // group]
                 scores = kh @ q[t + i, h].float() * scale
                 if softcap > 0:
                     scores = softcap * torch.tanh(scores / softcap)
@@ -305,15 +319,16 @@ def _paged_attention_functional(q, k, v, kv_cache, layer, seq_lens, context_lens
     [Hq, T, S * width]: no loop over sequences, shapes from the inputs' dims alone.
     """
     t, hq, d = q.shape
-    _, _, _, block_size, hkv, _ = kv_cache.shape
+    _, _, _, block_size, hkv, row = kv_cache.shape
     s, mb = block_tables.shape
     width = mb * block_size
     group = hq // hkv
     seq_of, pos, slot_seq, slot_pos = token_layout(seq_lens, context_lens, t, width)
     rows = seq_of * width + pos
-    gathered = kv_cache[layer][:, block_tables.long()].reshape(2, s * width, hkv, d)
-    keys = gathered[0].index_put((rows,), k.to(kv_cache.dtype)).float()
-    values = gathered[1].index_put((rows,), v.to(kv_cache.dtype)).float()
+    gathered = kv_cache[layer][:, block_tables.long()].reshape(2, s * width, hkv, row)
+    keys = writable(gathered[0]).index_put((rows,), writable(to_pool(k, kv_cache.dtype))).view(kv_cache.dtype)
+    values = writable(gathered[1]).index_put((rows,), writable(to_pool(v, kv_cache.dtype))).view(kv_cache.dtype)
+    keys, values = from_pool(keys, torch.float32), from_pool(values, torch.float32)
     written = slot_pos < context_lens.long()[slot_seq]
     values = torch.where(written[:, None, None], values, 0.0)
     mask = (slot_seq[None, :] == seq_of[:, None]) & (slot_pos[None, :] <= pos[:, None])

@@ -12,6 +12,10 @@ scores the slots of every sequence of the step (masked), S times the useful work
 
 KV write, once per step: ``ScatterND`` of every layer's new keys/values into the pool at
 (layer, k/v, slot // block_size, slot % block_size), returning the updated pool.
+
+An int8 pool (:mod:`kiln.plugins.kv_quant_onnx`): the step's keys/values are quantized into rows of int8 numbers
+and their scale's bytes before they are scattered (into the gathered copy and into the pool), and the gathered
+rows are dequantized (``DequantizeLinear``, one scale per row) before the products.
 """
 
 from __future__ import annotations
@@ -19,7 +23,10 @@ from __future__ import annotations
 import torch
 
 import kiln.plugins.paged_attention  # noqa: F401  (registers the ops)
+from kiln.plugins import kv_quant_onnx
 from kiln.plugins.onnx_ops import FLOAT, INT64, ints, op, scalar
+
+INT8 = kv_quant_onnx.INT8
 
 
 def _dims(x):
@@ -31,10 +38,20 @@ def _dim(x, axis: int):
     return op.Shape(x, start=axis, end=axis + 1)
 
 
+def _to_pool(x, kv_cache, head_dim: int):
+    """Rows [..., head_dim] as the pool stores them (an int8 pool: quantized, with their scales)."""
+    return kv_quant_onnx.quantize_rows(x, head_dim) if kv_cache.dtype == INT8 else op.CastLike(x, kv_cache)
+
+
+def _from_pool(rows, kv_cache, head_dim: int):
+    """The pool's rows -> float32 values [..., head_dim]."""
+    return kv_quant_onnx.dequantize_rows(rows, head_dim) if kv_cache.dtype == INT8 else op.Cast(rows, to=FLOAT)
+
+
 def paged_attention_functional(q, k, v, kv_cache, layer: int, seq_lens, context_lens, block_tables, slot_mapping,
                                scale: float, sliding_window: int, softcap: float = 0.0):
     _, hq, d = _dims(q)
-    block_size, hkv = _dims(kv_cache)[3:5]
+    block_size, hkv, row = _dims(kv_cache)[3:6]
     group = hq // hkv
     lens = op.Cast(seq_lens, to=INT64)
     ctx = op.Cast(context_lens, to=INT64)
@@ -52,11 +69,11 @@ def paged_attention_functional(q, k, v, kv_cache, layer: int, seq_lens, context_
     first = op.Mul(op.Add(ints([2 * layer]), ints([0, 1])), num_blocks)              # [2]: layer's K and V blocks
     table = op.Add(op.Unsqueeze(first, ints([1, 2])), op.Cast(block_tables, to=INT64))  # [2, S, MB]
     gathered = op.Gather(blocks, table, axis=0)                                      # [2, S, MB, bs, Hkv, D]
-    gathered = op.Reshape(gathered, ints([2, -1, hkv, d]))                            # [2, S*width, Hkv, D]
+    gathered = op.Reshape(gathered, ints([2, -1, hkv, row]))                          # [2, S*width, Hkv, row]
     rows = op.Unsqueeze(op.Add(op.Mul(seq_of, width), pos), ints([1]))                # [T, 1]
-    keys = op.ScatterND(op.Gather(gathered, zero, axis=0), rows, op.CastLike(k, kv_cache))
-    values = op.ScatterND(op.Gather(gathered, one, axis=0), rows, op.CastLike(v, kv_cache))
-    keys, values = op.Cast(keys, to=FLOAT), op.Cast(values, to=FLOAT)
+    keys = op.ScatterND(op.Gather(gathered, zero, axis=0), rows, _to_pool(k, kv_cache, d))
+    values = op.ScatterND(op.Gather(gathered, one, axis=0), rows, _to_pool(v, kv_cache, d))
+    keys, values = _from_pool(keys, kv_cache, d), _from_pool(values, kv_cache, d)
     slots = op.Range(zero, op.Squeeze(op.Mul(_dim(block_tables, 0), width), ints([0])), one)
     slot_seq, slot_pos = op.Div(slots, width), op.Mod(slots, width)
     # slots a sequence never wrote (its last block's tail, padded table entries) may hold anything: a masked
@@ -86,6 +103,7 @@ def paged_attention_functional(q, k, v, kv_cache, layer: int, seq_lens, context_
 def kv_cache_update(kv_cache, keys, values, slot_mapping):
     num_layers = len(keys)
     block_size = _dims(kv_cache)[3]
+    head_dim = _dims(keys[0])[2]
 
     def stacked(tensors):
         return op.Concat(*[op.Unsqueeze(t, ints([0])) for t in tensors], axis=0)      # [L, T, Hkv, D]
@@ -104,7 +122,7 @@ def kv_cache_update(kv_cache, keys, values, slot_mapping):
         index(op.Mod(slot, ints([block_size])), [1, 1, -1, 1]),
         axis=-1,
     )                                                                                   # [L, 2, T, 4]
-    return op.ScatterND(kv_cache, indices, op.CastLike(updates, kv_cache))
+    return op.ScatterND(kv_cache, indices, _to_pool(updates, kv_cache, head_dim))
 
 
 LOWERINGS = {

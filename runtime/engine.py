@@ -174,7 +174,8 @@ class Engine:
         if self.config.bounds.max_num_blocks and num_blocks > self.config.bounds.max_num_blocks:
             raise ConfigError(f"num_blocks={num_blocks} is above this engine's max_num_blocks="
                               f"{self.config.bounds.max_num_blocks} (rebuild with a larger --max-num-blocks)")
-        shape = kv_cache_shape(self.config.rank_model, self.config.bounds.tokens_per_block, num_blocks)
+        shape = kv_cache_shape(self.config.rank_model, self.config.bounds.tokens_per_block, num_blocks,
+                               self.config.kv_cache_dtype)
         alloc = torch.zeros if zeroed else torch.empty
         return alloc(shape, dtype=self.kv_dtype, device=self.device)
 

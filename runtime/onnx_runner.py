@@ -20,7 +20,8 @@ from kiln.contract import INPUT_NAMES, KV_CACHE_OUTPUT, OUTPUT_NAME, EngineConfi
 
 OPTIMIZATION_LEVELS = {"disable": "ORT_DISABLE_ALL", "basic": "ORT_ENABLE_BASIC", "extended": "ORT_ENABLE_EXTENDED",
                        "all": "ORT_ENABLE_ALL"}
-_NUMPY = {torch.float32: np.float32, torch.float16: np.float16, torch.int32: np.int32, torch.int64: np.int64}
+_NUMPY = {torch.float32: np.float32, torch.float16: np.float16, torch.int32: np.int32, torch.int64: np.int64,
+          torch.int8: np.int8}
 
 
 def _onnxruntime():

@@ -167,7 +167,8 @@ class _RankRunner:
 
     def allocate(self, num_blocks: int, zeroed: bool = True) -> torch.Tensor:
         self.pool = None   # drop the old pool before the new one is allocated
-        shape = kv_cache_shape(self.config.rank_model, self.config.bounds.tokens_per_block, num_blocks)
+        shape = kv_cache_shape(self.config.rank_model, self.config.bounds.tokens_per_block, num_blocks,
+                               self.config.kv_cache_dtype)
         self.pool = (torch.zeros if zeroed else torch.empty)(shape, dtype=self.config.torch_kv_dtype)
         return self.pool
 

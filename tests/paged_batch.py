@@ -11,17 +11,20 @@ import random
 
 import torch
 
-from kiln.contract import ModelConfig, SeqChunk, kv_cache_shape, pack_inputs
+from kiln.contract import KV_CACHE_DTYPES, ModelConfig, SeqChunk, kv_cache_shape, pack_inputs
 
 
 class PagedBatcher:
     def __init__(self, model: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype = torch.float32,
                  seed: int = 0, kv_cache: torch.Tensor | None = None):
         """``kv_cache``: a pool of ``num_blocks`` blocks to use (a tensor-parallel engine's, from its
-        ``allocate_kv_cache``, whose other ranks hold theirs), else one is allocated for ``model``."""
+        ``allocate_kv_cache``, whose other ranks hold theirs), else one of ``dtype`` (int8 / float8_e4m3fn:
+        an 8-bit pool) is allocated for ``model``."""
         self.block_size = block_size
-        self.kv_cache = kv_cache if kv_cache is not None else torch.zeros(kv_cache_shape(model, block_size, num_blocks),
-                                                                          dtype=dtype)
+        if kv_cache is None:
+            name = next(n for n, d in KV_CACHE_DTYPES.items() if d == dtype)
+            kv_cache = torch.zeros(kv_cache_shape(model, block_size, num_blocks, name), dtype=dtype)
+        self.kv_cache = kv_cache
         self.free = list(range(num_blocks))
         random.Random(seed).shuffle(self.free)
         self.blocks: dict[object, list[int]] = {}

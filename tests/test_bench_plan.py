@@ -8,7 +8,7 @@ import pytest
 from click.testing import CliRunner
 
 from kiln.bench.devices import GB, GiB, get_device, parse_bytes
-from kiln.bench.engine_facts import engine_facts, hf_facts
+from kiln.bench.engine_facts import FactsError, engine_facts, hf_facts
 from kiln.bench.plan_cli import plan as plan_cmd
 from kiln.bench.planner import (
     ALLREDUCE_HOP_S,
@@ -85,6 +85,27 @@ def test_hf_config_estimate_matches_known_sizes(tmp_path, tiny, checkpoint_dir):
     assert est.kv_bytes_per_token == built.kv_bytes_per_token
     assert est.matmul_params == built.matmul_params
     assert est.weights_bytes == pytest.approx(built.weights_bytes, rel=0.05)
+
+
+def test_8bit_kv_cache_plans_about_twice_the_tokens(tmp_path):
+    """An int8 / fp8 pool: each row is head_dim bytes + a 2-byte scale, so a bf16 model's pool holds
+    128 / 65 of the tokens; the planner sizes it with those bytes and serves more sequences."""
+    cfg = tmp_path / "config.json"
+    cfg.write_text(json.dumps(LLAMA_8B))
+    bf16 = hf_facts(cfg, "bfloat16", max_batch_size=256, max_seq_len=8192)
+    int8 = hf_facts(cfg, "bfloat16", max_batch_size=256, max_seq_len=8192, kv_cache_dtype="int8")
+    assert int8.kv_cache_dtype == "int8" and bf16.kv_cache_dtype == "bfloat16"
+    assert int8.kv_bytes_per_token == 2 * 32 * 8 * (128 + 2) == 66560
+    assert "(head_dim + 2 B scale) x 1 B (int8)" in int8.origin["kv_bytes_per_token"]
+    w = WorkloadStats.from_percentiles(4000, 500, context_mean=1500, output_mean=200)
+    a, b = plan(bf16, get_device("h100-80gb"), w), plan(int8, get_device("h100-80gb"), w)
+    assert b["inputs"]["kv_cache_dtype"]["value"] == "int8"
+    ratio = b["memory"]["kv_pool_tokens"]["value"] / a["memory"]["kv_pool_tokens"]["value"]
+    assert ratio == pytest.approx(128 / 65, rel=0.01)
+    most = [x["concurrency"]["max_concurrent_sequences"]["value"] for x in (a, b)]
+    assert most[1] > 1.8 * most[0], most
+    with pytest.raises(FactsError, match="kv_cache_dtype 'int4'"):
+        hf_facts(cfg, "bfloat16", kv_cache_dtype="int4")
 
 
 def test_tensor_parallel_divides_memory_and_adds_allreduce(tmp_path):

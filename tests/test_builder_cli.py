@@ -124,3 +124,46 @@ def test_a_missing_checkpoint_is_reported_as_missing(tmp_path):
                                                    "--output", str(tmp_path / "eng")])
     assert result.exit_code == 1 and f"checkpoint directory {tmp_path / 'nowhere'} does not exist" in result.output
     assert not (tmp_path / "eng").exists()
+
+
+def test_8bit_kv_build_reports_its_accuracy(checkpoint_dir, tmp_path):
+    """--kv-cache-dtype int8: the accuracy stage runs after the passes, its report (against the float32 pool, on text
+    the checkpoint writes) lands in build_report.json and in the summary build-engine and kiln inspect print;
+    --kv-calibration FILE measures on the file's paragraphs instead."""
+    ckpt, out = checkpoint_dir("llama"), tmp_path / "eng"
+    result = CliRunner().invoke(build_engine_cmd, ["--checkpoint", str(ckpt), "--output", str(out),
+                                                   "--config", str(TINY_YAML), "--kv-cache-dtype", "int8"])
+    assert result.exit_code == 0, result.output
+    for stage in ("[1/8] load", "[3/8] passes", "[4/8] kv_accuracy", "[5/8] export", "[8/8] write"):
+        assert stage in result.output
+    acc = json.loads((out / "build_report.json").read_text())["kv_cache_accuracy"]
+    assert acc["kv_cache_dtype"] == "int8" and acc["reference_kv_cache_dtype"] == "float32"
+    assert acc["prompts"] == 4 and acc["positions"] == 4 * 63 and "own text" in acc["calibration"]
+    assert acc["top1_agreement"] >= 0.9 and 0 < acc["mean_abs_logit_error"] < acc["max_abs_logit_error"] < 1.0
+    assert "KV cache accuracy" in result.output and "| int8 vs float32 pool, 252 positions" in result.output
+    inspected = CliRunner().invoke(kiln_main, ["inspect", str(out)])
+    assert "KV cache accuracy" in inspected.output and "top-1 agreement" in inspected.output
+
+    text = tmp_path / "prompts.txt"
+    text.write_text("The kiln fires the clay slowly.\n\nTokens flow through the engine,\none at a time.\n\n\n"
+                    "Memory is the wall: every token keeps its keys and values.\n")
+    result = CliRunner().invoke(build_engine_cmd, ["--checkpoint", str(ckpt), "--output", str(out), "--config",
+                                                   str(TINY_YAML), "--kv-cache-dtype", "fp8",
+                                                   "--kv-calibration", str(text)])
+    assert result.exit_code == 0, result.output
+    acc = json.loads((out / "build_report.json").read_text())["kv_cache_accuracy"]
+    assert acc["kv_cache_dtype"] == "fp8" and acc["prompts"] == 3 and acc["calibration"] == "prompts.txt (3 paragraphs)"
+    assert 0 < acc["positions"] < 100 and acc["top1_agreement"] > 0.5
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--kv-cache-dtype", "int8", "--kv-calibration", "nowhere.txt"], "kv_calibration nowhere.txt: cannot read it"),
+    (["--kv-calibration", "prompts.txt"], "calibrates the accuracy report of an 8-bit KV cache"),
+    (["--kv-cache-dtype", "fp8", "--backend", "onnx"], "ONNX has no bit cast"),
+])
+def test_8bit_kv_errors_are_clear(checkpoint_dir, tmp_path, monkeypatch, args, message):
+    monkeypatch.chdir(tmp_path)
+    result = CliRunner().invoke(build_engine_cmd, [
+        "--checkpoint", str(checkpoint_dir("llama")), "--output", str(tmp_path / "x"), *args])
+    assert result.exit_code != 0 and message in result.output, result.output
+    assert "[1/" not in result.output and not (tmp_path / "x").exists()

@@ -28,6 +28,7 @@ from kiln.contract import (
     io_spec,
     kv_bytes_per_token,
     kv_cache_shape,
+    kv_row_size,
     pack_inputs,
     read_engine_config,
     stamp_rank_file,
@@ -195,7 +196,7 @@ def test_read_engine_config_checks_the_file_and_compatibility(tmp_path):
 
 def test_kv_pool_shape_and_io_spec():
     cfg = make_config()
-    assert kv_cache_shape(MODEL, 8, 5) == (2, 2, 5, 8, 2, 16)
+    assert kv_cache_shape(MODEL, 8, 5, "bfloat16") == (2, 2, 5, 8, 2, 16)
     spec = io_spec(cfg)
     assert [i["name"] for i in spec["inputs"]][-1] == "kv_cache"
     assert spec["inputs"][-1] == {"name": "kv_cache", "dtype": "bfloat16", "shape": [2, 2, "num_blocks", 8, 2, 16]}
@@ -204,8 +205,29 @@ def test_kv_pool_shape_and_io_spec():
     assert spec["outputs"] == [{"name": "logits", "dtype": "float32", "shape": ["num_logits", 512]}]
 
 
+@pytest.mark.parametrize("kv", ["int8", "fp8"])
+def test_8bit_kv_pool_holds_its_scales(kv):
+    """An 8-bit pool's rows are head_dim numbers + a 2-byte scale: the shape, the bytes per token (what the
+    runtime sizes the pool by, the planner and the summary count) and the input check all include them."""
+    cfg = make_config(kv_cache_dtype=kv)
+    pool_dtype = {"int8": torch.int8, "fp8": torch.float8_e4m3fn}[kv]
+    assert cfg.torch_kv_dtype == pool_dtype and kv_row_size(16, kv) == 18 and kv_row_size(16, "float32") == 16
+    assert kv_cache_shape(MODEL, 8, 5, kv) == (2, 2, 5, 8, 2, 18)
+    assert cfg.kv_bytes_per_token == kv_bytes_per_token(MODEL, kv) == 2 * 2 * 2 * (16 + 2) == 144
+    assert cfg.kv_bytes_per_token / kv_bytes_per_token(MODEL, "float32") <= 0.29   # 18 / 64 bytes per row here
+    assert io_spec(cfg)["inputs"][-1] == {"name": "kv_cache", "dtype": kv, "shape": [2, 2, "num_blocks", 8, 2, 18]}
+    rows = dict(summary_rows(cfg))
+    assert rows["KV bytes/token"] == "144 B" and rows["KV tokens in 1 GiB"] == f"{(1 << 30) // 144:,}"
+    pool = torch.zeros(kv_cache_shape(MODEL, 8, 3, kv), dtype=pool_dtype)
+    check_inputs(pack_inputs([SeqChunk([1, 2, 3], 0, [2])], pool, 8), cfg)
+    for wrong in (torch.zeros(kv_cache_shape(MODEL, 8, 3, "float32")),                # a float pool
+                  torch.zeros(kv_cache_shape(MODEL, 8, 3, "float32"), dtype=pool_dtype)):  # no room for the scales
+        with pytest.raises(EngineInputError, match=rf"this engine needs {pool_dtype} \[2, 2, num_blocks, 8, 2, 18\]"):
+            check_inputs(pack_inputs([SeqChunk([1, 2, 3], 0, [2])], wrong, 8), cfg)
+
+
 def test_packer_lays_out_a_mixed_step():
-    kv = torch.zeros(kv_cache_shape(MODEL, 4, 10))
+    kv = torch.zeros(kv_cache_shape(MODEL, 4, 10, "float32"))
     chunks = [
         SeqChunk([11, 12, 13, 14, 15], start=3, block_ids=[7, 2], num_logits=1),   # a chunk after 3 cached tokens
         SeqChunk([21, 22], start=0, block_ids=[5], num_logits=0),                   # a non-final prefill chunk
@@ -226,7 +248,7 @@ def test_packer_lays_out_a_mixed_step():
 
 def test_check_inputs_names_the_input():
     cfg = make_config(kv_cache_dtype="float32")
-    kv = torch.zeros(kv_cache_shape(MODEL, 8, 6))
+    kv = torch.zeros(kv_cache_shape(MODEL, 8, 6, "float32"))
     ok = pack_inputs([SeqChunk([1, 2, 3], 0, [3])], kv, 8)
     check_inputs(ok, cfg)
     with pytest.raises(EngineInputError, match=r"num_tokens \(input_ids\) = 65 is outside .* range \[1, 64\]"):
@@ -297,7 +319,7 @@ def test_any_damaged_key_gives_an_engine_load_error_or_a_usable_config():
                 cfg = EngineConfig.from_dict(json.loads(json.dumps(data)))
                 summary_rows(cfg)
                 io_spec(cfg)
-                kv_cache_shape(cfg.model, cfg.bounds.tokens_per_block, 4)
+                kv_cache_shape(cfg.model, cfg.bounds.tokens_per_block, 4, cfg.kv_cache_dtype)
                 assert cfg.kv_bytes_per_token > 0
             except EngineLoadError:
                 pass
@@ -316,7 +338,7 @@ def test_tensor_parallel_mapping_splits_heads_mlp_and_vocab():
                       checksums={"rank0.engine": SHA, "rank1.engine": SHA, "rank0.weights": SHA, "rank1.weights": SHA})
     assert cfg.tp_size == 2 and cfg.kv_bytes_per_token == 256 // 2       # one rank's pool holds half the KV heads
     assert EngineConfig.from_dict(json.loads(json.dumps(cfg.to_dict()))) == cfg
-    check_inputs(pack_inputs([SeqChunk([1, 2], 0, [0])], torch.zeros(kv_cache_shape(rank, 8, 2),
+    check_inputs(pack_inputs([SeqChunk([1, 2], 0, [0])], torch.zeros(kv_cache_shape(rank, 8, 2, "bfloat16"),
                                                                       dtype=torch.bfloat16), 8), cfg)
     assert io_spec(cfg)["inputs"][-1]["shape"] == [2, 2, "num_blocks", 8, 1, 16]
     rows = dict(summary_rows(cfg))

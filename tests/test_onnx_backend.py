@@ -32,6 +32,7 @@ from kiln.contract import (
 )
 from kiln.plugins import weight_format as wf
 from kiln.plugins.activations import gelu_reference, silu_mul_reference
+from kiln.plugins.kv_quant import to_pool
 from kiln.plugins.linear import float_linear_reference, weight_only_linear_reference
 from kiln.plugins.onnx_ops import OPSET, lowerings
 from kiln.plugins.paged_attention import paged_attention_reference
@@ -227,6 +228,51 @@ def test_functional_attention_matches_the_reference():
         torch.testing.assert_close(updated[0], pool[0])
 
 
+class Int8KvProbe(torch.nn.Module):
+    """Attention and the KV write over an int8 pool (the 8-bit rows: numbers + their scale's bytes)."""
+
+    def __init__(self, window: int):
+        super().__init__()
+        self.window = window
+
+    def forward(self, q, k, v, kv_cache, seq_lens, context_lens, block_tables, slot_mapping):
+        ops = torch.ops.kiln
+        attn = ops.paged_attention_functional(q, k, v, kv_cache, 1, seq_lens, context_lens, block_tables,
+                                              slot_mapping, 0.35, self.window)
+        return attn, ops.kv_cache_update(kv_cache, [k, k * 2], [v, v * 2], slot_mapping)
+
+
+@pytest.mark.parametrize("window", [0, 5])
+def test_int8_kv_lowering_matches_the_reference(window, tmp_path):
+    """The lowering quantizes as kiln.plugins.kv_quant does (pool bytes equal, scales from 1e-3 to 1e2, an
+    all-zero row) and attends over the dequantized rows (DequantizeLinear) like the reference."""
+    a = probe_inputs()
+    g = torch.Generator().manual_seed(2)
+    t = a["k"].shape[0]
+    k = a["k"] * torch.logspace(-3, 2, t)[:, None, None]
+    k[0, 0] = 0.0
+    args = {**{n: a[n] for n in ("q", "v", "seq_lens", "context_lens", "block_tables", "slot_mapping")}, "k": k,
+            "kv_cache": to_pool(torch.randn(a["kv_cache"].shape, generator=g) * 3, torch.int8)}
+    program = torch.onnx.export(Int8KvProbe(window).eval(), (), kwargs=args, dynamo=True, opset_version=OPSET,
+                                custom_translation_table=lowerings(), verbose=False)
+    path = tmp_path / "int8_kv.onnx"
+    program.save(str(path))
+    onnx.checker.check_model(str(path), full_check=True)
+    assert "DequantizeLinear" in {n.op_type for n in onnx.load(str(path)).graph.node}
+    session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    attn, pool = session.run(None, {i.name: args[i.name].numpy() for i in session.get_inputs()})
+    paged = (args["seq_lens"], args["context_lens"], args["block_tables"], args["slot_mapping"], 0.35, window)
+    want = paged_attention_reference(args["q"], k, args["v"], args["kv_cache"].clone(), 1, *paged)
+    want_pool = args["kv_cache"].clone()
+    paged_attention_reference(args["q"], k, args["v"], want_pool, 0, *paged)
+    paged_attention_reference(args["q"], k * 2, args["v"] * 2, want_pool, 1, *paged)
+    torch.testing.assert_close(torch.from_numpy(attn), want, atol=2e-5, rtol=1e-5)
+    assert torch.equal(torch.from_numpy(pool), want_pool)
+    torch_attn, torch_pool = Int8KvProbe(window)(**args)    # the torch form of the same formulation
+    torch.testing.assert_close(torch_attn, want, atol=2e-5, rtol=1e-5)
+    assert torch.equal(torch_pool, want_pool)
+
+
 # ------------------------------------------------------------------------------ onnx engines
 @pytest.mark.parametrize("family", FAMILIES)
 def test_onnx_engine_matches_the_cpu_engine(family, engine_of):
@@ -248,6 +294,27 @@ def test_onnx_engine_matches_the_cpu_engine(family, engine_of):
     report = json.loads((eng.directory / "build_report.json").read_text())
     assert report["backend"]["opset"] == OPSET and report["passes"]["functional_kv"]["layers"] > 0
     assert "skipped" in report["passes"]["fast_linear"]
+
+
+def test_onnx_int8_kv_engine_matches_the_cpu_one(engine_of):
+    """An int8 KV pool through onnxruntime gives the cpu engine's int8 logits over the mixed schedule (chunks,
+    decodes, a sliding window), up to keys that differ by a rounding step where the two graphs' fp32 keys differ
+    by an ulp: far closer to it than either is to the fp32 pool."""
+    ref, eng = engine_of("mistral", kv_cache_dtype="int8"), engine_of("mistral", backend="onnx", kv_cache_dtype="int8")
+    assert eng.kv_dtype == torch.int8 and eng.kv_bytes_per_token == ref.kv_bytes_per_token
+    vocab = ref.config.model.vocab_size
+    _, want = run_schedule(ref, vocab)
+    _, got = run_schedule(eng, vocab)
+    _, fp32 = run_schedule(engine_of("mistral"), vocab)
+
+    def diff(a, b):
+        return max((a[s][p] - b[s][p]).abs().max().item() for s in b for p in b[s])
+
+    err, quant_err = diff(got, want), diff(want, fp32)
+    print(f"\nint8 KV: onnx vs cpu {err:.2e}, cpu int8 vs fp32 pool {quant_err:.2e} (max abs logit error)")
+    assert err <= 0.25 * quant_err and err < 1e-2, (err, quant_err)
+    report = json.loads((eng.directory / "build_report.json").read_text())
+    assert report["backend"]["dequantize_nodes"] > 0
 
 
 def test_onnx_engine_writes_the_pool_in_place(engine_of):

@@ -9,7 +9,7 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from test_plugins import TOL, build_case, run_both
+from test_plugins import TOL, assert_same_pool, build_case, run_both
 
 import kiln.plugins  # noqa: F401
 from kiln.plugins.activations import gelu_reference, silu_mul_reference
@@ -122,22 +122,23 @@ def test_activations(mode, dtype):
     decode=st.lists(st.integers(0, 70), min_size=1, max_size=6),
     sliding_window=st.sampled_from([0, 1, 5, 32]),
     dtype=st.sampled_from([torch.float32, torch.bfloat16]),
-    pool_dtype=st.sampled_from([None, torch.float32, torch.bfloat16]),
+    pool_dtype=st.sampled_from([None, torch.float32, torch.bfloat16, torch.int8, torch.float8_e4m3fn]),
     nan_garbage=st.booleans(),
     seed=st.integers(0, 1000),
 )
 def test_paged_decode_vs_reference(mode, block_size, num_kv_heads, group, head_dim, decode, sliding_window, dtype,
                                    pool_dtype, nan_garbage, seed):
+    quantized = pool_dtype in (torch.int8, torch.float8_e4m3fn)
     case = build_case(block_size, head_dim, num_kv_heads, group, [(c, 1) for c in decode], sliding_window, dtype,
-                      1, 2, seed, nan_garbage=nan_garbage)
-    if pool_dtype is not None:  # a pool whose dtype differs from the activations'
+                      1, 2, seed, nan_garbage=nan_garbage, pool_dtype=pool_dtype if quantized else None)
+    if pool_dtype is not None and not quantized:  # a pool whose dtype differs from the activations'
         case["kv_cache"] = case["kv_cache"].to(pool_dtype)
     out, ref, kc, rc = run_both(case)
     assert out.dtype == dtype and out.shape == case["q"].shape
     assert not out.isnan().any()
     tol = TOL[torch.bfloat16] if torch.bfloat16 in (dtype, case["kv_cache"].dtype) else TOL[torch.float32]
     torch.testing.assert_close(out, ref, **tol)
-    torch.testing.assert_close(kc, rc, rtol=0, atol=0, equal_nan=True)
+    assert_same_pool(kc, rc)
 
 
 def test_paged_mixed_batch_and_zero_length(mode):

@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 
 import kiln.plugins  # noqa: F401  (registers torch.ops.kiln.*)
 from kiln.plugins.activations import gelu_reference, silu_mul_reference
+from kiln.plugins.kv_quant import is_quantized, to_pool, writable
 from kiln.plugins.rms_norm import rms_norm_reference
 from kiln.plugins.rotary import cos_sin_table, rope_inv_freq, rotary_embedding_reference
 
@@ -26,13 +27,15 @@ HYPOTHESIS = settings(max_examples=80, deadline=None, suppress_health_check=[Hea
 
 
 def build_case(block_size, head_dim, num_kv_heads, group, seqs, sliding_window, dtype, layer, spare_blocks,
-               seed, pad_with_garbage=True, nan_garbage=False, softcap=0.0):
+               seed, pad_with_garbage=True, nan_garbage=False, softcap=0.0, pool_dtype=None):
     """Random inputs for paged_attention; seqs = [(cached, new)], context ones (new > 1) first.
 
-    The pool starts with the cached tokens' K/V in shuffled, non-contiguous blocks; every other slot
-    (other layer, unused blocks, the tail of a sequence's last block) holds large garbage, or NaN
-    (uninitialised memory), so reading outside a sequence's context changes the result.
+    The pool (of ``pool_dtype``, default ``dtype``; int8 / float8_e4m3fn: the 8-bit layout) starts with the
+    cached tokens' K/V in shuffled, non-contiguous blocks; every other slot (other layer, unused blocks, the
+    tail of a sequence's last block) holds large garbage, or NaN (uninitialised memory; random bytes in an
+    8-bit pool, NaN and infinite scales among them), so reading outside a sequence's context changes the result.
     """
+    pool_dtype = pool_dtype or dtype
     g = torch.Generator().manual_seed(seed)
     rng = random.Random(seed)
     num_layers = 2
@@ -41,10 +44,16 @@ def build_case(block_size, head_dim, num_kv_heads, group, seqs, sliding_window, 
     free = list(range(num_blocks))
     rng.shuffle(free)
     width = max(need)
-    shape = (num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim)
-    kv_cache = (torch.rand(shape, generator=g) * 200 - 100).to(dtype)
-    if nan_garbage:
-        kv_cache.fill_(float("nan"))
+    quantized = is_quantized(pool_dtype)
+    shape = (num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim + 2 * quantized)
+    if quantized:
+        kv_cache = torch.randint(-128, 128, shape, generator=g, dtype=torch.int8).view(pool_dtype)
+        if nan_garbage:
+            kv_cache.view(torch.int8).fill_(0x7F)   # NaN in e4m3, a 3e38 scale
+    else:
+        kv_cache = (torch.rand(shape, generator=g) * 200 - 100).to(pool_dtype)
+        if nan_garbage:
+            kv_cache.fill_(float("nan"))
     tables, slots = [], []
     for (cached, new), nb in zip(seqs, need):
         blocks = [free.pop() for _ in range(nb)]
@@ -52,7 +61,8 @@ def build_case(block_size, head_dim, num_kv_heads, group, seqs, sliding_window, 
         tables.append(blocks + pad)
         for p in range(cached):  # what earlier steps wrote
             b, o = blocks[p // block_size], p % block_size
-            kv_cache[layer, :, b, o] = torch.randn(2, num_kv_heads, head_dim, generator=g).to(dtype)
+            rows = to_pool(torch.randn(2, num_kv_heads, head_dim, generator=g).to(dtype), pool_dtype)
+            writable(kv_cache)[layer, :, b, o] = writable(rows)
         slots += [blocks[p // block_size] * block_size + p % block_size for p in range(cached, cached + new)]
     t = sum(n for _, n in seqs)
     q = torch.randn(t, num_kv_heads * group, head_dim, generator=g).to(dtype)
@@ -100,6 +110,7 @@ def attention_cases(draw):
         dtype=draw(st.sampled_from([torch.float32, torch.bfloat16])),
         layer=draw(st.integers(0, 1)), spare_blocks=draw(st.integers(0, 3)), seed=draw(st.integers(0, 2**16)),
         nan_garbage=draw(st.booleans()), softcap=draw(st.sampled_from([0.0, 0.0, 0.7, 3.0])),
+        pool_dtype=draw(st.sampled_from([None, None, torch.int8, torch.float8_e4m3fn])),  # None: q's dtype
     )
 
 
@@ -113,6 +124,12 @@ def attention_cases(draw):
               sliding_window=3, dtype=torch.bfloat16, layer=0, spare_blocks=2, seed=2, nan_garbage=False))  # chunk, MQA
 @example(dict(block_size=4, head_dim=16, num_kv_heads=2, group=2, seqs=[(5, 6), (0, 1), (15, 1)], sliding_window=0,
               dtype=torch.float32, layer=1, spare_blocks=1, seed=3, nan_garbage=True, softcap=0.7))  # soft-capped
+@example(dict(block_size=4, head_dim=16, num_kv_heads=2, group=2, seqs=[(3, 6), (0, 2), (9, 1), (17, 1)],
+              sliding_window=5, dtype=torch.float32, layer=1, spare_blocks=1, seed=3, nan_garbage=True,
+              pool_dtype=torch.int8))  # 8-bit pool, mixed batch, garbage bytes
+@example(dict(block_size=2, head_dim=8, num_kv_heads=1, group=4, seqs=[(4, 3), (6, 1)],
+              sliding_window=0, dtype=torch.bfloat16, layer=0, spare_blocks=0, seed=4, nan_garbage=True,
+              pool_dtype=torch.float8_e4m3fn))  # fp8 pool, MQA
 def test_paged_attention_matches_reference(params):
     case = build_case(**params)
     out, ref, kernel_cache, ref_cache = run_both(case)
@@ -120,7 +137,16 @@ def test_paged_attention_matches_reference(params):
     assert not ref.isnan().any()
     torch.testing.assert_close(out, ref, **TOL[params["dtype"]])
     # the pool after the in-place write: same contents, bit for bit (NaN where nothing was written)
-    torch.testing.assert_close(kernel_cache, ref_cache, rtol=0, atol=0, equal_nan=True)
+    assert_same_pool(kernel_cache, ref_cache)
+
+
+def assert_same_pool(a: torch.Tensor, b: torch.Tensor) -> None:
+    """Two pools hold the same bits (float pools: NaN where nothing was written; 8-bit ones: byte for byte)."""
+    assert a.dtype == b.dtype
+    if is_quantized(a.dtype):
+        assert torch.equal(a.view(torch.int8), b.view(torch.int8))
+    else:
+        torch.testing.assert_close(a, b, rtol=0, atol=0, equal_nan=True)
 
 
 def test_paged_attention_writes_only_its_slots():

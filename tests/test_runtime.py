@@ -10,6 +10,7 @@ import threading
 import time
 
 import pytest
+import torch
 
 from kiln.runtime import LLM, InvalidRequestError, RequestOutput, SamplingParams
 
@@ -149,6 +150,29 @@ def test_prefix_reuse_hits_and_outputs(engines):
         assert [o.metrics.num_cached_tokens for o in outs2] == [len(prompts[3]) // 8 * 8, 56,
                                                                (len(prompts[0]) + 5) // 8 * 8]
         assert_no_leak(llm)
+
+
+@pytest.mark.parametrize("kv", ["int8", "fp8"])
+def test_8bit_kv_outputs_survive_preemption_chunking_and_prefix_reuse(engines, kv):
+    """A token's 8-bit row depends on its own keys only: with a pool small enough to preempt, prompts cut into
+    16-token chunks and a shared prefix reused, an 8-bit KV engine generates what it generates for each prompt
+    alone. (Its accuracy against the fp32 pool is measured on a trained checkpoint: scripts/kv_quant_agreement.py.)"""
+    ckpt, _ = engines["llama"]
+    engine = get_engine(ckpt, kv_cache_dtype=kv)
+    assert engine.kv_dtype == {"int8": torch.int8, "fp8": torch.float8_e4m3fn}[kv]
+    rng = random.Random(9)
+    prefix = [rng.randrange(3, VOCAB) for _ in range(40)]
+    prompts = [prefix + [rng.randrange(3, VOCAB) for _ in range(rng.randint(1, 40))] for _ in range(10)]
+    greedy = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+    with LLM(engine, enable_prefix_reuse=False) as llm:
+        alone = [llm.generate([p], greedy)[0].token_ids for p in prompts]
+    longest = max(len(p) for p in prompts) + 20
+    with LLM(engine, capacity_policy="max_utilization", max_kv_cache_tokens=longest + 24, max_num_tokens=16) as llm:
+        outs = llm.generate(prompts[:1], greedy) + llm.generate(prompts[1:], greedy)
+        stats = llm.stats()
+        assert_no_leak(llm)
+    assert [o.token_ids for o in outs] == alone
+    assert stats["counters"]["preemptions"] > 0 and stats["kv_cache"]["prefix_hits"] > 0
 
 
 def test_multi_turn_replay_ttft_with_and_without_reuse(engines, capsys):

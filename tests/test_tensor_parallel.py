@@ -186,6 +186,21 @@ def test_int8_mqa_quantizes_each_shard(engines):
     assert "each of the 1 replicated on 2 ranks" in dict(_inspect_rows(q2.directory))["tensor parallel"]
 
 
+@pytest.mark.parametrize("case", ["llama", "mqa"])
+def test_int8_kv_each_rank_quantizes_its_heads(case, engines):
+    """An int8 KV pool per rank (its KV heads, or the replicated one): TP=2 gives the TP=1 int8 engine's logits
+    up to keys an ulp apart rounding to neighbouring int8 numbers, far closer than either is to the fp32 pool."""
+    fp, q1, q2 = engines(case, 1), engines(case, 1, kv_cache_dtype="int8"), engines(case, 2, kv_cache_dtype="int8")
+    assert q2.kv_dtype == torch.int8
+    assert q2.config.kv_bytes_per_token == q1.config.kv_bytes_per_token // (1 if case == "mqa" else 2)
+    one = schedule_logits(q1)
+    err, quant_err = max_diff(schedule_logits(q2), one), max_diff(one, schedule_logits(fp))
+    print(f"\n{case} int8 KV: TP=2 vs TP=1 {err:.2e}, TP=1 int8 vs fp32 pool {quant_err:.2e}")
+    assert err <= 0.25 * quant_err, (err, quant_err)
+    accuracy = [json.loads((e.directory / "build_report.json").read_text())["kv_cache_accuracy"] for e in (q1, q2)]
+    assert accuracy[0]["positions"] > 0 and "tensor-parallel build" in accuracy[1]["skipped"]
+
+
 def _inspect_rows(directory: Path) -> list[tuple[str, str]]:
     res = CliRunner().invoke(kiln_main, ["inspect", str(directory)])
     assert res.exit_code == 0, res.output

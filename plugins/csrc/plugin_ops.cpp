@@ -7,10 +7,12 @@
 // (other dtypes, mismatched shapes, out-of-range indices, kernels disabled) goes to the Python
 // implementations (kiln::_<op>_py), which also own the error messages.
 //
-// paged_attention: the new K/V are written into the pool here; decode sequences (one new token)
-// are computed here, one work item per (sequence, kv head): the group's query heads share one pass
-// over the keys and values, read through the block table, scores in fp32 (soft-capped when asked) with an
-// exact softmax (max, exp, sum). Only the slots inside each sequence's context (and window) are read, so
+// paged_attention: the new K/V are written into the pool here (quantized for an int8 / fp8 pool); decode
+// sequences (one new token) are computed here, one work item per (sequence, kv head): the group's query
+// heads share one pass over the keys and values, read through the block table (8-bit rows dequantized in
+// registers, their scale applied to the score and to the value's weight), scores in fp32 (soft-capped when
+// asked) with an exact softmax (max, exp, sum). Only the slots inside each sequence's context (and window) are
+// read, so
 // whatever the rest of the pool holds (stale values, NaN) cannot leak in. Context sequences
 // (several new tokens) go to the Python SDPA path, kiln::_paged_attention_context_py.
 
@@ -27,6 +29,7 @@
 #include <ATen/ops/pow.h>
 #include <ATen/ops/silu.h>
 #include <c10/util/BFloat16.h>
+#include <c10/util/Float8_e4m3fn.h>
 #include <immintrin.h>
 #include <torch/library.h>
 
@@ -290,6 +293,99 @@ Tensor gelu_cpu(const Tensor& x, c10::string_view approximate) {
 // ---------------------------------------------------------------------------------------------
 // paged attention
 
+// The element types of a pool. A float pool's row (one token's keys or values of one KV head) is head_dim
+// values. An 8-bit pool's row (int8, or fp8 = e4m3) is head_dim numbers followed by their bf16 scale in the
+// row's last 2 bytes (kiln/plugins/kv_quant.py owns the layout; this file computes the same bytes):
+// value = load8(number) * row_scale(row), where row_scale folds in the unit load8 leaves out.
+using F8 = c10::Float8_e4m3fn;
+template <typename KV>
+struct Pool {
+  static constexpr bool quantized = false;
+  static constexpr int64_t extra = 0;  // bytes of scale after the head_dim numbers
+};
+template <>
+struct Pool<int8_t> {
+  static constexpr bool quantized = true;
+  static constexpr int64_t extra = 2;
+  static constexpr float qmax = 127.0f, unit = 1.0f;
+};
+template <>
+struct Pool<F8> {
+  static constexpr bool quantized = true;
+  static constexpr int64_t extra = 2;
+  static constexpr float qmax = 448.0f, unit = 256.0f;  // load8 reads e4m3 as fp16: 2^-8 of its value
+};
+
+inline __m256 load8(const int8_t* p) {
+  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+}
+// e4m3 -> the fp16 with the same bits moved (sign to bit 15, exponent and mantissa to bits 13..7), which is
+// its value / 2^8 exactly (subnormals included: the fp16 subnormals F16C widens exactly)
+inline __m256 load8(const F8* p) {
+  const __m128i b = _mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+  const __m128i h = _mm_and_si128(_mm_srai_epi16(_mm_slli_epi16(b, 8), 1), _mm_set1_epi16(static_cast<short>(0xBFFF)));
+  return _mm256_cvtph_ps(h);
+}
+// one element in load8's unit (the scalar tails)
+inline float num(float v) { return v; }
+inline float num(BF v) { return static_cast<float>(v); }
+inline float num(int8_t v) { return static_cast<float>(v); }
+inline float num(F8 v) { return static_cast<float>(v) * (1.0f / 256.0f); }
+
+inline float bf16_bits_to_float(uint16_t bits) {
+  const uint32_t b = static_cast<uint32_t>(bits) << 16;
+  float f;
+  std::memcpy(&f, &b, sizeof(f));
+  return f;
+}
+
+// The scale of an 8-bit row whose numbers start at ``row`` (1 for a float pool).
+template <typename KV>
+inline float row_scale(const KV* row, int64_t d) {
+  if constexpr (Pool<KV>::quantized) {
+    uint16_t bits;
+    std::memcpy(&bits, row + d, sizeof(bits));
+    return bf16_bits_to_float(bits) * Pool<KV>::unit;
+  } else {
+    return 1.0f;
+  }
+}
+
+// x (positive, finite) rounded up to a bfloat16: its bits
+inline uint16_t ceil_bf16_bits(float x) {
+  uint32_t b;
+  std::memcpy(&b, &x, sizeof(b));
+  return static_cast<uint16_t>((b + 0xFFFFu) >> 16);
+}
+
+// Quantize each token's row of each KV head into the 8-bit pool (kv_quant.to_pool, bit for bit): scale =
+// max|x| / qmax rounded up to a bf16 (at least float32's smallest normal), numbers = x / scale, clamped,
+// rounded to nearest even (int8) or converted to e4m3 by c10 (the conversion torch's .to() uses).
+template <typename S, typename KV>
+void write_quantized(const S* src, KV* dst, const int64_t* slots, int64_t tokens, int64_t hkv, int64_t d) {
+  const int64_t row = d + Pool<KV>::extra;
+  const float qmax = Pool<KV>::qmax;
+  at::parallel_for(0, tokens, std::max<int64_t>(1, 4096 / std::max<int64_t>(1, hkv * d)), [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t)
+      for (int64_t h = 0; h < hkv; ++h) {
+        const S* x = src + (t * hkv + h) * d;
+        KV* o = dst + (slots[t] * hkv + h) * row;
+        float amax = 0.0f;
+        for (int64_t j = 0; j < d; ++j) amax = std::max(amax, std::fabs(to_f(x[j])));
+        const uint16_t bits = ceil_bf16_bits(std::max(amax / qmax, std::numeric_limits<float>::min()));
+        const float sc = bf16_bits_to_float(bits);
+        for (int64_t j = 0; j < d; ++j) {
+          const float n = std::min(std::max(to_f(x[j]) / sc, -qmax), qmax);
+          if constexpr (std::is_same<KV, int8_t>::value)
+            o[j] = static_cast<int8_t>(std::nearbyint(n));
+          else
+            o[j] = F8(n);
+        }
+        std::memcpy(o + d, &bits, sizeof(bits));
+      }
+  });
+}
+
 template <typename S, typename D>
 void write_slots(const S* src, D* dst, const int64_t* slots, int64_t tokens, int64_t row) {
   for (int64_t t = 0; t < tokens; ++t) {
@@ -303,22 +399,28 @@ void write_slots(const S* src, D* dst, const int64_t* slots, int64_t tokens, int
   }
 }
 
+// this step's keys (values) [tokens, hkv, d] into the pool part at ``offset`` (elements of the pool's type)
 template <typename S>
 void write_kv_typed(const Tensor& src, Tensor& kv, int64_t offset, const int64_t* slots, int64_t tokens,
-                    int64_t row) {
+                    int64_t hkv, int64_t d) {
   const S* s = src.const_data_ptr<S>();
-  if (kv.scalar_type() == at::kFloat)
-    write_slots(s, kv.data_ptr<float>() + offset, slots, tokens, row);
-  else
-    write_slots(s, kv.data_ptr<BF>() + offset, slots, tokens, row);
+  switch (kv.scalar_type()) {
+    case at::kFloat: write_slots(s, kv.data_ptr<float>() + offset, slots, tokens, hkv * d); break;
+    case at::kBFloat16: write_slots(s, kv.data_ptr<BF>() + offset, slots, tokens, hkv * d); break;
+    case at::kChar: write_quantized(s, kv.data_ptr<int8_t>() + offset, slots, tokens, hkv, d); break;
+    default: write_quantized(s, kv.data_ptr<F8>() + offset, slots, tokens, hkv, d); break;
+  }
 }
 
-// Software prefetch of the KV rows KV_AHEAD positions ahead in decode attention.
+// Software prefetch of the KV rows KV_AHEAD positions ahead in decode attention: every cache line of the n
+// elements at p (a row of an 8-bit pool is not line-aligned).
 constexpr int64_t KV_AHEAD = 16;
 template <typename T>
 inline void prefetch_row(const T* p, int64_t n) {
   const char* c = reinterpret_cast<const char*>(p);
-  for (int64_t b = 0; b < n * int64_t(sizeof(T)); b += 64) _mm_prefetch(c + b, _MM_HINT_T0);
+  const int64_t bytes = n * int64_t(sizeof(T));
+  for (int64_t b = 0; b < bytes; b += 64) _mm_prefetch(c + b, _MM_HINT_T0);
+  _mm_prefetch(c + bytes - 1, _MM_HINT_T0);
 }
 
 template <typename Q, typename KV>
@@ -328,7 +430,8 @@ void decode_attention(const Q* q, const KV* kpool, const KV* vpool, Q* out, cons
                       float scale, int64_t window, float softcap) {
   const int64_t hq = hkv * group;
   const int64_t items = static_cast<int64_t>(rows.size()) * hkv;
-  const int64_t slot_stride = hkv * d;                 // one token of one pool (all kv heads)
+  const int64_t kvrow = d + Pool<KV>::extra;           // one token of one kv head (8-bit: + its scale)
+  const int64_t slot_stride = hkv * kvrow;             // one token of one pool (all kv heads)
   const int64_t block_stride = block_size * slot_stride;
   // Threads only when there is enough work: a parallel region costs more than a small decode
   // (batch 1, short contexts), and much more when the cores are shared.
@@ -356,13 +459,19 @@ void decode_attention(const Q* q, const KV* kpool, const KV* vpool, Q* out, cons
           const KV* kr[8];
           for (int u = 0; u < 8; ++u) {
             const int64_t pos = lo + p0 + u;
-            kr[u] = kpool + table[pos / block_size] * block_stride + (pos % block_size) * slot_stride + h * d;
+            kr[u] = kpool + table[pos / block_size] * block_stride + (pos % block_size) * slot_stride + h * kvrow;
           }
           if (p0 + 8 + KV_AHEAD <= len)  // the rows two passes ahead: scattered blocks defeat the prefetcher
             for (int u = 0; u < 8; ++u) {
               const int64_t pos = lo + p0 + KV_AHEAD + u;
-              prefetch_row(kpool + table[pos / block_size] * block_stride + (pos % block_size) * slot_stride + h * d, d);
+              prefetch_row(kpool + table[pos / block_size] * block_stride + (pos % block_size) * slot_stride +
+                           h * kvrow, kvrow);
             }
+          const __m256 ks = Pool<KV>::quantized
+                                ? _mm256_setr_ps(row_scale(kr[0], d), row_scale(kr[1], d), row_scale(kr[2], d),
+                                                 row_scale(kr[3], d), row_scale(kr[4], d), row_scale(kr[5], d),
+                                                 row_scale(kr[6], d), row_scale(kr[7], d))
+                                : _mm256_set1_ps(1.0f);
           for (int64_t g = 0; g < group; ++g) {
             const float* qg = qf.data() + g * d;
             __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0, a7 = a0;
@@ -377,21 +486,24 @@ void decode_attention(const Q* q, const KV* kpool, const KV* vpool, Q* out, cons
               a6 = _mm256_fmadd_ps(qv, load8(kr[6] + j), a6);
               a7 = _mm256_fmadd_ps(qv, load8(kr[7] + j), a7);
             }
-            _mm256_storeu_ps(scores.data() + g * len + p0, hsum8(a0, a1, a2, a3, a4, a5, a6, a7));
+            __m256 sc8 = hsum8(a0, a1, a2, a3, a4, a5, a6, a7);
+            if constexpr (Pool<KV>::quantized) sc8 = _mm256_mul_ps(sc8, ks);
+            _mm256_storeu_ps(scores.data() + g * len + p0, sc8);
           }
         }
       }
       for (int64_t p = p0; p < len; ++p) {
         const int64_t pos = lo + p;
-        const KV* kr = kpool + table[pos / block_size] * block_stride + (pos % block_size) * slot_stride + h * d;
+        const KV* kr = kpool + table[pos / block_size] * block_stride + (pos % block_size) * slot_stride + h * kvrow;
+        const float ks = row_scale(kr, d);
         for (int64_t g = 0; g < group; ++g) {
           const float* qg = qf.data() + g * d;
           int64_t j = 0;
           __m256 a = _mm256_setzero_ps();
           for (; j + 8 <= d; j += 8) a = _mm256_fmadd_ps(_mm256_loadu_ps(qg + j), load8(kr + j), a);
           float sc = hsum(a);
-          for (; j < d; ++j) sc += qg[j] * to_f(kr[j]);
-          scores[g * len + p] = sc;
+          for (; j < d; ++j) sc += qg[j] * num(kr[j]);
+          scores[g * len + p] = Pool<KV>::quantized ? sc * ks : sc;
         }
       }
       // soft-capping (Gemma 2): cap * tanh(score / cap), before the softmax
@@ -418,22 +530,24 @@ void decode_attention(const Q* q, const KV* kpool, const KV* vpool, Q* out, cons
         const float inv = 1.0f / sum;
         for (p = 0; p < len; ++p) sg[p] *= inv;
       }
-      // weighted sum of the values
+      // weighted sum of the values (an 8-bit row's weight carries its scale)
       std::fill(acc.begin(), acc.end(), 0.0f);
       if (d % 64 == 0) {  // 64 output dims of one query head live in 8 registers across all positions
         for (int64_t jb = 0; jb < d; jb += 64)
           for (int64_t g = 0; g < group; ++g) {
             const float* sg = scores.data() + g * len;
             __m256 r0 = _mm256_setzero_ps(), r1 = r0, r2 = r0, r3 = r0, r4 = r0, r5 = r0, r6 = r0, r7 = r0;
+            const int64_t span = jb + 64 == d ? 64 + Pool<KV>::extra : 64;  // the last part: and the scale
             for (int64_t p = 0; p < len; ++p) {
               const int64_t pos = lo + p;
-              const KV* vr = vpool + table[pos / block_size] * block_stride + (pos % block_size) * slot_stride + h * d + jb;
+              const KV* vrow = vpool + table[pos / block_size] * block_stride + (pos % block_size) * slot_stride + h * kvrow;
+              const KV* vr = vrow + jb;
               if (g == 0 && p + KV_AHEAD < len) {  // the first query head of the group reads V from memory
                 const int64_t pa = pos + KV_AHEAD;
-                prefetch_row(vpool + table[pa / block_size] * block_stride + (pa % block_size) * slot_stride + h * d + jb,
-                             64);
+                prefetch_row(vpool + table[pa / block_size] * block_stride + (pa % block_size) * slot_stride +
+                             h * kvrow + jb, span);
               }
-              const __m256 w = _mm256_set1_ps(sg[p]);
+              const __m256 w = _mm256_set1_ps(Pool<KV>::quantized ? sg[p] * row_scale(vrow, d) : sg[p]);
               r0 = _mm256_fmadd_ps(w, load8(vr), r0);
               r1 = _mm256_fmadd_ps(w, load8(vr + 8), r1);
               r2 = _mm256_fmadd_ps(w, load8(vr + 16), r2);
@@ -456,18 +570,21 @@ void decode_attention(const Q* q, const KV* kpool, const KV* vpool, Q* out, cons
       } else {  // any head_dim
         for (int64_t p = 0; p < len; ++p) {
           const int64_t pos = lo + p;
-          const KV* vr = vpool + table[pos / block_size] * block_stride + (pos % block_size) * slot_stride + h * d;
+          const KV* vr = vpool + table[pos / block_size] * block_stride + (pos % block_size) * slot_stride + h * kvrow;
+          const float vs = row_scale(vr, d);
           int64_t j = 0;
           for (; j + 8 <= d; j += 8) {
             const __m256 vv = load8(vr + j);
             for (int64_t g = 0; g < group; ++g) {
               float* ag = acc.data() + g * d + j;
-              _mm256_storeu_ps(ag, _mm256_fmadd_ps(_mm256_set1_ps(scores[g * len + p]), vv, _mm256_loadu_ps(ag)));
+              const float w = Pool<KV>::quantized ? scores[g * len + p] * vs : scores[g * len + p];
+              _mm256_storeu_ps(ag, _mm256_fmadd_ps(_mm256_set1_ps(w), vv, _mm256_loadu_ps(ag)));
             }
           }
           for (; j < d; ++j) {
-            const float vj = to_f(vr[j]);
-            for (int64_t g = 0; g < group; ++g) acc[g * d + j] += scores[g * len + p] * vj;
+            const float vj = num(vr[j]);
+            for (int64_t g = 0; g < group; ++g)
+              acc[g * d + j] += (Pool<KV>::quantized ? scores[g * len + p] * vs : scores[g * len + p]) * vj;
           }
         }
       }
@@ -481,17 +598,20 @@ template <typename Q>
 void decode_dispatch_kv(const Tensor& qc, const Tensor& kv, int64_t layer, Tensor& out,
                         const std::vector<int64_t>& rows, const std::vector<int64_t>& seqs, const int32_t* ctx,
                         const int32_t* tables, int64_t max_blocks, float scale, int64_t window, float softcap) {
-  const int64_t nb = kv.size(2), bs = kv.size(3), hkv = kv.size(4), d = kv.size(5);
-  const int64_t pool = nb * bs * hkv * d;
+  const int64_t nb = kv.size(2), bs = kv.size(3), hkv = kv.size(4), d = qc.size(2);
+  const int64_t pool = nb * bs * hkv * kv.size(5);  // elements of one layer's K (or V) pool
   const int64_t group = qc.size(1) / hkv;
-  if (kv.scalar_type() == at::kFloat) {
-    const float* base = kv.const_data_ptr<float>() + layer * 2 * pool;
-    decode_attention<Q, float>(qc.const_data_ptr<Q>(), base, base + pool, out.data_ptr<Q>(), rows, seqs, ctx, tables,
-                               max_blocks, bs, hkv, group, d, scale, window, softcap);
-  } else {
-    const BF* base = kv.const_data_ptr<BF>() + layer * 2 * pool;
-    decode_attention<Q, BF>(qc.const_data_ptr<Q>(), base, base + pool, out.data_ptr<Q>(), rows, seqs, ctx, tables,
+  auto run = [&](auto* tag) {
+    using KV = std::remove_pointer_t<decltype(tag)>;
+    const KV* base = kv.const_data_ptr<KV>() + layer * 2 * pool;
+    decode_attention<Q, KV>(qc.const_data_ptr<Q>(), base, base + pool, out.data_ptr<Q>(), rows, seqs, ctx, tables,
                             max_blocks, bs, hkv, group, d, scale, window, softcap);
+  };
+  switch (kv.scalar_type()) {
+    case at::kFloat: run(static_cast<float*>(nullptr)); break;
+    case at::kBFloat16: run(static_cast<BF*>(nullptr)); break;
+    case at::kChar: run(static_cast<int8_t*>(nullptr)); break;
+    default: run(static_cast<F8*>(nullptr)); break;
   }
 }
 
@@ -502,16 +622,19 @@ Tensor paged_attention_cpu(const Tensor& q, const Tensor& k, const Tensor& v, Te
     return paged_py(q, k, v, kv_cache, layer, seq_lens, context_lens, block_tables, slot_mapping, scale,
                     sliding_window, softcap);
   };
-  if (!enabled() || kv_cache.dim() != 6 || !kv_cache.is_contiguous() || !f32_or_bf16(kv_cache) || !f32_or_bf16(q) ||
-      !f32_or_bf16(k) || !f32_or_bf16(v) || q.dim() != 3 || k.dim() != 3 || v.dim() != 3 ||
+  const auto kv_type = kv_cache.scalar_type();
+  const bool quantized = kv_type == at::kChar || kv_type == at::kFloat8_e4m3fn;
+  if (!enabled() || kv_cache.dim() != 6 || !kv_cache.is_contiguous() || !(f32_or_bf16(kv_cache) || quantized) ||
+      !f32_or_bf16(q) || !f32_or_bf16(k) || !f32_or_bf16(v) || q.dim() != 3 || k.dim() != 3 || v.dim() != 3 ||
       seq_lens.dim() != 1 || context_lens.dim() != 1 || block_tables.dim() != 2 || slot_mapping.dim() != 1 ||
       seq_lens.scalar_type() != at::kInt || context_lens.scalar_type() != at::kInt ||
       block_tables.scalar_type() != at::kInt || slot_mapping.scalar_type() != at::kLong)
     return fallback();
   const int64_t L = kv_cache.size(0), nb = kv_cache.size(2), bs = kv_cache.size(3), hkv = kv_cache.size(4),
-                d = kv_cache.size(5);
+                d = q.size(2);
   const int64_t T = q.size(0), S = seq_lens.size(0), max_blocks = block_tables.size(1);
-  if (layer < 0 || layer >= L || kv_cache.size(1) != 2 || hkv == 0 || q.size(1) % hkv != 0 || q.size(2) != d ||
+  if (layer < 0 || layer >= L || kv_cache.size(1) != 2 || hkv == 0 || q.size(1) % hkv != 0 ||
+      kv_cache.size(5) != d + (quantized ? 2 : 0) ||
       k.size(0) != T || v.size(0) != T || k.size(1) != hkv || v.size(1) != hkv || k.size(2) != d ||
       v.size(2) != d || slot_mapping.size(0) != T || context_lens.size(0) != S || block_tables.size(0) != S)
     return fallback();
@@ -546,16 +669,16 @@ Tensor paged_attention_cpu(const Tensor& q, const Tensor& k, const Tensor& v, Te
   }
   if (start != T) return fallback();
 
-  // 1) write this step's keys/values into their slots
-  const int64_t row = hkv * d, pool = nb * bs * row;
+  // 1) write this step's keys/values into their slots (an 8-bit pool: quantized)
+  const int64_t pool = nb * bs * hkv * kv_cache.size(5);
   const Tensor kc = k.contiguous(), vc = v.contiguous();
   for (int which = 0; which < 2; ++which) {
     const Tensor& src = which == 0 ? kc : vc;
     const int64_t offset = (layer * 2 + which) * pool;
     if (src.scalar_type() == at::kFloat)
-      write_kv_typed<float>(src, kv_cache, offset, slots, T, row);
+      write_kv_typed<float>(src, kv_cache, offset, slots, T, hkv, d);
     else
-      write_kv_typed<BF>(src, kv_cache, offset, slots, T, row);
+      write_kv_typed<BF>(src, kv_cache, offset, slots, T, hkv, d);
   }
   // 2) decode sequences, all at once
   const Tensor qc = q.contiguous();
