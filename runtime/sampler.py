@@ -62,6 +62,10 @@ class Sampler:
             seen = torch.zeros(n, V + 1, dtype=torch.bool).scatter_(1, prompt_ids, True)[:, :V] | (counts > 0)
             sub = torch.where(seen, torch.where(sub > 0, sub / rep, sub * rep), sub)
         sub = sub - freq * counts - pres * (counts > 0).float()
+        # a tiny repetition penalty (or a huge frequency one) overflows float32: an infinite logit would make the
+        # softmax NaN (and the sampled token arbitrary, even one a grammar forbids), so the largest finite instead
+        big = torch.finfo(sub.dtype).max
+        sub = sub.clamp(-big, big)
         logits = logits.clone()
         logits[rows] = sub
         return logits
@@ -129,7 +133,8 @@ class Sampler:
         if rand_rows:
             rr = reqs if len(rand_rows) == B else [reqs[i] for i in rand_rows]
             x = logits if len(rand_rows) == B else logits[rand_rows]
-            x = x / torch.tensor([r.params.temperature for r in rr]).unsqueeze(1)
+            # a tiny temperature overflows as a tiny penalty does: kept finite (masked tokens stay at -inf)
+            x = (x / torch.tensor([r.params.temperature for r in rr]).unsqueeze(1)).clamp(max=torch.finfo(x.dtype).max)
             # top_k beyond the vocabulary keeps every token; clamped so that any int fits the tensor
             top_k = torch.tensor([min(r.params.top_k, x.shape[1]) for r in rr])
             top_p = torch.tensor([r.params.top_p for r in rr])

@@ -160,3 +160,15 @@ def test_top_k_beyond_any_integer_width_keeps_every_token():
     sampler = Sampler(5, seed=0)
     reqs = [mkreq(SamplingParams(temperature=1.0, top_k=2**70, max_tokens=8), eos=())]
     assert {sampler(logits, reqs).token_ids[0] for _ in range(200)} == {0, 1, 2, 3, 4}
+
+
+@pytest.mark.parametrize("fields", [dict(repetition_penalty=1e-40, temperature=1.0),
+                                    dict(temperature=1e-38), dict(frequency_penalty=-2.0, temperature=1e-37)])
+def test_overflowing_penalties_and_temperatures_sample_among_the_largest(fields):
+    """A logit pushed past float32's range (a tiny repetition penalty divides it, a tiny temperature too) stays
+    finite: the softmax has no NaN and the token is one of the largest, never an arbitrary one."""
+    logits = torch.tensor([[0.5, -1.0, 3.0, 2.0, 1.0, -0.5]])
+    for seed in range(20):
+        req = mkreq(SamplingParams(max_tokens=4, seed=seed, **fields), prompt=(2, 3), outputs=(3, 2))
+        token = Sampler(6)(logits.clone(), [req]).token_ids[0]
+        assert token in (2, 3), (fields, seed, token)
