@@ -112,6 +112,8 @@ def test_arbitrary_requests_are_refused_or_served(llama):
 
         one_request()
         print(f"\n{EXAMPLES} hostile requests: {dict(seen)}")
-        assert seen["served"] >= EXAMPLES // 5 and seen["refused at submission"] >= EXAMPLES // 10
+        # the mix is fixed (derandomized) but what is served moves with the checks kiln gains (about 20% served,
+        # 16% refused at submission on 2026-12-02): bounds that catch a fuzz that only refuses, or only serves
+        assert seen["served"] >= EXAMPLES // 8 and seen["refused at submission"] >= EXAMPLES // 10
         assert llm.executor.failure is None
         still_serves(llm, ckpt)
