@@ -12,6 +12,7 @@ directory here too.
 
 from __future__ import annotations
 
+import functools
 import logging
 import sys
 from pathlib import Path
@@ -75,14 +76,15 @@ def resolve_engine(model: str | Path, build_config: Any = None) -> Path:
     from kiln.engine_cache import cached_engine
 
     build = as_build_config(build_config)
-    return cached_engine(path, build, progress=_log_stage)
+    from kiln.builder.build import stages
+
+    return cached_engine(path, build, progress=functools.partial(_log_stage, stages(build)))
 
 
-def _log_stage(stage: str, message: str) -> None:
-    """build_engine's progress as build-engine prints it: "[2/7] trace ..." then "[2/7] trace done in 4.3 s"."""
-    from kiln.builder.build import STAGES
-
-    n = f"[{STAGES.index(stage) + 1}/{len(STAGES)}] " if stage in STAGES else ""
+def _log_stage(runs: tuple[str, ...], stage: str, message: str) -> None:
+    """build_engine's progress as build-engine prints it: "[2/7] trace ..." then "[2/7] trace done in 4.3 s"
+    (``runs``: the stages this build runs)."""
+    n = f"[{runs.index(stage) + 1}/{len(runs)}] " if stage in runs else ""
     rank = message.removeprefix("start").strip()   # "rank r/N" of a tensor-parallel build
     logger.info("  %s%s%s", n, stage, f" {rank} ..." if message.startswith("start") else f" {message}")
 
