@@ -251,7 +251,10 @@ def test_tunables_set_get_and_describe(native):
     try:
         tuning.set_value(lib, "row_prefetch", 3072)
         assert native_lib.kernel_tuning()["row_prefetch"] == 3072
+        tuning.set_value(lib, "row_panels", 1)   # the machine's tuned choice may be 2 or 4: pin both branches
         assert "one-row stream" in native_lib.describe_kernel("int4_panel", 1, 1024)
+        tuning.set_value(lib, "row_panels", 4)
+        assert "one row x 4 panels, prefetch 3072 B" in native_lib.describe_kernel("int4_panel", 1, 1024)
         assert "prefetch 3072 B" in native_lib.describe_kernel("int8_panel", 1, 1024)
         width = "avx512" if native_lib.panel_isa() == 512 else "avx2"
         assert native_lib.describe_kernel("fp32_panel", 200, 1024).startswith(f"fp32 panels, {width}")
