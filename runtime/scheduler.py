@@ -18,7 +18,10 @@ Per step, within ``max_batch_size`` sequences and ``max_num_tokens`` tokens:
 Chunks of a long prompt end on block boundaries, except the last one.
 
 Batch work (priority ``BATCH_PRIORITY``, the lowest) takes at most ``batch_max_share`` of each step's token
-budget; its decodes beyond that share wait a step.
+budget; its decodes beyond that share wait a step, so online requests' steps stay short (on a compute-bound
+device a step's time grows with its tokens). While batch work is in the runtime, ``batch_min_share`` of each
+step's budget is kept for it: online work takes the rest, so batch always progresses however busy the online
+side is (a reserve no batch request can use in that step is lost to it, not handed to online work).
 
 Capacity policies:
 
@@ -67,6 +70,7 @@ class SchedulerConfig:
     max_input_len: int
     capacity_policy: str = "guaranteed_no_evict"
     batch_max_share: float = 1.0    # most of a step's token budget batch-class requests may take
+    batch_min_share: float = 0.0    # least of it kept for them while any are running or waiting
 
 
 @dataclass
@@ -104,6 +108,7 @@ class _Step:
     seats: int
     out: SchedulerOutput
     batch_tokens: int = 0          # what is left of the batch class's share
+    batch_reserve: int = 0         # what is left of the batch class's floor (online work may not take it)
     scheduled: set[str] = field(default_factory=set)   # request ids given tokens in this step
     now: float = 0.0
 
@@ -239,8 +244,12 @@ class Scheduler:
     # ---- one step -------------------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
         c = self.config
+        has_batch = any(r.priority <= BATCH_PRIORITY for r in (*self.running, *self.waiting))
+        reserve = 0
+        if has_batch and c.batch_min_share > 0:   # at least one block: a prefill chunk smaller cannot be aligned
+            reserve = min(c.max_num_tokens, max(self.block_size, int(c.batch_min_share * c.max_num_tokens)))
         step = _Step(c.max_num_tokens, c.max_batch_size, SchedulerOutput(), now=time.monotonic(),
-                     batch_tokens=max(1, int(c.batch_max_share * c.max_num_tokens)))
+                     batch_tokens=max(1, int(c.batch_max_share * c.max_num_tokens)), batch_reserve=reserve)
         first, later = self.running, []
         if c.capacity_policy == "max_utilization" and self.waiting:
             head = self.waiting[0].priority   # lower-priority running requests come after the waiting head
@@ -250,6 +259,8 @@ class Scheduler:
         if not step.out.preempted:
             self._admit_waiting(step)
         self._schedule_running(later, step)
+        if step.batch_reserve > 0:
+            self._admit_waiting(step, floor_only=True)
 
         out = step.out
         out.scheduled.sort(key=lambda s: s.num_new_tokens == 1)  # context chunks first (stable)
@@ -281,15 +292,23 @@ class Scheduler:
             else:
                 self._take(req, req.num_computed_tokens, n, step)
 
-    def _admit_waiting(self, step: _Step) -> None:
+    def _admit_waiting(self, step: _Step, floor_only: bool = False) -> None:
+        """Admit from the head of the queue; ``floor_only``: admit batch requests past a blocked online head,
+        within what is left of the batch floor (the one exception to "no overtaking")."""
         c, kv, bs = self.config, self.kv, self.block_size
         while self.waiting and step.tokens > 0:
             req = self.waiting[0]
+            budget = self._budget(req, step)
+            if floor_only:
+                req = next((r for r in self.waiting if r.priority <= BATCH_PRIORITY), None)
+                if req is None or step.batch_reserve <= 0:
+                    break
+                budget = min(self._budget(req, step), step.batch_reserve)
             if req.status is RequestStatus.PREEMPTED and req in step.out.preempted:
                 break  # it made room in this step; it comes back in a later one
             hits = kv.get_computed_blocks(req)
             start = len(hits) * bs
-            n = self._chunk(start, req.num_tokens, self._budget(req, step))
+            n = self._chunk(start, req.num_tokens, budget)
             if n == 0:
                 break  # no budget left for a block-aligned chunk: preempting would not help
             keep_free = 0
@@ -305,7 +324,7 @@ class Scheduler:
                     break
                 self._preempt(max(victims, key=lambda r: r.order_key), step.out)
                 continue
-            self.waiting.pop(0)
+            self.waiting.remove(req)
             if req.adapter is not None:
                 req.lora_slot = self.adapters.acquire(req.adapter)
             req.status = RequestStatus.RUNNING
@@ -317,8 +336,11 @@ class Scheduler:
             self._take(req, start, n, step)
 
     def _budget(self, req: Request, step: _Step) -> int:
-        """Tokens ``req`` may take in this step: batch-class requests only from their share."""
-        return min(step.tokens, step.batch_tokens) if req.priority <= BATCH_PRIORITY else step.tokens
+        """Tokens ``req`` may take in this step: batch-class requests only from their share, online ones not
+        from what is left of the batch floor."""
+        if req.priority <= BATCH_PRIORITY:
+            return min(step.tokens, step.batch_tokens)
+        return max(0, step.tokens - step.batch_reserve)
 
     def _take(self, req: Request, start: int, n: int, step: _Step) -> None:
         step.out.scheduled.append(ScheduledRequest(req, start, n))
@@ -326,6 +348,7 @@ class Scheduler:
         step.tokens -= n
         if req.priority <= BATCH_PRIORITY:
             step.batch_tokens -= n
+            step.batch_reserve = max(0, step.batch_reserve - n)
         step.seats -= 1
 
     # ---- after the forward ----------------------------------------------------------------------------
