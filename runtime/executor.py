@@ -112,12 +112,14 @@ class ExecutorConfig:
         "choices": CAPACITY_POLICIES,
         "help": "guaranteed_no_evict: admit a request only when its prompt + max_tokens fit; max_utilization: "
                 "admit greedily, preempt (lowest priority, latest first) when blocks run out."})
-    batch_max_share: float = field(default=1.0, metadata={
-        "help": "Most of a step's token budget batch work (kiln run-batch, /v1/batches: the lowest priority) may "
-                "take, in (0, 1]; the rest stays free for online requests arriving mid-step."})
-    batch_min_share: float = field(default=1 / 16, metadata={
-        "help": "Share of a step's token budget kept for batch work while it has requests in the runtime (at least "
-                "one KV block), in [0, batch_max_share]: online work takes the rest, so batch always progresses."})
+    batch_max_share: float = field(default=1 / 16, metadata={
+        "help": "Most of a step's token budget batch work (kiln run-batch, /v1/batches: the lowest priority) takes "
+                "while no online request is running or waiting, in (0, 1]: it bounds the step an arriving online "
+                "request waits for (kiln run-batch, with no online traffic, defaults to 1)."})
+    batch_min_share: float = field(default=1 / 128, metadata={
+        "help": "Share of each step's token budget batch work gets while online requests are running or waiting, "
+                "in (0, batch_max_share]: online work never takes it (batch always progresses) and batch never "
+                "spends more (online steps stay short); unspent share carries over up to one KV block."})
     enable_prefix_reuse: bool = field(default=True, metadata={
         "help": "Share the KV blocks of common prefixes between requests."})
     seed: int | None = field(default=None, metadata={
@@ -139,7 +141,7 @@ class ExecutorConfig:
                                                  lo_open=True, optional=True)
         c.choice("capacity_policy", self.capacity_policy, CAPACITY_POLICIES)
         self.batch_max_share = c.number("batch_max_share", self.batch_max_share, 0, 1, lo_open=True)
-        self.batch_min_share = c.number("batch_min_share", self.batch_min_share, 0, 1)
+        self.batch_min_share = c.number("batch_min_share", self.batch_min_share, 0, 1, lo_open=True)
         shares = (self.batch_min_share, self.batch_max_share)
         if all(isinstance(x, float) for x in shares) and shares[0] > shares[1]:
             c.problems.append(f"batch_min_share {self.batch_min_share} is above batch_max_share "

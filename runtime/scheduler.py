@@ -17,11 +17,14 @@ Per step, within ``max_batch_size`` sequences and ``max_num_tokens`` tokens:
 
 Chunks of a long prompt end on block boundaries, except the last one.
 
-Batch work (priority ``BATCH_PRIORITY``, the lowest) takes at most ``batch_max_share`` of each step's token
-budget; its decodes beyond that share wait a step, so online requests' steps stay short (on a compute-bound
-device a step's time grows with its tokens). While batch work is in the runtime, ``batch_min_share`` of each
-step's budget is kept for it: online work takes the rest, so batch always progresses however busy the online
-side is (a reserve no batch request can use in that step is lost to it, not handed to online work).
+Batch work (priority ``BATCH_PRIORITY``, the lowest) shares steps with online work by two shares of the token
+budget. While online requests are running or waiting, batch work runs on a credit of ``batch_min_share`` of
+the budget per step: online work never takes it (the floor: batch always progresses), batch never spends more
+(the ceiling that keeps online steps short: on a compute-bound device a step's time grows with its tokens).
+Unspent credit carries over up to one KV block, so that a batch prefill chunk, which must be block-aligned,
+still fits a share smaller than a block. With no online request in the runtime, batch work takes up to
+``batch_max_share`` of each step (a bound on the step an arriving online request waits for). Both ways its
+decodes beyond the share wait a step, and batch requests beyond the floor's reach in the queue wait for it.
 
 Capacity policies:
 
@@ -69,8 +72,8 @@ class SchedulerConfig:
     max_seq_len: int
     max_input_len: int
     capacity_policy: str = "guaranteed_no_evict"
-    batch_max_share: float = 1.0    # most of a step's token budget batch-class requests may take
-    batch_min_share: float = 0.0    # least of it kept for them while any are running or waiting
+    batch_max_share: float = 1 / 16     # most of a step's token budget batch requests take with no online work
+    batch_min_share: float = 1 / 128    # their credit per step (floor and ceiling) while online work is present
 
 
 @dataclass
@@ -109,6 +112,8 @@ class _Step:
     out: SchedulerOutput
     batch_tokens: int = 0          # what is left of the batch class's share
     batch_reserve: int = 0         # what is left of the batch class's floor (online work may not take it)
+    batch_used: int = 0            # tokens batch requests took
+    online_present: bool = False   # online requests are running or waiting (batch runs on its credit)
     scheduled: set[str] = field(default_factory=set)   # request ids given tokens in this step
     now: float = 0.0
 
@@ -123,6 +128,7 @@ class Scheduler:
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}   # every unfinished request
         self.num_preemptions = 0
+        self.batch_credit = 0.0    # tokens batch work may still spend (while online work is present)
 
     # ---- admission checks -----------------------------------------------------------------------------
     def resolve_max_tokens(self, num_prompt_tokens: int, max_tokens: int | None) -> int:
@@ -244,12 +250,8 @@ class Scheduler:
     # ---- one step -------------------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
         c = self.config
-        has_batch = any(r.priority <= BATCH_PRIORITY for r in (*self.running, *self.waiting))
-        reserve = 0
-        if has_batch and c.batch_min_share > 0:   # at least one block: a prefill chunk smaller cannot be aligned
-            reserve = min(c.max_num_tokens, max(self.block_size, int(c.batch_min_share * c.max_num_tokens)))
-        step = _Step(c.max_num_tokens, c.max_batch_size, SchedulerOutput(), now=time.monotonic(),
-                     batch_tokens=max(1, int(c.batch_max_share * c.max_num_tokens)), batch_reserve=reserve)
+        step = _Step(c.max_num_tokens, c.max_batch_size, SchedulerOutput(), now=time.monotonic())
+        self._batch_allowance(step)
         first, later = self.running, []
         if c.capacity_policy == "max_utilization" and self.waiting:
             head = self.waiting[0].priority   # lower-priority running requests come after the waiting head
@@ -261,6 +263,8 @@ class Scheduler:
         self._schedule_running(later, step)
         if step.batch_reserve > 0:
             self._admit_waiting(step, floor_only=True)
+        if step.online_present:
+            self.batch_credit -= step.batch_used
 
         out = step.out
         out.scheduled.sort(key=lambda s: s.num_new_tokens == 1)  # context chunks first (stable)
@@ -335,6 +339,23 @@ class Scheduler:
             self.running.append(req)
             self._take(req, start, n, step)
 
+    def _batch_allowance(self, step: _Step) -> None:
+        """Set this step's batch share (``batch_tokens``) and floor (``batch_reserve``), see the module docstring."""
+        c = self.config
+        reqs = (*self.running, *self.waiting)
+        if not any(r.priority <= BATCH_PRIORITY for r in reqs):
+            self.batch_credit = 0.0
+            return
+        step.online_present = any(r.priority > BATCH_PRIORITY for r in reqs)
+        if not step.online_present:
+            self.batch_credit = 0.0
+            # at least one block: a smaller prefill chunk could not be block-aligned
+            step.batch_tokens = min(c.max_num_tokens, max(self.block_size, int(c.batch_max_share * c.max_num_tokens)))
+            return
+        per_step = c.batch_min_share * c.max_num_tokens
+        self.batch_credit = min(self.batch_credit + per_step, max(per_step, self.block_size))
+        step.batch_tokens = step.batch_reserve = min(int(self.batch_credit), c.max_num_tokens)
+
     def _budget(self, req: Request, step: _Step) -> int:
         """Tokens ``req`` may take in this step: batch-class requests only from their share, online ones not
         from what is left of the batch floor."""
@@ -349,6 +370,7 @@ class Scheduler:
         if req.priority <= BATCH_PRIORITY:
             step.batch_tokens -= n
             step.batch_reserve = max(0, step.batch_reserve - n)
+            step.batch_used += n
         step.seats -= 1
 
     # ---- after the forward ----------------------------------------------------------------------------

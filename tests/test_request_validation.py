@@ -103,7 +103,7 @@ BAD_EXECUTOR = [
     ("enable_prefix_reuse", "no", "enable_prefix_reuse must be True or False"),
     ("seed", 2**64, "seed must be an integer in [0, 2**64)"),
     ("metrics_window", 0, "metrics_window must be an integer >= 1"),
-    ("batch_min_share", -0.1, "batch_min_share must be a finite number in [0, 1]"),
+    ("batch_min_share", 0, "batch_min_share must be a finite number in (0, 1]"),
 ]
 
 
