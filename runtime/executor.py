@@ -112,9 +112,14 @@ class ExecutorConfig:
         "choices": CAPACITY_POLICIES,
         "help": "guaranteed_no_evict: admit a request only when its prompt + max_tokens fit; max_utilization: "
                 "admit greedily, preempt (lowest priority, latest first) when blocks run out."})
-    batch_max_share: float = field(default=1.0, metadata={
-        "help": "Most of a step's token budget batch work (kiln run-batch, /v1/batches: the lowest priority) may "
-                "take, in (0, 1]; the rest stays free for online requests arriving mid-step."})
+    batch_max_share: float = field(default=1 / 16, metadata={
+        "help": "Most of a step's token budget batch work (kiln run-batch, /v1/batches: the lowest priority) takes "
+                "while no online request is running or waiting, in (0, 1]: it bounds the step an arriving online "
+                "request waits for (kiln run-batch, with no online traffic, defaults to 1)."})
+    batch_min_share: float = field(default=1 / 128, metadata={
+        "help": "Share of each step's token budget batch work gets while online requests are running or waiting, "
+                "in (0, batch_max_share]: online work never takes it (batch always progresses) and batch never "
+                "spends more (online steps stay short); unspent share carries over up to one KV block."})
     enable_prefix_reuse: bool = field(default=True, metadata={
         "help": "Share the KV blocks of common prefixes between requests."})
     seed: int | None = field(default=None, metadata={
@@ -136,6 +141,11 @@ class ExecutorConfig:
                                                  lo_open=True, optional=True)
         c.choice("capacity_policy", self.capacity_policy, CAPACITY_POLICIES)
         self.batch_max_share = c.number("batch_max_share", self.batch_max_share, 0, 1, lo_open=True)
+        self.batch_min_share = c.number("batch_min_share", self.batch_min_share, 0, 1, lo_open=True)
+        shares = (self.batch_min_share, self.batch_max_share)
+        if all(isinstance(x, float) for x in shares) and shares[0] > shares[1]:
+            c.problems.append(f"batch_min_share {self.batch_min_share} is above batch_max_share "
+                              f"{self.batch_max_share}; lower the floor or raise the ceiling")
         self.enable_prefix_reuse = c.flag("enable_prefix_reuse", self.enable_prefix_reuse)
         self.seed = c.integer("seed", self.seed, *SEED_RANGE, optional=True)
         self.metrics_window = c.integer("metrics_window", self.metrics_window, 1)
@@ -219,7 +229,7 @@ class Executor:
             available = max(0, available_memory_bytes() - lora_bytes)
         self.limits = limits = resolve_serving_limits(b, engine.kv_bytes_per_token, config, available)
         sched_config = SchedulerConfig(limits.max_batch_size, limits.max_num_tokens, b.max_seq_len, b.max_input_len,
-                                       config.capacity_policy, config.batch_max_share)
+                                       config.capacity_policy, config.batch_max_share, config.batch_min_share)
         num_blocks = limits.num_blocks
         logger.info(limits.kv_plan)
         self.kv_plan = limits.kv_plan

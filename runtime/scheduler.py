@@ -17,8 +17,14 @@ Per step, within ``max_batch_size`` sequences and ``max_num_tokens`` tokens:
 
 Chunks of a long prompt end on block boundaries, except the last one.
 
-Batch work (priority ``BATCH_PRIORITY``, the lowest) takes at most ``batch_max_share`` of each step's token
-budget; its decodes beyond that share wait a step.
+Batch work (priority ``BATCH_PRIORITY``, the lowest) shares steps with online work by two shares of the token
+budget. While online requests are running or waiting, batch work runs on a credit of ``batch_min_share`` of
+the budget per step: online work never takes it (the floor: batch always progresses), batch never spends more
+(the ceiling that keeps online steps short: on a compute-bound device a step's time grows with its tokens).
+Unspent credit carries over up to one KV block, so that a batch prefill chunk, which must be block-aligned,
+still fits a share smaller than a block. With no online request in the runtime, batch work takes up to
+``batch_max_share`` of each step (a bound on the step an arriving online request waits for). Both ways its
+decodes beyond the share wait a step, and batch requests beyond the floor's reach in the queue wait for it.
 
 Capacity policies:
 
@@ -66,7 +72,8 @@ class SchedulerConfig:
     max_seq_len: int
     max_input_len: int
     capacity_policy: str = "guaranteed_no_evict"
-    batch_max_share: float = 1.0    # most of a step's token budget batch-class requests may take
+    batch_max_share: float = 1 / 16     # most of a step's token budget batch requests take with no online work
+    batch_min_share: float = 1 / 128    # their credit per step (floor and ceiling) while online work is present
 
 
 @dataclass
@@ -104,6 +111,9 @@ class _Step:
     seats: int
     out: SchedulerOutput
     batch_tokens: int = 0          # what is left of the batch class's share
+    batch_reserve: int = 0         # what is left of the batch class's floor (online work may not take it)
+    batch_used: int = 0            # tokens batch requests took
+    online_present: bool = False   # online requests are running or waiting (batch runs on its credit)
     scheduled: set[str] = field(default_factory=set)   # request ids given tokens in this step
     now: float = 0.0
 
@@ -118,6 +128,7 @@ class Scheduler:
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}   # every unfinished request
         self.num_preemptions = 0
+        self.batch_credit = 0.0    # tokens batch work may still spend (while online work is present)
 
     # ---- admission checks -----------------------------------------------------------------------------
     def resolve_max_tokens(self, num_prompt_tokens: int, max_tokens: int | None) -> int:
@@ -239,8 +250,8 @@ class Scheduler:
     # ---- one step -------------------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
         c = self.config
-        step = _Step(c.max_num_tokens, c.max_batch_size, SchedulerOutput(), now=time.monotonic(),
-                     batch_tokens=max(1, int(c.batch_max_share * c.max_num_tokens)))
+        step = _Step(c.max_num_tokens, c.max_batch_size, SchedulerOutput(), now=time.monotonic())
+        self._batch_allowance(step)
         first, later = self.running, []
         if c.capacity_policy == "max_utilization" and self.waiting:
             head = self.waiting[0].priority   # lower-priority running requests come after the waiting head
@@ -250,6 +261,10 @@ class Scheduler:
         if not step.out.preempted:
             self._admit_waiting(step)
         self._schedule_running(later, step)
+        if step.batch_reserve > 0:
+            self._admit_waiting(step, floor_only=True)
+        if step.online_present:
+            self.batch_credit -= step.batch_used
 
         out = step.out
         out.scheduled.sort(key=lambda s: s.num_new_tokens == 1)  # context chunks first (stable)
@@ -281,15 +296,23 @@ class Scheduler:
             else:
                 self._take(req, req.num_computed_tokens, n, step)
 
-    def _admit_waiting(self, step: _Step) -> None:
+    def _admit_waiting(self, step: _Step, floor_only: bool = False) -> None:
+        """Admit from the head of the queue; ``floor_only``: admit batch requests past a blocked online head,
+        within what is left of the batch floor (the one exception to "no overtaking")."""
         c, kv, bs = self.config, self.kv, self.block_size
         while self.waiting and step.tokens > 0:
             req = self.waiting[0]
+            budget = self._budget(req, step)
+            if floor_only:
+                req = next((r for r in self.waiting if r.priority <= BATCH_PRIORITY), None)
+                if req is None or step.batch_reserve <= 0:
+                    break
+                budget = min(self._budget(req, step), step.batch_reserve)
             if req.status is RequestStatus.PREEMPTED and req in step.out.preempted:
                 break  # it made room in this step; it comes back in a later one
             hits = kv.get_computed_blocks(req)
             start = len(hits) * bs
-            n = self._chunk(start, req.num_tokens, self._budget(req, step))
+            n = self._chunk(start, req.num_tokens, budget)
             if n == 0:
                 break  # no budget left for a block-aligned chunk: preempting would not help
             keep_free = 0
@@ -305,7 +328,7 @@ class Scheduler:
                     break
                 self._preempt(max(victims, key=lambda r: r.order_key), step.out)
                 continue
-            self.waiting.pop(0)
+            self.waiting.remove(req)
             if req.adapter is not None:
                 req.lora_slot = self.adapters.acquire(req.adapter)
             req.status = RequestStatus.RUNNING
@@ -316,9 +339,29 @@ class Scheduler:
             self.running.append(req)
             self._take(req, start, n, step)
 
+    def _batch_allowance(self, step: _Step) -> None:
+        """Set this step's batch share (``batch_tokens``) and floor (``batch_reserve``), see the module docstring."""
+        c = self.config
+        reqs = (*self.running, *self.waiting)
+        if not any(r.priority <= BATCH_PRIORITY for r in reqs):
+            self.batch_credit = 0.0
+            return
+        step.online_present = any(r.priority > BATCH_PRIORITY for r in reqs)
+        if not step.online_present:
+            self.batch_credit = 0.0
+            # at least one block: a smaller prefill chunk could not be block-aligned
+            step.batch_tokens = min(c.max_num_tokens, max(self.block_size, int(c.batch_max_share * c.max_num_tokens)))
+            return
+        per_step = c.batch_min_share * c.max_num_tokens
+        self.batch_credit = min(self.batch_credit + per_step, max(per_step, self.block_size))
+        step.batch_tokens = step.batch_reserve = min(int(self.batch_credit), c.max_num_tokens)
+
     def _budget(self, req: Request, step: _Step) -> int:
-        """Tokens ``req`` may take in this step: batch-class requests only from their share."""
-        return min(step.tokens, step.batch_tokens) if req.priority <= BATCH_PRIORITY else step.tokens
+        """Tokens ``req`` may take in this step: batch-class requests only from their share, online ones not
+        from what is left of the batch floor."""
+        if req.priority <= BATCH_PRIORITY:
+            return min(step.tokens, step.batch_tokens)
+        return max(0, step.tokens - step.batch_reserve)
 
     def _take(self, req: Request, start: int, n: int, step: _Step) -> None:
         step.out.scheduled.append(ScheduledRequest(req, start, n))
@@ -326,6 +369,8 @@ class Scheduler:
         step.tokens -= n
         if req.priority <= BATCH_PRIORITY:
             step.batch_tokens -= n
+            step.batch_reserve = max(0, step.batch_reserve - n)
+            step.batch_used += n
         step.seats -= 1
 
     # ---- after the forward ----------------------------------------------------------------------------

@@ -103,6 +103,7 @@ BAD_EXECUTOR = [
     ("enable_prefix_reuse", "no", "enable_prefix_reuse must be True or False"),
     ("seed", 2**64, "seed must be an integer in [0, 2**64)"),
     ("metrics_window", 0, "metrics_window must be an integer >= 1"),
+    ("batch_min_share", 0, "batch_min_share must be a finite number in (0, 1]"),
 ]
 
 
@@ -111,6 +112,11 @@ def test_each_executor_option_is_checked(name, value, message):
     with pytest.raises(ConfigError) as exc:
         ExecutorConfig(**{name: value})
     assert message in str(exc.value), str(exc.value)
+
+
+def test_batch_floor_above_its_ceiling_is_refused():
+    with pytest.raises(ConfigError, match=r"batch_min_share 0.5 is above batch_max_share 0.25; lower the floor"):
+        ExecutorConfig(batch_max_share=0.25, batch_min_share=0.5)
 
 
 # ---- prompts ---------------------------------------------------------------------------------------------

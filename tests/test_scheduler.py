@@ -237,7 +237,7 @@ def test_batch_max_share_caps_batch_tokens_per_step():
     from kiln.runtime.outputs import BATCH_PRIORITY
 
     s = make(num_blocks=64, bs=4, batch=8, tokens=16, max_in=48)
-    s.config.batch_max_share = 0.25   # 4 of 16 tokens
+    s.config.batch_max_share = s.config.batch_min_share = 0.25   # 4 of 16 tokens, with or without online work
     batch = [add(s, 8, 3, f"b{i}", priority=BATCH_PRIORITY, arrival=float(i)) for i in range(3)]
     out, _ = step(s)
     assert [(x.request.request_id, x.num_new_tokens) for x in out.scheduled] == [("b0", 4)]   # one aligned chunk
@@ -251,3 +251,25 @@ def test_batch_max_share_caps_batch_tokens_per_step():
         out, _ = step(s)
         assert sum(x.num_new_tokens for x in out.scheduled if x.request.priority == BATCH_PRIORITY) <= 4
     assert not s.has_unfinished() and all(r.num_output_tokens == 3 for r in [*batch, online])
+
+
+@pytest.mark.parametrize("policy", ["guaranteed_no_evict", "max_utilization"])
+def test_batch_min_share_keeps_batch_progressing_under_online_load(policy):
+    """Online prompts that would fill every step leave the batch floor free: a waiting batch request is admitted
+    past the blocked online head and finishes while online work is still running; with a floor of a quarter
+    token per step it waits (its credit reaches one block, the smallest prefill chunk, after 16 steps)."""
+    from kiln.runtime.outputs import BATCH_PRIORITY
+
+    for floor, first_step in ((0.25, {"o0": 12, "b": 4}), (1 / 64, {"o0": 16})):
+        s = make(num_blocks=64, bs=4, batch=8, tokens=16, max_in=48, policy=policy)
+        s.config.batch_min_share = floor   # 4 of 16 tokens
+        online = [add(s, 40, 2, f"o{i}", priority=0, arrival=float(i), first=100 * (i + 1)) for i in range(3)]
+        b = add(s, 8, 2, "b", priority=BATCH_PRIORITY, arrival=9.0)
+        out, _ = step(s)
+        assert {x.request.request_id: x.num_new_tokens for x in out.scheduled} == first_step
+        for _ in range(4):
+            step(s)
+        assert (b.num_output_tokens == 2) == (floor == 0.25)
+        assert any(r.num_output_tokens < 2 for r in online)   # online work was running all along
+        drain(s)
+        assert all(r.num_output_tokens == 2 for r in [*online, b])

@@ -125,7 +125,8 @@ def run_batch(input_path: Path, output: Path, model_dir: Path, served_model_name
 
     build = build_config_from(options)
     try:
-        config = ExecutorConfig(**given(ExecutorConfig, options))
+        # no online traffic shares this engine: batch work may take every step's whole budget
+        config = ExecutorConfig(**{"batch_max_share": 1.0, **given(ExecutorConfig, options)})
     except ConfigError as exc:
         raise click.ClickException(str(exc)) from None
     engine_dir = resolve(model_dir, *build)
