@@ -9,23 +9,29 @@ import importlib
 
 import pytest
 import torch
-from test_plugins import build_case, run_both
+from test_plugins import TOL, build_case, run_both
 
 import kiln.plugins  # noqa: F401
 from kiln.plugins.kv_quant import QMAX, ceil_to_bfloat16, from_pool, row_scales, to_pool, writable
-from kiln.plugins.native import native_kernels_disabled, native_op_ready
+from kiln.plugins.native import native_kernels_disabled, native_op_ready, set_panel_isa
 
 ops = torch.ops.kiln
 pa = importlib.import_module("kiln.plugins.paged_attention")
 POOLS = [torch.int8, torch.float8_e4m3fn]
 
 
-@pytest.fixture(params=["native", "torch"])
+@pytest.fixture(params=["native-256", "native-512", "torch"])
 def mode(request):
-    if request.param == "native":
+    """The C++ kernel at each vector width it has (AVX2; AVX-512 where the CPU has it), or plain torch."""
+    if request.param.startswith("native"):
         if not native_op_ready("paged_attention"):
             pytest.skip("native kernels unavailable")
-        yield "native"
+        bits = int(request.param.split("-")[1])
+        if bits == 512 and set_panel_isa(0) != 512:
+            pytest.skip("no AVX-512 on this CPU")
+        assert set_panel_isa(bits) == bits
+        yield request.param
+        set_panel_isa(0)
     else:
         with native_kernels_disabled():
             yield "torch"
@@ -114,6 +120,19 @@ def test_attention_over_8bit_pool_is_close_to_float(mode, pool, head_dim):
     err = (out_q - out_f).abs().max().item()
     assert err < (0.04 if pool == torch.int8 else 0.2), err   # outputs up to ~3: int8 ~1%, e4m3 ~4%
     assert err > 0                                                    # the 8-bit pool is really 8 bits
+
+
+@pytest.mark.parametrize("pool", [torch.float32, torch.bfloat16, *POOLS])
+@pytest.mark.parametrize("head_dim", [8, 24, 80])
+def test_decode_tiles_match_the_reference(mode, pool, head_dim):
+    """Decode over every pool type with head_dims that are not a multiple of the vector width (the kernel pads
+    its fp32 tiles), contexts that span several key/value tiles and end inside one, and a sliding window."""
+    seqs = [(70, 1), (5, 1), (33, 1), (0, 1)]
+    for window in (0, 9):
+        case = build_case(4, head_dim, 2, 4, seqs, window, torch.float32, 0, 2, seed=head_dim, pool_dtype=pool)
+        out, ref, cache, ref_cache = run_both(case)
+        torch.testing.assert_close(out, ref, **TOL[torch.float32])
+        assert torch.equal(cache.view(torch.int8), ref_cache.view(torch.int8))
 
 
 def test_wrong_row_size_is_named(mode):

@@ -8,12 +8,12 @@
 // implementations (kiln::_<op>_py), which also own the error messages.
 //
 // paged_attention: the new K/V are written into the pool here (quantized for an int8 / fp8 pool); decode
-// sequences (one new token) are computed here, one work item per (sequence, kv head): the group's query
-// heads share one pass over the keys and values, read through the block table (8-bit rows dequantized in
-// registers, their scale applied to the score and to the value's weight), scores in fp32 (soft-capped when
-// asked) with an exact softmax (max, exp, sum). Only the slots inside each sequence's context (and window) are
-// read, so
-// whatever the rest of the pool holds (stale values, NaN) cannot leak in. Context sequences
+// sequences (one new token) are computed here (decode_attention.h, AVX2 or AVX-512), one work item per
+// (sequence, kv head): the group's query heads share one pass over the keys and values, read through the
+// block table in tiles (each row widened to fp32 once, an 8-bit row's scale applied to the score and to the
+// value's weight), scores in fp32 (soft-capped when asked) with an exact softmax (max, exp, sum). Only the
+// slots inside each sequence's context (and window) are read, so whatever the rest of the pool holds (stale
+// values, NaN) cannot leak in. Context sequences
 // (several new tokens) go to the Python SDPA path, kiln::_paged_attention_context_py.
 
 #include "kiln_kernels.h"
@@ -113,13 +113,6 @@ inline float to_f(float v) { return v; }
 inline float to_f(BF v) { return static_cast<float>(v); }
 template <typename T>
 inline T from_f(float v) { return static_cast<T>(v); }
-
-// 8 consecutive elements widened to fp32
-inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
-inline __m256 load8(const BF* p) {
-  __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
-}
 
 // The sums of eight vectors, in order: [sum(a0), ..., sum(a7)].
 inline __m256 hsum8(__m256 a0, __m256 a1, __m256 a2, __m256 a3, __m256 a4, __m256 a5, __m256 a6, __m256 a7) {
@@ -296,7 +289,7 @@ Tensor gelu_cpu(const Tensor& x, c10::string_view approximate) {
 // The element types of a pool. A float pool's row (one token's keys or values of one KV head) is head_dim
 // values. An 8-bit pool's row (int8, or fp8 = e4m3) is head_dim numbers followed by their bf16 scale in the
 // row's last 2 bytes (kiln/plugins/kv_quant.py owns the layout; this file computes the same bytes):
-// value = load8(number) * row_scale(row), where row_scale folds in the unit load8 leaves out.
+// value = Isa::widen(number) * row_scale(row), where row_scale folds in the unit widen leaves out.
 using F8 = c10::Float8_e4m3fn;
 template <typename KV>
 struct Pool {
@@ -313,20 +306,10 @@ template <>
 struct Pool<F8> {
   static constexpr bool quantized = true;
   static constexpr int64_t extra = 2;
-  static constexpr float qmax = 448.0f, unit = 256.0f;  // load8 reads e4m3 as fp16: 2^-8 of its value
+  static constexpr float qmax = 448.0f, unit = 256.0f;  // widen reads e4m3 as fp16: 2^-8 of its value
 };
 
-inline __m256 load8(const int8_t* p) {
-  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
-}
-// e4m3 -> the fp16 with the same bits moved (sign to bit 15, exponent and mantissa to bits 13..7), which is
-// its value / 2^8 exactly (subnormals included: the fp16 subnormals F16C widens exactly)
-inline __m256 load8(const F8* p) {
-  const __m128i b = _mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
-  const __m128i h = _mm_and_si128(_mm_srai_epi16(_mm_slli_epi16(b, 8), 1), _mm_set1_epi16(static_cast<short>(0xBFFF)));
-  return _mm256_cvtph_ps(h);
-}
-// one element in load8's unit (the scalar tails)
+// one element in widen's unit (the scalar tails)
 inline float num(float v) { return v; }
 inline float num(BF v) { return static_cast<float>(v); }
 inline float num(int8_t v) { return static_cast<float>(v); }
@@ -423,173 +406,126 @@ inline void prefetch_row(const T* p, int64_t n) {
   _mm_prefetch(c + bytes - 1, _MM_HINT_T0);
 }
 
+// One decode work item, what it reads, and the buffers of one thread (decode_attention.h).
+struct Item {
+  int64_t row, ctx, lo, len;  // q/out row, context length, first position read, positions read
+  const int32_t* table;       // the sequence's block table
+};
+
+struct Geometry {
+  int64_t block_size, slot_stride, block_stride, kvrow, h, d, group, hq;
+};
+
+template <typename KV>
+inline const KV* pool_row(const KV* pool, const Item& it, const Geometry& g, int64_t pos) {
+  return pool + it.table[pos / g.block_size] * g.block_stride + (pos % g.block_size) * g.slot_stride + g.h * g.kvrow;
+}
+
+// Buffers of one thread, reused across its items.
+struct Scratch {
+  std::vector<float> qf, acc, scores, tile, weights, vscale;
+};
+
+// The vector ISAs of decode attention (decode_attention.h, once per ISA): AVX2 + FMA + F16C everywhere,
+// AVX-512 where kiln_panel_isa() says 512 (the CPU has it and KILN_PANEL_ISA=256 does not force AVX2).
+// widen(p): L numbers of a pool row in the pool's unit; e4m3 -> the fp16 with the same bits moved (sign to bit
+// 15, exponent and mantissa to bits 13..7), which is its value / 2^8 exactly (subnormals included: the
+// fp16 subnormals F16C widens exactly); the 2^8 is in the row's scale (Pool<F8>::unit).
+namespace a256 {
+struct Isa {
+  using V = __m256;
+  static constexpr int L = 8;
+  static inline V zero() { return _mm256_setzero_ps(); }
+  static inline V set1(float v) { return _mm256_set1_ps(v); }
+  static inline V load(const float* p) { return _mm256_loadu_ps(p); }
+  static inline void store(float* p, V v) { _mm256_storeu_ps(p, v); }
+  static inline V fma(V a, V b, V c) { return _mm256_fmadd_ps(a, b, c); }
+  static inline V add(V a, V b) { return _mm256_add_ps(a, b); }
+  static inline V widen(const float* p) { return _mm256_loadu_ps(p); }
+  static inline V widen(const BF* p) {
+    const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+  }
+  static inline V widen(const int8_t* p) {
+    return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+  }
+  static inline V widen(const F8* p) {
+    const __m128i b = _mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+    const __m128i h = _mm_and_si128(_mm_srai_epi16(_mm_slli_epi16(b, 8), 1), _mm_set1_epi16(static_cast<short>(0xBFFF)));
+    return _mm256_cvtph_ps(h);
+  }
+  static inline __m256 reduce8(const V* a) { return hsum8(a[0], a[1], a[2], a[3], a[4], a[5], a[6], a[7]); }
+};
+#include "decode_attention.h"
+}  // namespace a256
+
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c")
+namespace a512 {
+struct Isa {
+  using V = __m512;
+  static constexpr int L = 16;
+  static inline V zero() { return _mm512_setzero_ps(); }
+  static inline V set1(float v) { return _mm512_set1_ps(v); }
+  static inline V load(const float* p) { return _mm512_loadu_ps(p); }
+  static inline void store(float* p, V v) { _mm512_storeu_ps(p, v); }
+  static inline V fma(V a, V b, V c) { return _mm512_fmadd_ps(a, b, c); }
+  static inline V add(V a, V b) { return _mm512_add_ps(a, b); }
+  static inline V widen(const float* p) { return _mm512_loadu_ps(p); }
+  static inline V widen(const BF* p) {
+    const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+  }
+  static inline V widen(const int8_t* p) {
+    return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+  }
+  static inline V widen(const F8* p) {
+    const __m256i b = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+    const __m256i h = _mm256_and_si256(_mm256_srai_epi16(_mm256_slli_epi16(b, 8), 1),
+                                       _mm256_set1_epi16(static_cast<short>(0xBFFF)));
+    return _mm512_cvtph_ps(h);
+  }
+  static inline __m256 half_sum(V v) {
+    return _mm256_add_ps(_mm512_castps512_ps256(v), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)));
+  }
+  static inline __m256 reduce8(const V* a) {
+    return hsum8(half_sum(a[0]), half_sum(a[1]), half_sum(a[2]), half_sum(a[3]), half_sum(a[4]), half_sum(a[5]),
+                 half_sum(a[6]), half_sum(a[7]));
+  }
+};
+#include "decode_attention.h"
+}  // namespace a512
+#pragma GCC pop_options
+
+// Every decode sequence's attention: one work item per (sequence, kv head); the group's query heads share one
+// pass over the keys and values (decode_attention.h), with the ISA the panel kernels use.
 template <typename Q, typename KV>
 void decode_attention(const Q* q, const KV* kpool, const KV* vpool, Q* out, const std::vector<int64_t>& rows,
                       const std::vector<int64_t>& seqs, const int32_t* ctx_lens, const int32_t* tables,
                       int64_t max_blocks, int64_t block_size, int64_t hkv, int64_t group, int64_t d,
                       float scale, int64_t window, float softcap) {
-  const int64_t hq = hkv * group;
   const int64_t items = static_cast<int64_t>(rows.size()) * hkv;
-  const int64_t kvrow = d + Pool<KV>::extra;           // one token of one kv head (8-bit: + its scale)
-  const int64_t slot_stride = hkv * kvrow;             // one token of one pool (all kv heads)
-  const int64_t block_stride = block_size * slot_stride;
+  const int64_t kvrow = d + Pool<KV>::extra;  // one token of one kv head (8-bit: + its scale)
+  const int64_t slot_stride = hkv * kvrow;    // one token of one pool (all kv heads)
   // Threads only when there is enough work: a parallel region costs more than a small decode
   // (batch 1, short contexts), and much more when the cores are shared.
   int64_t work = 0;
   for (int64_t s : seqs) work += (window > 0 ? std::min<int64_t>(ctx_lens[s], window) : ctx_lens[s]);
   work *= hkv * (group + 1) * d;
   const int64_t grain = work < (int64_t(1) << 18) ? std::max<int64_t>(items, 1) : 1;
+  const bool wide = kiln_panel_isa() == 512;
   at::parallel_for(0, items, grain, [&](int64_t i0, int64_t i1) {
-    std::vector<float> qf(group * d), acc(group * d), scores;
-    for (int64_t it = i0; it < i1; ++it) {
-      const int64_t n = it / hkv, h = it % hkv;
-      const int64_t row = rows[n], s = seqs[n];
-      const int64_t ctx = ctx_lens[s];
-      const int64_t lo = window > 0 ? std::max<int64_t>(0, ctx - window) : 0;
-      const int64_t len = ctx - lo;
-      const int32_t* table = tables + s * max_blocks;
-      for (int64_t g = 0; g < group; ++g)
-        for (int64_t j = 0; j < d; ++j) qf[g * d + j] = to_f(q[(row * hq + h * group + g) * d + j]) * scale;
-      scores.resize(group * len);
-      // scores[g * len + p] = q_g . k_{lo+p}; eight positions per pass so one transpose-reduce
-      // replaces eight horizontal sums
-      int64_t p0 = 0;
-      if (d % 8 == 0) {
-        for (; p0 + 8 <= len; p0 += 8) {
-          const KV* kr[8];
-          for (int u = 0; u < 8; ++u) {
-            const int64_t pos = lo + p0 + u;
-            kr[u] = kpool + table[pos / block_size] * block_stride + (pos % block_size) * slot_stride + h * kvrow;
-          }
-          if (p0 + 8 + KV_AHEAD <= len)  // the rows two passes ahead: scattered blocks defeat the prefetcher
-            for (int u = 0; u < 8; ++u) {
-              const int64_t pos = lo + p0 + KV_AHEAD + u;
-              prefetch_row(kpool + table[pos / block_size] * block_stride + (pos % block_size) * slot_stride +
-                           h * kvrow, kvrow);
-            }
-          const __m256 ks = Pool<KV>::quantized
-                                ? _mm256_setr_ps(row_scale(kr[0], d), row_scale(kr[1], d), row_scale(kr[2], d),
-                                                 row_scale(kr[3], d), row_scale(kr[4], d), row_scale(kr[5], d),
-                                                 row_scale(kr[6], d), row_scale(kr[7], d))
-                                : _mm256_set1_ps(1.0f);
-          for (int64_t g = 0; g < group; ++g) {
-            const float* qg = qf.data() + g * d;
-            __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0, a7 = a0;
-            for (int64_t j = 0; j < d; j += 8) {
-              const __m256 qv = _mm256_loadu_ps(qg + j);
-              a0 = _mm256_fmadd_ps(qv, load8(kr[0] + j), a0);
-              a1 = _mm256_fmadd_ps(qv, load8(kr[1] + j), a1);
-              a2 = _mm256_fmadd_ps(qv, load8(kr[2] + j), a2);
-              a3 = _mm256_fmadd_ps(qv, load8(kr[3] + j), a3);
-              a4 = _mm256_fmadd_ps(qv, load8(kr[4] + j), a4);
-              a5 = _mm256_fmadd_ps(qv, load8(kr[5] + j), a5);
-              a6 = _mm256_fmadd_ps(qv, load8(kr[6] + j), a6);
-              a7 = _mm256_fmadd_ps(qv, load8(kr[7] + j), a7);
-            }
-            __m256 sc8 = hsum8(a0, a1, a2, a3, a4, a5, a6, a7);
-            if constexpr (Pool<KV>::quantized) sc8 = _mm256_mul_ps(sc8, ks);
-            _mm256_storeu_ps(scores.data() + g * len + p0, sc8);
-          }
-        }
-      }
-      for (int64_t p = p0; p < len; ++p) {
-        const int64_t pos = lo + p;
-        const KV* kr = kpool + table[pos / block_size] * block_stride + (pos % block_size) * slot_stride + h * kvrow;
-        const float ks = row_scale(kr, d);
-        for (int64_t g = 0; g < group; ++g) {
-          const float* qg = qf.data() + g * d;
-          int64_t j = 0;
-          __m256 a = _mm256_setzero_ps();
-          for (; j + 8 <= d; j += 8) a = _mm256_fmadd_ps(_mm256_loadu_ps(qg + j), load8(kr + j), a);
-          float sc = hsum(a);
-          for (; j < d; ++j) sc += qg[j] * num(kr[j]);
-          scores[g * len + p] = Pool<KV>::quantized ? sc * ks : sc;
-        }
-      }
-      // soft-capping (Gemma 2): cap * tanh(score / cap), before the softmax
-      if (softcap > 0.0f)
-        for (int64_t i = 0; i < group * len; ++i) scores[i] = softcap * std::tanh(scores[i] / softcap);
-      // softmax per query head
-      for (int64_t g = 0; g < group; ++g) {
-        float* sg = scores.data() + g * len;
-        float mx = -std::numeric_limits<float>::infinity();
-        for (int64_t p = 0; p < len; ++p) mx = std::max(mx, sg[p]);
-        const __m256 vmx = _mm256_set1_ps(mx);
-        __m256 vs = _mm256_setzero_ps();
-        int64_t p = 0;
-        for (; p + 8 <= len; p += 8) {
-          __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(sg + p), vmx));
-          _mm256_storeu_ps(sg + p, e);
-          vs = _mm256_add_ps(vs, e);
-        }
-        float sum = hsum(vs);
-        for (; p < len; ++p) {
-          sg[p] = std::exp(sg[p] - mx);
-          sum += sg[p];
-        }
-        const float inv = 1.0f / sum;
-        for (p = 0; p < len; ++p) sg[p] *= inv;
-      }
-      // weighted sum of the values (an 8-bit row's weight carries its scale)
-      std::fill(acc.begin(), acc.end(), 0.0f);
-      if (d % 64 == 0) {  // 64 output dims of one query head live in 8 registers across all positions
-        for (int64_t jb = 0; jb < d; jb += 64)
-          for (int64_t g = 0; g < group; ++g) {
-            const float* sg = scores.data() + g * len;
-            __m256 r0 = _mm256_setzero_ps(), r1 = r0, r2 = r0, r3 = r0, r4 = r0, r5 = r0, r6 = r0, r7 = r0;
-            const int64_t span = jb + 64 == d ? 64 + Pool<KV>::extra : 64;  // the last part: and the scale
-            for (int64_t p = 0; p < len; ++p) {
-              const int64_t pos = lo + p;
-              const KV* vrow = vpool + table[pos / block_size] * block_stride + (pos % block_size) * slot_stride + h * kvrow;
-              const KV* vr = vrow + jb;
-              if (g == 0 && p + KV_AHEAD < len) {  // the first query head of the group reads V from memory
-                const int64_t pa = pos + KV_AHEAD;
-                prefetch_row(vpool + table[pa / block_size] * block_stride + (pa % block_size) * slot_stride +
-                             h * kvrow + jb, span);
-              }
-              const __m256 w = _mm256_set1_ps(Pool<KV>::quantized ? sg[p] * row_scale(vrow, d) : sg[p]);
-              r0 = _mm256_fmadd_ps(w, load8(vr), r0);
-              r1 = _mm256_fmadd_ps(w, load8(vr + 8), r1);
-              r2 = _mm256_fmadd_ps(w, load8(vr + 16), r2);
-              r3 = _mm256_fmadd_ps(w, load8(vr + 24), r3);
-              r4 = _mm256_fmadd_ps(w, load8(vr + 32), r4);
-              r5 = _mm256_fmadd_ps(w, load8(vr + 40), r5);
-              r6 = _mm256_fmadd_ps(w, load8(vr + 48), r6);
-              r7 = _mm256_fmadd_ps(w, load8(vr + 56), r7);
-            }
-            float* ag = acc.data() + g * d + jb;
-            _mm256_storeu_ps(ag, r0);
-            _mm256_storeu_ps(ag + 8, r1);
-            _mm256_storeu_ps(ag + 16, r2);
-            _mm256_storeu_ps(ag + 24, r3);
-            _mm256_storeu_ps(ag + 32, r4);
-            _mm256_storeu_ps(ag + 40, r5);
-            _mm256_storeu_ps(ag + 48, r6);
-            _mm256_storeu_ps(ag + 56, r7);
-          }
-      } else {  // any head_dim
-        for (int64_t p = 0; p < len; ++p) {
-          const int64_t pos = lo + p;
-          const KV* vr = vpool + table[pos / block_size] * block_stride + (pos % block_size) * slot_stride + h * kvrow;
-          const float vs = row_scale(vr, d);
-          int64_t j = 0;
-          for (; j + 8 <= d; j += 8) {
-            const __m256 vv = load8(vr + j);
-            for (int64_t g = 0; g < group; ++g) {
-              float* ag = acc.data() + g * d + j;
-              const float w = Pool<KV>::quantized ? scores[g * len + p] * vs : scores[g * len + p];
-              _mm256_storeu_ps(ag, _mm256_fmadd_ps(_mm256_set1_ps(w), vv, _mm256_loadu_ps(ag)));
-            }
-          }
-          for (; j < d; ++j) {
-            const float vj = num(vr[j]);
-            for (int64_t g = 0; g < group; ++g)
-              acc[g * d + j] += (Pool<KV>::quantized ? scores[g * len + p] * vs : scores[g * len + p]) * vj;
-          }
-        }
-      }
-      for (int64_t g = 0; g < group; ++g)
-        for (int64_t j = 0; j < d; ++j) out[(row * hq + h * group + g) * d + j] = from_f<Q>(acc[g * d + j]);
+    Scratch scratch;
+    for (int64_t i = i0; i < i1; ++i) {
+      const int64_t n = i / hkv, h = i % hkv;
+      const int64_t s = seqs[n], c = ctx_lens[s];
+      const int64_t lo = window > 0 ? std::max<int64_t>(0, c - window) : 0;
+      const Geometry geo{block_size, slot_stride, block_size * slot_stride, kvrow, h, d, group, hkv * group};
+      const Item it{rows[n], c, lo, c - lo, tables + s * max_blocks};
+      if (wide)
+        a512::attend_item<Q, KV>(q, kpool, vpool, out, it, geo, scale, softcap, scratch);
+      else
+        a256::attend_item<Q, KV>(q, kpool, vpool, out, it, geo, scale, softcap, scratch);
     }
   });
 }

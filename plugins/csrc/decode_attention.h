@@ -1,0 +1,139 @@
+// Decode attention of one (sequence, KV head) work item, written once for a vector ISA: plugin_ops.cpp includes
+// it inside namespace a256 (AVX2) and a512 (AVX-512, its own target), each with its `Isa` traits (V: the
+// float vector of L lanes; widen(p): L numbers of a pool row as floats in the pool's unit; reduce8: the sums
+// of eight vectors as one __m256) and, from plugin_ops.cpp, Pool, row_scale, num, exp8, hsum, prefetch_row,
+// Item, Geometry, Scratch and pool_row in scope.
+// Why tiles: each pool row is widened to fp32 ONCE into a small buffer (L1) and the group's query heads then
+// read floats, so an 8-bit row costs one conversion however many query heads share it (before, every head
+// converted every row again, and e4m3's five-instruction widening made fp8 slower than bf16's two).
+// Rows are padded with zeros to a multiple of L (q too), so any head_dim runs the same vector loops.
+
+// d numbers of a pool row as floats (the pool's unit) into dst[0, dp), zeros after d
+template <typename KV>
+inline void widen_row(const KV* row, float* dst, int64_t d, int64_t dp) {
+  int64_t j = 0;
+  for (; j + Isa::L <= d; j += Isa::L) Isa::store(dst + j, Isa::widen(row + j));
+  for (; j < d; ++j) dst[j] = num(row[j]);
+  for (; j < dp; ++j) dst[j] = 0.0f;
+}
+
+// acc[c * L ..] += sum over the tile's positions p of w[p] * vb[p][c * L ..] for the NV vectors starting at
+// column c0: even and odd positions in separate registers (2 * NV independent chains)
+template <int NV>
+inline void accumulate(float* acc, const float* vb, const float* w, int64_t n, int64_t dp, int64_t c0) {
+  typename Isa::V e[NV], o[NV];
+  for (int i = 0; i < NV; ++i) {
+    e[i] = Isa::load(acc + c0 + i * Isa::L);
+    o[i] = Isa::zero();
+  }
+  int64_t p = 0;
+  for (; p + 2 <= n; p += 2) {
+    const typename Isa::V w0 = Isa::set1(w[p]), w1 = Isa::set1(w[p + 1]);
+    const float* r0 = vb + p * dp + c0;
+    const float* r1 = r0 + dp;
+    for (int i = 0; i < NV; ++i) {
+      e[i] = Isa::fma(w0, Isa::load(r0 + i * Isa::L), e[i]);
+      o[i] = Isa::fma(w1, Isa::load(r1 + i * Isa::L), o[i]);
+    }
+  }
+  if (p < n) {
+    const typename Isa::V w0 = Isa::set1(w[p]);
+    for (int i = 0; i < NV; ++i) e[i] = Isa::fma(w0, Isa::load(vb + p * dp + c0 + i * Isa::L), e[i]);
+  }
+  for (int i = 0; i < NV; ++i) Isa::store(acc + c0 + i * Isa::L, Isa::add(e[i], o[i]));
+}
+
+template <typename Q, typename KV>
+void attend_item(const Q* q, const KV* kpool, const KV* vpool, Q* out, const Item& it, const Geometry& g,
+                 float scale, float softcap, Scratch& s) {
+  constexpr int L = Isa::L;
+  const int64_t d = g.d, group = g.group, len = it.len;
+  const int64_t dp = (d + L - 1) / L * L;
+  const int64_t ptile = std::max<int64_t>(8, std::min<int64_t>(32, 2048 / dp));  // V rows per tile (<= 8 KB)
+  s.qf.assign(group * dp, 0.0f);
+  s.acc.assign(group * dp, 0.0f);
+  s.scores.resize(group * len);
+  s.tile.resize(std::max<int64_t>(8, ptile) * dp);
+  s.weights.resize(group * ptile);
+  s.vscale.resize(ptile);
+  for (int64_t gi = 0; gi < group; ++gi)
+    for (int64_t j = 0; j < d; ++j) s.qf[gi * dp + j] = to_f(q[(it.row * g.hq + g.h * group + gi) * d + j]) * scale;
+  float* kb = s.tile.data();
+  // scores[gi * len + p] = q_gi . k_{lo+p}: eight positions per tile (rows past len stay zero: score 0,
+  // not stored), one transpose-reduce instead of eight horizontal sums
+  for (int64_t p0 = 0; p0 < len; p0 += 8) {
+    const int64_t n = std::min<int64_t>(8, len - p0);
+    alignas(32) float ks[8] = {1, 1, 1, 1, 1, 1, 1, 1};
+    for (int64_t u = 0; u < n; ++u) {
+      const int64_t pos = it.lo + p0 + u;
+      if (p0 + u + KV_AHEAD < len)  // scattered blocks defeat the hardware prefetcher
+        prefetch_row(pool_row(kpool, it, g, pos + KV_AHEAD), g.kvrow);
+      const KV* kr = pool_row(kpool, it, g, pos);
+      widen_row(kr, kb + u * dp, d, dp);
+      ks[u] = row_scale(kr, d);
+    }
+    for (int64_t u = n; u < 8; ++u) std::fill(kb + u * dp, kb + (u + 1) * dp, 0.0f);
+    const __m256 ksv = _mm256_load_ps(ks);
+    for (int64_t gi = 0; gi < group; ++gi) {
+      const float* qg = s.qf.data() + gi * dp;
+      typename Isa::V a[8];
+      for (int u = 0; u < 8; ++u) a[u] = Isa::zero();
+      for (int64_t j = 0; j < dp; j += L) {
+        const typename Isa::V qv = Isa::load(qg + j);
+        for (int u = 0; u < 8; ++u) a[u] = Isa::fma(qv, Isa::load(kb + u * dp + j), a[u]);
+      }
+      __m256 sc8 = Isa::reduce8(a);
+      if constexpr (Pool<KV>::quantized) sc8 = _mm256_mul_ps(sc8, ksv);
+      alignas(32) float tmp[8];
+      _mm256_store_ps(tmp, sc8);
+      std::copy(tmp, tmp + n, s.scores.data() + gi * len + p0);
+    }
+  }
+  // soft-capping (Gemma 2): cap * tanh(score / cap), before the softmax
+  if (softcap > 0.0f)
+    for (int64_t i = 0; i < group * len; ++i) s.scores[i] = softcap * std::tanh(s.scores[i] / softcap);
+  // exact softmax per query head (max, exp, sum)
+  for (int64_t gi = 0; gi < group; ++gi) {
+    float* sg = s.scores.data() + gi * len;
+    float mx = -std::numeric_limits<float>::infinity();
+    for (int64_t p = 0; p < len; ++p) mx = std::max(mx, sg[p]);
+    const __m256 vmx = _mm256_set1_ps(mx);
+    __m256 vs = _mm256_setzero_ps();
+    int64_t p = 0;
+    for (; p + 8 <= len; p += 8) {
+      const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(sg + p), vmx));
+      _mm256_storeu_ps(sg + p, e);
+      vs = _mm256_add_ps(vs, e);
+    }
+    float sum = hsum(vs);
+    for (; p < len; ++p) {
+      sg[p] = std::exp(sg[p] - mx);
+      sum += sg[p];
+    }
+    const float inv = 1.0f / sum;
+    for (p = 0; p < len; ++p) sg[p] *= inv;
+  }
+  // weighted sum of the values, ptile rows at a time (an 8-bit row's weight carries its scale)
+  float* vb = s.tile.data();
+  for (int64_t p0 = 0; p0 < len; p0 += ptile) {
+    const int64_t n = std::min<int64_t>(ptile, len - p0);
+    for (int64_t u = 0; u < n; ++u) {
+      const int64_t pos = it.lo + p0 + u;
+      if (p0 + u + KV_AHEAD < len) prefetch_row(pool_row(vpool, it, g, pos + KV_AHEAD), g.kvrow);
+      const KV* vr = pool_row(vpool, it, g, pos);
+      widen_row(vr, vb + u * dp, d, dp);
+      s.vscale[u] = row_scale(vr, d);
+    }
+    for (int64_t gi = 0; gi < group; ++gi) {
+      float* w = s.weights.data() + gi * ptile;
+      const float* sg = s.scores.data() + gi * len + p0;
+      for (int64_t u = 0; u < n; ++u) w[u] = Pool<KV>::quantized ? sg[u] * s.vscale[u] : sg[u];
+      float* ag = s.acc.data() + gi * dp;
+      int64_t c = 0;
+      for (; c + 4 * L <= dp; c += 4 * L) accumulate<4>(ag, vb, w, n, dp, c);
+      for (; c < dp; c += L) accumulate<1>(ag, vb, w, n, dp, c);
+    }
+  }
+  for (int64_t gi = 0; gi < group; ++gi)
+    for (int64_t j = 0; j < d; ++j) out[(it.row * g.hq + g.h * group + gi) * d + j] = from_f<Q>(s.acc[gi * dp + j]);
+}
