@@ -22,6 +22,7 @@ from click.testing import CliRunner
 
 from kiln.runtime import SamplingParams
 from kiln.runtime.cli import main
+from kiln.serving.openai.app import PRECHECK_BYTES
 from kiln.serving.prompt_bounds import MAX_REQUEST_BYTES, PromptBounds
 
 from runtime_support import get_engine, random_prompts
@@ -83,9 +84,11 @@ def test_big_prompts_are_refused_by_size_while_health_answers(server, ref):
         "15 MB of text": (CMPL, {"prompt": "The kiln fires the clay. " * 600_000}, 400, "prompt", "bytes, more than"),
         "text just over the bound": (CMPL, {"prompt": "é" * (bounds.max_text_bytes // 2 + 1)}, 400, "prompt",
                                      f"at most {bounds.max_text_bytes} bytes"),
-        "3M token ids": (CMPL, {"prompt": [5] * 3_000_000}, 400, "prompt", "3000000 tokens, more than"),
-        "100k messages": (CHAT, {"messages": [{"role": "user", "content": ""}] * 100_000}, 400, "messages",
-                          "100000 messages cannot fit"),
+        # millions of JSON values are refused by their count before the body is parsed (which would hold the GIL)
+        "3M token ids": (CMPL, {"prompt": [5] * 3_000_000}, 400, None, "holds 3000003 JSON values"),
+        "100k messages": (CHAT, {"messages": [{"role": "user", "content": ""}] * 100_000}, 400, None,
+                          "holds 300003 JSON values"),
+        "30k token ids (under the count)": (CMPL, {"prompt": [5] * 30_000}, 400, "prompt", "30000 tokens, more than"),
     }
     health: list[int] = []
     done = threading.Event()
@@ -134,12 +137,15 @@ def test_request_bodies_over_the_cap_get_413(server):
 
 
 def test_large_bodies_are_parsed_and_tokenized_off_the_loop_and_answer_right(server, ref):
-    """16 prompts of 90 token ids (a 6 kB body: the prompt workers' path) equal LLM.generate."""
+    """16 prompts of 90 token ids, indented (a 70 kB body: the prompt workers' path, its JSON values counted before
+    it is parsed), equal LLM.generate."""
     prompts = random_prompts(16, VOCAB, 90, 90, seed=22)
     wants = ref.generate(prompts, SamplingParams(temperature=0, max_tokens=3, ignore_eos=True))
-    body = {"model": MODEL, "prompt": prompts, "max_tokens": 3, "temperature": 0, "ignore_eos": True}
-    assert len(json.dumps(body)) > 4096
-    r = httpx.post(f"{server.url}{CMPL}", json=body, headers=AUTH, timeout=60)
+    body = json.dumps({"model": MODEL, "prompt": prompts, "max_tokens": 3, "temperature": 0, "ignore_eos": True},
+                      indent=48)
+    assert len(body) > PRECHECK_BYTES
+    r = httpx.post(f"{server.url}{CMPL}", content=body, headers={**AUTH, "Content-Type": "application/json"},
+                   timeout=60)
     assert r.status_code == 200, r.text[:300]
     assert [c["text"] for c in sorted(r.json()["choices"], key=lambda c: c["index"])] == [w.text for w in wants]
 
