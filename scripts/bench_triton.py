@@ -45,14 +45,22 @@ def free_port() -> int:
 
 def cpu_seconds(pids: list[int]) -> float:
     """User + system CPU time of processes (from /proc), in seconds."""
-    total = 0
+    return sum(cpu_by_process(pids).values())
+
+
+def cpu_by_process(pids: list[int]) -> dict[str, float]:
+    """User + system CPU seconds of processes by kind: this process ("client"), "tritonserver" and its Python
+    backend "stub" (kiln's model: its step loop and its sender thread)."""
+    out: dict[str, float] = {}
     for pid in pids:
         try:
-            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-            total += int(fields[11]) + int(fields[12])
+            comm, fields = Path(f"/proc/{pid}/stat").read_text().split(" (", 1)[1].rsplit(")", 1)
+            fields = fields.split()
+            kind = "client" if pid == os.getpid() else "tritonserver" if comm == "tritonserver" else "stub"
+            out[kind] = out.get(kind, 0.0) + (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
         except (OSError, IndexError, ValueError):
             pass
-    return total / os.sysconf("SC_CLK_TCK")
+    return out
 
 
 def main() -> int:
@@ -139,9 +147,11 @@ def main() -> int:
                         await run_workload(target, 10_000)
                     for i in range(2):   # and the first requests of a connection
                         await target.send(RequestRecord(-1 - i, 0.0, 16, 4), synth.warmup_prompt(i, 16))
-                    cpu0 = cpu_seconds(pids)
+                    cpu0 = cpu_by_process(pids)
                     run = await run_workload(target, 1 + run_index)
-                    run["cpu_s"] = cpu_seconds(pids) - cpu0
+                    cpu1 = cpu_by_process(pids)
+                    run["cpu_by_process_s"] = {k: v - cpu0.get(k, 0.0) for k, v in cpu1.items()}
+                    run["cpu_s"] = sum(run["cpu_by_process_s"].values())
                     return run
                 finally:
                     await target.close()
@@ -160,6 +170,7 @@ def main() -> int:
         return dict(ttft_p50=lat["ttft"]["p50"], ttft_p95=lat["ttft"]["p95"], tpot_p50=lat["tpot"]["p50"],
                     tpot_p95=lat["tpot"]["p95"], e2e_p50=lat["e2e"]["p50"],
                     tok_per_s=run["throughput"]["output_tokens_per_s"], cpu_ms_per_token=run["cpu_s"] / tokens * 1e3,
+                    **{f"cpu_ms_per_token_{k}": v / tokens * 1e3 for k, v in run["cpu_by_process_s"].items()},
                     completed=run["requests"]["completed"] == run["requests"]["scheduled"])
 
     rows = {name: [row(r) for r in runs] for name, runs in results.items()}
@@ -182,6 +193,9 @@ def main() -> int:
           f"e2e p50 x{b['e2e_p50'] / a['e2e_p50']:.3f}, "
           f"CPU per token x{b['cpu_ms_per_token'] / a['cpu_ms_per_token']:.3f} "
           "(server + stub + client vs this process)")
+    print("CPU per token by process: " + "; ".join(
+        f"{name}: " + ", ".join(f"{k.removeprefix('cpu_ms_per_token_')} {v:.2f} ms" for k, v in m.items()
+                                 if k.startswith("cpu_ms_per_token_")) for name, m in med.items()))
     print(f"machine load (1-min average) at the end: {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs "
           "(shared: compare within one run)")
     return 0

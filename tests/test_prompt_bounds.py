@@ -6,6 +6,7 @@ shown to do it). Then the prompt workers: small jobs inline, large ones in a thr
 from __future__ import annotations
 
 import asyncio
+import json
 import threading
 
 import pytest
@@ -160,3 +161,44 @@ def test_prompt_workers_inline_pooled_and_busy():
         gate.set()
     finally:
         workers.shutdown()
+
+
+# ---- the count of JSON values a large body is refused by before it is parsed (kiln.serving.json_values) ----
+json_leaves = st.one_of(st.none(), st.booleans(), st.integers(), st.floats(allow_nan=False),
+                        st.text(alphabet=st.sampled_from('ab,[{"\\\\ é\n'), max_size=12))
+json_docs = st.recursive(json_leaves, lambda kids: st.one_of(
+    st.lists(kids, max_size=6), st.dictionaries(st.text(alphabet=st.sampled_from('k,"\\\\[{'), max_size=4), kids,
+                                                max_size=5)), max_leaves=40)
+
+
+def elements(value) -> int:
+    """The count from the parsed document: each container's elements, an empty container counting one."""
+    if isinstance(value, list):
+        return max(len(value), 1) + sum(elements(v) for v in value)
+    if isinstance(value, dict):
+        return max(len(value), 1) + sum(elements(v) for v in value.values())
+    return 0
+
+
+@settings(max_examples=300, deadline=None)
+@given(doc=json_docs, slice_bytes=st.integers(1, 9), indent=st.sampled_from([None, 1]))
+def test_json_values_are_counted_as_the_parsed_document_has_them(doc, slice_bytes, indent):
+
+    from kiln.serving.json_values import count_json_values
+
+    data = json.dumps(doc, indent=indent, ensure_ascii=False).encode()
+    assert count_json_values(data, slice_bytes) == elements(json.loads(data)), data
+
+
+def test_json_values_of_escapes_across_slices():
+    from kiln.serving.json_values import count_json_values
+
+    # a run of backslashes that ends a slice: even runs do not escape the quote after them, odd ones do
+    for run in range(6):
+        text = "\\" * run + '"'
+        data = json.dumps([text, 1, 2]).encode()
+        for slice_bytes in range(1, len(data) + 1):
+            assert count_json_values(data, slice_bytes) == 3, (data, slice_bytes)
+    assert count_json_values(b"") == 0
+    assert count_json_values(b'"[,{"') == 0
+    assert count_json_values(b"[" + b"5," * 99_999 + b"5]") == 100_000

@@ -3,7 +3,8 @@ prompts too large for the engine refused by their size before anything is tokeni
 /health meanwhile and giving its memory back), request bodies over the cap, slow and silent connections cut off
 with a 408, the connection limit, choices counted against --max-waiting and the batch, the rejected-requests
 counter, case-insensitive Bearer, no /docs, /metrics behind the key on request; then Triton: its request-size cap,
-unknown fields and parameters refused by name, INT32 extremes, and which bad JSON tritonserver itself answers 500.
+unknown fields and parameters refused by name, INT64 extremes (and JSON integers beyond INT32, unwrapped with
+--int64-inputs), and which bad JSON tritonserver itself answers 500.
 ``scripts/bench_hostile.py`` measures the same attacks (latency, RSS) at the issue's sizes."""
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from click.testing import CliRunner
 
 from kiln.runtime import SamplingParams
 from kiln.runtime.cli import main
+from kiln.serving.openai.app import PRECHECK_BYTES
 from kiln.serving.prompt_bounds import MAX_REQUEST_BYTES, PromptBounds
 
 from runtime_support import get_engine, random_prompts
@@ -83,9 +85,11 @@ def test_big_prompts_are_refused_by_size_while_health_answers(server, ref):
         "15 MB of text": (CMPL, {"prompt": "The kiln fires the clay. " * 600_000}, 400, "prompt", "bytes, more than"),
         "text just over the bound": (CMPL, {"prompt": "é" * (bounds.max_text_bytes // 2 + 1)}, 400, "prompt",
                                      f"at most {bounds.max_text_bytes} bytes"),
-        "3M token ids": (CMPL, {"prompt": [5] * 3_000_000}, 400, "prompt", "3000000 tokens, more than"),
-        "100k messages": (CHAT, {"messages": [{"role": "user", "content": ""}] * 100_000}, 400, "messages",
-                          "100000 messages cannot fit"),
+        # millions of JSON values are refused by their count before the body is parsed (which would hold the GIL)
+        "3M token ids": (CMPL, {"prompt": [5] * 3_000_000}, 400, None, "holds 3000003 JSON values"),
+        "100k messages": (CHAT, {"messages": [{"role": "user", "content": ""}] * 100_000}, 400, None,
+                          "holds 300003 JSON values"),
+        "30k token ids (under the count)": (CMPL, {"prompt": [5] * 30_000}, 400, "prompt", "30000 tokens, more than"),
     }
     health: list[int] = []
     done = threading.Event()
@@ -134,12 +138,15 @@ def test_request_bodies_over_the_cap_get_413(server):
 
 
 def test_large_bodies_are_parsed_and_tokenized_off_the_loop_and_answer_right(server, ref):
-    """16 prompts of 90 token ids (a 6 kB body: the prompt workers' path) equal LLM.generate."""
+    """16 prompts of 90 token ids, indented (a 70 kB body: the prompt workers' path, its JSON values counted before
+    it is parsed), equal LLM.generate."""
     prompts = random_prompts(16, VOCAB, 90, 90, seed=22)
     wants = ref.generate(prompts, SamplingParams(temperature=0, max_tokens=3, ignore_eos=True))
-    body = {"model": MODEL, "prompt": prompts, "max_tokens": 3, "temperature": 0, "ignore_eos": True}
-    assert len(json.dumps(body)) > 4096
-    r = httpx.post(f"{server.url}{CMPL}", json=body, headers=AUTH, timeout=60)
+    body = json.dumps({"model": MODEL, "prompt": prompts, "max_tokens": 3, "temperature": 0, "ignore_eos": True},
+                      indent=48)
+    assert len(body) > PRECHECK_BYTES
+    r = httpx.post(f"{server.url}{CMPL}", content=body, headers={**AUTH, "Content-Type": "application/json"},
+                   timeout=60)
     assert r.status_code == 200, r.text[:300]
     assert [c["text"] for c in sorted(r.json()["choices"], key=lambda c: c["index"])] == [w.text for w in wants]
 
@@ -279,9 +286,10 @@ def triton(checkpoint_dir, tmp_path_factory):
 
     engine = get_engine(checkpoint_dir("llama", **CHECKPOINT), **BUILD)
     # one response per request (the session server of test_serving_triton streams): gRPC's unary infer, whose
-    # errors carry a status code (a stream's carry only a message)
+    # errors carry a status code (a stream's carry only a message); integer inputs INT64, so that JSON numbers
+    # arrive unwrapped (test_serving_triton's server has TensorRT-LLM's INT32)
     served = start_triton(engine.directory, tmp_path_factory.mktemp("triton-hostile"), "--max-kv-cache-tokens", "4096",
-                          "--no-decoupled")
+                          "--no-decoupled", "--int64-inputs")
     yield served, engine
     code, _ = served.stop()
     assert code == 0, served.output()[-3000:]
@@ -326,16 +334,24 @@ def test_triton_refuses_by_size_and_by_name_with_400(triton):
         assert status == 400 and says in answer["error"], (status, str(answer)[:300])
     status, answer = generate(served, {"text_input": "hi", "max_tokens": 4, "id": "my-request"})
     assert status == 200 and answer["num_output_tokens"] >= 1   # a request id is not an unknown field
-    # gRPC: client errors are INVALID_ARGUMENT, and numbers at the ends of INT32 are checked as they are
-    int32 = np.iinfo(np.int32)
+    # gRPC: client errors are INVALID_ARGUMENT, and numbers at the ends of INT64 are checked as they are
+    int64 = np.iinfo(np.int64)
+
+    def ask(max_tokens: int, **extra) -> dict:
+        return {**request("hi" if "input_ids" not in extra else None, None),
+                "max_tokens": tensor(max_tokens, np.int64), **extra}
+
     for arrays, parameters, says in [
-        (request("hi", 4), {"foo": 1}, "unknown field(s) 'foo'"),
-        (request("hi", int(int32.max)), None, f"exceeds the engine's max_seq_len {bounds.max_seq_len}"),
-        (request("hi", int(int32.min)), None, f"max_tokens must be >= 1, got {int32.min}"),
-        (request("hi", 4, min_tokens=tensor(int(int32.min), np.int32)), None, "min_tokens must be in"),
-        (request("hi", 4, end_id=tensor(int(int32.max), np.int32)), None, "end_id must be a token id"),
-        (request(None, 4, input_ids=tensor([5, 6], np.int32), input_lengths=tensor(int(int32.max), np.int32)),
+        (ask(4), {"foo": 1}, "unknown field(s) 'foo'"),
+        (ask(int(int64.max)), None, f"exceeds the engine's max_seq_len {bounds.max_seq_len}"),
+        (ask(int(int64.min)), None, f"max_tokens must be >= 1, got {int64.min}"),
+        (ask(4, min_tokens=tensor(int(int64.min), np.int64)), None, "min_tokens must be in"),
+        (ask(4, end_id=tensor(int(int64.max), np.int64)), None, "end_id must be a token id"),
+        (ask(4, input_ids=tensor([5, 2**40], np.int64)), None, "outside the vocabulary"),
+        (ask(4, input_ids=tensor([5, 6], np.int64), input_lengths=tensor(int(int64.max), np.int64)),
          None, "input_lengths must be in [1, 2]"),
+        # the price of INT64 inputs: TensorRT-LLM's clients' INT32 is refused, by tritonserver
+        (request("hi", 4), None, "expects 'INT64'"),
     ]:
         status, message = grpc_error(served, arrays, parameters)
         assert status == "StatusCode.INVALID_ARGUMENT" and says in message, (status, message)
@@ -369,10 +385,11 @@ def test_triton_big_prompts_do_not_hold_up_others_or_keep_memory(triton):
 
 
 @pytest.mark.xdist_group("triton")
-def test_triton_own_json_parser_answers_500_and_casts_without_range_checks(triton):
+def test_triton_own_json_parser_answers_500_and_integers_arrive_unwrapped(triton):
     """What kiln cannot change (docs/serving-security.md): tritonserver parses /generate's JSON before the model
-    sees a request. Its parse errors are 500s, and it casts JSON integers to the input's declared type without a
-    range check, so 2**32 + 5 reaches kiln as 5. Typed clients (gRPC, binary tensors) cannot send such values."""
+    sees a request, and its parse errors are 500s. It casts JSON integers to the input's declared type without a
+    range check: with INT64 inputs 2**32 + 5 arrives as sent and is refused by name (with TensorRT-LLM's INT32 it
+    would arrive as 5)."""
     served, _ = triton
     for body in [b'{"text_input": "hi", "max_tokens": 4', b"[1, 2]", {"text_input": "hi", "max_tokens": "5"},
                  {"text_input": "hi", "max_tokens": 1.5}, {"text_input": 5, "max_tokens": 4},
@@ -380,7 +397,12 @@ def test_triton_own_json_parser_answers_500_and_casts_without_range_checks(trito
                                                                     "seed": 2**64 + 7}]:
         status, answer = generate(served, body)
         assert status == 500 and "error" in answer, (body, status, answer)
-    status, answer = generate(served, {"text_input": "hi", "max_tokens": 2**32 + 5, "ignore_eos": True})
-    assert status == 200 and answer["num_output_tokens"] == 5
-    status, answer = generate(served, {"text_input": "hi", "max_tokens": 2**31})
-    assert status == 400 and "max_tokens must be >= 1, got -2147483648" in answer["error"]
+    for body, says in [
+        ({"max_tokens": 2**32 + 5}, f"max_tokens ({2**32 + 5}) exceeds the engine's max_seq_len"),
+        ({"max_tokens": 2**31}, f"max_tokens ({2**31}) exceeds"),
+        ({"max_tokens": 4, "min_tokens": 2**32 + 1}, f"min_tokens must be in [0, max_tokens=4], got {2**32 + 1}"),
+        ({"max_tokens": 4, "end_id": 2**32 + 1}, f"got {2**32 + 1}"),
+        ({"max_tokens": 4, "top_k": -(2**40)}, "top_k must be >= 0"),
+    ]:
+        status, answer = generate(served, {"text_input": "hi", **body})
+        assert status == 400 and says in answer["error"], (body, status, answer)

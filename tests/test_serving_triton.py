@@ -44,8 +44,8 @@ import tritonclient.http as httpclient  # noqa: E402
 pytestmark = pytest.mark.xdist_group("triton")
 
 SHM = Path("/dev/shm")
-WIRE = {np.dtype(np.int32): "INT32", np.dtype(np.uint64): "UINT64", np.dtype(np.float32): "FP32",
-        np.dtype(np.bool_): "BOOL", np.dtype(np.object_): "BYTES"}
+WIRE = {np.dtype(np.int32): "INT32", np.dtype(np.int64): "INT64", np.dtype(np.uint64): "UINT64",
+        np.dtype(np.float32): "FP32", np.dtype(np.bool_): "BOOL", np.dtype(np.object_): "BYTES"}
 PROMPTS = ["The kiln fires the clay", "Tokens flow through the engine", "Héllo wörld 🙂", "def add(a, b):"]
 # Long generations, so a stream is surely still generating when it is cancelled: 4000 tokens take the tiny model
 # several seconds, far longer than a loaded test process takes to react to a response (it has taken ~1 s).
@@ -325,6 +325,14 @@ def test_triton_repo_refuses_bad_options_before_writing(engine, tmp_path):
         assert f'name: "{name}"\n    data_type: {dtype}\n    dims: {dims}' in config, name
     res = runner.invoke(main, ["triton-repo", str(engine.directory), "-o", str(out), "--model-name", "ensemble"])
     assert res.exit_code != 0 and "exists" in res.output
+    # --int64-inputs: every INT32 input INT64 (JSON integers then arrive unwrapped); UINT64 inputs and outputs as before
+    res = runner.invoke(main, ["triton-repo", str(engine.directory), "-o", str(tmp_path / "wide"), "--int64-inputs"])
+    assert res.exit_code == 0, res.output
+    config = (tmp_path / "wide" / "kiln" / "config.pbtxt").read_text()
+    assert "TYPE_INT32" not in config.split("output [")[0]
+    for name, dtype in [("input_ids", "TYPE_INT64"), ("max_tokens", "TYPE_INT64"), ("end_id", "TYPE_INT64"),
+                        ("seed", "TYPE_UINT64"), ("lora_task_id", "TYPE_UINT64"), ("output_ids", "TYPE_INT32")]:
+        assert f'name: "{name}"\n    data_type: {dtype}' in config, name
 
 
 def test_runtime_options_from_config_parameters(engine):

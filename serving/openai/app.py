@@ -34,6 +34,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from kiln.contract import AdapterLoadError, ConfigError, InvalidRequestError
 from kiln.serving.chat_template import ChatTemplate
+from kiln.serving.json_values import count_json_values
 from kiln.serving.metrics import RuntimeCollector
 from kiln.serving.openai.chat import check_raw_chat, create_chat_completion
 from kiln.serving.openai.completions import check_raw_completion, create_completion
@@ -102,10 +103,18 @@ TOO_LARGE = f"the request body is larger than {MAX_REQUEST_BYTES >> 20} MiB; sen
 PRECHECK_BYTES = 64 << 10
 
 
-def parse_body(model: type[BaseModel], data: bytes, precheck: Callable[[dict], None] | None = None):
+def parse_body(model: type[BaseModel], data: bytes, precheck: Callable[[dict], None] | None = None,
+               max_values: int | None = None):
     """The validated body (FieldError naming the problem); the long part of reading a large request. A large body
-    is first parsed without validation (quick, and it lets other threads run) for ``precheck`` to refuse what no
-    engine bound allows (a prompt of millions of ids) before each of its elements is validated."""
+    is first refused if it holds more than ``max_values`` JSON values (counted without parsing, letting other
+    threads run: parsing millions of them holds the GIL for a third of a second), then parsed without validation
+    (quick) for ``precheck`` to refuse what no engine bound allows (a prompt of millions of ids) before each of its
+    elements is validated."""
+    if max_values is not None and len(data) >= PRECHECK_BYTES:
+        values = count_json_values(data)
+        if values > max_values:
+            raise FieldError(None, f"the request body holds {values} JSON values (elements of arrays and objects), "
+                                   f"more than any request this server can take has ({max_values}); send fewer")
     if precheck is not None and len(data) >= PRECHECK_BYTES:
         try:
             raw = pydantic_core.from_json(data)
@@ -123,7 +132,7 @@ def parse_body(model: type[BaseModel], data: bytes, precheck: Callable[[dict], N
 
 
 async def read_body(request: Request, model: type[BaseModel], workers: PromptWorkers,
-                    precheck: Callable[[dict], None] | None = None):
+                    precheck: Callable[[dict], None] | None = None, max_values: int | None = None):
     declared = request.headers.get("content-length", "")
     if declared.isdigit() and int(declared) > MAX_REQUEST_BYTES:
         raise TooLarge(TOO_LARGE)
@@ -138,7 +147,7 @@ async def read_body(request: Request, model: type[BaseModel], workers: PromptWor
         raise ClientGone() from None
     data = b"".join(chunks)
     del chunks
-    return await workers.run(parse_body, model, data, precheck, size=len(data))
+    return await workers.run(parse_body, model, data, precheck, max_values, size=len(data))
 
 
 def bearer_token(scope: Scope) -> bytes | None:
@@ -312,13 +321,15 @@ def create_app(llm, *, model_name: str, api_key: str | None = None, max_waiting:
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
-        body = await read_body(request, CompletionRequest, state.workers, lambda raw: check_raw_completion(raw, state))
+        body = await read_body(request, CompletionRequest, state.workers, lambda raw: check_raw_completion(raw, state),
+                               state.max_json_values)
         lora = resolve_model(body.model)
         return await create_completion(body, request, state, lora or model_name, fingerprint, lora)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
-        body = await read_body(request, ChatCompletionRequest, state.workers, lambda raw: check_raw_chat(raw, state))
+        body = await read_body(request, ChatCompletionRequest, state.workers, lambda raw: check_raw_chat(raw, state),
+                               state.max_json_values)
         lora = resolve_model(body.model)
         return await create_chat_completion(body, request, state, lora or model_name, fingerprint, chat_template,
                                             tool_call_parser, lora)

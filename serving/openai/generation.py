@@ -147,6 +147,14 @@ class Inbox:
             stream._arrived(index, out)
 
 
+def max_json_values(limits: EngineLimits, max_waiting: int) -> int:
+    """The most JSON values a request body this server can take holds (a larger one is refused before it is
+    parsed): ``max_waiting`` prompts of ``max_input_len`` ids (the most choices admitted at once), or
+    ``max_input_len`` chat messages (each renders at least one token) of up to 16 values, plus a ``logit_bias``
+    entry per vocabulary token and 64k values of tools, schemas and other fields."""
+    return max(max_waiting * (limits.max_input_len + 1), 16 * limits.max_input_len) + limits.vocab_size + (1 << 16)
+
+
 class ServingState:
     """What the handlers share: the LLM, admission (backpressure, draining) and the open streams."""
 
@@ -154,6 +162,7 @@ class ServingState:
         self.llm = llm
         self.max_waiting = max_waiting
         self.limits = EngineLimits.of(llm)
+        self.max_json_values = max_json_values(self.limits, max_waiting)
         self.workers = workers if workers is not None else PromptWorkers()
         self.rejected = 0   # requests this server refused before they reached the runtime (400, 413, 429)
         self.token_text = TokenText(llm.tokenizer) if llm.tokenizer is not None else None

@@ -46,6 +46,10 @@ def repository_options(fn):
         click.option("--lora-modules", multiple=True, metavar="NAME=PATH",
                      help="A PEFT LoRA adapter the model loads as NAME (requests send lora_name NAME, or "
                           "lora_task_id N for the name 'N'); repeat for more. The engine must take adapters."),
+        click.option("--int64-inputs", is_flag=True,
+                     help="Declare the integer inputs INT64: JSON clients' numbers arrive as sent (an INT32 input "
+                          "takes 2**32+5 as 5) and out-of-range ones are refused by name; typed clients must send "
+                          "INT64 (TensorRT-LLM's send INT32, which tritonserver then refuses)."),
         dataclass_options(ExecutorConfig, exclude=_EXECUTOR_EXCLUDE),
     ]
     for option in reversed(options):
@@ -60,7 +64,8 @@ def _repo_options(kw: dict) -> RepoOptions:
         raise click.UsageError(str(exc)) from None
     return RepoOptions(model_name=kw.pop("model_name"), instances=kw.pop("instances"), decoupled=kw.pop("decoupled"),
                        copy_engine=kw.pop("copy_engine"), max_queue_size=kw.pop("max_queue_size"), runtime=runtime,
-                       lora_modules=tuple(_absolute(spec) for spec in kw.pop("lora_modules")))
+                       lora_modules=tuple(_absolute(spec) for spec in kw.pop("lora_modules")),
+                       int64_inputs=kw.pop("int64_inputs"))
 
 
 def _absolute(spec: str) -> str:

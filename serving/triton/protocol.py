@@ -89,6 +89,8 @@ class ParsedRequest:
     lora: str | None = None          # the LoRA adapter's name (lora_name, or lora_task_id as a name)
 
 
+# the array kinds each input's TensorRT-LLM type admits (any integer for an integer input: --int64-inputs
+# declares them INT64, and each value is range-checked below as the number it is)
 _KINDS = {"TYPE_STRING": "OSU", "TYPE_BOOL": "b", "TYPE_FP32": "f", "TYPE_INT32": "iu", "TYPE_UINT64": "iu"}
 
 

@@ -43,6 +43,7 @@ class RepoOptions:
     max_queue_size: int = 0    # requests waiting for their first token above which new ones are refused; 0: no limit
     runtime: ExecutorConfig = field(default_factory=ExecutorConfig)
     lora_modules: tuple[str, ...] = ()   # "NAME=PATH" of each LoRA adapter the model loads
+    int64_inputs: bool = False   # declare the integer inputs INT64 (kiln.serving.triton.tensors.WIDENED)
 
     def validate(self, bounds: EngineBounds) -> None:
         """OptionError for the first bad option (the engine's bounds included)."""
@@ -153,7 +154,8 @@ def render_repository(engine_dir: str | Path, output: str | Path, options: RepoO
                           "(it exists: choose another output or model name, or remove it)")
     env = _environment()
     context = dict(name=options.model_name, decoupled=options.decoupled, instances=options.instances,
-                   inputs=INPUTS, outputs=OUTPUTS, kiln_version=_kiln_version(), engine=engine_dir.name,
+                   inputs=[t.declared(options.int64_inputs) for t in INPUTS], outputs=OUTPUTS,
+                   kiln_version=_kiln_version(), engine=engine_dir.name,
                    parameters=parameters(options, COPIED_ENGINE if options.copy_engine else str(engine_dir)))
     (model_dir / "1").mkdir(parents=True)
     (model_dir / "config.pbtxt").write_text(env.get_template("config.pbtxt.j2").render(**context))

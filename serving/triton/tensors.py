@@ -1,7 +1,8 @@
 """The Triton model's inputs and outputs: names, data types and dims of TensorRT-LLM's Triton backend.
 
 Clients written against TensorRT-LLM's ``inflight_batcher_llm`` models (the ``ensemble`` with ``text_input``,
-or ``tensorrt_llm`` with ``input_ids``) send the same tensors here. This table is the one place they are
+or ``tensorrt_llm`` with ``input_ids``) send the same tensors here (unless the repository declares its integer
+inputs INT64: ``--int64-inputs``, see WIDENED). This table is the one place they are
 listed: the config.pbtxt template renders it and the request parser reads by it.
 
 Dims exclude the batch dimension: the model is rendered with ``max_batch_size: 1``, so a scalar input
@@ -12,7 +13,15 @@ tensor in its error.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
+
+# The inputs ``kiln triton-repo --int64-inputs`` declares INT64 instead of TensorRT-LLM's INT32: tritonserver
+# converts a JSON number (HTTP /generate, /infer with JSON data) to the declared type without a range check, so
+# 2**32 + 5 reaches an INT32 input as 5; as INT64 it arrives as sent and the model refuses it by name. Typed clients
+# must then send INT64 (TensorRT-LLM's send INT32). UINT64 inputs (seed, lora_task_id) stay: they hold every
+# 64-bit seed, and a JSON number outside UINT64 is a parse error (500) in tritonserver, not a wrapped value.
+WIDENED = frozenset({"TYPE_INT32"})
 
 
 @dataclass(frozen=True)
@@ -26,6 +35,12 @@ class TensorSpec:
     def wire_type(self) -> str:
         """The datatype string clients use (tritonclient's InferInput), e.g. "INT32", "BYTES"."""
         return "BYTES" if self.data_type == "TYPE_STRING" else self.data_type.removeprefix("TYPE_")
+
+    def declared(self, int64_inputs: bool) -> TensorSpec:
+        """This input as config.pbtxt declares it: with ``int64_inputs`` every integer input is INT64."""
+        if int64_inputs and self.data_type in WIDENED:
+            return dataclasses.replace(self, data_type="TYPE_INT64")
+        return self
 
 
 INPUTS: tuple[TensorSpec, ...] = (
