@@ -125,8 +125,10 @@ def test_stops_max_tokens_and_logprobs_as_without_speculation(checkpoint_dir):
                 (a,) = plain.generate([p], SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, stop=stop))
                 (b,) = spec.generate([p], SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, stop=stop))
                 assert (a.token_ids, a.text, a.stop_reason) == (b.token_ids, b.text, b.stop_reason)
-        outs = spec.generate(prompts, SamplingParams(temperature=0, max_tokens=7, ignore_eos=True, n=2))
-        assert all(len(o.token_ids) == 7 and o.finish_reason == "length" for o in outs)
+        # the servers' n is n requests of one prompt: each is cut at max_tokens exactly, like without speculation
+        outs = spec.generate(prompts * 2, SamplingParams(temperature=0, max_tokens=7, ignore_eos=True))
+        assert [o.token_ids for o in outs] == [f.token_ids[:7] for f in full * 2]
+        assert all(o.finish_reason == "length" for o in outs)
         assert_no_leak(spec)
 
 
