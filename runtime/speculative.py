@@ -45,7 +45,7 @@ class SpeculativeConfig:
     adaptive: bool = True
     min_acceptance: float = 0.3
     backoff_steps: int = 16
-    disable_by_batch_size: int = 8
+    disable_by_batch_size: int = 2   # docs/benchmarks.md: batch 4 lost 8-16% with ngram on a 246m Llama
 
     def __post_init__(self) -> None:
         c = FieldChecks()
