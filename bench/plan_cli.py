@@ -19,7 +19,7 @@ from kiln.runtime.executor import ExecutorConfig
 
 # the serving options the plan depends on are ExecutorConfig's fields (as for LLM(...)); the fraction is
 # declared below with the planner's own default
-_EXCLUDE = ("seed", "metrics_window", "enable_prefix_reuse", "kv_cache_memory_fraction")
+_EXCLUDE = ("seed", "metrics_window", "enable_prefix_reuse", "kv_cache_memory_fraction", "speculative_config")
 
 
 @click.command(context_settings={"help_option_names": ["-h", "--help"]})

@@ -108,6 +108,13 @@ def format_result(result: dict) -> str:
                      f"{cal['step_fixed_s'] * 1e3:.1f} ms per step + {cal['per_token_s'] * 1e3:.2f} ms per token"
                      + (f" -> {cal['bandwidth_bytes_per_s'] / 1e9:.1f} GB/s effective, "
                         f"{cal['flops_per_s'] / 1e9:.0f} GFLOP/s effective" if "flops_per_s" in cal else ""))
+    spec = [(run["rate"], run["server"]) for run in result["runs"] if run["server"].get("spec_proposed_tokens")]
+    if spec:
+        lines.append("speculative decoding (accepted / proposed tokens; tokens per verifying sequence-step): "
+                     + "; ".join(
+            f"rate {_rate(rate)}: {s['spec_accepted_tokens'] / s['spec_proposed_tokens']:.0%}"
+            + (f", {(s['spec_accepted_tokens'] + s['spec_verify_steps']) / s['spec_verify_steps']:.2f}"
+               if s.get("spec_verify_steps") else "") for rate, s in spec))
     m = result.get("machine", {})
     if m:
         lines.append(f"machine: {m.get('cpus')} CPUs, 1-min load {_f(m.get('loadavg_1m_start'), '.1f')} at start, "

@@ -23,7 +23,8 @@ NO_SLO = SLO()
 # A request "queued" when it waited longer than this many median step times before its first step.
 QUEUED_STEPS = 2.0
 
-_COUNTERS = ("preemptions", "steps", "prefill_tokens", "generation_tokens", "step_time_sum", "engine_time_sum")
+_COUNTERS = ("preemptions", "steps", "prefill_tokens", "generation_tokens", "step_time_sum", "engine_time_sum",
+             "spec_proposed_tokens", "spec_accepted_tokens", "spec_verify_steps")
 
 
 def _delta(after: dict, before: dict, name: str) -> float | None:

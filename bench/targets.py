@@ -103,6 +103,9 @@ class InProcessTarget:
                                                     ("generation_tokens", "generation_tokens"),
                                                     ("step_time_sum", "step_time"), ("engine_time_sum", "engine_time"))
                     if src in c})
+        spec = s.get("speculative") or {}
+        out.update({f"spec_{k}": float(spec[k]) for k in ("proposed_tokens", "accepted_tokens", "verify_steps")
+                    if k in spec})
         return out
 
     def steps(self) -> list:
@@ -422,6 +425,10 @@ METRIC_NAMES = {
     "prefill_tokens": ("kiln_prefill_tokens_computed_total",),
     "generation_tokens": ("kiln_generation_tokens_total", "vllm:generation_tokens_total"),
     "step_time_sum": ("kiln_step_time_seconds_sum",),
+    "spec_proposed_tokens": ("kiln_spec_decode_num_draft_tokens_total", "vllm:spec_decode_num_draft_tokens_total"),
+    "spec_accepted_tokens": ("kiln_spec_decode_num_accepted_tokens_total",
+                             "vllm:spec_decode_num_accepted_tokens_total"),
+    "spec_verify_steps": ("kiln_spec_decode_num_verify_steps_total",),
 }
 QUEUE_HISTOGRAMS = ("kiln_request_queue_time_seconds", "kiln_queue_time_seconds", "vllm:request_queue_time_seconds")
 

@@ -11,7 +11,9 @@ CPU kernel: C++ (``plugins/csrc/plugin_ops.cpp``, in the native library, see
 the decode sequences (one work item per sequence and kv head, the group's query heads sharing one
 pass over the context read through the block table, fp32 softmax; only slots inside each context
 are read, so garbage/NaN elsewhere in the pool cannot leak in), with no Python per call; context
-sequences go to ``_context_sequences`` below (SDPA, one call per sequence). Other cases, and
+sequences go to ``_context_sequences`` below (SDPA, one call per sequence), except short ones (at most 16 new
+tokens: a speculative decoding verify), which run on the decode kernel, one row per token over its own causal
+prefix of the context. Other cases, and
 ``KILN_DISABLE_NATIVE_KERNELS=1``, run the plain-torch implementation ``_paged_attention_py``.
 
 Per-call options (per layer): ``scale`` (the softmax scale of q.k), ``sliding_window`` (0 = full) and
@@ -168,14 +170,15 @@ def _context_sequences(
     scale: float,
     sliding_window: int,
     softcap: float = 0.0,
+    min_len: int = 2,
 ) -> None:
-    """Rows of the context sequences (more than one new token) into ``out``, one SDPA call each."""
+    """Rows of the context sequences (``min_len`` new tokens or more) into ``out``, one SDPA call each."""
     k_pool, v_pool = kv_cache[layer, 0], kv_cache[layer, 1]
     lens = seq_lens.tolist()
     ctx_lens = context_lens.tolist()
     s = 0
     for i, n in enumerate(lens):
-        if n > 1:
+        if n >= min_len:
             out[s : s + n] = _context_one(
                 q[s : s + n], k_pool, v_pool, ctx_lens[i], block_tables[i], scale, sliding_window, softcap
             )
@@ -227,7 +230,7 @@ define_native_op(_lib, "paged_attention", _PA_SCHEMA, _paged_attention_py, lambd
 # called by the C++ kernel for the context sequences of a mixed batch (not part of any graph)
 _lib.define(
     "_paged_attention_context_py(Tensor q, Tensor kv_cache, int layer, Tensor seq_lens, Tensor context_lens, "
-    "Tensor block_tables, Tensor(a!) out, float scale, int sliding_window, float softcap) -> ()"
+    "Tensor block_tables, Tensor(a!) out, float scale, int sliding_window, float softcap, int min_len=2) -> ()"
 )
 _lib.impl("_paged_attention_context_py", _context_sequences, "CompositeExplicitAutograd")
 

@@ -77,6 +77,7 @@ from kiln.runtime.request import Request, RequestStatus
 from kiln.runtime.sampler import Sampler
 from kiln.runtime.sampling_params import SamplingParams
 from kiln.runtime.scheduler import CAPACITY_POLICIES, Scheduler, SchedulerConfig, SchedulerOutput
+from kiln.runtime.speculative import NgramProposer, Position, SpeculativeConfig
 from kiln.runtime.stopping import stop_by_token
 
 logger = logging.getLogger("kiln.runtime")
@@ -132,6 +133,10 @@ class ExecutorConfig:
     max_loras: int = field(default=4, metadata={
         "help": "LoRA adapters resident at once in the adapter pool (an engine built with lora_target_modules); "
                 "more can be loaded: they swap in, least recently used out, between steps."})
+    speculative_config: str | dict | SpeculativeConfig | None = field(default=None, metadata={
+        "help": "Speculative decoding, as a JSON object (vLLM's keys): e.g. '{\"method\": \"ngram\", "
+                "\"num_speculative_tokens\": 4, \"prompt_lookup_max\": 4, \"prompt_lookup_min\": 2}'; "
+                "see docs/speculative.md."})
 
     def __post_init__(self) -> None:
         c = FieldChecks()
@@ -152,6 +157,10 @@ class ExecutorConfig:
         self.grammar_cache_size = c.integer("grammar_cache_size", self.grammar_cache_size, 1)
         self.grammar_compile_threads = c.integer("grammar_compile_threads", self.grammar_compile_threads, 1)
         self.max_loras = c.integer("max_loras", self.max_loras, 1)
+        try:
+            self.speculative_config = SpeculativeConfig.of(self.speculative_config)
+        except ConfigError as exc:
+            c.problems.append(str(exc))
         if c.problems:
             raise ConfigError("invalid ExecutorConfig: " + "; ".join(c.problems))
 
@@ -229,7 +238,8 @@ class Executor:
             available = max(0, available_memory_bytes() - lora_bytes)
         self.limits = limits = resolve_serving_limits(b, engine.kv_bytes_per_token, config, available)
         sched_config = SchedulerConfig(limits.max_batch_size, limits.max_num_tokens, b.max_seq_len, b.max_input_len,
-                                       config.capacity_policy, config.batch_max_share, config.batch_min_share)
+                                       config.capacity_policy, config.batch_max_share, config.batch_min_share,
+                                       b.max_num_logits)
         num_blocks = limits.num_blocks
         logger.info(limits.kv_plan)
         self.kv_plan = limits.kv_plan
@@ -252,6 +262,8 @@ class Executor:
         self.scheduler = Scheduler(sched_config, self.kv, self.adapter_pool)
         self.sampler = Sampler(self.vocab_size, config.seed)
         self.metrics = RuntimeMetrics(config.metrics_window)
+        spec = config.speculative_config
+        self.proposer = NgramProposer(spec) if spec is not None else None
         self.metrics.gauges["kv_blocks_total"] = num_blocks
         self._kv_stats = self.kv.stats().as_dict()
 
@@ -428,6 +440,8 @@ class Executor:
         }
         if self.adapter_pool is not None:
             snap["lora"] = {"loaded": self.adapters.names(), **self.adapter_pool.stats()}
+        if self.proposer is not None:
+            snap["speculative"]["config"] = self.config.speculative_config.as_dict()
         return snap
 
     @property
@@ -565,21 +579,86 @@ class Executor:
         if not out:
             time.sleep(0.001)  # nothing fits right now (cannot last: admission checks guarantee progress)
             return
+        spec = out.num_spec_tokens > 0   # False: exactly the step without speculation
         try:
-            inputs, rows = self._pack(out)
+            inputs, rows = self._pack(out, spec)
             t1 = time.perf_counter()
             logits = self.engine.run(inputs)   # num_logits may be 0: a step of non-final prefill chunks
             engine_time = time.perf_counter() - t1
-            sample = self.sampler(logits, [out.scheduled[i].request for i in rows]) if rows else None
+            if spec:
+                sample, sampled, accepted = self._verify(out, rows, logits)
+            else:
+                sample = self.sampler(logits, [out.scheduled[i].request for i in rows]) if rows else None
         except Exception as exc:
             self._fail_step(out, exc)
             return
         self._step_failures = 0
-        sampled = {i: sample.token_ids[j] for j, i in enumerate(rows)} if sample else {}
-        new_tokens = self.scheduler.update_from_output(out, sampled)
-        self._emit_outputs(new_tokens, sample.logprobs if sample else [])
+        if not spec:
+            sampled = {i: sample.token_ids[j] for j, i in enumerate(rows)} if sample else {}
+            accepted = None
+        new_tokens = self.scheduler.update_from_output(out, sampled, accepted)
+        self._emit_outputs(new_tokens, sample.logprobs if sample else [], spec)
         self._record_step(out, len(new_tokens), time.perf_counter() - t0, engine_time,
                           sample.mask_time if sample else None)
+        if self.proposer is not None:
+            self._propose()
+
+    def _verify(self, out: SchedulerOutput, rows: list[int], logits: torch.Tensor):
+        """Sample the target at every position of the speculating sequences (one sampler call, each position
+        seeing the proposals before it as generated) and accept each sequence's proposals while they equal the
+        target's token: rejection sampling for point-mass proposals (``kiln.runtime.speculative``). A seeded
+        request draws position j's noise as its j-th draw without speculation would, so its tokens are those it
+        would generate without speculation (its generator is wound back over the draws of rejected positions).
+        Returns the sampler's output (logprobs in emission order), index -> the token after the accepted proposals, and
+        index -> the accepted proposals."""
+        views: list = []
+        spans = []
+        seeded = {}   # request id -> its generator's state before this step's draws
+        for i in rows:
+            s = out.scheduled[i]
+            spans.append((i, len(views), s.num_spec))
+            if s.num_spec:
+                req = s.request
+                views.extend(Position(req, j) for j in range(s.num_spec + 1))
+                if req.generator is not None and req.params.temperature > 0:
+                    seeded[req.request_id] = req.generator.get_state()
+            else:
+                views.append(s.request)
+        sample = self.sampler(logits, views)
+        tokens, logprobs = sample.token_ids, sample.logprobs
+        sampled, accepted, emitted = {}, {}, []
+        for i, r, k in spans:
+            if k:
+                req = out.scheduled[i].request
+                drafts = req.spec_token_ids
+                a = 0
+                while a < k and tokens[r + a] == drafts[a]:
+                    a += 1
+                accepted[i] = drafts[:a]
+                if a < k and req.request_id in seeded:   # its stream advances by the tokens it kept, as without
+                    self.sampler.replay(req.generator, seeded[req.request_id], a + 1)   # speculation
+                self.proposer.record(req.request_id, k, a)
+                self.metrics.record_speculation(k, a)
+                emitted.extend(logprobs[r:r + a + 1])
+                sampled[i] = tokens[r + a]
+            else:
+                emitted.append(logprobs[r])
+                sampled[i] = tokens[r]
+        sample.logprobs = emitted
+        return sample, sampled, accepted
+
+    def _propose(self) -> None:
+        """Proposals for the decoding requests' next step (none while more sequences run than
+        ``disable_by_batch_size``: decode is compute-bound there; none for structured output)."""
+        sched, proposer = self.scheduler, self.proposer
+        if sched.num_running > proposer.config.disable_by_batch_size:
+            return
+        for req in sched.running:
+            if req.spec_token_ids or req.grammar is not None or req.num_tokens - req.num_computed_tokens != 1:
+                continue
+            k = min(proposer.num_tokens(req.request_id), req.max_tokens - req.num_output_tokens - 1)
+            if k > 0:
+                req.spec_token_ids = proposer.propose(req.request_id, req.all_token_ids, k)
 
     def _fail_step(self, out: SchedulerOutput, exc: Exception) -> None:
         """The engine raised on this step: end its requests with the error (see the module docstring for why
@@ -598,28 +677,44 @@ class Executor:
                                         "other requests go on")
         self._end(self.scheduler.finish_requests(ids, RequestStatus.FINISHED_ABORTED))
 
-    def _pack(self, out: SchedulerOutput) -> tuple[dict[str, torch.Tensor], list[int]]:
-        """Contract inputs for the scheduled tokens; also which scheduled entries produce logits."""
-        chunks = [SeqChunk(s.request.all_token_ids[s.start:s.start + s.num_new_tokens], s.start,
-                           self.kv.block_table(s.request.request_id), 1 if s.samples else 0, s.request.lora_slot)
-                  for s in out.scheduled]
+    def _pack(self, out: SchedulerOutput, spec: bool = False) -> tuple[dict[str, torch.Tensor], list[int]]:
+        """Contract inputs for the scheduled tokens; also which scheduled entries produce logits (``spec``: a
+        speculating sequence feeds its proposals after its last token and gets logits for all of them)."""
+        if spec:
+            chunks = [SeqChunk(s.request.all_token_ids[s.start:s.start + s.num_new_tokens - s.num_spec]
+                               + s.request.spec_token_ids[:s.num_spec], s.start,
+                               self.kv.block_table(s.request.request_id), 1 + s.num_spec if s.samples else 0,
+                               s.request.lora_slot)
+                      for s in out.scheduled]
+        else:
+            chunks = [SeqChunk(s.request.all_token_ids[s.start:s.start + s.num_new_tokens], s.start,
+                               self.kv.block_table(s.request.request_id), 1 if s.samples else 0, s.request.lora_slot)
+                      for s in out.scheduled]
         rows = [i for i, s in enumerate(out.scheduled) if s.samples]
         pool = self.adapter_pool.weights if self.adapter_pool is not None else None
         return pack_inputs(chunks, self.kv_cache, self.block_size, lora_weights=pool), rows
 
-    def _emit_outputs(self, new_tokens: list[tuple[Request, int]], logprobs: list) -> None:
+    def _emit_outputs(self, new_tokens: list[tuple[Request, int]], logprobs: list, spec: bool = False) -> None:
         """Token times, logprobs and text of each new token; the stop rules end requests through the
-        scheduler; every changed request's output goes to its callback."""
+        scheduler; every changed request's output goes to its callback. ``spec``: a request may have several
+        new tokens (in order); a stop drops those after it, and its output goes out after its last one."""
         now = time.monotonic()
         ended: list[Request] = []
+        rest = 0   # the request's new tokens after this one
         for j, (req, token) in enumerate(new_tokens):
+            if spec:
+                if req.is_finished:
+                    continue   # a stop earlier in this step ended it: the tokens past the stop are dropped
+                rest = 0
+                while j + 1 + rest < len(new_tokens) and new_tokens[j + 1 + rest][0] is req:
+                    rest += 1
             m = req.metrics
             if m.first_token_time is None:
                 m.first_token_time = now
             else:
                 self.metrics.observe("inter_token_latency", now - m.last_token_time)
             m.last_token_time = now
-            m.num_generated_tokens = req.num_output_tokens
+            m.num_generated_tokens = req.num_output_tokens - rest
             if req.logprobs is not None:
                 req.logprobs.append(logprobs[j])
             stream = self._streams[req.request_id]
@@ -628,13 +723,14 @@ class Executor:
                 logger.error("%s: %s", req.request_id, stream.error)
                 ended += self.scheduler.finish_requests(req.request_id, RequestStatus.FINISHED_ABORTED)
                 continue
-            stop = stop_by_token(req, self.scheduler.config.max_seq_len)
+            stop = stop_by_token(req, self.scheduler.config.max_seq_len, req.num_output_tokens - rest)
             stop_string = stream.add_token(token, last=stop is not None)
             if stop_string is not None:
                 stop = (RequestStatus.FINISHED_STOPPED, stop_string)
             if stop is not None:
+                self.scheduler.drop_output_tokens(req, rest)
                 ended += self.scheduler.finish_requests(req.request_id, *stop)
-            else:
+            elif not rest:
                 stream.send(req)
         self._end(ended)
 
@@ -647,6 +743,8 @@ class Executor:
         for req in requests:
             stream = self._streams.pop(req.request_id)
             del self._requests[req.request_id]
+            if self.proposer is not None:
+                self.proposer.forget(req.request_id)
             stream.flush()
             self.metrics.record_request(req.metrics, "error" if stream.error else req.status.value)
             with self._cv:

@@ -246,6 +246,16 @@ class KVCacheManager:
         table.extend(self._take_free() for _ in range(need))
         return True
 
+    def trim(self, request: Request) -> None:
+        """Give back the blocks past the request's ``num_computed_tokens`` (speculative decoding rolled it back
+        over rejected proposals: a block that holds none of its tokens any more is freed). Such blocks were
+        never full of computed tokens, so no hash names them."""
+        table = self._tables[request.request_id]
+        keep = max(1, cdiv(request.num_computed_tokens, self.block_size))
+        if len(table) > keep:
+            self._unref(table[keep:][::-1])
+            del table[keep:]
+
     def free(self, request: Request) -> None:
         """Drop the request's references (tail blocks first, so a cached prefix's head outlives its tail)."""
         rid = request.request_id

@@ -12,7 +12,7 @@ import bisect
 import math
 import threading
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from kiln.runtime.outputs import REQUEST_CLASSES, request_class
 
@@ -81,6 +81,37 @@ class StepRecord:
         return self.step_time - self.engine_time
 
 
+@dataclass
+class SpeculativeStats:
+    """Speculative decoding's verify steps: proposals, acceptances, per draft position (under the metrics lock)."""
+
+    proposed: int = 0
+    accepted: int = 0
+    verify_steps: int = 0          # sequence-steps that verified at least one proposal
+    per_position: list[list[int]] = field(default_factory=list)   # [proposed, accepted] per draft position
+
+    def record(self, proposed: int, accepted: int) -> None:
+        self.proposed += proposed
+        self.accepted += accepted
+        self.verify_steps += 1
+        while len(self.per_position) < proposed:
+            self.per_position.append([0, 0])
+        for j in range(proposed):
+            self.per_position[j][0] += 1
+            self.per_position[j][1] += j < accepted
+
+    def snapshot(self) -> dict:
+        return {
+            "proposed_tokens": self.proposed, "accepted_tokens": self.accepted, "verify_steps": self.verify_steps,
+            "acceptance_rate": self.accepted / self.proposed if self.proposed else None,
+            "acceptance_per_position": [a / p if p else None for p, a in self.per_position],
+            "counts_per_position": [list(x) for x in self.per_position],   # [proposed, accepted]
+            # tokens a verifying sequence emits per step: its accepted proposals plus the target's own token
+            "mean_tokens_per_step": (self.accepted + self.verify_steps) / self.verify_steps if self.verify_steps
+            else None,
+        }
+
+
 HISTOGRAMS = ("ttft", "tpot", "queue_time", "e2e_latency", "step_time", "inter_token_latency",
               "grammar_compile_time")
 # per step with constrained rows: filling and applying their token bitmasks (tens of microseconds and up)
@@ -114,6 +145,7 @@ class RuntimeMetrics:
                        "kv_blocks_cached": 0, "prefix_hit_rate": 0.0, "kv_evictions": 0,
                        **{f"{n}_{cls}": 0 for cls in REQUEST_CLASSES for n in ("running", "waiting")}}
         self.outcomes = dict.fromkeys(OUTCOMES, 0)
+        self.speculative = SpeculativeStats()
 
     def incr(self, name: str, value: float = 1) -> None:
         with self.lock:
@@ -160,6 +192,11 @@ class RuntimeMetrics:
                     if name in CLASS_HISTOGRAMS:
                         self.hist[f"{name}_{cls}"].observe(value)
 
+    def record_speculation(self, proposed: int, accepted: int) -> None:
+        """One sequence's verify step: ``accepted`` of its ``proposed`` tokens were the target's."""
+        with self.lock:
+            self.speculative.record(proposed, accepted)
+
     def observe(self, name: str, value: float) -> None:
         with self.lock:
             self.hist[name].observe(value)
@@ -171,6 +208,7 @@ class RuntimeMetrics:
             out = {
                 "counters": c, "gauges": dict(self.gauges), "outcomes": dict(self.outcomes),
                 "histograms": {k: h.summary() for k, h in self.hist.items()},
+                "speculative": self.speculative.snapshot(),
             }
         if steps:
             st = sum(s.step_time for s in steps)

@@ -5,7 +5,8 @@ reason; the KV cache manager extends ``block_hashes`` (its blocks live in the ma
 the sampler owns ``generator``; the executor appends ``logprobs`` and attaches ``grammar`` (the matcher of a
 request with ``structured_output``, once its grammar is compiled; it advances on each generated token).
 ``adapter`` (a LoRA adapter, set at submission) salts the prefix-cache hash chain (``cache_salt``); the
-scheduler writes ``lora_slot`` (the adapter pool slot the request holds while it runs).
+scheduler writes ``lora_slot`` (the adapter pool slot the request holds while it runs). The executor's proposer
+writes ``spec_token_ids`` (speculative decoding: tokens the next step verifies); the scheduler trims or clears them.
 """
 
 from __future__ import annotations
@@ -40,7 +41,7 @@ class Request:
         "request_id", "prompt", "prompt_token_ids", "output_token_ids", "all_token_ids", "params", "priority",
         "arrival_time", "seq", "status", "num_computed_tokens", "block_hashes", "max_tokens",
         "metrics", "stop_reason", "logprobs", "generator", "num_prompt_tokens", "eos_token_ids", "grammar",
-        "adapter", "cache_salt", "lora_slot",
+        "adapter", "cache_salt", "lora_slot", "spec_token_ids",
     )
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, max_tokens: int,
@@ -70,6 +71,7 @@ class Request:
         # the same tokens under another adapter (or another load of it) have other KV: never shared
         self.cache_salt: bytes | None = None if adapter is None else b"lora:%d" % adapter.adapter_id
         self.lora_slot = NO_ADAPTER
+        self.spec_token_ids: list[int] = []   # proposals to verify in its next step (speculative decoding)
 
     @property
     def num_tokens(self) -> int:

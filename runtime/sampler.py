@@ -110,6 +110,13 @@ class Sampler:
             vals = vals.masked_fill(drop, float("-inf"))
         return torch.full_like(x, float("-inf")).scatter_(1, idx, vals)
 
+    def replay(self, generator: torch.Generator, state: torch.Tensor, draws: int) -> None:
+        """Set a seeded request's ``generator`` to ``state`` advanced by ``draws`` of its per-token draws (speculative
+        decoding keeps the draws of the positions it accepted and takes back the rest)."""
+        generator.set_state(state)
+        for _ in range(draws):
+            torch.empty(self.vocab_size).exponential_(generator=generator)
+
     # ---- the step -------------------------------------------------------------------------------------
     def __call__(self, logits: torch.Tensor, reqs: list[Request]) -> SamplerOutput:
         """logits [len(reqs), V] float32 -> one token per request (plus logprobs where asked)."""

@@ -74,18 +74,20 @@ class SchedulerConfig:
     capacity_policy: str = "guaranteed_no_evict"
     batch_max_share: float = 1 / 16     # most of a step's token budget batch requests take with no online work
     batch_min_share: float = 1 / 128    # their credit per step (floor and ceiling) while online work is present
+    max_num_logits: int | None = None   # logits rows per step (the engine's bound; speculation's proposals take rows)
 
 
 @dataclass
 class ScheduledRequest:
     request: Request
     start: int              # num_computed_tokens before this step (position of the first new token)
-    num_new_tokens: int
+    num_new_tokens: int     # including num_spec proposals
+    num_spec: int = 0       # proposals (the request's spec_token_ids[:num_spec]) after its last token
 
     @property
     def samples(self) -> bool:
         """Does this step reach the request's last token (so its logits give the next token)?"""
-        return self.start + self.num_new_tokens == self.request.num_tokens
+        return self.start + self.num_new_tokens - self.num_spec == self.request.num_tokens
 
 
 @dataclass
@@ -93,7 +95,8 @@ class SchedulerOutput:
     scheduled: list[ScheduledRequest] = field(default_factory=list)   # context chunks first, then decodes
     preempted: list[Request] = field(default_factory=list)
     num_prefill_tokens: int = 0
-    num_decode_tokens: int = 0
+    num_decode_tokens: int = 0    # including the proposals verified
+    num_spec_tokens: int = 0      # proposals in this step (0: a step exactly as without speculation)
 
     @property
     def num_tokens(self) -> int:
@@ -114,6 +117,7 @@ class _Step:
     batch_reserve: int = 0         # what is left of the batch class's floor (online work may not take it)
     batch_used: int = 0            # tokens batch requests took
     online_present: bool = False   # online requests are running or waiting (batch runs on its credit)
+    logits: int = 0                # logits rows left (each scheduled sequence takes at most 1 + its proposals)
     scheduled: set[str] = field(default_factory=set)   # request ids given tokens in this step
     now: float = 0.0
 
@@ -220,6 +224,7 @@ class Scheduler:
         self.kv.free(request)
         self._release_adapter(request)
         request.num_computed_tokens = 0
+        request.spec_token_ids = []
         request.status = RequestStatus.PREEMPTED
         request.metrics.num_preemptions += 1
         self.num_preemptions += 1
@@ -250,7 +255,8 @@ class Scheduler:
     # ---- one step -------------------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
         c = self.config
-        step = _Step(c.max_num_tokens, c.max_batch_size, SchedulerOutput(), now=time.monotonic())
+        step = _Step(c.max_num_tokens, c.max_batch_size, SchedulerOutput(), now=time.monotonic(),
+                     logits=c.max_num_logits or c.max_num_tokens)
         self._batch_allowance(step)
         first, later = self.running, []
         if c.capacity_policy == "max_utilization" and self.waiting:
@@ -269,7 +275,10 @@ class Scheduler:
         out = step.out
         out.scheduled.sort(key=lambda s: s.num_new_tokens == 1)  # context chunks first (stable)
         for s in out.scheduled:
-            if s.num_new_tokens == 1 and s.samples and s.request.num_output_tokens > 0:
+            if s.num_spec:
+                out.num_decode_tokens += s.num_new_tokens
+                out.num_spec_tokens += s.num_spec
+            elif s.num_new_tokens == 1 and s.samples and s.request.num_output_tokens > 0:
                 out.num_decode_tokens += 1
             else:
                 out.num_prefill_tokens += s.num_new_tokens
@@ -282,9 +291,22 @@ class Scheduler:
                 continue  # preempted, or preempted and admitted again, earlier in this step
             if step.tokens <= 0 or step.seats <= 0:
                 break
-            n = self._chunk(req.num_computed_tokens, req.num_tokens, self._budget(req, step))
+            budget = self._budget(req, step)
+            n = self._chunk(req.num_computed_tokens, req.num_tokens, budget)
             if n == 0:
                 continue
+            spec = 0
+            # a decode with proposals: 1 + k tokens, when the budget, the logits rows and the pool allow
+            if req.spec_token_ids and n == 1:
+                # every sequence that may still join this step keeps a logits row
+                pending = min(step.seats, len(self.running) + len(self.waiting) - len(step.scheduled))
+                spec = max(0, min(len(req.spec_token_ids), budget - n, step.logits - pending))
+                if spec and not self.kv.allocate_slots(req, n + spec):
+                    spec = 0
+                del req.spec_token_ids[spec:]
+                if spec:
+                    self._take(req, req.num_computed_tokens, n + spec, step, spec)
+                    continue
             while not self.kv.allocate_slots(req, n):
                 if self.config.capacity_policy != "max_utilization":
                     logger.warning("guaranteed_no_evict: %s found no free block; it waits a step", req.request_id)
@@ -363,10 +385,11 @@ class Scheduler:
             return min(step.tokens, step.batch_tokens)
         return max(0, step.tokens - step.batch_reserve)
 
-    def _take(self, req: Request, start: int, n: int, step: _Step) -> None:
-        step.out.scheduled.append(ScheduledRequest(req, start, n))
+    def _take(self, req: Request, start: int, n: int, step: _Step, spec: int = 0) -> None:
+        step.out.scheduled.append(ScheduledRequest(req, start, n, spec))
         step.scheduled.add(req.request_id)
         step.tokens -= n
+        step.logits -= 1 + spec
         if req.priority <= BATCH_PRIORITY:
             step.batch_tokens -= n
             step.batch_reserve = max(0, step.batch_reserve - n)
@@ -374,19 +397,39 @@ class Scheduler:
         step.seats -= 1
 
     # ---- after the forward ----------------------------------------------------------------------------
-    def update_from_output(self, out: SchedulerOutput, sampled: dict[int, int]) -> list[tuple[Request, int]]:
+    def update_from_output(self, out: SchedulerOutput, sampled: dict[int, int],
+                           accepted: dict[int, list[int]] | None = None) -> list[tuple[Request, int]]:
         """Advance the scheduled requests' progress and append the sampled tokens (``sampled``: index in
-        ``out.scheduled`` -> token id). Returns (request, token) for each new token; the stop rules
-        (``stopping``) decide which of them end, through :meth:`finish_requests`."""
+        ``out.scheduled`` -> token id; ``accepted``: index -> the proposals verified, which come before the
+        sampled token; the rejected ones are rolled back: their KV slots are dropped, and a block left empty is
+        freed). Returns (request, token) for each new token, a request's in order; the stop rules
+        (``stopping``) decide which of them end, through :meth:`drop_output_tokens` and :meth:`finish_requests`."""
         new = []
         for i, s in enumerate(out.scheduled):
             req = s.request
             if req.status is not RequestStatus.RUNNING:
                 continue
-            req.num_computed_tokens += s.num_new_tokens
+            if s.num_spec:
+                good = accepted[i]
+                req.num_computed_tokens += s.num_new_tokens - s.num_spec + len(good)
+                req.spec_token_ids = []
+                if len(good) < s.num_spec:
+                    self.kv.trim(req)
+                for token in good:
+                    req.append_token(token)
+                    new.append((req, token))
+            else:
+                req.num_computed_tokens += s.num_new_tokens
             self.kv.cache_blocks(req)
             token = sampled.get(i)
             if token is not None:
                 req.append_token(token)
                 new.append((req, token))
         return new
+
+    def drop_output_tokens(self, req: Request, n: int) -> None:
+        """Take the last ``n`` generated tokens back (speculation emitted them past a stop: they were never
+        generated as far as the request's output goes); the request ends next, so its KV is not touched."""
+        if n:
+            del req.output_token_ids[-n:]
+            del req.all_token_ids[-n:]

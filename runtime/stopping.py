@@ -16,17 +16,19 @@ from kiln.runtime.sampling_params import SamplingParams
 Stop = tuple[RequestStatus, "str | int | None"]   # (finished status, stop reason)
 
 
-def stop_by_token(req: Request, max_seq_len: int) -> Stop | None:
-    """The stop the request's last token causes, if any."""
-    token, p = req.output_token_ids[-1], req.params
+def stop_by_token(req: Request, max_seq_len: int, num_output: int | None = None) -> Stop | None:
+    """The stop the request's last token causes, if any; with ``num_output``, the stop its token at that
+    count causes (speculative decoding appends several tokens in one step, and a stop drops those after it)."""
+    n = req.num_output_tokens if num_output is None else num_output
+    token, p = req.output_token_ids[n - 1], req.params
     if req.grammar is not None and req.grammar.terminated:
         return RequestStatus.FINISHED_STOPPED, token if token in p.stop_token_ids else None
-    if req.num_output_tokens > p.min_tokens:  # at least min_tokens tokens come before a stop token
+    if n > p.min_tokens:  # at least min_tokens tokens come before a stop token
         if not p.ignore_eos and token in req.eos_token_ids:
             return RequestStatus.FINISHED_STOPPED, None
         if token in p.stop_token_ids:
             return RequestStatus.FINISHED_STOPPED, token
-    if req.num_output_tokens >= req.max_tokens or req.num_tokens >= max_seq_len:
+    if n >= req.max_tokens or req.num_prompt_tokens + n >= max_seq_len:
         return RequestStatus.FINISHED_LENGTH, None
     return None
 

@@ -86,6 +86,22 @@ def _by_class(s: dict, p: str) -> Iterator[Metric]:
             yield fam
 
 
+def _speculative(spec: dict, p: str) -> Iterator[Metric]:
+    """Speculative decoding: proposals, acceptances, and both by draft position (label position = 0, 1, ...)."""
+    yield CounterMetricFamily(f"{p}_spec_decode_num_draft_tokens", "Proposed (draft) tokens verified.",
+                              value=spec["proposed_tokens"])
+    yield CounterMetricFamily(f"{p}_spec_decode_num_accepted_tokens", "Proposed tokens the target accepted.",
+                              value=spec["accepted_tokens"])
+    yield CounterMetricFamily(f"{p}_spec_decode_num_verify_steps",
+                              "Sequence-steps that verified proposals (each also emits the target's own token).",
+                              value=spec["verify_steps"])
+    fam = CounterMetricFamily(f"{p}_spec_decode_num_accepted_tokens_per_pos",
+                              "Proposed tokens the target accepted, by draft position.", labels=["position"])
+    for j, (_, accepted) in enumerate(spec["counts_per_position"]):
+        fam.add_metric([str(j)], accepted)
+    yield fam
+
+
 class RuntimeCollector(Collector):
     """Metric families of one ``LLM`` (anything with ``stats()`` and ``executor.failure``); ``server_rejected``
     counts the requests the server in front of it refused, which ``requests_rejected`` includes."""
@@ -121,5 +137,6 @@ class RuntimeCollector(Collector):
         for key, (name, doc) in GAUGES.items():
             yield GaugeMetricFamily(f"{p}_{name}", doc, value=s["gauges"][key])
         yield from _by_class(s, p)
+        yield from _speculative(s["speculative"], p)
         yield GaugeMetricFamily(f"{p}_healthy", "1 while the step loop serves, 0 once it stopped or failed.",
                                 value=0 if self.llm.executor.failure else 1)

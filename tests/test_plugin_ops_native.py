@@ -141,6 +141,29 @@ def test_paged_decode_vs_reference(mode, block_size, num_kv_heads, group, head_d
     assert_same_pool(kc, rc)
 
 
+@settings(max_examples=30, deadline=None,
+          suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
+@given(
+    block_size=st.sampled_from([1, 4, 16]),
+    group=st.sampled_from([1, 4]),
+    seqs=st.lists(st.tuples(st.integers(0, 40), st.integers(1, 18)), min_size=1, max_size=4),
+    sliding_window=st.sampled_from([0, 3, 32]),
+    dtype=st.sampled_from([torch.float32, torch.bfloat16]),
+    quantized=st.sampled_from([None, torch.int8]),
+    seed=st.integers(0, 1000),
+)
+def test_paged_short_sequences_vs_reference(mode, block_size, group, seqs, sliding_window, dtype, quantized, seed):
+    """Sequences of up to 16 new tokens (a speculative verify) run on the decode kernel, one row per token, each
+    over its own causal prefix; longer ones (17, 18 here) on SDPA: both match the reference."""
+    case = build_case(block_size, 64, 2, group, seqs, sliding_window, dtype, 1, 2, seed, nan_garbage=True,
+                      pool_dtype=quantized)
+    out, ref, kc, rc = run_both(case)
+    assert not out.isnan().any()
+    tol = TOL[torch.bfloat16] if torch.bfloat16 in (dtype, case["kv_cache"].dtype) else TOL[torch.float32]
+    torch.testing.assert_close(out, ref, **tol)
+    assert_same_pool(kc, rc)
+
+
 def test_paged_mixed_batch_and_zero_length(mode):
     # context sequences, decode ones and a sequence with no new token this step
     case = build_case(4, 16, 2, 2, [(3, 6), (0, 2), (9, 1), (0, 1), (17, 1)], 0, torch.float32, 0, 1, seed=4,

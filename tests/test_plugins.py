@@ -204,7 +204,8 @@ def test_paged_attention_softcap_changes_the_result_as_transformers_does():
 @pytest.mark.parametrize("native", [True, False], ids=["native", "torch"])
 def test_paged_attention_batches_decode_sequences(monkeypatch, native):
     """No Python loop over tokens: one attention call per context sequence, one for all decode ones
-    (the torch path), or none for the decode ones (the C++ kernel computes them)."""
+    (the torch path), or none for the decode ones and the short sequences of at most 16 new tokens (the C++
+    kernel computes them: a speculative verify)."""
     from kiln.plugins.native import native_kernels_disabled, native_op_ready
 
     if native and not native_op_ready("paged_attention"):
@@ -212,7 +213,7 @@ def test_paged_attention_batches_decode_sequences(monkeypatch, native):
     calls = []
     attend = pa._attend
     monkeypatch.setattr(pa, "_attend", lambda q, *a: calls.append(tuple(q.shape)) or attend(q, *a))
-    seqs = [(0, 9), (4, 5)] + [(c, 1) for c in (3, 8, 16, 30, 2, 7)]
+    seqs = [(0, 20), (4, 17), (2, 3)] + [(c, 1) for c in (3, 8, 16, 30, 2, 7)]
     case = build_case(4, 8, 2, 2, seqs, 0, torch.float32, 0, 0, seed=3)
     if native:
         out, ref, _, _ = run_both(case)
@@ -220,7 +221,7 @@ def test_paged_attention_batches_decode_sequences(monkeypatch, native):
         with native_kernels_disabled():
             out, ref, _, _ = run_both(case)
     torch.testing.assert_close(out, ref, **TOL[torch.float32])
-    expected = [1, 1] if native else [1, 1, 6]  # [batch, heads, queries, dim]: 2 context (+ 6 decode)
+    expected = [1, 1] if native else [1, 1, 1, 6]  # [batch, heads, queries, dim]: 2 long (+ 1 short, 6 decode)
     assert sorted(c[0] for c in calls) == expected
 
 

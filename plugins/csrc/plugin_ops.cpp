@@ -13,8 +13,9 @@
 // block table in tiles (each row widened to fp32 once, an 8-bit row's scale applied to the score and to the
 // value's weight), scores in fp32 (soft-capped when asked) with an exact softmax (max, exp, sum). Only the
 // slots inside each sequence's context (and window) are read, so whatever the rest of the pool holds (stale
-// values, NaN) cannot leak in. Context sequences
-// (several new tokens) go to the Python SDPA path, kiln::_paged_attention_context_py.
+// values, NaN) cannot leak in. Context sequences (more than SHORT_SEQ_TOKENS new tokens) go to the Python SDPA
+// path, kiln::_paged_attention_context_py; short ones (a speculative verify: the last token and its proposals)
+// run as decode rows, one per token, each over its own causal prefix of the context.
 
 #include "kiln_kernels.h"
 
@@ -95,12 +96,12 @@ Tensor paged_py(const Tensor& q, const Tensor& k, const Tensor& v, Tensor& kv, i
 }
 
 void paged_context_py(const Tensor& q, const Tensor& kv, int64_t layer, const Tensor& sl, const Tensor& cl,
-                      const Tensor& bt, Tensor& out, double scale, int64_t window, double softcap) {
+                      const Tensor& bt, Tensor& out, double scale, int64_t window, double softcap, int64_t min_len) {
   static auto op = c10::Dispatcher::singleton()
                        .findSchemaOrThrow("kiln::_paged_attention_context_py", "")
                        .typed<void(const Tensor&, const Tensor&, int64_t, const Tensor&, const Tensor&,
-                                   const Tensor&, Tensor&, double, int64_t, double)>();
-  op.call(q, kv, layer, sl, cl, bt, out, scale, window, softcap);
+                                   const Tensor&, Tensor&, double, int64_t, double, int64_t)>();
+  op.call(q, kv, layer, sl, cl, bt, out, scale, window, softcap, min_len);
 }
 
 bool enabled() { return kiln_ops_enabled() != 0; }
@@ -398,6 +399,9 @@ void write_kv_typed(const Tensor& src, Tensor& kv, int64_t offset, const int64_t
 // Software prefetch of the KV rows KV_AHEAD positions ahead in decode attention: every cache line of the n
 // elements at p (a row of an 8-bit pool is not line-aligned).
 constexpr int64_t KV_AHEAD = 16;
+// Sequences of at most this many new tokens (speculative verifies) run on the decode kernel, one row per token;
+// longer ones (prefill chunks) on SDPA, where one GEMM over the context serves all their rows.
+constexpr int64_t SHORT_SEQ_TOKENS = 16;
 template <typename T>
 inline void prefetch_row(const T* p, int64_t n) {
   const char* c = reinterpret_cast<const char*>(p);
@@ -501,7 +505,7 @@ struct Isa {
 // pass over the keys and values (decode_attention.h), with the ISA the panel kernels use.
 template <typename Q, typename KV>
 void decode_attention(const Q* q, const KV* kpool, const KV* vpool, Q* out, const std::vector<int64_t>& rows,
-                      const std::vector<int64_t>& seqs, const int32_t* ctx_lens, const int32_t* tables,
+                      const std::vector<int64_t>& seqs, const int32_t* row_ctx, const int32_t* tables,
                       int64_t max_blocks, int64_t block_size, int64_t hkv, int64_t group, int64_t d,
                       float scale, int64_t window, float softcap) {
   const int64_t items = static_cast<int64_t>(rows.size()) * hkv;
@@ -510,7 +514,7 @@ void decode_attention(const Q* q, const KV* kpool, const KV* vpool, Q* out, cons
   // Threads only when there is enough work: a parallel region costs more than a small decode
   // (batch 1, short contexts), and much more when the cores are shared.
   int64_t work = 0;
-  for (int64_t s : seqs) work += (window > 0 ? std::min<int64_t>(ctx_lens[s], window) : ctx_lens[s]);
+  for (size_t n = 0; n < rows.size(); ++n) work += (window > 0 ? std::min<int64_t>(row_ctx[n], window) : row_ctx[n]);
   work *= hkv * (group + 1) * d;
   const int64_t grain = work < (int64_t(1) << 18) ? std::max<int64_t>(items, 1) : 1;
   const bool wide = kiln_panel_isa() == 512;
@@ -518,7 +522,7 @@ void decode_attention(const Q* q, const KV* kpool, const KV* vpool, Q* out, cons
     Scratch scratch;
     for (int64_t i = i0; i < i1; ++i) {
       const int64_t n = i / hkv, h = i % hkv;
-      const int64_t s = seqs[n], c = ctx_lens[s];
+      const int64_t s = seqs[n], c = row_ctx[n];  // the positions this query row attends to: [0, c)
       const int64_t lo = window > 0 ? std::max<int64_t>(0, c - window) : 0;
       const Geometry geo{block_size, slot_stride, block_size * slot_stride, kvrow, h, d, group, hkv * group};
       const Item it{rows[n], c, lo, c - lo, tables + s * max_blocks};
@@ -583,21 +587,28 @@ Tensor paged_attention_cpu(const Tensor& q, const Tensor& k, const Tensor& v, Te
   // validate everything before touching the pool: anything odd goes to the Python path (its errors)
   for (int64_t t = 0; t < T; ++t)
     if (slots[t] < 0 || slots[t] >= nb * bs) return fallback();
+  // decode rows: the one-token sequences, and each token of a short sequence (a speculative verify: its last
+  // token and the proposals), which attends to its own causal prefix of the context like a decode token
   std::vector<int64_t> rows, seqs;
+  std::vector<int32_t> row_ctx;
   rows.reserve(S);
   seqs.reserve(S);
+  row_ctx.reserve(S);
   bool has_context = false;
   int64_t start = 0;
   for (int64_t s = 0; s < S; ++s) {
     const int64_t n = lens[s], c = ctx[s];
     if (n < 0 || c < n || c > max_blocks * bs) return fallback();
-    if (n == 1) {
+    if (n >= 1 && n <= SHORT_SEQ_TOKENS) {
       if (c < 1) return fallback();
       const int64_t used = (c + bs - 1) / bs;
       for (int64_t b = 0; b < used; ++b)
         if (tables[s * max_blocks + b] < 0 || tables[s * max_blocks + b] >= nb) return fallback();
-      rows.push_back(start);
-      seqs.push_back(s);
+      for (int64_t i = 0; i < n; ++i) {
+        rows.push_back(start + i);
+        seqs.push_back(s);
+        row_ctx.push_back(static_cast<int32_t>(c - n + 1 + i));
+      }
     } else if (n > 1) {
       has_context = true;
     }
@@ -621,15 +632,16 @@ Tensor paged_attention_cpu(const Tensor& q, const Tensor& k, const Tensor& v, Te
   Tensor out = at::empty_like(qc);
   if (!rows.empty()) {
     if (q.scalar_type() == at::kFloat)
-      decode_dispatch_kv<float>(qc, kv_cache, layer, out, rows, seqs, ctx, tables, max_blocks, (float)scale,
-                                sliding_window, (float)softcap);
+      decode_dispatch_kv<float>(qc, kv_cache, layer, out, rows, seqs, row_ctx.data(), tables, max_blocks,
+                                (float)scale, sliding_window, (float)softcap);
     else
-      decode_dispatch_kv<BF>(qc, kv_cache, layer, out, rows, seqs, ctx, tables, max_blocks, (float)scale,
+      decode_dispatch_kv<BF>(qc, kv_cache, layer, out, rows, seqs, row_ctx.data(), tables, max_blocks, (float)scale,
                              sliding_window, (float)softcap);
   }
-  // 3) context sequences: SDPA, one sequence at a time (Python)
+  // 3) context sequences (more than SHORT_SEQ_TOKENS new tokens): SDPA, one sequence at a time (Python)
   if (has_context)
-    paged_context_py(qc, kv_cache, layer, seq_lens, context_lens, block_tables, out, scale, sliding_window, softcap);
+    paged_context_py(qc, kv_cache, layer, seq_lens, context_lens, block_tables, out, scale, sliding_window, softcap,
+                     SHORT_SEQ_TOKENS + 1);
   return out;
 }
 

@@ -1,0 +1,176 @@
+"""Speculative decoding benchmark: what a (1 + k)-token verify step costs, and tokens/s with and without ngram.
+
+``--verify-cost``: engine time of one step where each of ``batch`` decoding sequences feeds 1 + k tokens
+(its last token and k proposals), against the plain 1-token decode step, k = 1..8, batch 1 and 4. The ratio
+bounds the achievable speedup: a step that emits a tokens on average is a / ratio(k) times faster.
+
+Default: the same run measures tokens/s of greedy generation through ``LLM`` with and without
+``speculative_config={"method": "ngram", ...}``, single stream and batch 4 / 16, on (a) a copy-heavy workload
+(the prompt holds a passage and asks for it again: the model's continuation repeats text it has seen) and (b)
+plain text (prompts without repeats), and prints each ratio (median of --rounds alternated runs) and the
+acceptance rates. "same" counts the requests whose tokens equal the run without speculation: in bf16 a step's
+numerics depend on its shapes (a 1 + k-token GEMM rounds differently from a 1-token GEMV, and batch composition
+changes them too), so a random model's near-tied argmaxes can flip; the fp32 tests check exact equality.
+
+The checkpoint is synthetic_checkpoints' 246m Llama (random weights, created once under work/bench). A random
+model's greedy output settles into loops, which is what an n-gram proposer feeds on: the copy-heavy workload is
+built from the model's own greedy continuation (the prompt holds it twice, and the request continues it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import statistics
+import time
+
+import torch
+
+from bench_common import ensure_checkpoint, ensure_engine, log
+
+K_VALUES = (1, 2, 3, 4, 6, 8)
+
+
+def build_config(dtype: str, backend: str) -> dict:
+    return dict(dtype=dtype, backend=backend, max_batch_size=16, max_input_len=1024, max_seq_len=1536,
+                max_num_tokens=2048)
+
+
+def verify_cost(engine_dir, batches=(1, 4), context: int = 256, steps: int = 20) -> None:
+    """Median engine time of (1 + k)-token steps vs 1-token steps for decoding sequences."""
+    from kiln.contract import SeqChunk, pack_inputs
+    from kiln.runtime import Engine
+
+    engine = Engine.from_dir(engine_dir)
+    bs = engine.config.bounds.tokens_per_block
+    per_seq = (context + 16) // bs + 1
+    kv = engine.allocate_kv_cache(max(batches) * per_seq + 1)
+    vocab = engine.config.model.vocab_size
+    gen = torch.Generator().manual_seed(0)
+
+    def step_time(batch: int, n: int) -> float:
+        chunks = []
+        for s in range(batch):
+            blocks = list(range(1 + s * per_seq, 1 + (s + 1) * per_seq))
+            ids = torch.randint(0, vocab, (n,), generator=gen).tolist()
+            chunks.append(SeqChunk(ids, context, blocks, n))
+        inputs = pack_inputs(chunks, kv, bs)
+        t0 = time.perf_counter()
+        engine.run(inputs)
+        return time.perf_counter() - t0
+
+    print(f"\nverify cost: engine ms per step, {context} tokens of context, median of {steps} steps")
+    print(f"{'batch':>5} {'tokens/seq':>10} {'ms/step':>9} {'vs 1 token':>10}")
+    for batch in batches:
+        base = None
+        for n in (1, *[1 + k for k in K_VALUES]):
+            if batch * n > engine.config.bounds.max_num_logits:
+                continue   # more logits rows than the engine returns (the scheduler never asks for them)
+            for _ in range(3):
+                step_time(batch, n)
+            med = statistics.median(step_time(batch, n) for _ in range(steps)) * 1e3
+            base = base or med
+            print(f"{batch:>5} {n:>10} {med:>9.2f} {med / base:>9.2f}x", flush=True)
+
+
+def greedy_continuation(llm, prompt: list[int], n: int) -> list[int]:
+    from kiln.runtime import SamplingParams
+
+    return llm.generate([prompt], SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True))[0].token_ids
+
+
+def workloads(llm, vocab: int, count: int, prompt_len: int) -> dict[str, list[list[int]]]:
+    """copy-heavy: a passage (the model's own continuation of a random start) twice, then its first tokens
+    again; plain: random tokens (no repeats for the proposer to find in the prompt)."""
+    gen = torch.Generator().manual_seed(1)
+    plain = [torch.randint(3, vocab, (prompt_len,), generator=gen).tolist() for _ in range(count)]
+    copy = []
+    for p in plain:
+        start = p[: prompt_len // 4]
+        passage = start + greedy_continuation(llm, start, prompt_len // 4)
+        copy.append(passage + passage + passage[:8])
+    return {"copy-heavy": copy, "plain": plain}
+
+
+def run_case(llm, prompts: list[list[int]], max_tokens: int) -> tuple[float, int]:
+    from kiln.runtime import SamplingParams
+
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    t0 = time.perf_counter()
+    outs = llm.generate(prompts, params)
+    elapsed = time.perf_counter() - t0
+    return sum(len(o.token_ids) for o in outs) / elapsed, outs
+
+
+def spec_counts(llm) -> dict:
+    return dict(llm.stats().get("speculative", {}))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--size", default="246m", help="synthetic_checkpoints preset of the Llama (default 246m)")
+    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--backend", default="cpu-compiled")
+    ap.add_argument("--verify-cost", action="store_true", help="only the (1 + k)-token step cost table")
+    ap.add_argument("--batches", default="1,4,16")
+    ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--k", type=int, default=4, help="num_speculative_tokens")
+    ap.add_argument("--spec", default=None, help="speculative_config JSON (overrides --k)")
+    ap.add_argument("--rounds", type=int, default=3, help="base / spec runs alternated, the median rate kept")
+    args = ap.parse_args()
+    from kiln.runtime import LLM
+
+    ckpt = ensure_checkpoint(args.size)
+    engine_dir = ensure_engine(f"llama-{args.size}-{args.dtype}-{args.backend}-spec",
+                               build_config(args.dtype, args.backend), ckpt)
+    if args.verify_cost:
+        verify_cost(engine_dir)
+        return
+    spec = json.loads(args.spec) if args.spec else {"method": "ngram", "num_speculative_tokens": args.k,
+                                                   "prompt_lookup_max": 4, "prompt_lookup_min": 2}
+    batches = [int(b) for b in args.batches.split(",")]
+    # one LLM, its proposer switched off for the baseline: two LLMs in one process are two step-loop threads with
+    # an OpenMP team each, and libgomp then sleeps between parallel regions (see kiln.runtime.executor), which
+    # cost the second one ~10% in a first version of this script
+    llm = LLM(str(engine_dir), max_kv_cache_tokens=65536, speculative_config=spec)
+    proposer = llm.executor.proposer
+
+    def mode(on: bool):
+        llm.executor.wait_idle()
+        llm.executor.proposer = proposer if on else None
+        return llm
+
+    base, specd = (lambda: mode(False)), (lambda: mode(True))
+    loads = workloads(base(), llm.executor.vocab_size, max(batches), 128)
+    print(f"\n{datetime.date.today()} llama {args.size} {args.dtype} {args.backend}, {torch.get_num_threads()} "
+          f"threads; greedy, {args.max_tokens} new tokens; speculative_config={json.dumps(spec)}")
+    print(f"{'workload':<11} {'batch':>5} {'base tok/s':>10} {'spec tok/s':>10} {'ratio':>6} {'accept':>7} "
+          f"{'tok/step/seq':>12} {'same':>6}")
+    for name, prompts in loads.items():
+        for batch in batches:
+            ps = prompts[:batch]
+            run_case(base(), ps[:1], 4)   # warm both
+            run_case(specd(), ps[:1], 4)
+            before = spec_counts(llm)
+            b_rates, s_rates = [], []
+            for _ in range(args.rounds):
+                b_rate, b_outs = run_case(base(), ps, args.max_tokens)
+                s_rate, s_outs = run_case(specd(), ps, args.max_tokens)
+                b_rates.append(b_rate)
+                s_rates.append(s_rate)
+            b_rate, s_rate = statistics.median(b_rates), statistics.median(s_rates)
+            after = spec_counts(llm)
+            prop = after.get("proposed_tokens", 0) - before.get("proposed_tokens", 0)
+            acc = after.get("accepted_tokens", 0) - before.get("accepted_tokens", 0)
+            steps = after.get("verify_steps", 0) - before.get("verify_steps", 0)
+            same = sum(a.token_ids == b.token_ids for a, b in zip(b_outs, s_outs))
+            print(f"{name:<11} {batch:>5} {b_rate:>10.1f} {s_rate:>10.1f} {s_rate / b_rate:>5.2f}x "
+                  f"{acc / prop if prop else 0:>6.1%} {(acc + steps) / steps if steps else 1:>12.2f} "
+                  f"{same:>3}/{len(ps)}", flush=True)
+    print("per-position acceptance:", [round(a, 3) for a in spec_counts(llm).get("acceptance_per_position", [])])
+    log("done")
+
+
+if __name__ == "__main__":
+    main()
