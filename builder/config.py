@@ -93,7 +93,8 @@ class BuildConfig:
     onnx_optimization: str = _knob("all", "onnx: onnxruntime graph optimization level.", ONNX_OPTIMIZATION)
     lora_target_modules: list[str] = field(default_factory=list, metadata={
         "help": "Modules that take LoRA adapters at run time, as PEFT's target_modules names them (q_proj, k_proj, "
-                "v_proj, o_proj, gate_proj, up_proj, down_proj; GPT-2: c_attn, c_proj, c_fc; or all-linear); "
+                "v_proj, o_proj, gate_proj, up_proj, down_proj; GPT-2: c_attn, c_proj, c_fc; Phi-3: qkv_proj, "
+                "o_proj, gate_up_proj, down_proj; MoE families: the attention's four; or all-linear); "
                 "comma-separated or repeated. Default: none (an engine without adapters)."})
     max_lora_rank: int = _knob(16, "Largest LoRA rank the engine's adapter pool holds (with lora_target_modules).")
     num_tokens_profiles: list[int] = field(default_factory=list, metadata={

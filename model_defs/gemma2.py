@@ -22,6 +22,7 @@ from kiln.model_defs.weights import WeightSpec, identity_layout, parameter_shape
 
 ARCHITECTURES = ("Gemma2ForCausalLM",)
 IGNORED_HF_SUFFIXES = llama.IGNORED_HF_SUFFIXES
+lora_targets = llama.lora_targets   # Llama's module names (the GeGLU MLP is gate/up/down too)
 ACTIVATIONS = ("gelu_pytorch_tanh",)
 
 

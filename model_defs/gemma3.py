@@ -18,6 +18,7 @@ from kiln.model_defs.weights import WeightSpec, identity_layout, parameter_shape
 
 ARCHITECTURES = ("Gemma3ForCausalLM",)
 IGNORED_HF_SUFFIXES = gemma2.IGNORED_HF_SUFFIXES
+lora_targets = gemma2.lora_targets
 GLOBAL_THETA, LOCAL_THETA = 1_000_000.0, 10_000.0   # transformers' defaults
 
 

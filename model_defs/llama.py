@@ -65,15 +65,22 @@ def checkpoint_layout(cfg: ModelConfig) -> dict[str, WeightSpec]:
     return identity_layout(parameter_shapes(create, cfg), hf_name)
 
 
-def lora_targets(cfg: ModelConfig) -> list[LoraTarget]:
-    """The attention projections and the gated MLP's three linears, as PEFT names them."""
-    h, q, kv, inter = cfg.hidden_size, cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim, \
-        cfg.intermediate_size
+def attention_lora_targets(cfg: ModelConfig) -> list[LoraTarget]:
+    """The four attention projections, as PEFT names them (every family with Llama's attention names)."""
+    h, q, kv = cfg.hidden_size, cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
     shapes = {"self_attn.q_proj": (h, q), "self_attn.k_proj": (h, kv), "self_attn.v_proj": (h, kv),
-              "self_attn.o_proj": (q, h), "mlp.gate_proj": (h, inter), "mlp.up_proj": (h, inter),
-              "mlp.down_proj": (inter, h)}
+              "self_attn.o_proj": (q, h)}
     return [whole(LoraModule(name, f"model.layers.{{layer}}.{name}", i, o), f"layers.{{layer}}.{name}")
             for name, (i, o) in shapes.items()]
+
+
+def lora_targets(cfg: ModelConfig) -> list[LoraTarget]:
+    """The attention projections and the gated MLP's three linears, as PEFT names them."""
+    h, inter = cfg.hidden_size, cfg.intermediate_size
+    shapes = {"mlp.gate_proj": (h, inter), "mlp.up_proj": (h, inter), "mlp.down_proj": (inter, h)}
+    return attention_lora_targets(cfg) + [
+        whole(LoraModule(name, f"model.layers.{{layer}}.{name}", i, o), f"layers.{{layer}}.{name}")
+        for name, (i, o) in shapes.items()]
 
 
 # Old Llama checkpoints store the rotary frequencies; kiln computes them from the config.

@@ -15,6 +15,9 @@ from kiln.model_defs.weights import WeightSpec, parameter_shapes
 
 ARCHITECTURES = ("MixtralForCausalLM",)
 IGNORED_HF_SUFFIXES = llama.IGNORED_HF_SUFFIXES
+# Attention only: the experts are one fused tensor per projection in transformers 5 (PEFT adapts them through
+# target_parameters, not modules) and kiln::moe computes them, so the MLP takes no adapters.
+lora_targets = llama.attention_lora_targets
 
 
 def config_from_hf(hf: dict[str, Any]) -> ModelConfig:

@@ -19,9 +19,10 @@ from typing import Any
 
 import torch
 
-from kiln.contract import ModelConfig
+from kiln.contract import LoraModule, ModelConfig
 from kiln.model_defs import llama
 from kiln.model_defs.hf_config import UnsupportedConfigError, partial_rotary_factor, require, rope_settings
+from kiln.model_defs.lora import LoraTarget, whole
 from kiln.model_defs.weights import WeightSpec, parameter_shapes
 
 ARCHITECTURES = ("Phi3ForCausalLM",)
@@ -84,6 +85,23 @@ def checkpoint_layout(cfg: ModelConfig) -> dict[str, WeightSpec]:
             layout[llama.hf_name(name)] = WeightSpec(shape, lambda t, n=name: {n: t})
     return layout
 
+
+def lora_targets(cfg: ModelConfig) -> list[LoraTarget]:
+    """PEFT's names for Phi-3's modules. The fused ``qkv_proj`` and ``gate_up_proj`` are computed by kiln's split
+    linears: each takes its rows of the adapter's B (as GPT-2's ``c_attn``)."""
+    h, d, inter = cfg.hidden_size, cfg.head_dim, cfg.intermediate_size
+    q, kv = cfg.num_heads * d, cfg.num_kv_heads * d
+    attn, mlp = "model.layers.{layer}.self_attn", "model.layers.{layer}.mlp"
+    qkv = LoraModule("self_attn.qkv_proj", f"{attn}.qkv_proj", h, q + 2 * kv)
+    gate_up = LoraModule("mlp.gate_up_proj", f"{mlp}.gate_up_proj", h, 2 * inter)
+    return [
+        LoraTarget(qkv, (("layers.{layer}.self_attn.q_proj", 0, q), ("layers.{layer}.self_attn.k_proj", q, q + kv),
+                         ("layers.{layer}.self_attn.v_proj", q + kv, q + 2 * kv))),
+        whole(LoraModule("self_attn.o_proj", f"{attn}.o_proj", q, h), "layers.{layer}.self_attn.o_proj"),
+        LoraTarget(gate_up, (("layers.{layer}.mlp.gate_proj", 0, inter),
+                             ("layers.{layer}.mlp.up_proj", inter, 2 * inter))),
+        whole(LoraModule("mlp.down_proj", f"{mlp}.down_proj", inter, h), "layers.{layer}.mlp.down_proj"),
+    ]
 
 def build_problems(cfg: ModelConfig, max_seq_len: int) -> list[str]:
     """What an engine of ``max_seq_len`` positions cannot do exactly with this config (the builder asks)."""

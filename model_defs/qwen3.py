@@ -16,6 +16,7 @@ from kiln.model_defs.weights import WeightSpec, identity_layout, parameter_shape
 
 ARCHITECTURES = ("Qwen3ForCausalLM",)
 IGNORED_HF_SUFFIXES = llama.IGNORED_HF_SUFFIXES
+lora_targets = llama.lora_targets   # Llama's module names and shapes (head_dim explicit)
 
 
 def config_from_hf(hf: dict[str, Any]) -> ModelConfig:

@@ -1,6 +1,6 @@
 """What the benchmark scripts share: timestamped progress lines, the ~300M Llama checkpoint, the check
-that an engine left by an earlier run was built by today's builder, and the streaming-read rate that
-decode steps are compared with."""
+that an engine left by an earlier run was built by today's builder, the timed decode steps of a paged batch
+(``engine.run`` alone) and the streaming-read rate that decode steps are compared with."""
 
 from __future__ import annotations
 
@@ -77,6 +77,37 @@ def ensure_engine(name: str, build: dict, ckpt: Path = CKPT) -> Path:
     log(f"building engine {out} ...")
     build_engine(ckpt, out, BuildConfig(**build), progress=lambda stage, msg: log(f"  build {stage}: {msg}"))
     return out
+
+
+def decode_step_times(engine, batch: int, steps: int, context: int = 128, lora_slots: list[int] | None = None,
+                      lora_weights=None) -> list[float]:
+    """Seconds of each of ``steps`` decode steps (``engine.run`` alone: no scheduler or sampler) of ``batch``
+    sequences after a prefill of ``context`` random tokens each, in a KV pool of their own. An engine taking
+    adapters needs ``lora_weights`` (the adapter pool) and ``lora_slots`` (each sequence's slot; default none)."""
+    import random
+
+    from kiln.contract import NO_ADAPTER, SeqChunk, pack_inputs
+
+    bs = engine.config.bounds.tokens_per_block
+    per_seq = -(-(context + steps + 1) // bs)
+    kv = engine.allocate_kv_cache(batch * per_seq)
+    tables = [list(range(s * per_seq, (s + 1) * per_seq)) for s in range(batch)]
+    rng = random.Random(0)
+    vocab = engine.config.model.vocab_size
+    seq_slots = lora_slots or [NO_ADAPTER] * batch
+
+    def step(tokens: list[list[int]], start: int) -> dict:
+        chunks = [SeqChunk(t, start, tables[s], 1, seq_slots[s]) for s, t in enumerate(tokens)]
+        return pack_inputs(chunks, kv, bs, lora_weights=lora_weights)
+
+    engine.run(step([[rng.randrange(3, vocab) for _ in range(context)] for _ in range(batch)], 0))
+    times = []
+    for i in range(steps):
+        inputs = step([[rng.randrange(3, vocab)] for _ in range(batch)], context + i)
+        t0 = time.perf_counter()
+        engine.run(inputs)
+        times.append(time.perf_counter() - t0)
+    return times
 
 
 def stream_read_bandwidth(nbytes: int = 64 << 20, repeats: int = 7, threads: int | None = None) -> float:

@@ -12,7 +12,7 @@ within a round:
 
 - batch 16: the base engine; the LoRA engine with 4 adapters (4 sequences each); the LoRA engine with no
   adapter on any sequence (what the op costs when nobody uses it);
-- batch 1: the base engine; the LoRA engine with one adapter.
+- batch 1: the base engine; the LoRA engine with one adapter, and with none.
 
 Targets (issue 25): batch 16 with 4 adapters <= 1.3x the base step; one adapter at batch 1 <= 1.15x.
 """
@@ -22,14 +22,12 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import random
 import statistics
-import time
 from pathlib import Path
 
 import torch
 
-from bench_common import BENCH, ensure_checkpoint, ensure_engine, log
+from bench_common import BENCH, decode_step_times, ensure_checkpoint, ensure_engine, log
 
 CONTEXT = 128
 RANK = 16
@@ -62,33 +60,6 @@ def write_adapter(out: Path, layout, seed: int) -> Path:
         "peft_type": "LORA", "r": RANK, "lora_alpha": 2 * RANK, "target_modules": TARGETS.split(","),
         "bias": "none", "use_rslora": False}))
     return out
-
-
-def run_steps(engine, batch: int, steps: int, slots: list[int] | None, pool) -> list[float]:
-    """Times of ``steps`` decode steps of ``batch`` sequences after a prefill of CONTEXT tokens each; ``slots``:
-    each sequence's adapter slot (None: an engine without adapters)."""
-    from kiln.contract import NO_ADAPTER, SeqChunk, pack_inputs
-
-    bs = engine.config.bounds.tokens_per_block
-    per_seq = -(-(CONTEXT + steps + 1) // bs)
-    kv = engine.allocate_kv_cache(batch * per_seq)
-    tables = [list(range(s * per_seq, (s + 1) * per_seq)) for s in range(batch)]
-    rng = random.Random(0)
-    vocab = engine.config.model.vocab_size
-    seq_slots = slots or [NO_ADAPTER] * batch
-
-    def step(tokens: list[list[int]], start: int) -> dict:
-        chunks = [SeqChunk(t, start, tables[s], 1, seq_slots[s]) for s, t in enumerate(tokens)]
-        return pack_inputs(chunks, kv, bs, lora_weights=pool if slots is not None else None)
-
-    engine.run(step([[rng.randrange(3, vocab) for _ in range(CONTEXT)] for _ in range(batch)], 0))
-    times = []
-    for i in range(steps):
-        inputs = step([[rng.randrange(3, vocab)] for _ in range(batch)], CONTEXT + i)
-        t0 = time.perf_counter()
-        engine.run(inputs)
-        times.append(time.perf_counter() - t0)
-    return times
 
 
 def main() -> None:
@@ -124,11 +95,13 @@ def main() -> None:
         "b16 lora no adapter": (lora, 16, [-1] * 16),
         "b1 base": (base, 1, None),
         "b1 lora 1 adapter": (lora, 1, [slots[0]]),
+        "b1 lora no adapter": (lora, 1, [-1]),
     }
     times: dict[str, list[float]] = {k: [] for k in cases}
     for r in range(args.rounds):
         for name, (engine, batch, seq_slots) in cases.items():
-            times[name] += run_steps(engine, batch, args.steps, seq_slots, pool.weights)
+            weights = pool.weights if seq_slots is not None else None
+            times[name] += decode_step_times(engine, batch, args.steps, CONTEXT, seq_slots, weights)
         log(f"round {r + 1}/{args.rounds} done")
     med = {k: statistics.median(v) * 1e3 for k, v in times.items()}
     model = lora.config.model

@@ -18,14 +18,13 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import random
 import statistics
 import time
 
 import torch
 import torch.distributed as dist
 
-from bench_common import ensure_checkpoint, ensure_engine, log
+from bench_common import decode_step_times, ensure_checkpoint, ensure_engine, log
 
 CONTEXT = 128
 
@@ -33,28 +32,10 @@ CONTEXT = 128
 def run_steps(engine, batch: int, steps: int, threads: int) -> tuple[list[float], dict]:
     """Step times of ``steps`` decode steps of ``batch`` sequences after a prefill of CONTEXT tokens each, and
     the communication counters' change over them (empty for one rank)."""
-    from kiln.contract import SeqChunk, pack_inputs
-
     torch.set_num_threads(threads)
-    bs = engine.config.bounds.tokens_per_block
-    per_seq = -(-(CONTEXT + steps + 1) // bs)
-    pool = engine.allocate_kv_cache(batch * per_seq)
-    tables = [list(range(s * per_seq, (s + 1) * per_seq)) for s in range(batch)]
-    rng = random.Random(0)
-    vocab = engine.config.model.vocab_size
-
-    def step(tokens: list[list[int]], start: int) -> dict:
-        return pack_inputs([SeqChunk(t, start, tables[s]) for s, t in enumerate(tokens)], pool, bs)
-
-    engine.run(step([[rng.randrange(3, vocab) for _ in range(CONTEXT)] for _ in range(batch)], 0))
     stats = getattr(engine, "comm_stats", dict)
     before = stats()
-    times = []
-    for i in range(steps):
-        inputs = step([[rng.randrange(3, vocab)] for _ in range(batch)], CONTEXT + i)
-        t0 = time.perf_counter()
-        engine.run(inputs)
-        times.append(time.perf_counter() - t0)
+    times = decode_step_times(engine, batch, steps, CONTEXT)
     after = stats()
     return times, {k: after[k] - before.get(k, 0) for k in after}
 

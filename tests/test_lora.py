@@ -4,7 +4,8 @@ Adapters are made with peft (ranks 4, 8 and 16, different target sets, rsLoRA on
 PEFT writes them; kiln's greedy outputs must equal PeftModel's for each adapter and for the base model, in one
 mixed batch of 32 requests with preemption and prefix reuse on (llama and gpt2, whose fused c_attn kiln splits
 into q/k/v), with more adapters than pool slots (LRU swap), and the prefix cache never shares KV between
-adapters. Then the refusals: a rank above the engine's, a module it does not adapt, wrong shapes, a missing
+adapters; Phi-3 (fused qkv_proj / gate_up_proj), Gemma 3 and Qwen3-MoE (attention only) in a smaller mixed
+batch. Then the refusals: a rank above the engine's, a module it does not adapt, wrong shapes, a missing
 file, an unknown adapter name, an engine without adapters.
 """
 
@@ -138,6 +139,43 @@ def test_mixed_batch_of_adapters_matches_peft(setups, family):
         assert max(s.batch_size for s in llm.executor.metrics.steps) >= 8
         check_pool(llm)
 
+
+# The other families, one engine each: PEFT's module names for their layouts (Phi-3's fused qkv_proj and
+# gate_up_proj, split by kiln; an MoE model's attention), each adapter checked in one mixed batch
+FAMILY_ADAPTERS = {
+    "phi3": {"f8": dict(r=8, lora_alpha=16, target_modules="all-linear", use_rslora=True),
+             "f4": dict(r=4, lora_alpha=8, target_modules=["qkv_proj", "down_proj"])},
+    "gemma3": {"f8": dict(r=8, lora_alpha=16, target_modules="all-linear"),
+               "f4": dict(r=4, lora_alpha=12, target_modules=["k_proj", "o_proj", "up_proj"])},
+    "qwen3_moe": {"f8": dict(r=8, lora_alpha=16, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"]),
+                  "f4": dict(r=4, lora_alpha=8, target_modules=["v_proj"], use_rslora=True)},
+}
+
+
+@pytest.mark.parametrize("family", sorted(FAMILY_ADAPTERS))
+def test_other_families_match_peft(checkpoint_dir, tmp_path, family):
+    ckpt = checkpoint_dir(family)
+    engine = get_engine(ckpt, lora_target_modules="all-linear", max_lora_rank=8)
+    adapters = {name: make_adapter(ckpt, tmp_path / name, seed, **cfg)
+                for seed, (name, cfg) in enumerate(FAMILY_ADAPTERS[family].items())}
+    rng = random.Random(3)
+    prompts = [[rng.randrange(3, VOCAB) for _ in range(rng.randint(3, 12))] for _ in range(3)]
+    names = [None, *adapters]
+    for name in adapters:
+        assert peft_greedy(ckpt, adapters[name], prompts[0]) != peft_greedy(ckpt, None, prompts[0]), name
+    with LLM(engine, lora_modules=adapters, max_loras=2) as llm:
+        outs = llm.generate([p for p in prompts for _ in names], GREEDY, lora=names * len(prompts), timeout=300)
+        check_against_peft(ckpt, adapters, [p for p in prompts for _ in names], names * len(prompts), outs)
+        check_pool(llm)
+
+
+def test_moe_families_adapt_attention_only(checkpoint_dir, tmp_path):
+    from kiln.builder import BuildConfig, build_engine
+
+    with pytest.raises(BuildConfigError, match=r"\['gate_proj'\] match no module of MixtralForCausalLM; its modules "
+                                               r"are \['self_attn.q_proj', 'self_attn.k_proj', 'self_attn.v_proj', "
+                                               r"'self_attn.o_proj'\]"):
+        build_engine(checkpoint_dir("mixtral"), tmp_path / "e", BuildConfig(lora_target_modules="q_proj,gate_proj"))
 
 def test_more_adapters_than_slots_swap_lru_and_stay_exact(setups):
     ckpt, engine, adapters = setups["llama"]

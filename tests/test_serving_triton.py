@@ -587,6 +587,46 @@ def test_bad_requests_get_named_errors_while_good_streams_run(server, llm, engin
              == model_level + 1, what="the refusals to be counted")
 
 
+# ---- an engine taking LoRA adapters: lora_name and lora_task_id select them ---------------------------
+def test_lora_name_and_task_id_select_adapters(checkpoint_dir, tmp_path):
+    """Adapters given by --lora-modules (one named "7": TensorRT-LLM's lora_task_id 7) generate the tokens of the
+    in-process LLM with the same adapters (which tests/test_lora.py checks against PeftModel)."""
+    from test_lora import ADAPTERS, MAX_RANK, TARGETS, make_adapter
+
+    ckpt = checkpoint_dir("llama", **CHECKPOINT)
+    engine = get_engine(ckpt, lora_target_modules=TARGETS["llama"], max_lora_rank=MAX_RANK, **BUILD)
+    adapters = {name: make_adapter(ckpt, tmp_path / f"adapter-{name}", seed, **ADAPTERS["llama"][kind])
+                for seed, (name, kind) in enumerate([("sql", "a8"), ("7", "a16")])}
+    with LLM(engine, lora_modules=adapters) as ref:
+        params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+        want = {name: ref.generate([PROMPTS[0]], params, lora=name)[0].token_ids for name in (None, "sql", "7")}
+    assert len({tuple(v) for v in want.values()}) == 3, want   # each adapter changes the tokens
+    served = start_server(engine.directory, tmp_path / "triton", "--max-kv-cache-tokens", "4096",
+                          *[arg for name, path in adapters.items() for arg in ("--lora-modules", f"{name}={path}")])
+    try:
+        body = {"text_input": PROMPTS[0], "max_tokens": 12, "exclude_input_in_output": True, "end_id": -1}
+        for name, extra in [(None, {}), ("sql", {"lora_name": "sql"}), ("7", {"lora_task_id": 7}),
+                            ("7", {"lora_name": "7", "lora_task_id": 7})]:
+            status, out = post(f"{served.http}/v2/models/kiln/generate", {**body, **extra})
+            assert status == 200 and out["output_ids"] == want[name], (extra, out)
+        stream = StreamClient(served.grpc)
+        try:
+            stream.send("sql", request(PROMPTS[0], 12, stream=tensor(True, np.bool_), end_id=tensor(-1, np.int32),
+                                       lora_name=tensor("sql", np.object_)))
+            stream.send("task", request(PROMPTS[0], 12, end_id=tensor(-1, np.int32), lora_task_id=tensor(7, np.uint64),
+                                        exclude_input_in_output=tensor(True, np.bool_)))
+            stream.wait("sql"), stream.wait("task")
+            assert stream.tokens("sql") == want["sql"] and stream.tokens("task") == want["7"], stream.errors
+            stream.send("unknown", request(PROMPTS[0], 4, lora_task_id=tensor(8, np.uint64)))
+            stream.wait("unknown")
+            assert "unknown LoRA adapter '8'" in stream.errors["unknown"], stream.errors
+        finally:
+            stream.close()
+    finally:
+        code, _ = served.stop()
+    assert code == 0, served.output()[-3000:]
+    assert not served.processes() and not served.shm_files()
+
 # ---- a non-decoupled server named "ensemble", two instances, each with a small admission queue ----------
 @pytest.fixture(scope="module")
 def ensemble_server(engine, tmp_path_factory):

@@ -4,8 +4,9 @@
 //
 // Tokens are grouped by adapter slot (a counting sort), so every adapter present in the step is read once:
 // shrink xa = x_g @ A^T for each group and each distinct A of the segments (one fp32 dot product of length K
-// per token and rank row), then expand delta += xa @ B^T by column blocks of each segment, each block's
-// rows of B^T read once per group and added into the group's tokens (axpy). Both phases run on torch's
+// per token and rank row), then expand delta += xa @ B^T by column blocks of each segment: per token of a
+// group, the block's 64 sums stay in registers over the rank rows of B^T (read from L1 after the group's
+// first token), so delta is loaded and stored once per block and token. Both phases run on torch's
 // intra-op threads. The delta is accumulated in fp32 and added to y once (one rounding for bf16).
 //
 // Coverage: fp32 / bf16 x, y and pool of one dtype, 2-D x and y, int32 slots; anything else (fp16, bad
@@ -142,11 +143,21 @@ void lora_typed(const Tensor& xc, Tensor& out, const int32_t* slots, const Tenso
       const int64_t c0 = blocks[bi].second, nc = std::min(COL_BLOCK, sg.n - c0);
       for (const Group& g : groups) {
         const T* bt = w + g.slot * numel + sg.b_off + c0;
-        for (int64_t r = 0; r < rank; ++r) {
-          const T* brow = bt + r * sg.b_stride;
-          for (int64_t i = g.begin; i < g.end; ++i) {
-            const float s = xa[(sg.a_index * active + i) * rank + r];
-            if (s != 0.0f) axpy(s, brow, delta.data() + i * ncols + sg.y_col + c0, nc);
+        for (int64_t i = g.begin; i < g.end; ++i) {
+          const float* s = xa.data() + (sg.a_index * active + i) * rank;
+          float* d = delta.data() + i * ncols + sg.y_col + c0;
+          if (nc == COL_BLOCK) {  // the block's sums in registers over all rank rows: one load and store of d
+            __m256 acc[COL_BLOCK / 8];
+            for (int64_t j = 0; j < COL_BLOCK / 8; ++j) acc[j] = _mm256_loadu_ps(d + 8 * j);
+            for (int64_t r = 0; r < rank; ++r) {
+              const __m256 vs = _mm256_set1_ps(s[r]);
+              const T* brow = bt + r * sg.b_stride;
+              for (int64_t j = 0; j < COL_BLOCK / 8; ++j) acc[j] = _mm256_fmadd_ps(vs, load8(brow + 8 * j), acc[j]);
+            }
+            for (int64_t j = 0; j < COL_BLOCK / 8; ++j) _mm256_storeu_ps(d + 8 * j, acc[j]);
+          } else {
+            for (int64_t r = 0; r < rank; ++r)
+              if (s[r] != 0.0f) axpy(s[r], bt + r * sg.b_stride, d, nc);
           }
         }
       }
