@@ -63,7 +63,7 @@ from kiln.plugins.weight_format import (
 __all__ = [
     "weight_only_linear", "bf16_linear", "fp32_linear",
     "weight_only_linear_reference", "bf16_linear_reference", "fp32_linear_reference", "float_linear_reference",
-    "kernel_max_m", "set_kernel_max_m",
+    "kernel_max_m", "set_kernel_max_m", "int4_gemm_m", "set_int4_gemm_m",
 ]
 
 # Rows of the weight dequantised at once in the sgemm path (bounded fp32 scratch).
@@ -113,6 +113,26 @@ def set_kernel_max_m(kind: str, max_m: int) -> int:
         raise RuntimeError("the native kernels are unavailable or disabled: there is no kernel limit to set")
     old = kernel_max_m(kind)
     lib.kiln_ops_set_max_m(ABI.weight_types[kind], int(max_m))
+    return old
+
+
+def int4_gemm_m() -> int:
+    """Rows of x from which an int4-panel weight runs as a bf16 GEMM (oneDNN; AMX where present) on the weight
+    dequantized once per call instead of the int4 kernels; 0: never (the default where the CPU has no AMX-BF16).
+    That path rounds x to bf16 (~2^-9 relative error, far below the int4 weight error)."""
+    lib = native.library()
+    return int(lib.kiln_ops_int4_gemm_m()) if lib is not None else 0
+
+
+def set_int4_gemm_m(m: int) -> int:
+    """Change :func:`int4_gemm_m` (0 turns the bf16 GEMM path off); returns the previous value."""
+    lib = native.library()
+    if lib is None:
+        raise RuntimeError("the native kernels are unavailable or disabled: there is no int4 GEMM threshold to set")
+    if m < 0:
+        raise ValueError(f"int4_gemm_m must be >= 0 (0 turns the bf16 GEMM path off), got {m}")
+    old = int4_gemm_m()
+    lib.kiln_ops_set_int4_gemm_m(int(m))
     return old
 
 

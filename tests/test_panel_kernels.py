@@ -177,9 +177,17 @@ def _int4(n, k, gs, zeros: bool, seed: int):
     return p
 
 
+@pytest.fixture
+def int4_kernels_only(native):
+    """The int4 kernels at every M (no bf16 GEMM path, which AMX CPUs take from int4_gemm_m rows)."""
+    old = linear.set_int4_gemm_m(0)
+    yield
+    linear.set_int4_gemm_m(old)
+
+
 @pytest.mark.parametrize("shape", INT4_SHAPES)
 @pytest.mark.parametrize("zeros", [False, True])
-def test_int4_panels(isa, shape, zeros):
+def test_int4_panels(isa, shape, zeros, int4_kernels_only):
     n, k, gs = shape
     p = _int4(n, k, gs, zeros, n + k)
     b = torch.randn(n)
@@ -191,6 +199,38 @@ def test_int4_panels(isa, shape, zeros):
         y = linear.weight_only_linear(xb, p.qweight, p.scales, b, 4, gs, p.zeros)
         ref = linear.weight_only_linear_reference(xb, p.qweight, p.scales, b, 4, gs, p.zeros)
         assert y.dtype == torch.bfloat16 and _rel(y, ref) < 1e-2, m
+
+
+@pytest.mark.parametrize("shape", INT4_SHAPES)
+def test_int4_panels_bf16_gemm_path(native, shape):
+    """From int4_gemm_m rows (the prefill path on AMX CPUs; forced here from 1 row, on any CPU) the weight is
+    dequantized to bf16, bit for bit the reference's fp32 weight rounded to bf16, and x rounded to bf16 for a
+    bf16 GEMM: within bf16 rounding of the reference, bias and zero points included."""
+    import ctypes
+
+    n, k, gs = shape
+    p = _int4(n, k, gs, True, n * 3 + k)
+    wb = torch.empty(n, k, dtype=torch.bfloat16)
+    lib = native_lib.library()
+    assert lib.kiln_dequant_int4_panel_bf16(p.qweight.data_ptr(), p.scales.data_ptr(), p.zeros.data_ptr(), gs, n, k,
+                                            wb.data_ptr(), 2) == 0
+    assert torch.equal(wb, fmt.dequantize_int4_panels(p).bfloat16())
+    assert lib.kiln_dequant_int4_panel_bf16(p.qweight.data_ptr(), p.scales.data_ptr(), None, 12, n, k,
+                                            ctypes.c_void_p(wb.data_ptr()), 2) == 2   # group 12: not the layout
+    b = torch.randn(n)
+    old = linear.set_int4_gemm_m(1)
+    try:
+        assert "oneDNN bf16 GEMM" in native_lib.describe_kernel("int4_panel", 1, n)
+        for m in (1, 5, 33):
+            x = torch.randn(m, k)
+            for xx in (x, x.bfloat16()):
+                y = linear.weight_only_linear(xx, p.qweight, p.scales, b, 4, gs, p.zeros)
+                ref = linear.weight_only_linear_reference(xx, p.qweight, p.scales, b, 4, gs, p.zeros)
+                assert y.dtype == xx.dtype and _rel(y, ref) < 1e-2, (m, xx.dtype)
+        with pytest.raises(ValueError, match="int4_gemm_m must be >= 0"):
+            linear.set_int4_gemm_m(-1)
+    finally:
+        linear.set_int4_gemm_m(old)
 
 
 def test_int4_panel_layout_and_round_trip():

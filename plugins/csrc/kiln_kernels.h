@@ -71,6 +71,10 @@ int kiln_linear(int wtype, const void* w, const float* scales, int64_t group_siz
 int kiln_linear_int4_panel(const void* w, const uint16_t* scales, const uint8_t* zeros, int64_t group_size,
                            const void* x, int64_t M, int64_t N, int64_t K, const float* bias, void* y, int nthreads,
                            int bf16_io);
+// int4 panels (as kiln_linear_int4_panel's) -> bf16 bits [N][K] row-major, (u - zero) * scale rounded to nearest
+// even: 0, or 2 when the shape does not fit the layout.
+int kiln_dequant_int4_panel_bf16(const void* w, const uint16_t* scales, const uint8_t* zeros, int64_t group_size,
+                                 int64_t N, int64_t K, uint16_t* out, int nthreads);
 // The panel kernels' tunables by name (row_prefetch, small_prefetch, onepass_prefetch: bytes ahead; 0 = off):
 // 0, or 1 for an unknown name (2: a value out of range).
 int kiln_get_tuning(const char* name, int64_t* value);
@@ -94,5 +98,9 @@ void kiln_ops_set_enabled(int enabled);
 int kiln_ops_enabled();
 int64_t kiln_ops_max_m(int wtype);
 void kiln_ops_set_max_m(int wtype, int64_t max_m);
+// Rows of x from which an int4-panel weight is dequantized to bf16 for a bf16 GEMM (oneDNN: AMX where present)
+// instead of the int4 kernels; 0: never (the default on CPUs without AMX-BF16).
+int64_t kiln_ops_int4_gemm_m();
+void kiln_ops_set_int4_gemm_m(int64_t m);
 
 }  // extern "C"

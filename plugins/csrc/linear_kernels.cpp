@@ -872,6 +872,9 @@ std::string describe_panel(int wtype, int64_t M, int64_t N) {
   const int kind = kiln_weight_kind(wtype);
   std::string what;
   if (wtype == KILN_W_INT4_PANEL) {
+    const int64_t gemm_m = kiln_ops_int4_gemm_m();
+    if (gemm_m > 0 && M >= gemm_m) return "int4 panels -> bf16 once per call, oneDNN bf16 GEMM (from M " +
+                                          std::to_string(gemm_m) + ")";
     if (M == 1 && t.row_panels > 1 && panels % t.row_panels == 0)
       what = "one row x " + std::to_string(t.row_panels) + " panels, prefetch " + std::to_string(t.row_prefetch) + " B";
     else if (M == 1) what = "one-row stream, 4 chains, prefetch " + std::to_string(t.row_prefetch) + " B";
@@ -953,6 +956,64 @@ struct Int4View {
   const uint8_t* z;
   int64_t K, gs;
 };
+
+// fp32 -> bf16 bits, rounded to nearest even (finite values: dequantized weights), in the low half of each lane
+inline __m256i bf16_bits8(__m256 v) {
+  const __m256i u = _mm256_castps_si256(v);
+  const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+  return _mm256_srli_epi32(_mm256_add_epi32(u, _mm256_add_epi32(_mm256_set1_epi32(0x7fff), odd)), 16);
+}
+
+// int4 panels -> bf16 [N][K] row-major: w = (u - zero) * scale in fp32 (weight_format.dequantize_int4_panels'
+// arithmetic), rounded to nearest even. The prefill path (linear_ops.cpp): a compute-bound bf16 GEMM (oneDNN's,
+// AMX where the CPU has it) on the weight dequantized once per call. AVX2: a block's 32-byte half holds rows
+// 8h..8h+7, 16-bit word 2r + e holding nibble c = element (row r, k = 8b + 2c + e); the four nibbles' bf16 pairs
+// are transposed (4 x 8 32-bit elements) so that each row's 8 k are one 16-byte store.
+void dequant_int4_panel_bf16(const Int4View& v, int64_t N, uint16_t* out, int nthreads) {
+  const int64_t K = v.K, G = K / v.gs, bpg = v.gs / 8, pbytes = (K / 8) * 64, panels = N / 16;
+  const int nt = int(std::max<int64_t>(1, std::min<int64_t>(nthreads, panels)));
+  const __m256i low4 = _mm256_set1_epi16(15);
+#pragma omp parallel for num_threads(nt) schedule(static)
+  for (int64_t p = 0; p < panels; ++p) {
+    for (int h = 0; h < 2; ++h) {
+      uint16_t* o = out + (p * 16 + h * 8) * K;
+      for (int64_t g = 0; g < G; ++g) {
+        float sr[8], zr[8];
+        for (int r = 0; r < 8; ++r) {
+          const int64_t i = (p * G + g) * 16 + h * 8 + r;
+          sr[r] = _cvtsh_ss(v.s[i]);
+          zr[r] = v.z ? float(v.z[i]) : 8.0f;
+        }
+        // lanes of the pairs: words 0-7 are rows 0-3 (k even, k odd), words 8-15 rows 4-7
+        const __m256 slo = _mm256_setr_ps(sr[0], sr[0], sr[1], sr[1], sr[2], sr[2], sr[3], sr[3]);
+        const __m256 shi = _mm256_setr_ps(sr[4], sr[4], sr[5], sr[5], sr[6], sr[6], sr[7], sr[7]);
+        const __m256 zlo = _mm256_setr_ps(zr[0], zr[0], zr[1], zr[1], zr[2], zr[2], zr[3], zr[3]);
+        const __m256 zhi = _mm256_setr_ps(zr[4], zr[4], zr[5], zr[5], zr[6], zr[6], zr[7], zr[7]);
+        for (int64_t b = g * bpg; b < (g + 1) * bpg; ++b) {
+          const __m256i W = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(v.w + p * pbytes + b * 64 + h * 32));
+          __m256i P[4];
+          for (int c = 0; c < 4; ++c) {
+            const __m256i u = _mm256_and_si256(_mm256_srl_epi16(W, _mm_cvtsi32_si128(4 * c)), low4);
+            const __m256 lo = _mm256_cvtepi32_ps(_mm256_cvtepu16_epi32(_mm256_castsi256_si128(u)));
+            const __m256 hi = _mm256_cvtepi32_ps(_mm256_cvtepu16_epi32(_mm256_extracti128_si256(u, 1)));
+            // 32-bit elements: the bf16 pairs of rows [0 1 4 5 | 2 3 6 7] (packus interleaves per 128-bit lane)
+            P[c] = _mm256_packus_epi32(bf16_bits8(_mm256_mul_ps(_mm256_sub_ps(lo, zlo), slo)),
+                                       bf16_bits8(_mm256_mul_ps(_mm256_sub_ps(hi, zhi), shi)));
+          }
+          const __m256i t0 = _mm256_unpacklo_epi32(P[0], P[1]), t1 = _mm256_unpackhi_epi32(P[0], P[1]);
+          const __m256i t2 = _mm256_unpacklo_epi32(P[2], P[3]), t3 = _mm256_unpackhi_epi32(P[2], P[3]);
+          const __m256i q[4] = {_mm256_unpacklo_epi64(t0, t2), _mm256_unpackhi_epi64(t0, t2),
+                                _mm256_unpacklo_epi64(t1, t3), _mm256_unpackhi_epi64(t1, t3)};
+          constexpr int rows_lo[4] = {0, 1, 4, 5}, rows_hi[4] = {2, 3, 6, 7};
+          for (int j = 0; j < 4; ++j) {
+            _mm_storeu_si128(reinterpret_cast<__m128i*>(o + rows_lo[j] * K + b * 8), _mm256_castsi256_si128(q[j]));
+            _mm_storeu_si128(reinterpret_cast<__m128i*>(o + rows_hi[j] * K + b * 8), _mm256_extracti128_si256(q[j], 1));
+          }
+        }
+      }
+    }
+  }
+}
 
 // y = x @ W^T (+ bias) for a panel-layout weight; 0, or 2 when the shape does not fit the layout.
 int run_panel(int wtype, const void* w, const float* scales, const void* xin, int64_t M, int64_t N, int64_t K,
@@ -1120,6 +1181,15 @@ int kiln_linear_int4_panel(const void* w, const uint16_t* scales, const uint8_t*
   if (M < 1 || N < 1 || K < 1) return 1;
   return run_int4_panel({static_cast<const uint8_t*>(w), scales, zeros, K, group_size}, x, M, N, bias, y, nthreads,
                         bf16_io != 0);
+}
+
+int kiln_dequant_int4_panel_bf16(const void* w, const uint16_t* scales, const uint8_t* zeros, int64_t group_size,
+                                 int64_t N, int64_t K, uint16_t* out, int nthreads) {
+  if (N < 1 || K < 1 || N % KILN_PANEL != 0 || K % KILN_INT4_BLOCK != 0 || group_size <= 0 ||
+      group_size % KILN_INT4_BLOCK != 0 || K % group_size != 0)
+    return 2;
+  dequant_int4_panel_bf16({static_cast<const uint8_t*>(w), scales, zeros, K, group_size}, N, out, nthreads);
+  return 0;
 }
 
 int kiln_describe_kernel(int wtype, int64_t M, int64_t N, char* buf, int64_t len) {

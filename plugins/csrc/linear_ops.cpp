@@ -12,6 +12,8 @@
 #include <ATen/core/Tensor.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/ops/empty.h>
+#include <ATen/ops/mm.h>
+#include <cpuid.h>
 #include <torch/library.h>
 
 #include <atomic>
@@ -31,6 +33,18 @@ std::atomic<int> g_enabled{1};
 constexpr int64_t UNLIMITED = int64_t(1) << 40;
 std::atomic<int64_t> g_max_m[KILN_NUM_KINDS] = {{64}, {UNLIMITED}, {UNLIMITED}, {UNLIMITED}};
 static_assert(KILN_W_BF16 == 0 && KILN_W_INT8 == 1 && KILN_W_INT4 == 2 && KILN_W_FP32 == 3, "g_max_m's order");
+
+// int4 panels at M >= this (0: never) run as a bf16 GEMM on the weight dequantized once per call
+// (kiln_dequant_int4_panel_bf16 + at::mm, oneDNN). On a CPU with AMX-BF16 (Intel Sapphire Rapids, 2 cores) that
+// GEMM reaches 1.0-1.2 TFLOP/s at M = 512 against the int4 kernels' 0.4 (vpdpwssd on int16 x); with the dequant
+// (0.2-0.7 ms per call for the 246m's shapes) it wins from M ~ 128 and loses at 64 (docs/benchmarks.md);
+// without AMX oneDNN's bf16 GEMM is not measured to beat the int4 kernels, so they keep every M. x is rounded to bf16 on this path (error ~2^-9 relative, far below the int4 weight error).
+bool cpu_has_amx_bf16() {
+  unsigned a = 0, b = 0, c = 0, d = 0;
+  if (!__get_cpuid_count(7, 0, &a, &b, &c, &d)) return false;
+  return (d >> 22) & 1u;  // CPUID.(EAX=7,ECX=0):EDX[22] AMX-BF16
+}
+std::atomic<int64_t> g_int4_gemm_m{cpu_has_amx_bf16() ? 128 : 0};
 
 using OptT = std::optional<at::Tensor>;
 
@@ -137,7 +151,21 @@ at::Tensor int4_panel(const at::Tensor& x, const at::Tensor& qw, const at::Tenso
   const at::Tensor w = qw.contiguous(), s = scales.contiguous();
   at::Tensor z;
   if (hasz) z = zeros->contiguous();
-  at::Tensor y = at::empty({x2.size(0), N}, x2.options());
+  const int64_t M = x2.size(0), gemm_m = g_int4_gemm_m.load(std::memory_order_relaxed);
+  if (gemm_m > 0 && M >= gemm_m) {
+    at::Tensor wb = at::empty({N, K}, x2.options().dtype(at::kBFloat16));
+    if (kiln_dequant_int4_panel_bf16(w.const_data_ptr(), static_cast<const uint16_t*>(s.const_data_ptr()),
+                                     hasz ? static_cast<const uint8_t*>(z.const_data_ptr()) : nullptr, gs, N, K,
+                                     static_cast<uint16_t*>(wb.data_ptr()), at::get_num_threads()) != 0)
+      return at::Tensor();
+    at::Tensor y = at::mm(x2.to(at::kBFloat16), wb.t()).to(at::kFloat);
+    if (bp) y.add_(b);
+    y = y.to(x.scalar_type());
+    std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
+    shape.back() = N;
+    return y.view(shape);
+  }
+  at::Tensor y = at::empty({M, N}, x2.options());
   if (kiln_linear_int4_panel(w.const_data_ptr(), static_cast<const uint16_t*>(s.const_data_ptr()),
                              hasz ? static_cast<const uint8_t*>(z.const_data_ptr()) : nullptr, gs,
                              x2.const_data_ptr(), x2.size(0), N, K, bp, y.data_ptr(), at::get_num_threads(),
@@ -220,6 +248,10 @@ int64_t kiln_ops_max_m(int wtype) {
   const int kind = kiln_weight_kind(wtype);
   return kind >= 0 && kind < KILN_NUM_KINDS ? g_max_m[kind].load() : 0;
 }
+
+int64_t kiln_ops_int4_gemm_m() { return g_int4_gemm_m.load(); }
+
+void kiln_ops_set_int4_gemm_m(int64_t m) { g_int4_gemm_m.store(m < 0 ? 0 : m); }
 
 void kiln_ops_set_max_m(int wtype, int64_t max_m) {
   const int kind = kiln_weight_kind(wtype);
