@@ -190,12 +190,13 @@ def main() -> int:
         k = c["costs"]
         chunk = BUILD["max_num_tokens"]
         log(f"cost model inputs (colocated, {args.threads} threads): decode step {ms(k['decode_step'])}, prefill "
-            f"{k['prefill_per_token'] * 1e6:.0f} us/token in mixed steps; PD decode worker step "
-            f"{ms(p['decode_step'])} on {max(1, args.threads // 2)} thread(s)")
+            f"{k['prefill_per_token'] * 1e6:.0f} us/token in mixed steps; PD workers' mean step (prefill and decode "
+            f"steps together) {ms(p['decode_step'])} on {max(1, args.threads // 2)} thread(s) each")
         worst = k["decode_step"] + min(chunk, args.burst_len) * k["prefill_per_token"]
         # a burst's prompts are chunked into steps of <= max_num_tokens: each one a gap of decode + chunk prefill
         hit = args.burst * args.burst_len / chunk / (args.burst_every / k["decode_step"])
-        need = (p["decode_step"] / 0.7 - k["decode_step"]) / k["prefill_per_token"]
+        # the decode worker's step ~ its client's median gap (steady requests only reach it)
+        need = (p["tpot_p50"] / 0.7 - k["decode_step"]) / k["prefill_per_token"]
         log(f"  colocated gap with one {min(chunk, args.burst_len)}-token prefill chunk = {ms(worst)}; share of decode "
             f"steps carrying a chunk ~ {hit:.1%} (p95 needs > 5%); PD reaches 0.7x when the chunk's prefill "
             f"exceeds decode_step_PD / 0.7 - decode_step, i.e. chunks of >= {need:.0f} tokens (and bursts dense "
