@@ -135,13 +135,6 @@ def test_greedy_outputs_equal_colocated_and_counters_count_blocks(cluster, promp
     assert s["outcomes"]["length"] >= len(prompts)
 
 
-def test_seeded_sampling_continues_the_prefill_generator(cluster, engine, prompts):
-    params = SamplingParams(temperature=1.0, seed=7, max_tokens=12, ignore_eos=True)
-    with LLM(engine) as llm:
-        want = llm.generate(prompts[:3], params)
-    assert [o.token_ids for o in cluster.generate(prompts[:3], params)] == [o.token_ids for o in want]
-
-
 def test_refused_requests_name_the_problem(cluster):
     with pytest.raises(InvalidRequestError, match="max_seq_len"):
         cluster.generate([5, 6, 7], SamplingParams(max_tokens=1000))
