@@ -68,7 +68,8 @@ from kiln.contract import (
 from kiln.runtime.adapters import AdapterPool, AdapterRegistry, LoraAdapter
 from kiln.runtime.fields import SEED_RANGE, FieldChecks, is_integer
 from kiln.runtime.grammar import GrammarCompiler
-from kiln.runtime.kv_cache import KVCacheManager, available_memory_bytes, plan_num_blocks
+from kiln.runtime.kv_cache import KVCacheManager, available_memory_bytes, cdiv, plan_num_blocks
+from kiln.runtime.kv_transfer import ImportMeta, KVExport
 from kiln.runtime.metrics import RuntimeMetrics, StepRecord
 from kiln.runtime.output_stream import OutputStream
 from kiln.runtime.outputs import RequestOutput
@@ -189,6 +190,16 @@ class ServingLimits:
     available_bytes: int | None
 
 
+@dataclass
+class _Import:
+    """An imported request in the step loop: its record, what it brings, whether its blocks are taken yet."""
+
+    request: Request
+    meta: ImportMeta
+    start_transfer: Callable[[str, list[int]], None]
+    reserved: bool = False
+
+
 def resolve_serving_limits(bounds: EngineBounds, kv_bytes_per_token: int, config: ExecutorConfig,
                            available_bytes: int | None = None) -> ServingLimits:
     """Per-step budgets and KV pool size for an engine's bounds and serving options.
@@ -278,6 +289,10 @@ class Executor:
         self._streams: dict[str, OutputStream] = {}   # by request id, until the request ends (loop thread)
         self._requests: dict[str, Request] = {}       # the same requests' records (loop thread)
         self._step_failures = 0                       # consecutive failed engine steps
+        self._exports: dict[str, Callable[[KVExport], None]] = {}   # kv_export of requests not yet prefilled
+        self._incoming_imports: list[_Import] = []     # submit_imported, not yet seen by the loop (guarded by _cv)
+        self._landed: list[tuple[str, torch.Tensor | BaseException]] = []   # land() (guarded by _cv)
+        self._imports: dict[str, _Import] = {}         # imports waiting for blocks or for them to land (loop thread)
         self._ids = itertools.count()
         self._seq = itertools.count()
         self._closed = False
@@ -369,12 +384,18 @@ class Executor:
     def submit(self, prompt_token_ids: Any, params: SamplingParams | None = None, *,
                request_id: str | None = None, priority: int = 0, prompt: str | None = None,
                callback: Callable[[RequestOutput], None] | None = None, arrival_time: float | None = None,
-               lora: str | None = None) -> str:
+               lora: str | None = None, kv_export: Callable[[KVExport], None] | None = None) -> str:
         """Queue a request (token ids, any form :func:`kiln.runtime.prompts.prompt_token_ids` accepts); returns
         its id. ``callback`` receives a RequestOutput after every step that changed it (from the step-loop
-        thread; keep it short) and once more when it finishes. ``lora``: a loaded adapter's name."""
+        thread; keep it short) and once more when it finishes. ``lora``: a loaded adapter's name.
+        ``kv_export``: called (in the step loop, once) with the request's prompt blocks when its first token is
+        sampled (``kiln.runtime.kv_transfer``: how a prefill worker hands a request to a decode worker)."""
         checked = self.validate(prompt_token_ids, params, priority=priority, request_id=request_id,
                                 callback=callback, arrival_time=arrival_time, lora=lora)
+        if kv_export is not None and (checked.adapter is not None or checked.params.structured_output is not None):
+            self.metrics.incr("requests_rejected")
+            raise InvalidRequestError("a request whose KV blocks are exported cannot use a LoRA adapter or "
+                                      "structured output (disaggregated serving does not carry them yet)")
         engine_failure = self.engine.failure   # a tensor-parallel rank died while idle
         if engine_failure is not None:
             self.metrics.incr("requests_rejected")
@@ -397,6 +418,8 @@ class Executor:
             self._streams[request_id] = OutputStream.open(req, self.tokenizer, callback)
             self._requests[request_id] = req
             self._live.add(request_id)
+            if kv_export is not None:
+                self._exports[request_id] = kv_export
             self._incoming.append((req, grammar))
             self._cv.notify()
         if grammar is not None:
@@ -405,6 +428,56 @@ class Executor:
         self.metrics.incr("requests_submitted")
         self.metrics.incr("prompt_tokens", len(checked.token_ids))
         return request_id
+
+    def submit_imported(self, prompt_token_ids: Any, params: SamplingParams | None, meta: ImportMeta,
+                        start_transfer: Callable[[str, list[int]], None], *, request_id: str, priority: int = 0,
+                        prompt: str | None = None, callback: Callable[[RequestOutput], None] | None = None,
+                        arrival_time: float | None = None) -> str:
+        """Queue a request another executor prefilled (``kiln.runtime.kv_transfer``): the step loop allocates its
+        blocks (when they fit, counting them with the running requests'), then calls ``start_transfer(request_id,
+        block ids)`` (in the loop; it starts receiving them); once :meth:`land` delivers the blocks, the request
+        runs from its first token (``meta.first_token``, emitted then), as if it had been prefilled here.
+        ``start_transfer`` is called exactly once, also for a request aborted before its blocks were taken (with
+        no block ids: receive and drop them), so the sending side is never left waiting.
+        Errors as for :meth:`submit`; a shape that is not this pool's is an InvalidRequestError."""
+        checked = self.validate(prompt_token_ids, params, priority=priority, request_id=request_id,
+                                callback=callback, arrival_time=arrival_time)
+        want = cdiv(len(checked.token_ids), self.block_size)
+        pool = tuple(self.kv_cache.shape)
+        if (meta.num_blocks != want or tuple(meta.shape[:2]) != pool[:2] or tuple(meta.shape[3:]) != pool[3:]
+                or meta.dtype != str(self.kv_cache.dtype)):
+            self.metrics.incr("requests_rejected")
+            raise InvalidRequestError(f"imported KV blocks {meta.shape} {meta.dtype} do not fit this pool "
+                                      f"({want} blocks of {pool[:2] + pool[3:]} {self.kv_cache.dtype}): the two "
+                                      "workers must serve the same engine")
+        if checked.adapter is not None or checked.params.structured_output is not None:
+            self.metrics.incr("requests_rejected")
+            raise InvalidRequestError("an imported request cannot use a LoRA adapter or structured output")
+        with self._cv:
+            if self._closed or self._error is not None:
+                raise ExecutorClosedError(self.failure or "the executor is closed")
+            if request_id in self._live:
+                self.metrics.incr("requests_rejected")
+                raise InvalidRequestError(f"request id {request_id!r} is already in use")
+            req = Request(request_id, checked.token_ids, checked.params, checked.max_tokens,
+                          priority=checked.priority, arrival_time=arrival_time, seq=next(self._seq), prompt=prompt,
+                          eos_token_ids=self.eos_token_ids)
+            self._streams[request_id] = OutputStream.open(req, self.tokenizer, callback)
+            self._requests[request_id] = req
+            self._live.add(request_id)
+            self._incoming_imports.append(_Import(req, meta, start_transfer))
+            self._cv.notify()
+        self.metrics.incr("requests_submitted")
+        self.metrics.incr("prompt_tokens", len(checked.token_ids))
+        return request_id
+
+    def land(self, request_id: str, blocks: torch.Tensor | BaseException) -> None:
+        """The blocks of an imported request arrived (any thread), or their transfer failed (an exception:
+        only that request ends, with the error)."""
+        with self._cv:
+            if request_id in self._live:
+                self._landed.append((request_id, blocks))
+                self._cv.notify()
 
     def _claim_grammar(self, spec) -> Future:
         """The compiled grammar of a validated constraint, ready or on its way (validation parsed it; should
@@ -499,24 +572,31 @@ class Executor:
         while True:
             with self._cv:
                 while not (self._incoming or self._aborts or self._closed or sched.has_unfinished()
-                           or self._grammar_ready):
+                           or self._grammar_ready or self._incoming_imports or self._landed):
                     self._cv.wait()
                 incoming, self._incoming = self._incoming, []
                 aborts, self._aborts = self._aborts, []
                 closed, self._grammar_ready = self._closed, False
+                imports, self._incoming_imports = self._incoming_imports, []
+                landed, self._landed = self._landed, []
             for req, grammar in incoming:
                 if grammar is None:
                     sched.add_request(req)
                 else:
                     self._compiling.append((req, grammar))
+            self._imports.update((imp.request.request_id, imp) for imp in imports)
             self._admit_compiled()
-            self._end(sched.finish_requests(aborts, RequestStatus.FINISHED_ABORTED) + self._drop_compiling(aborts))
+            self._admit_landed(landed)
+            self._end(sched.finish_requests(aborts, RequestStatus.FINISHED_ABORTED) + self._drop_compiling(aborts)
+                      + self._drop_imports(aborts))
             if closed:
                 self._end(sched.finish_requests(sched.unfinished_ids(), RequestStatus.FINISHED_ABORTED)
-                          + self._drop_compiling([req.request_id for req, _ in self._compiling]))
+                          + self._drop_compiling([req.request_id for req, _ in self._compiling])
+                          + self._drop_imports(list(self._imports)))
                 if self._grammars is not None:
                     self._grammars.close()
                 return
+            self._reserve_imports()
             if sched.has_unfinished():
                 self.step()
 
@@ -540,6 +620,92 @@ class Executor:
         self._compiling = waiting
         self._end(failed)
 
+    # ---- KV import / export (kiln.runtime.kv_transfer) -------------------------------------------------
+    def _reserve_imports(self) -> None:
+        """Take blocks for the imported requests, first come first served, while they fit: a seat each (running
+        requests and imports in transfer count) and, under guaranteed_no_evict, their whole span on top of what
+        running requests may still claim; then their transfer may start."""
+        sched = self.scheduler
+        no_evict = sched.config.capacity_policy == "guaranteed_no_evict"
+        seats = sched.num_running + sum(imp.reserved for imp in self._imports.values())
+        for rid, imp in list(self._imports.items()):
+            if imp.reserved:
+                continue
+            req = imp.request
+            tokens = req.num_prompt_tokens + (req.max_tokens - 1 if no_evict else 0)
+            if seats >= sched.config.max_batch_size or not self.kv.allocate_slots(
+                    req, max(tokens, req.num_prompt_tokens), keep_free=sched.reserved_blocks() if no_evict else 0):
+                return
+            imp.reserved = True
+            seats += 1
+            try:
+                imp.start_transfer(rid, self.kv.block_table(rid)[:imp.meta.num_blocks])
+            except Exception as exc:
+                logger.exception("starting the KV transfer of %s failed", rid)
+                self._fail_import(imp, f"starting the KV transfer failed: {type(exc).__name__}: {exc}")
+
+    def _fail_import(self, imp: _Import, error: str) -> None:
+        del self._imports[imp.request.request_id]
+        self.kv.free(imp.request)
+        self._streams[imp.request.request_id].error = error
+        imp.request.status = RequestStatus.FINISHED_ABORTED
+        imp.request.metrics.finished_time = time.monotonic()
+        self._end([imp.request])
+
+    def _admit_landed(self, landed: list[tuple[str, torch.Tensor | BaseException]]) -> None:
+        """Imported requests whose blocks arrived: copy them into the pool, run them from their first token."""
+        for rid, blocks in landed:
+            imp = self._imports.get(rid)
+            if imp is None or not imp.reserved:
+                continue
+            if isinstance(blocks, BaseException):
+                self._fail_import(imp, f"the KV transfer failed: {type(blocks).__name__}: {blocks}")
+                continue
+            del self._imports[rid]
+            req, meta = imp.request, imp.meta
+            table = torch.tensor(self.kv.block_table(rid)[:meta.num_blocks], dtype=torch.int64)
+            self.kv_cache.index_copy_(2, table.to(self.kv_cache.device), blocks.to(self.kv_cache.device))
+            req.num_computed_tokens = req.num_prompt_tokens
+            req.metrics.first_scheduled_time = meta.first_scheduled_time or time.monotonic()
+            req.metrics.num_cached_tokens = meta.num_cached_tokens
+            if meta.generator_state is not None:
+                req.generator = torch.Generator()
+                req.generator.set_state(meta.generator_state)
+            self.scheduler.add_imported(req)
+            self.kv.cache_blocks(req)
+            req.append_token(meta.first_token)
+            self._emit_outputs([(req, meta.first_token)], [meta.logprobs])
+
+    def _drop_imports(self, request_ids: list[str]) -> list[Request]:
+        """Take the imports among ``request_ids`` out, their blocks back (they end as aborted; a transfer still
+        landing is ignored: it fills a buffer of its own, not the pool)."""
+        dropped = []
+        for rid in request_ids:
+            imp = self._imports.pop(rid, None)
+            if imp is not None:
+                if not imp.reserved:
+                    try:
+                        imp.start_transfer(rid, [])
+                    except Exception:
+                        logger.exception("draining the KV transfer of %s failed", rid)
+                self.kv.free(imp.request)
+                imp.request.status = RequestStatus.FINISHED_ABORTED
+                imp.request.metrics.finished_time = time.monotonic()
+                dropped.append(imp.request)
+        return dropped
+
+    def _export(self, req: Request, token: int, logprobs: dict | None, export: Callable[[KVExport], None]) -> None:
+        """Hand a prefilled request's prompt blocks (a copy, in the pool's layout) to its ``kv_export``."""
+        n = cdiv(req.num_computed_tokens, self.block_size)
+        table = torch.tensor(self.kv.block_table(req.request_id)[:n], dtype=torch.int64, device=self.kv_cache.device)
+        m = req.metrics
+        try:
+            export(KVExport(req.request_id, self.kv_cache.index_select(2, table), token, logprobs,
+                            req.generator.get_state() if req.generator is not None else None,
+                            m.first_scheduled_time, m.first_token_time, m.num_cached_tokens))
+        except Exception:
+            logger.exception("kv_export of %s failed", req.request_id)
+
     def _drop_compiling(self, request_ids: list[str]) -> list[Request]:
         """Take the requests among ``request_ids`` that still wait for their grammar out (they end as aborted)."""
         ids = set(request_ids)
@@ -561,6 +727,7 @@ class Executor:
             self._incoming.clear()   # their streams and records are in _streams/_requests: ended below
             self._aborts.clear()
         self._compiling.clear()
+        self._imports.clear()
         if self._grammars is not None:
             self._grammars.close()
         for stream in self._streams.values():
@@ -717,6 +884,9 @@ class Executor:
             m.num_generated_tokens = req.num_output_tokens - rest
             if req.logprobs is not None:
                 req.logprobs.append(logprobs[j])
+            export = self._exports.pop(req.request_id, None) if self._exports else None
+            if export is not None:
+                self._export(req, token, logprobs[j] if req.logprobs is not None else None, export)
             stream = self._streams[req.request_id]
             if req.grammar is not None and not req.grammar.accept(token):   # the mask allowed it: a bug
                 stream.error = f"the grammar rejected the sampled token {token}; the request was ended"
@@ -745,6 +915,7 @@ class Executor:
             del self._requests[req.request_id]
             if self.proposer is not None:
                 self.proposer.forget(req.request_id)
+            self._exports.pop(req.request_id, None)
             stream.flush()
             self.metrics.record_request(req.metrics, "error" if stream.error else req.status.value)
             with self._cv:

@@ -173,6 +173,15 @@ class Scheduler:
         self.requests[request.request_id] = request
         self._enqueue(request)
 
+    def add_imported(self, request: Request) -> None:
+        """A request whose prompt KV is already in its blocks (another executor prefilled it: the executor's KV
+        import): it runs from now on, as if admitted and prefilled here."""
+        if request.request_id in self.requests:
+            raise InvalidRequestError(f"request id {request.request_id!r} is already in use")
+        self.requests[request.request_id] = request
+        request.status = RequestStatus.RUNNING
+        self.running.append(request)
+
     def _enqueue(self, request: Request) -> None:
         keys = [r.order_key for r in self.waiting]
         self.waiting.insert(bisect.bisect_right(keys, request.order_key), request)
@@ -240,7 +249,7 @@ class Scheduler:
     def _adapter_fits(self, request: Request) -> bool:
         return request.adapter is None or self.adapters.can_acquire(request.adapter)
 
-    def _reserved_blocks(self) -> int:
+    def reserved_blocks(self) -> int:
         """Blocks running requests may still claim (guaranteed_no_evict's promise to them)."""
         return sum(max(0, self.blocks_for_request(r.num_prompt_tokens, r.max_tokens)
                        - len(self.kv.block_table(r.request_id))) for r in self.running)
@@ -341,7 +350,7 @@ class Scheduler:
             if c.capacity_policy == "guaranteed_no_evict":
                 # the pool must also hold the rest of this request and what running requests may claim
                 rest = self.blocks_for_request(req.num_prompt_tokens, req.max_tokens) - cdiv(start + n, bs)
-                keep_free = self._reserved_blocks() + rest
+                keep_free = self.reserved_blocks() + rest
             if not self._adapter_fits(req):
                 break   # every adapter slot is in use by running requests: it waits for one to end
             if not (len(self.running) < c.max_batch_size and kv.allocate_slots(req, n, hits, keep_free)):

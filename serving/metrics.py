@@ -70,6 +70,42 @@ CLASS_GAUGES = {
     "waiting": ("class_num_requests_waiting", "Requests queued in the scheduler, by request class."),
 }
 
+# disaggregated prefill/decode (stats()["disagg"], kiln.runtime.disagg): histograms, transfer counters
+DISAGG_HISTOGRAMS = {
+    "ttft_prefill": ("ttft_prefill_seconds", "TTFT split, prefill part: arrival to the first token on the prefill "
+                     "worker (its queue included)."),
+    "ttft_transfer": ("ttft_transfer_seconds", "TTFT split, transfer part: the prefill worker's first token to the "
+                      "decode worker's (blocks reserved, sent, landed, admitted)."),
+    "kv_transfer_time": ("kv_transfer_seconds", "Time one request's KV blocks took on the wire (torch.distributed)."),
+}
+DISAGG_COUNTERS = {
+    "bytes": ("kv_transfer_bytes", "Bytes of KV blocks moved from prefill to decode workers."),
+    "blocks": ("kv_transfer_blocks", "KV blocks moved from prefill to decode workers."),
+    "transfers": ("kv_transfers", "Requests whose KV blocks were moved."),
+    "failed": ("kv_transfers_failed", "KV transfers that failed (their requests ended with an error)."),
+}
+
+
+def _disagg(s: dict, p: str) -> Iterator[Metric]:
+    d = s.get("disagg")
+    if d is None:
+        return
+    for key, (name, doc) in DISAGG_HISTOGRAMS.items():
+        h = s["histograms"][key]
+        yield HistogramMetricFamily(f"{p}_{name}", doc, sum_value=h["sum"],
+                                    buckets=[(floatToGoString(le), n) for le, n in h["buckets"]])
+    for key, (name, doc) in DISAGG_COUNTERS.items():
+        yield CounterMetricFamily(f"{p}_{name}", doc, value=d["kv_transfer"][key])
+    queue = GaugeMetricFamily(f"{p}_disagg_requests", "Requests in flight by role (prefill: not yet handed to a "
+                              "decode worker).", labels=["role"])
+    alive = GaugeMetricFamily(f"{p}_disagg_workers_alive", "Live workers by role.", labels=["role"])
+    for role in ("prefill", "decode"):
+        queue.add_metric([role], d["queues"][role])
+        alive.add_metric([role], sum(w["alive"] for w in d["workers"] if w["role"] == role))
+    yield queue
+    yield alive
+
+
 def _by_class(s: dict, p: str) -> Iterator[Metric]:
     for key, (name, doc) in CLASS_HISTOGRAMS.items():
         fam = HistogramMetricFamily(f"{p}_{name}", doc, labels=["request_class"])
@@ -138,5 +174,6 @@ class RuntimeCollector(Collector):
             yield GaugeMetricFamily(f"{p}_{name}", doc, value=s["gauges"][key])
         yield from _by_class(s, p)
         yield from _speculative(s["speculative"], p)
+        yield from _disagg(s, p)
         yield GaugeMetricFamily(f"{p}_healthy", "1 while the step loop serves, 0 once it stopped or failed.",
                                 value=0 if self.llm.executor.failure else 1)

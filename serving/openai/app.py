@@ -359,11 +359,12 @@ def create_app(llm, *, model_name: str, api_key: str | None = None, max_waiting:
     @app.get("/health")
     async def health() -> JSONResponse:
         failure = llm.executor.failure
+        pool = llm.executor.health() if hasattr(llm.executor, "health") else {}   # disaggregated workers
         if failure is not None:
-            return JSONResponse({"status": "failed", "detail": failure}, status_code=503)
+            return JSONResponse({"status": "failed", "detail": failure, **pool}, status_code=503)
         if not state.accepting:
             return JSONResponse({"status": "draining"}, status_code=503)
-        return JSONResponse({"status": "ok"})
+        return JSONResponse({"status": "ok", **pool})
 
     @app.get("/metrics")
     async def metrics() -> Response:

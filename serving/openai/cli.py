@@ -63,6 +63,14 @@ LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
                    "must be built with --lora-target-modules.")
 @click.option("--enable-lora-runtime-loading", is_flag=True, default=False,
               help="Serve /v1/load_lora_adapter and /v1/unload_lora_adapter (vLLM's bodies).")
+@click.option("--prefill-workers", type=click.IntRange(min=0), default=0, show_default=True,
+              help="Disaggregated serving: this many prefill worker processes (and --decode-workers decode ones), "
+                   "each with its own LLM; KV blocks move from prefill to decode workers over torch.distributed. "
+                   "0: one colocated LLM.")
+@click.option("--decode-workers", type=click.IntRange(min=1), default=1, show_default=True,
+              help="Decode worker processes (with --prefill-workers).")
+@click.option("--worker-threads", type=click.IntRange(min=1), default=None,
+              help="Torch threads per prefill/decode worker; default: the CPUs shared evenly.")
 @dataclass_options(ExecutorConfig)
 @build_options
 def serve(model_dir: Path, **options) -> None:

@@ -54,6 +54,9 @@ class ServeSettings:
     enable_lora_runtime_loading: bool = False
     batch_store: Path | None = None         # /v1/files + /v1/batches, state in DIR/batches.sqlite3
     batch_window: int | None = None         # batch lines in the engine at once; default max_batch_size
+    prefill_workers: int = 0                # > 0: disaggregated prefill/decode workers (kiln.runtime.disagg)
+    decode_workers: int = 1
+    worker_threads: int | None = None       # torch threads per worker; default: the CPUs shared evenly
 
 
 class _Server(uvicorn.Server):
@@ -187,7 +190,15 @@ def run(model_dir: Path, settings: ServeSettings, executor_options: dict,
         raise click.ClickException(str(exc)) from None
     click.echo(f"kiln serve: loading {engine_dir}")
     try:
-        llm = LLM(engine_dir, config=config, lora_modules=lora_modules(settings.lora_modules))
+        if settings.prefill_workers:
+            from kiln.runtime.disagg import DisaggLLM
+
+            if settings.lora_modules or settings.batch_store:
+                raise click.ClickException("--prefill-workers serves no LoRA adapters and no Batch API yet")
+            llm = DisaggLLM(engine_dir, config=config, prefill_workers=settings.prefill_workers,
+                            decode_workers=settings.decode_workers, worker_threads=settings.worker_threads)
+        else:
+            llm = LLM(engine_dir, config=config, lora_modules=lora_modules(settings.lora_modules))
     except (EngineLoadError, ConfigError, AdapterLoadError) as exc:
         raise click.ClickException(str(exc)) from None
     try:

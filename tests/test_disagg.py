@@ -1,0 +1,180 @@
+"""Disaggregated prefill/decode: KV export/import between two executors in one process (the runtime hook), then
+``DisaggLLM`` with worker processes (torch.distributed gloo transfers) against the colocated LLM on the same
+engine: greedy outputs token for token, transfer counters, a SIGKILLed decode worker, and refused requests."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+
+import pytest
+
+from kiln.runtime import LLM, InvalidRequestError, SamplingParams
+from kiln.runtime.disagg import DisaggLLM
+from kiln.runtime.kv_cache import cdiv
+
+from runtime_support import assert_no_leak, get_engine, random_prompts
+
+pytestmark = [pytest.mark.xdist_group("disagg"), pytest.mark.usefixtures("hang_watchdog")]
+
+VOCAB = 512
+
+
+@pytest.fixture(scope="module")
+def engine(checkpoint_dir):
+    return get_engine(checkpoint_dir("llama"))
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    """Mixed lengths spanning many 8-token blocks, some sharing a 40-token prefix (prefix reuse on)."""
+    base = random_prompts(12, VOCAB, 3, 90, seed=29)
+    shared = random_prompts(1, VOCAB, 40, 40, seed=30)[0]
+    return base + [shared + p[:20] for p in random_prompts(4, VOCAB, 5, 20, seed=31)]
+
+
+@pytest.fixture(scope="module")
+def colocated(engine, prompts):
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    with LLM(engine) as llm:
+        return [o.token_ids for o in llm.generate(prompts, params)]
+
+
+def test_export_import_between_two_executors_equals_colocated(engine, prompts, colocated):
+    """A prefill-only executor exports each prompt's blocks at its first token; another imports them and decodes:
+    the same greedy tokens as one executor, and both pools end with no block held."""
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    with LLM(engine) as pre, LLM(engine) as dec:
+        done = {i: threading.Event() for i in range(len(prompts))}
+        results: dict[int, list[int]] = {}
+
+        def run(i: int, ids: list[int]) -> None:
+            exported = []
+
+            def on_out(out):
+                if out.finished:
+                    results[i] = out.token_ids
+                    done[i].set()
+
+            pre.executor.submit(ids, SamplingParams(temperature=0, max_tokens=1, ignore_eos=True),
+                                request_id=f"p{i}", kv_export=exported.append)
+            while not exported:
+                time.sleep(0.001)
+            exp = exported[0]
+            assert exp.blocks.shape[2] == cdiv(len(ids), engine.config.bounds.tokens_per_block)
+
+            def reserved(rid, blocks):
+                assert len(blocks) == exp.blocks.shape[2]
+                threading.Thread(target=dec.executor.land, args=(rid, exp.blocks.clone())).start()
+
+            dec.executor.submit_imported(ids, params, exp.meta(), reserved, request_id=f"d{i}", callback=on_out)
+
+        for i, ids in enumerate(prompts):
+            run(i, ids)
+        for e in done.values():
+            assert e.wait(60)
+        assert [results[i] for i in range(len(prompts))] == colocated
+        assert_no_leak(pre)
+        assert_no_leak(dec)
+
+
+def test_import_refuses_blocks_of_another_shape(engine):
+    with LLM(engine) as dec, LLM(engine) as pre:
+        got = []
+        pre.executor.submit([5, 6, 7], SamplingParams(temperature=0, max_tokens=1), kv_export=got.append)
+        pre.executor.wait_idle(10)
+        with pytest.raises(InvalidRequestError, match="do not fit this pool"):
+            dec.executor.submit_imported([5, 6, 7, 8, 9, 10, 11, 12, 13], SamplingParams(), got[0].meta(),
+                                         lambda *_: None, request_id="x")
+
+
+def test_failed_transfer_fails_only_its_request(engine):
+    with LLM(engine) as pre, LLM(engine) as dec:
+        got = []
+        pre.executor.submit([5, 6, 7], SamplingParams(temperature=0, max_tokens=1), kv_export=got.append)
+        pre.executor.wait_idle(10)
+        outs = []
+        dec.executor.submit_imported([5, 6, 7], SamplingParams(max_tokens=4), got[0].meta(),
+                                     lambda rid, _: dec.executor.land(rid, TimeoutError("peer gone")),
+                                     request_id="x", callback=outs.append)
+        dec.executor.wait_idle(10)
+        assert outs[-1].finish_reason == "abort" and "KV transfer failed" in outs[-1].error
+        assert dec.generate([5, 6, 7], SamplingParams(temperature=0, max_tokens=3))[0].finish_reason == "length"
+        assert_no_leak(dec)
+
+
+# ---- worker processes ---------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def cluster(engine):
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    with DisaggLLM(engine.directory, prefill_workers=1, decode_workers=2, worker_threads=1) as llm:
+        yield llm
+
+
+def test_greedy_outputs_equal_colocated_and_counters_count_blocks(cluster, prompts, colocated, engine):
+    """16 concurrent mixed-length requests: the same tokens as the colocated LLM; every prompt's blocks moved
+    once, bytes = blocks x bytes per block."""
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    before = cluster.stats()["disagg"]["kv_transfer"]
+    outs = cluster.generate(prompts, params)
+    assert [o.token_ids for o in outs] == colocated
+    assert [o.text for o in outs] == [cluster.decode(t) for t in colocated]
+    after = cluster.stats()["disagg"]["kv_transfer"]
+    bs = engine.config.bounds.tokens_per_block
+    blocks = sum(cdiv(len(p), bs) for p in prompts)
+    assert after["blocks"] - before["blocks"] == blocks
+    assert after["transfers"] - before["transfers"] == len(prompts)
+    per_block = engine.kv_bytes_per_token * bs
+    assert cluster.stats()["disagg"]["bytes_per_block"] == per_block
+    assert after["bytes"] - before["bytes"] == blocks * per_block
+    s = cluster.stats()
+    assert s["histograms"]["ttft_prefill"]["count"] >= len(prompts)
+    assert s["histograms"]["ttft_transfer"]["count"] >= len(prompts)
+    assert s["outcomes"]["length"] >= len(prompts)
+
+
+def test_refused_requests_name_the_problem(cluster):
+    with pytest.raises(InvalidRequestError, match="max_seq_len"):
+        cluster.generate([5, 6, 7], SamplingParams(max_tokens=1000))
+    with pytest.raises(InvalidRequestError, match="structured output"):
+        cluster.generate([5, 6, 7], SamplingParams(max_tokens=4, structured_output={"json": {"type": "object"}}))
+
+
+def test_sigkill_of_a_decode_worker_fails_its_streams_and_the_rest_serve(cluster, prompts):
+    """Kill the decode worker that streams: its requests end with an error naming it within seconds, health is
+    degraded (not failed), and new requests run on the other decode worker."""
+    params = SamplingParams(temperature=0, max_tokens=100, ignore_eos=True)
+    outs: dict[str, list] = {}
+    ended = threading.Event()
+    rids = []
+
+    def cb(out):
+        outs.setdefault(out.request_id, []).append(out)
+        if out.finished and all(outs.get(r) and outs[r][-1].finished for r in rids):
+            ended.set()
+
+    for p in prompts[:4]:
+        rids.append(cluster.submit(p[:20], params, callback=cb))
+    deadline = time.monotonic() + 30
+    while not all(len(outs.get(r, [])) >= 2 for r in rids):
+        assert time.monotonic() < deadline, "the streams did not start"
+        time.sleep(0.01)
+    flights = cluster.executor._flights
+    victim = flights[rids[0]].decode
+    pid = next(w.proc.pid for w in cluster.executor.workers if w.role == "decode" and w.index == victim)
+    on_victim = [r for r in rids if flights[r].decode == victim]
+    t0 = time.monotonic()
+    os.kill(pid, signal.SIGKILL)
+    assert ended.wait(60)
+    for r in on_victim:
+        last = outs[r][-1]
+        assert last.finish_reason == "abort" and "decode worker" in last.error and "SIGKILL" in last.error
+    assert time.monotonic() - t0 < 10
+    assert cluster.executor.failure is None
+    health = cluster.executor.health()
+    assert health["status"] == "degraded"
+    assert [w["alive"] for w in health["workers"] if w["role"] == "decode"].count(False) == 1
+    again = cluster.generate(prompts[:4], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
+    assert all(o.finish_reason == "length" and not o.error for o in again)
