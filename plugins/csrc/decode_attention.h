@@ -1,5 +1,5 @@
 // Decode attention of one (sequence, KV head) work item, written once for a vector ISA: plugin_ops.cpp includes
-// it inside namespace a256 (AVX2) and a512 (AVX-512, its own target), each with its `Isa` traits (V: the
+// it inside namespace k256 (AVX2) and k512 (AVX-512, its own target), each with its `Isa` traits (V: the
 // float vector of L lanes; widen(p): L numbers of a pool row as floats in the pool's unit; reduce8: the sums
 // of eight vectors as one __m256) and, from plugin_ops.cpp, Pool, row_scale, num, exp8, hsum, prefetch_row,
 // Item, Geometry, Scratch and pool_row in scope.

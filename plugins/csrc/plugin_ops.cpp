@@ -435,7 +435,7 @@ struct Scratch {
 // widen(p): L numbers of a pool row in the pool's unit; e4m3 -> the fp16 with the same bits moved (sign to bit
 // 15, exponent and mantissa to bits 13..7), which is its value / 2^8 exactly (subnormals included: the
 // fp16 subnormals F16C widens exactly); the 2^8 is in the row's scale (Pool<F8>::unit).
-namespace a256 {
+namespace k256 {
 struct Isa {
   using V = __m256;
   static constexpr int L = 8;
@@ -461,11 +461,11 @@ struct Isa {
   static inline __m256 reduce8(const V* a) { return hsum8(a[0], a[1], a[2], a[3], a[4], a[5], a[6], a[7]); }
 };
 #include "decode_attention.h"
-}  // namespace a256
+}  // namespace k256
 
 #pragma GCC push_options
 #pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c")
-namespace a512 {
+namespace k512 {
 struct Isa {
   using V = __m512;
   static constexpr int L = 16;
@@ -498,7 +498,7 @@ struct Isa {
   }
 };
 #include "decode_attention.h"
-}  // namespace a512
+}  // namespace k512
 #pragma GCC pop_options
 
 // Every decode sequence's attention: one work item per (sequence, kv head); the group's query heads share one
@@ -527,9 +527,9 @@ void decode_attention(const Q* q, const KV* kpool, const KV* vpool, Q* out, cons
       const Geometry geo{block_size, slot_stride, block_size * slot_stride, kvrow, h, d, group, hkv * group};
       const Item it{rows[n], c, lo, c - lo, tables + s * max_blocks};
       if (wide)
-        a512::attend_item<Q, KV>(q, kpool, vpool, out, it, geo, scale, softcap, scratch);
+        k512::attend_item<Q, KV>(q, kpool, vpool, out, it, geo, scale, softcap, scratch);
       else
-        a256::attend_item<Q, KV>(q, kpool, vpool, out, it, geo, scale, softcap, scratch);
+        k256::attend_item<Q, KV>(q, kpool, vpool, out, it, geo, scale, softcap, scratch);
     }
   });
 }
