@@ -15,6 +15,8 @@ changes them too), so a random model's near-tied argmaxes can flip; the fp32 tes
 The checkpoint is synthetic_checkpoints' 246m Llama (random weights, created once under work/bench). A random
 model's greedy output settles into loops, which is what an n-gram proposer feeds on: the copy-heavy workload is
 built from the model's own greedy continuation (the prompt holds it twice, and the request continues it).
+``--trained STEPS`` fits the checkpoint to the synthetic corpus first (the demo's kind of model) and takes both
+workloads from that corpus: copy-heavy = a corpus window and its first tokens again, plain = the window alone.
 """
 
 from __future__ import annotations
@@ -93,6 +95,34 @@ def workloads(llm, vocab: int, count: int, prompt_len: int) -> dict[str, list[li
     return {"copy-heavy": copy, "plain": plain}
 
 
+def corpus_workloads(ckpt, count: int, prompt_len: int) -> dict[str, list[list[int]]]:
+    """For a corpus-trained checkpoint (``--trained``): copy-heavy = a window of the corpus, then its first 8
+    tokens again (the model, which predicts that text, continues with text the prompt holds: what the n-gram
+    proposer is for, like summarising or editing a given document); plain = the window alone (its continuation
+    is corpus text the prompt does not hold)."""
+    from tokenizers import Tokenizer
+
+    from synthetic_checkpoints import corpus_token_ids
+
+    ids = corpus_token_ids(Tokenizer.from_file(str(ckpt / "tokenizer.json")))
+    stride = max(1, (len(ids) - prompt_len) // count)
+    windows = [ids[i * stride: i * stride + prompt_len] for i in range(count)]
+    return {"copy-heavy": [w + w[:8] for w in windows], "plain": windows}
+
+
+def trained_checkpoint(size: str, steps: int):
+    """The Llama of ``size`` fitted to the synthetic corpus for ``steps`` steps (created once)."""
+    from bench_common import BENCH
+
+    ckpt = BENCH / f"llama-{size}-corpus{steps}"
+    if not (ckpt / "config.json").exists():
+        from synthetic_checkpoints import make_checkpoint
+
+        log(f"creating {ckpt.name}: a {size} Llama fitted to the synthetic corpus for {steps} steps (once) ...")
+        make_checkpoint(ckpt, "llama", size, train_steps=steps)
+    return ckpt
+
+
 def run_case(llm, prompts: list[list[int]], max_tokens: int) -> tuple[float, int]:
     from kiln.runtime import SamplingParams
 
@@ -117,12 +147,16 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--k", type=int, default=4, help="num_speculative_tokens")
     ap.add_argument("--spec", default=None, help="speculative_config JSON (overrides --k)")
+    ap.add_argument("--trained", type=int, default=0, metavar="STEPS",
+                    help="fit the checkpoint to the synthetic corpus for STEPS steps and take the workloads from "
+                         "that corpus (a model that predicts its text, as the demo's; default: random weights)")
     ap.add_argument("--rounds", type=int, default=3, help="base / spec runs alternated, the median rate kept")
     args = ap.parse_args()
     from kiln.runtime import LLM
 
-    ckpt = ensure_checkpoint(args.size)
-    engine_dir = ensure_engine(f"llama-{args.size}-{args.dtype}-{args.backend}-spec",
+    ckpt = trained_checkpoint(args.size, args.trained) if args.trained else ensure_checkpoint(args.size)
+    tag = f"-corpus{args.trained}" if args.trained else ""
+    engine_dir = ensure_engine(f"llama-{args.size}{tag}-{args.dtype}-{args.backend}-spec",
                                build_config(args.dtype, args.backend), ckpt)
     if args.verify_cost:
         verify_cost(engine_dir)
@@ -142,8 +176,9 @@ def main() -> None:
         return llm
 
     base, specd = (lambda: mode(False)), (lambda: mode(True))
-    loads = workloads(base(), llm.executor.vocab_size, max(batches), 128)
-    print(f"\n{datetime.date.today()} llama {args.size} {args.dtype} {args.backend}, {torch.get_num_threads()} "
+    loads = (corpus_workloads(ckpt, max(batches), 128) if args.trained
+             else workloads(base(), llm.executor.vocab_size, max(batches), 128))
+    print(f"\n{datetime.date.today()} llama {args.size}{tag} {args.dtype} {args.backend}, {torch.get_num_threads()} "
           f"threads; greedy, {args.max_tokens} new tokens; speculative_config={json.dumps(spec)}")
     print(f"{'workload':<11} {'batch':>5} {'base tok/s':>10} {'spec tok/s':>10} {'ratio':>6} {'accept':>7} "
           f"{'tok/step/seq':>12} {'same':>6}")
