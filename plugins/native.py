@@ -123,6 +123,10 @@ def library_key(path: Path) -> str | None:
 
 _lock = threading.Lock()
 _lib: ctypes.CDLL | None = None
+# every copy of the library this process opened: the dispatcher runs the C++ kernels of the last one registered,
+# which need not be _lib (a stale prebuilt file and its compiled replacement, a handle reset), and each copy has its
+# own enabled flag
+_opened: list[ctypes.CDLL] = []
 _state = "unloaded"  # unloaded | ok | failed
 _enabled = os.environ.get("KILN_DISABLE_NATIVE_KERNELS", "0") in ("", "0", "false", "False")
 _warned: set[str] = set()
@@ -236,7 +240,9 @@ def _load() -> ctypes.CDLL | None:
                 raise RuntimeError(f"{path} does not carry build key {key}")
             lib = ctypes.CDLL(str(path))
             _declare(lib)
-            lib.kiln_ops_set_enabled(int(_enabled))
+            _opened.append(lib)
+            for opened in _opened:
+                opened.kiln_ops_set_enabled(int(_enabled))
             _apply_tuning(lib, key)
             _lib, _state = lib, "ok"
         except Exception as e:  # compile error, missing compiler, no AVX2 ...
@@ -307,8 +313,8 @@ def set_native_kernels_enabled(enabled: bool) -> None:
     """Enable/disable the native kernels (disabled: the plain-torch path, for tests/debugging)."""
     global _enabled
     _enabled = bool(enabled)
-    if _lib is not None:
-        _lib.kiln_ops_set_enabled(int(_enabled))
+    for lib in _opened:
+        lib.kiln_ops_set_enabled(int(_enabled))
 
 
 @contextlib.contextmanager
