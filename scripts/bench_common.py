@@ -23,18 +23,21 @@ def checkpoint_dir(size: str = "300m") -> Path:
 CKPT = checkpoint_dir()  # the default size, shared by the benchmarks
 
 
-def ensure_checkpoint(size: str = "300m") -> Path:
-    """Create the random Llama of ``size`` (a synthetic_checkpoints preset) once; a lock keeps two
-    benchmarks from writing it together."""
+def ensure_checkpoint(size: str = "300m", train_steps: int = 0) -> Path:
+    """Create the random Llama of ``size`` (a synthetic_checkpoints preset) once; ``train_steps`` > 0: fitted to
+    the synthetic corpus for that many steps first (its own folder). A lock keeps two benchmarks from writing it
+    together."""
     BENCH.mkdir(parents=True, exist_ok=True)
-    ckpt = checkpoint_dir(size)
-    with open(BENCH / f".llama-{size}.lock", "w") as lock:
+    name = f"llama-{size}" + (f"-corpus{train_steps}" if train_steps else "")
+    ckpt = BENCH / name
+    with open(BENCH / f".{name}.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         if not (ckpt / "config.json").exists():
             from synthetic_checkpoints import make_checkpoint
 
-            log(f"creating a random {size} Llama checkpoint in {ckpt} (once) ...")
-            make_checkpoint(ckpt, "llama", size)
+            fitted = f", fitted to the synthetic corpus for {train_steps} steps" if train_steps else ""
+            log(f"creating a {size} Llama checkpoint in {ckpt}{fitted} (once) ...")
+            make_checkpoint(ckpt, "llama", size, train_steps=train_steps)
     return ckpt
 
 

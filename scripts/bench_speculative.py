@@ -110,19 +110,6 @@ def corpus_workloads(ckpt, count: int, prompt_len: int) -> dict[str, list[list[i
     return {"copy-heavy": [w + w[:8] for w in windows], "plain": windows}
 
 
-def trained_checkpoint(size: str, steps: int):
-    """The Llama of ``size`` fitted to the synthetic corpus for ``steps`` steps (created once)."""
-    from bench_common import BENCH
-
-    ckpt = BENCH / f"llama-{size}-corpus{steps}"
-    if not (ckpt / "config.json").exists():
-        from synthetic_checkpoints import make_checkpoint
-
-        log(f"creating {ckpt.name}: a {size} Llama fitted to the synthetic corpus for {steps} steps (once) ...")
-        make_checkpoint(ckpt, "llama", size, train_steps=steps)
-    return ckpt
-
-
 def run_case(llm, prompts: list[list[int]], max_tokens: int) -> tuple[float, int]:
     from kiln.runtime import SamplingParams
 
@@ -154,7 +141,7 @@ def main() -> None:
     args = ap.parse_args()
     from kiln.runtime import LLM
 
-    ckpt = trained_checkpoint(args.size, args.trained) if args.trained else ensure_checkpoint(args.size)
+    ckpt = ensure_checkpoint(args.size, args.trained)
     tag = f"-corpus{args.trained}" if args.trained else ""
     engine_dir = ensure_engine(f"llama-{args.size}{tag}-{args.dtype}-{args.backend}-spec",
                                build_config(args.dtype, args.backend), ckpt)
