@@ -403,21 +403,8 @@ class Executor:
         spec = checked.params.structured_output
         grammar = None if spec is None else self._claim_grammar(spec)
         with self._cv:
-            if self._closed or self._error is not None:
-                raise ExecutorClosedError(self.failure or "the executor is closed")
-            if request_id is None:
-                request_id = f"req-{next(self._ids)}"
-                while request_id in self._live:
-                    request_id = f"req-{next(self._ids)}"
-            elif request_id in self._live:
-                self.metrics.incr("requests_rejected")
-                raise InvalidRequestError(f"request id {request_id!r} is already in use")
-            req = Request(request_id, checked.token_ids, checked.params, checked.max_tokens,
-                          priority=checked.priority, arrival_time=arrival_time, seq=next(self._seq), prompt=prompt,
-                          eos_token_ids=self.eos_token_ids, adapter=checked.adapter)
-            self._streams[request_id] = OutputStream.open(req, self.tokenizer, callback)
-            self._requests[request_id] = req
-            self._live.add(request_id)
+            req = self._register(checked, request_id, arrival_time, prompt, callback)
+            request_id = req.request_id
             if kv_export is not None:
                 self._exports[request_id] = kv_export
             self._incoming.append((req, grammar))
@@ -454,22 +441,33 @@ class Executor:
             self.metrics.incr("requests_rejected")
             raise InvalidRequestError("an imported request cannot use a LoRA adapter or structured output")
         with self._cv:
-            if self._closed or self._error is not None:
-                raise ExecutorClosedError(self.failure or "the executor is closed")
-            if request_id in self._live:
-                self.metrics.incr("requests_rejected")
-                raise InvalidRequestError(f"request id {request_id!r} is already in use")
-            req = Request(request_id, checked.token_ids, checked.params, checked.max_tokens,
-                          priority=checked.priority, arrival_time=arrival_time, seq=next(self._seq), prompt=prompt,
-                          eos_token_ids=self.eos_token_ids)
-            self._streams[request_id] = OutputStream.open(req, self.tokenizer, callback)
-            self._requests[request_id] = req
-            self._live.add(request_id)
+            req = self._register(checked, request_id, arrival_time, prompt, callback)
             self._incoming_imports.append(_Import(req, meta, start_transfer))
             self._cv.notify()
         self.metrics.incr("requests_submitted")
         self.metrics.incr("prompt_tokens", len(checked.token_ids))
         return request_id
+
+    def _register(self, checked, request_id: str | None, arrival_time: float | None, prompt: str | None,
+                  callback: Callable[[RequestOutput], None] | None) -> Request:
+        """The Request of a checked submission, its id (a fresh one for None) unique among live requests, and its
+        output stream (the caller holds ``_cv``; submit and submit_imported)."""
+        if self._closed or self._error is not None:
+            raise ExecutorClosedError(self.failure or "the executor is closed")
+        if request_id is None:
+            request_id = f"req-{next(self._ids)}"
+            while request_id in self._live:
+                request_id = f"req-{next(self._ids)}"
+        elif request_id in self._live:
+            self.metrics.incr("requests_rejected")
+            raise InvalidRequestError(f"request id {request_id!r} is already in use")
+        req = Request(request_id, checked.token_ids, checked.params, checked.max_tokens,
+                      priority=checked.priority, arrival_time=arrival_time, seq=next(self._seq), prompt=prompt,
+                      eos_token_ids=self.eos_token_ids, adapter=checked.adapter)
+        self._streams[request_id] = OutputStream.open(req, self.tokenizer, callback)
+        self._requests[request_id] = req
+        self._live.add(request_id)
+        return req
 
     def land(self, request_id: str, blocks: torch.Tensor | BaseException) -> None:
         """The blocks of an imported request arrived (any thread), or their transfer failed (an exception:
