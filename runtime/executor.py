@@ -74,11 +74,12 @@ from kiln.runtime.metrics import RuntimeMetrics, StepRecord
 from kiln.runtime.output_stream import OutputStream
 from kiln.runtime.outputs import RequestOutput
 from kiln.runtime.prompts import prompt_token_ids as checked_token_ids
+from kiln.runtime.rejection import verify_drafted
 from kiln.runtime.request import Request, RequestStatus
-from kiln.runtime.sampler import Sampler
+from kiln.runtime.sampler import Sampler, SamplerOutput
 from kiln.runtime.sampling_params import SamplingParams
 from kiln.runtime.scheduler import CAPACITY_POLICIES, Scheduler, SchedulerConfig, SchedulerOutput
-from kiln.runtime.speculative import NgramProposer, Position, SpeculativeConfig
+from kiln.runtime.speculative import NgramProposer, Position, Proposer, SpeculativeConfig
 from kiln.runtime.stopping import stop_by_token
 
 logger = logging.getLogger("kiln.runtime")
@@ -245,9 +246,14 @@ class Executor:
         layout = getattr(engine.config, "lora", None)
         lora_bytes = config.max_loras * layout.slot_bytes(engine.config.torch_dtype) if layout is not None else 0
         available = None   # the adapter pool (allocated below, untouched until filled) comes out of the KV share
+        spec = config.speculative_config
+        draft = self._load_draft(spec)   # before the memory is measured: its weights are not the KV pools'
         if lora_bytes and config.kv_cache_memory_fraction is not None:
             available = max(0, available_memory_bytes() - lora_bytes)
-        self.limits = limits = resolve_serving_limits(b, engine.kv_bytes_per_token, config, available)
+        # with a draft model both pools come out of one budget, split by bytes per token so that both hold the
+        # same tokens (every speculating sequence lives in both)
+        kv_bytes = engine.kv_bytes_per_token + (draft.kv_bytes_per_token if draft is not None else 0)
+        self.limits = limits = resolve_serving_limits(b, kv_bytes, config, available)
         sched_config = SchedulerConfig(limits.max_batch_size, limits.max_num_tokens, b.max_seq_len, b.max_input_len,
                                        config.capacity_policy, config.batch_max_share, config.batch_min_share,
                                        b.max_num_logits)
@@ -273,8 +279,7 @@ class Executor:
         self.scheduler = Scheduler(sched_config, self.kv, self.adapter_pool)
         self.sampler = Sampler(self.vocab_size, config.seed)
         self.metrics = RuntimeMetrics(config.metrics_window)
-        spec = config.speculative_config
-        self.proposer = NgramProposer(spec) if spec is not None else None
+        self.proposer = self._make_proposer(spec, draft)
         self.metrics.gauges["kv_blocks_total"] = num_blocks
         self._kv_stats = self.kv.stats().as_dict()
 
@@ -300,6 +305,27 @@ class Executor:
         self._thread: threading.Thread | None = None
         if start:
             self.start()
+
+    def _load_draft(self, spec: SpeculativeConfig | None):
+        """The draft engine of a draft_model configuration (checked against this engine), else None."""
+        if spec is None or spec.method != "draft_model":
+            return None
+        from kiln.runtime.draft_model import load_draft
+
+        return load_draft(spec.model, self.engine)
+
+    def _make_proposer(self, spec: SpeculativeConfig | None, draft) -> Proposer | None:
+        if spec is None:
+            return None
+        if draft is None:
+            return NgramProposer(spec)
+        from kiln.runtime.draft_model import DraftProposer, draft_pool_blocks
+
+        blocks = draft_pool_blocks(self.limits.num_blocks, self.block_size, draft)
+        self.kv_plan += (f"; draft engine's pool: {blocks} blocks x {draft.config.bounds.tokens_per_block} tokens "
+                         f"({draft.kv_bytes_per_token} B/token; the budget split by bytes per token, "
+                         "both pools hold the same tokens)")
+        return DraftProposer(spec, draft, blocks, self.sampler, self.config.enable_prefix_reuse)
 
     # ---- public, any thread ---------------------------------------------------------------------------
     def start(self) -> None:
@@ -556,6 +582,8 @@ class Executor:
             thread.join(timeout)
             if thread.is_alive():
                 logger.warning("the step loop did not stop within %s s", timeout)
+        if self.proposer is not None and (thread is None or not thread.is_alive()):
+            self.proposer.close()
 
     # ---- the loop -------------------------------------------------------------------------------------
     def _loop(self) -> None:
@@ -741,6 +769,8 @@ class Executor:
     def step(self) -> None:
         t0 = time.perf_counter()
         out = self.scheduler.schedule()
+        if out.preempted and self.proposer is not None:
+            self.proposer.release(out.preempted)   # a draft's blocks go with the target's
         if not out:
             time.sleep(0.001)  # nothing fits right now (cannot last: admission checks guarantee progress)
             return
@@ -762,6 +792,8 @@ class Executor:
             sampled = {i: sample.token_ids[j] for j, i in enumerate(rows)} if sample else {}
             accepted = None
         new_tokens = self.scheduler.update_from_output(out, sampled, accepted)
+        if spec:
+            self.proposer.rolled_back([s.request for s in out.scheduled if s.num_spec])
         self._emit_outputs(new_tokens, sample.logprobs if sample else [], spec)
         self._record_step(out, len(new_tokens), time.perf_counter() - t0, engine_time,
                           sample.mask_time if sample else None)
@@ -769,48 +801,76 @@ class Executor:
             self._propose()
 
     def _verify(self, out: SchedulerOutput, rows: list[int], logits: torch.Tensor):
-        """Sample the target at every position of the speculating sequences (one sampler call, each position
-        seeing the proposals before it as generated) and accept each sequence's proposals while they equal the
-        target's token: rejection sampling for point-mass proposals (``kiln.runtime.speculative``). A seeded
-        request draws position j's noise as its j-th draw without speculation would, so its tokens are those it
-        would generate without speculation (its generator is wound back over the draws of rejected positions).
-        Returns the sampler's output (logprobs in emission order), index -> the token after the accepted proposals, and
-        index -> the accepted proposals."""
+        """Verify the speculating sequences' proposals. Point-mass proposals (n-gram, and any proposer's for a
+        greedy request): sample the target at every position (one sampler call, each position seeing the
+        proposals before it as generated) and accept while they equal the target's token, which is rejection
+        sampling for point masses (``kiln.runtime.speculative``). A seeded request draws position j's noise as
+        its j-th draw without speculation would, so its tokens are those it would generate without speculation
+        (its generator is wound back over the draws of rejected positions). A draft model's proposals for a
+        sampled request: rejection sampling with the draft's q (``kiln.runtime.rejection``).
+        Returns the sampler's output (logprobs in emission order), index -> the token after the accepted
+        proposals, and index -> the accepted proposals."""
         views: list = []
         spans = []
         seeded = {}   # request id -> its generator's state before this step's draws
+        drafted = {}  # index -> the draft's distribution of its proposals
         for i in rows:
             s = out.scheduled[i]
             spans.append((i, len(views), s.num_spec))
             if s.num_spec:
                 req = s.request
                 views.extend(Position(req, j) for j in range(s.num_spec + 1))
-                if req.generator is not None and req.params.temperature > 0:
+                q = self.proposer.draft_probs(req.request_id) if req.params.temperature > 0 else None
+                if q is not None:
+                    drafted[i] = q[:s.num_spec]
+                elif req.generator is not None and req.params.temperature > 0:
                     seeded[req.request_id] = req.generator.get_state()
             else:
                 views.append(s.request)
-        sample = self.sampler(logits, views)
+        if drafted:
+            sample = self._sample_undrafted(logits, views, spans, drafted)
+        else:
+            sample = self.sampler(logits, views)
         tokens, logprobs = sample.token_ids, sample.logprobs
         sampled, accepted, emitted = {}, {}, []
         for i, r, k in spans:
             if k:
                 req = out.scheduled[i].request
-                drafts = req.spec_token_ids
-                a = 0
-                while a < k and tokens[r + a] == drafts[a]:
-                    a += 1
+                drafts = req.spec_token_ids[:k]
+                if i in drafted:
+                    a, token, lps = verify_drafted(self.sampler, logits[r:r + k + 1], views[r:r + k + 1], drafts,
+                                                   drafted[i])
+                else:
+                    a = 0
+                    while a < k and tokens[r + a] == drafts[a]:
+                        a += 1
+                    token, lps = tokens[r + a], logprobs[r:r + a + 1]
+                    if a < k and req.request_id in seeded:   # its stream advances by the tokens it kept, as
+                        self.sampler.replay(req.generator, seeded[req.request_id], a + 1)   # without speculation
                 accepted[i] = drafts[:a]
-                if a < k and req.request_id in seeded:   # its stream advances by the tokens it kept, as without
-                    self.sampler.replay(req.generator, seeded[req.request_id], a + 1)   # speculation
                 self.proposer.record(req.request_id, k, a)
                 self.metrics.record_speculation(k, a)
-                emitted.extend(logprobs[r:r + a + 1])
-                sampled[i] = tokens[r + a]
+                emitted.extend(lps)
+                sampled[i] = token
             else:
                 emitted.append(logprobs[r])
                 sampled[i] = tokens[r]
         sample.logprobs = emitted
         return sample, sampled, accepted
+
+    def _sample_undrafted(self, logits: torch.Tensor, views: list, spans, drafted: dict):
+        """The sampler over the rows the rejection sampler does not take (placeholders at the drafted rows, so
+        that row indices stay those of ``views``)."""
+        skip = set()
+        for i, r, k in spans:
+            if i in drafted:
+                skip.update(range(r, r + k + 1))
+        keep = [x for x in range(len(views)) if x not in skip]
+        part = self.sampler(logits[keep], [views[x] for x in keep]) if keep else SamplerOutput([], [])
+        tokens, logprobs = [-1] * len(views), [None] * len(views)
+        for x, t, lp in zip(keep, part.token_ids, part.logprobs):
+            tokens[x], logprobs[x] = t, lp
+        return SamplerOutput(tokens, logprobs, part.mask_time)
 
     def _propose(self) -> None:
         """Proposals for the decoding requests' next step (none while more sequences run than
@@ -818,12 +878,15 @@ class Executor:
         sched, proposer = self.scheduler, self.proposer
         if sched.num_running > proposer.config.disable_by_batch_size:
             return
+        wants = []
         for req in sched.running:
             if req.spec_token_ids or req.grammar is not None or req.num_tokens - req.num_computed_tokens != 1:
                 continue
             k = min(proposer.num_tokens(req.request_id), req.max_tokens - req.num_output_tokens - 1)
             if k > 0:
-                req.spec_token_ids = proposer.propose(req.request_id, req.all_token_ids, k)
+                wants.append((req, k))
+        if wants:
+            proposer.propose_all(wants)   # a draft model runs its rounds for all of them together
 
     def _fail_step(self, out: SchedulerOutput, exc: Exception) -> None:
         """The engine raised on this step: end its requests with the error (see the module docstring for why

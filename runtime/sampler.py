@@ -118,10 +118,9 @@ class Sampler:
             torch.empty(self.vocab_size).exponential_(generator=generator)
 
     # ---- the step -------------------------------------------------------------------------------------
-    def __call__(self, logits: torch.Tensor, reqs: list[Request]) -> SamplerOutput:
-        """logits [len(reqs), V] float32 -> one token per request (plus logprobs where asked)."""
-        B = logits.shape[0]
-        assert B == len(reqs)
+    def _processed(self, logits: torch.Tensor, reqs: list[Request]) -> tuple[torch.Tensor, float | None]:
+        """Penalties, min_tokens and grammar masks applied (the logits logprobs are taken from); also the
+        seconds the grammar masks took (None: no constrained row)."""
         logits = self._apply_penalties(logits, reqs)
         logits = self._apply_min_tokens(logits, reqs)
         mask_time = None
@@ -133,40 +132,74 @@ class Sampler:
                 self.masks = GrammarMasks(self.vocab_size)
             logits = self.masks.apply(logits, reqs)
             mask_time = time.perf_counter() - start
+        return logits, mask_time
 
+    @classmethod
+    def _probs(cls, x: torch.Tensor, rr: list[Request]) -> torch.Tensor:
+        """Processed logits of rows with temperature > 0 -> the probabilities they sample from (temperature,
+        top-k, top-p, min-p)."""
+        # a tiny temperature overflows as a tiny penalty does: kept finite (masked tokens stay at -inf)
+        x = (x / torch.tensor([r.params.temperature for r in rr]).unsqueeze(1)).clamp(max=torch.finfo(x.dtype).max)
+        # top_k beyond the vocabulary keeps every token; clamped so that any int fits the tensor
+        top_k = torch.tensor([min(r.params.top_k, x.shape[1]) for r in rr])
+        top_p = torch.tensor([r.params.top_p for r in rr])
+        min_p = torch.tensor([r.params.min_p for r in rr])
+        if bool((top_k > 0).any() | (top_p < 1).any() | (min_p > 0).any()):
+            x = cls.truncate(x, top_k, top_p, min_p)
+        return x.softmax(dim=1)
+
+    def generator_of(self, req) -> torch.Generator:
+        """The generator a request's random draws come from: its own (made from its seed) or the shared one."""
+        if req.params.seed is None:
+            return self.generator
+        if req.generator is None:
+            req.generator = torch.Generator().manual_seed(req.params.seed)
+        return req.generator
+
+    def distribution(self, logits: torch.Tensor, reqs: list) -> tuple[torch.Tensor, torch.Tensor]:
+        """What each row samples from, without drawing (speculative decoding's rejection sampler compares a
+        draft's and the target's): the processed logits (for logprobs) and the probabilities, after every
+        transform; a greedy row's is a point mass on its argmax."""
+        logits, _ = self._processed(logits, reqs)
+        probs = torch.zeros_like(logits).scatter_(1, logits.argmax(dim=1, keepdim=True), 1.0)
+        rand_rows = [i for i, r in enumerate(reqs) if r.params.temperature > 0]
+        if rand_rows:
+            probs[rand_rows] = self._probs(logits[rand_rows], [reqs[i] for i in rand_rows])
+        return logits, probs
+
+    def __call__(self, logits: torch.Tensor, reqs: list[Request]) -> SamplerOutput:
+        """logits [len(reqs), V] float32 -> one token per request (plus logprobs where asked)."""
+        B = logits.shape[0]
+        assert B == len(reqs)
+        logits, mask_time = self._processed(logits, reqs)
         temps = [r.params.temperature for r in reqs]
         tokens = logits.argmax(dim=1)
         rand_rows = [i for i, t in enumerate(temps) if t > 0]
         if rand_rows:
             rr = reqs if len(rand_rows) == B else [reqs[i] for i in rand_rows]
-            x = logits if len(rand_rows) == B else logits[rand_rows]
-            # a tiny temperature overflows as a tiny penalty does: kept finite (masked tokens stay at -inf)
-            x = (x / torch.tensor([r.params.temperature for r in rr]).unsqueeze(1)).clamp(max=torch.finfo(x.dtype).max)
-            # top_k beyond the vocabulary keeps every token; clamped so that any int fits the tensor
-            top_k = torch.tensor([min(r.params.top_k, x.shape[1]) for r in rr])
-            top_p = torch.tensor([r.params.top_p for r in rr])
-            min_p = torch.tensor([r.params.min_p for r in rr])
-            if bool((top_k > 0).any() | (top_p < 1).any() | (min_p > 0).any()):
-                x = self.truncate(x, top_k, top_p, min_p)
-            probs = x.softmax(dim=1)
+            probs = self._probs(logits if len(rand_rows) == B else logits[rand_rows], rr)
             noise = torch.empty_like(probs).exponential_(generator=self.generator)
             for j, r in enumerate(rr):
                 if r.params.seed is not None:
-                    if r.generator is None:
-                        r.generator = torch.Generator().manual_seed(r.params.seed)
-                    noise[j] = torch.empty(probs.shape[1]).exponential_(generator=r.generator)
+                    noise[j] = torch.empty(probs.shape[1]).exponential_(generator=self.generator_of(r))
             picked = (probs / noise).argmax(dim=1)
             if len(rand_rows) == B:
                 tokens = picked
             else:
                 tokens[rand_rows] = picked
         token_list = tokens.tolist()
+        return SamplerOutput(token_list, self.logprobs(logits, reqs, token_list), mask_time)
 
+    @staticmethod
+    def logprobs(logits: torch.Tensor, reqs: list, token_list: list[int]) -> list[dict[int, float] | None]:
+        """Each row's logprobs of its chosen token and its top ``params.logprobs`` (None where not asked), from
+        the processed logits."""
+        B = len(reqs)
         logprobs: list[dict[int, float] | None] = [None] * B
         lp_rows = [i for i, r in enumerate(reqs) if r.params.logprobs is not None]
         if lp_rows:
             lp = logits[lp_rows].log_softmax(dim=1)
-            chosen = lp.gather(1, tokens[lp_rows].unsqueeze(1)).squeeze(1).tolist()
+            chosen = lp.gather(1, torch.tensor([token_list[i] for i in lp_rows]).unsqueeze(1)).squeeze(1).tolist()
             n_top = max(reqs[i].params.logprobs for i in lp_rows)
             top_v, top_i = (lp.topk(min(n_top, lp.shape[1]), dim=1) if n_top else (None, None))
             top_v = top_v.tolist() if n_top else None
@@ -179,4 +212,4 @@ class Sampler:
                         if v > float("-inf"):   # fewer than n tokens are allowed by the row's grammar
                             d.setdefault(t, v)
                 logprobs[i] = d
-        return SamplerOutput(token_list, logprobs, mask_time)
+        return logprobs

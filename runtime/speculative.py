@@ -62,7 +62,9 @@ class SpeculativeConfig:
             c.problems.append(f"prompt_lookup_min ({self.prompt_lookup_min}) is above prompt_lookup_max "
                               f"({self.prompt_lookup_max})")
         if self.method == "draft_model":
-            c.problems.append("method 'draft_model' is not available in this kiln yet; use method 'ngram'")
+            if not (isinstance(self.model, str) and self.model):
+                c.problems.append(f"method 'draft_model' needs model, the draft's kiln engine directory, got "
+                                  f"{self.model!r:.60}")
         elif self.model is not None:
             c.problems.append("model is a draft_model option; method 'ngram' takes none")
         if c.problems:
@@ -103,17 +105,17 @@ class _Adaptive:
     pause: int = 0            # steps left without proposals
 
 
-class NgramProposer:
-    """Prompt-lookup proposals, with each request's incremental index and adaptive k."""
+class Proposer:
+    """What the executor sees of a proposer: each request's adaptive k, its proposals for the next step
+    (``propose_all`` sets ``spec_token_ids``), the outcome of each verify step, and its end. A point-mass
+    proposer (n-gram) has no draft distribution; a draft model's (``kiln.runtime.draft_model``) holds KV that
+    rolls back and is freed with its target's."""
 
     def __init__(self, config: SpeculativeConfig):
         self.config = config
-        self.sizes = list(range(config.prompt_lookup_max, config.prompt_lookup_min - 1, -1))
-        self._index: dict[str, _NgramIndex] = {}
         self._adaptive: dict[str, _Adaptive] = {}
 
     def forget(self, request_id: str) -> None:
-        self._index.pop(request_id, None)
         self._adaptive.pop(request_id, None)
 
     def num_tokens(self, request_id: str) -> int:
@@ -125,6 +127,54 @@ class NgramProposer:
             a.pause -= 1
             return 0
         return a.k
+
+    def record(self, request_id: str, proposed: int, accepted: int) -> None:
+        """A verify step's outcome: adapt the request's k (see the module docstring)."""
+        c = self.config
+        a = self._adaptive.get(request_id)
+        if a is None or not c.adaptive or proposed == 0:
+            return
+        a.acceptance = 0.7 * a.acceptance + 0.3 * accepted / proposed
+        if a.acceptance < c.min_acceptance:
+            a.pause, a.k, a.acceptance = c.backoff_steps, 1, c.min_acceptance   # retry with 1 token after the pause
+        elif accepted == proposed:
+            a.k = min(c.num_speculative_tokens, a.k + 1)
+        else:
+            a.k = max(1, min(a.k, accepted + 1))
+
+    def propose_all(self, wants: list[tuple[Any, int]]) -> None:
+        """Set ``spec_token_ids`` (at most k tokens) of each (request, k) in ``wants``."""
+        raise NotImplementedError
+
+    def draft_probs(self, request_id: str):
+        """The draft's distribution of each proposal (a [k, vocab] tensor), or None for point-mass proposals."""
+        return None
+
+    def rolled_back(self, requests: list) -> None:
+        """Their verify step accepted a prefix of their proposals (the proposer's own state follows)."""
+
+    def release(self, requests: list) -> None:
+        """They were preempted (whatever the proposer holds for them goes back)."""
+
+    def close(self) -> None:
+        """The executor stopped (a draft engine is closed)."""
+
+
+class NgramProposer(Proposer):
+    """Prompt-lookup proposals, with each request's incremental index and adaptive k."""
+
+    def __init__(self, config: SpeculativeConfig):
+        super().__init__(config)
+        self.sizes = list(range(config.prompt_lookup_max, config.prompt_lookup_min - 1, -1))
+        self._index: dict[str, _NgramIndex] = {}
+
+    def forget(self, request_id: str) -> None:
+        self._index.pop(request_id, None)
+        super().forget(request_id)
+
+    def propose_all(self, wants: list[tuple[Any, int]]) -> None:
+        for req, k in wants:
+            req.spec_token_ids = self.propose(req.request_id, req.all_token_ids, k)
 
     def propose(self, request_id: str, tokens: list[int], k: int) -> list[int]:
         """Up to ``k`` tokens that followed the latest earlier occurrence of the longest matching suffix."""
@@ -144,22 +194,6 @@ class NgramProposer:
                     period = length - end
                     return [tokens[end + i % period] for i in range(k)]
         return []
-
-    def record(self, request_id: str, proposed: int, accepted: int) -> None:
-        """A verify step's outcome: adapt the request's k (see the module docstring)."""
-        c = self.config
-        a = self._adaptive.get(request_id)
-        if a is None or not c.adaptive or proposed == 0:
-            return
-        a.acceptance = 0.7 * a.acceptance + 0.3 * accepted / proposed
-        if a.acceptance < c.min_acceptance:
-            a.pause, a.k, a.acceptance = c.backoff_steps, 1, c.min_acceptance   # retry with 1 token after the pause
-        elif accepted == proposed:
-            a.k = min(c.num_speculative_tokens, a.k + 1)
-        else:
-            a.k = max(1, min(a.k, accepted + 1))
-
-
 
 
 class Position:

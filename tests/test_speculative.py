@@ -236,7 +236,7 @@ def test_speculative_config_errors_name_the_problem(checkpoint_dir):
         ({"method": "medusa"}, "method must be one of"),
         ({"prompt_lookup_min": 5, "prompt_lookup_max": 2}, "prompt_lookup_min (5) is above prompt_lookup_max (2)"),
         ({"num_speculative_tokens": 0}, "num_speculative_tokens must be an integer in [1, 16]"),
-        ({"method": "draft_model", "model": "x"}, "draft_model"),
+        ({"method": "draft_model"}, "method 'draft_model' needs model"),
         ({"model": "x"}, "model is a draft_model option"),
         ({"num_speculative_token": 2}, "num_speculative_tokens"),
         ("{not json", "not valid JSON"),
