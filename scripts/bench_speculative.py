@@ -17,6 +17,12 @@ model's greedy output settles into loops, which is what an n-gram proposer feeds
 built from the model's own greedy continuation (the prompt holds it twice, and the request continues it).
 ``--trained STEPS`` fits the checkpoint to the synthetic corpus first (the demo's kind of model) and takes both
 workloads from that corpus: copy-heavy = a corpus window and its first tokens again, plain = the window alone.
+
+``--methods ngram,draft_model`` measures both proposers in the same run, against the same baseline: the draft is
+the ``--draft-size`` Llama (default ``small-draft``, ~4.4x smaller than ``small``), fitted to the same corpus for
+the same steps, so it shares the target's tokenizer. ``--disable-by-batch-size N`` overrides the pause threshold
+of every method (the batch crossover: run ``--methods ngram --batches 1,2,3,4 --disable-by-batch-size 64``).
+Each speculating row prints its acceptance per draft position.
 """
 
 from __future__ import annotations
@@ -124,73 +130,119 @@ def spec_counts(llm) -> dict:
     return dict(llm.stats().get("speculative", {}))
 
 
+def spec_delta(before: dict, after: dict, into: dict) -> None:
+    """Add what the speculative counters gained between two ``stats()["speculative"]`` snapshots to ``into``
+    (proposed, accepted, verify steps, [proposed, accepted] per draft position): the counters are the executor's,
+    shared by the methods, so each method's runs are counted around them."""
+    for key in ("proposed_tokens", "accepted_tokens", "verify_steps"):
+        into[key] = into.get(key, 0) + after.get(key, 0) - before.get(key, 0)
+    old, pos = before.get("counts_per_position", []), into.setdefault("per_position", [])
+    for j, (p, a) in enumerate(after.get("counts_per_position", [])):
+        p0, a0 = old[j] if j < len(old) else (0, 0)
+        if j == len(pos):
+            pos.append([0, 0])
+        pos[j][0] += p - p0
+        pos[j][1] += a - a0
+
+
+def spec_configs(args) -> dict[str, dict]:
+    """The speculative_config of each method asked for (``--spec`` replaces the ngram one)."""
+    configs = {}
+    for method in args.methods.split(","):
+        if method == "ngram":
+            configs[method] = json.loads(args.spec) if args.spec else {
+                "method": "ngram", "num_speculative_tokens": args.k, "prompt_lookup_max": 4, "prompt_lookup_min": 2}
+        elif method == "draft_model":
+            configs[method] = {"method": "draft_model", "num_speculative_tokens": args.k}
+        else:
+            raise SystemExit(f"--methods: unknown method {method!r} (ngram, draft_model)")
+        if args.disable_by_batch_size is not None:
+            configs[method]["disable_by_batch_size"] = args.disable_by_batch_size
+    return configs
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--size", default="246m", help="synthetic_checkpoints preset of the Llama (default 246m)")
+    ap.add_argument("--draft-size", default="small-draft", help="preset of the draft_model method's Llama")
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--backend", default="cpu-compiled")
     ap.add_argument("--verify-cost", action="store_true", help="only the (1 + k)-token step cost table")
+    ap.add_argument("--methods", default="ngram", help="comma-separated: ngram, draft_model")
     ap.add_argument("--batches", default="1,4,16")
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--k", type=int, default=4, help="num_speculative_tokens")
-    ap.add_argument("--spec", default=None, help="speculative_config JSON (overrides --k)")
+    ap.add_argument("--spec", default=None, help="the ngram method's speculative_config JSON (overrides --k)")
+    ap.add_argument("--disable-by-batch-size", type=int, default=None,
+                    help="every method's disable_by_batch_size (default: the config's default)")
     ap.add_argument("--trained", type=int, default=0, metavar="STEPS",
                     help="fit the checkpoint to the synthetic corpus for STEPS steps and take the workloads from "
                          "that corpus (a model that predicts its text, as the demo's; default: random weights)")
     ap.add_argument("--rounds", type=int, default=3, help="base / spec runs alternated, the median rate kept")
     args = ap.parse_args()
     from kiln.runtime import LLM
+    from kiln.runtime.speculative import NgramProposer, SpeculativeConfig
 
     ckpt = ensure_checkpoint(args.size, args.trained)
     tag = f"-corpus{args.trained}" if args.trained else ""
-    engine_dir = ensure_engine(f"llama-{args.size}{tag}-{args.dtype}-{args.backend}-spec",
-                               build_config(args.dtype, args.backend), ckpt)
+    build = build_config(args.dtype, args.backend)
+    engine_dir = ensure_engine(f"llama-{args.size}{tag}-{args.dtype}-{args.backend}-spec", build, ckpt)
     if args.verify_cost:
         verify_cost(engine_dir)
         return
-    spec = json.loads(args.spec) if args.spec else {"method": "ngram", "num_speculative_tokens": args.k,
-                                                   "prompt_lookup_max": 4, "prompt_lookup_min": 2}
+    configs = spec_configs(args)
+    if "draft_model" in configs:
+        draft_ckpt = ensure_checkpoint(args.draft_size, args.trained)
+        draft_dir = ensure_engine(f"llama-{args.draft_size}{tag}-{args.dtype}-{args.backend}-spec", build, draft_ckpt)
+        configs["draft_model"]["model"] = str(draft_dir)
     batches = [int(b) for b in args.batches.split(",")]
-    # one LLM, its proposer switched off for the baseline: two LLMs in one process are two step-loop threads with
-    # an OpenMP team each, and libgomp then sleeps between parallel regions (see kiln.runtime.executor), which
-    # cost the second one ~10% in a first version of this script
-    llm = LLM(str(engine_dir), max_kv_cache_tokens=65536, speculative_config=spec)
-    proposer = llm.executor.proposer
+    # one LLM, its proposer switched between the methods and off for the baseline: two LLMs in one process are two
+    # step-loop threads with an OpenMP team each, and libgomp then sleeps between parallel regions (see
+    # kiln.runtime.executor), which cost the second one ~10% in a first version of this script. The LLM is made
+    # with the draft model's config when there is one (its pool is allocated then); ngram's proposer is made here.
+    llm = LLM(str(engine_dir), max_kv_cache_tokens=65536,
+              speculative_config=configs.get("draft_model", configs.get("ngram")))
+    proposers = {m: (llm.executor.proposer if m == llm.executor.config.speculative_config.method
+                     else NgramProposer(SpeculativeConfig(**c))) for m, c in configs.items()}
 
-    def mode(on: bool):
+    def mode(method: str | None):
         llm.executor.wait_idle()
-        llm.executor.proposer = proposer if on else None
+        llm.executor.proposer = proposers.get(method)
         return llm
 
-    base, specd = (lambda: mode(False)), (lambda: mode(True))
     loads = (corpus_workloads(ckpt, max(batches), 128) if args.trained
-             else workloads(base(), llm.executor.vocab_size, max(batches), 128))
+             else workloads(mode(None), llm.executor.vocab_size, max(batches), 128))
     print(f"\n{datetime.date.today()} llama {args.size}{tag} {args.dtype} {args.backend}, {torch.get_num_threads()} "
-          f"threads; greedy, {args.max_tokens} new tokens; speculative_config={json.dumps(spec)}")
-    print(f"{'workload':<11} {'batch':>5} {'base tok/s':>10} {'spec tok/s':>10} {'ratio':>6} {'accept':>7} "
-          f"{'tok/step/seq':>12} {'same':>6}")
+          f"threads; greedy, {args.max_tokens} new tokens")
+    for method, config in configs.items():
+        print(f"  {method}: speculative_config={json.dumps(config)}")
+    print(f"{'method':<11} {'workload':<11} {'batch':>5} {'base tok/s':>10} {'spec tok/s':>10} {'ratio':>6} "
+          f"{'accept':>7} {'tok/step/seq':>12} {'same':>6}  accepted per position")
     for name, prompts in loads.items():
         for batch in batches:
             ps = prompts[:batch]
-            run_case(base(), ps[:1], 4)   # warm both
-            run_case(specd(), ps[:1], 4)
-            before = spec_counts(llm)
-            b_rates, s_rates = [], []
-            for _ in range(args.rounds):
-                b_rate, b_outs = run_case(base(), ps, args.max_tokens)
-                s_rate, s_outs = run_case(specd(), ps, args.max_tokens)
-                b_rates.append(b_rate)
-                s_rates.append(s_rate)
-            b_rate, s_rate = statistics.median(b_rates), statistics.median(s_rates)
-            after = spec_counts(llm)
-            prop = after.get("proposed_tokens", 0) - before.get("proposed_tokens", 0)
-            acc = after.get("accepted_tokens", 0) - before.get("accepted_tokens", 0)
-            steps = after.get("verify_steps", 0) - before.get("verify_steps", 0)
-            same = sum(a.token_ids == b.token_ids for a, b in zip(b_outs, s_outs))
-            print(f"{name:<11} {batch:>5} {b_rate:>10.1f} {s_rate:>10.1f} {s_rate / b_rate:>5.2f}x "
-                  f"{acc / prop if prop else 0:>6.1%} {(acc + steps) / steps if steps else 1:>12.2f} "
-                  f"{same:>3}/{len(ps)}", flush=True)
-    print("per-position acceptance:", [round(a, 3) for a in spec_counts(llm).get("acceptance_per_position", [])])
+            for method in (None, *configs):   # warm every mode
+                run_case(mode(method), ps[:1], 4)
+            rates: dict = {m: [] for m in (None, *configs)}
+            counts: dict = {m: {} for m in configs}
+            outs: dict = {}
+            for _ in range(args.rounds):   # alternated: base, then each method
+                for method in (None, *configs):
+                    before = spec_counts(mode(method))
+                    rate, outs[method] = run_case(mode(method), ps, args.max_tokens)
+                    rates[method].append(rate)
+                    if method is not None:
+                        spec_delta(before, spec_counts(llm), counts[method])
+            b_rate = statistics.median(rates[None])
+            for method in configs:
+                s_rate = statistics.median(rates[method])
+                c = counts[method]
+                prop, acc, steps = c["proposed_tokens"], c["accepted_tokens"], c["verify_steps"]
+                per_pos = [round(a / p, 2) for p, a in c["per_position"] if p]
+                same = sum(a.token_ids == b.token_ids for a, b in zip(outs[None], outs[method]))
+                print(f"{method:<11} {name:<11} {batch:>5} {b_rate:>10.1f} {s_rate:>10.1f} {s_rate / b_rate:>5.2f}x "
+                      f"{acc / prop if prop else 0:>6.1%} {(acc + steps) / steps if steps else 1:>12.2f} "
+                      f"{same:>3}/{len(ps)}  {per_pos}", flush=True)
     log("done")
 
 

@@ -18,12 +18,14 @@ from typing import Any
 
 import torch
 
-# Sizes: "tiny" for tests, "small" for the demo, "300m" for benchmarks (~300-500M parameters),
+# Sizes: "tiny" for tests, "small" for the demo ("small-draft": its draft), "300m" for benchmarks (~300-500M params),
 # "246m" the same architecture with 16 layers: the size of the checkpoint the peers' decode speeds in
 # ../shared/notes were measured on (llama.cpp, onnxruntime-genai); "246m-moe*" its MoE twins (scripts/bench_moe.py).
 PRESETS: dict[str, dict[str, int]] = {
     "tiny": dict(hidden=64, inter=128, layers=2, heads=4, kv_heads=2, vocab=512),
     "small": dict(hidden=256, inter=688, layers=4, heads=8, kv_heads=4, vocab=2048),
+    # a draft for "small" (speculative decoding, scripts/bench_speculative.py): its vocabulary, ~4.4x fewer parameters
+    "small-draft": dict(hidden=128, inter=344, layers=2, heads=4, kv_heads=2, vocab=2048),
     "300m": dict(hidden=1024, inter=2816, layers=22, heads=16, kv_heads=4, vocab=32000),
     "246m": dict(hidden=1024, inter=2816, layers=16, heads=16, kv_heads=4, vocab=32000),
     # MoE models with the 246m's attention and its active MLP width per token (top_k x expert width = 2816):

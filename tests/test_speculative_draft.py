@@ -249,6 +249,9 @@ def test_a_draft_of_another_vocabulary_or_tokenizer_is_refused(checkpoint_dir, t
     with pytest.raises(ConfigError, match=rf"draft engine {other_tok.directory} and the target engine "
                                           rf"{target.directory} have different tokenizers \(tokenizer.json: sha256:"):
         LLM(target, speculative_config=draft_config(other_tok))
+    lora = get_engine(checkpoint_dir("llama", num_hidden_layers=1), lora_target_modules="q_proj", max_lora_rank=4)
+    with pytest.raises(ConfigError, match="built to take LoRA adapters; a draft runs the base model only"):
+        LLM(target, speculative_config=draft_config(lora))
     with pytest.raises(ConfigError, match="is not a directory"):
         LLM(target, speculative_config=draft_config(target) | {"model": str(tmp_path / "nope")})
     broken = tmp_path / "broken"
