@@ -878,13 +878,18 @@ class Executor:
         sched, proposer = self.scheduler, self.proposer
         if sched.num_running > proposer.config.disable_by_batch_size:
             return
+        # the logits rows the next step can give proposals (each sequence that may run keeps one, as the scheduler
+        # counts them): more would be dropped there, after a draft model had spent its rounds on them
+        c = sched.config
+        rows = (c.max_num_logits or c.max_num_tokens) - min(c.max_batch_size, sched.num_running + sched.num_waiting)
         wants = []
         for req in sched.running:
             if req.spec_token_ids or req.grammar is not None or req.num_tokens - req.num_computed_tokens != 1:
                 continue
-            k = min(proposer.num_tokens(req.request_id), req.max_tokens - req.num_output_tokens - 1)
+            k = min(proposer.num_tokens(req.request_id), req.max_tokens - req.num_output_tokens - 1, rows)
             if k > 0:
                 wants.append((req, k))
+                rows -= k
         if wants:
             proposer.propose_all(wants)   # a draft model runs its rounds for all of them together
 
