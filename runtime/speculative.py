@@ -17,6 +17,9 @@ Adaptive k (per request): after each verify step the request's acceptance (an ex
 proposed) sets its next k; below ``min_acceptance`` it stops proposing for ``backoff_steps`` steps, then tries
 one token again. Speculation pauses for the whole step when more than ``disable_by_batch_size`` sequences run
 (decode is compute-bound there: a 1 + k-token step costs nearly 1 + k times a 1-token step).
+
+Draft-model proposals (``kiln.runtime.draft_model``) are not point masses: a sampled request's are verified by
+rejection sampling with the draft's distribution (``kiln.runtime.rejection``); a greedy request's as above.
 """
 
 from __future__ import annotations
@@ -45,7 +48,7 @@ class SpeculativeConfig:
     adaptive: bool = True
     min_acceptance: float = 0.3
     backoff_steps: int = 16
-    disable_by_batch_size: int = 2   # docs/benchmarks.md: batch 4 lost 8-16% with ngram on a 246m Llama
+    disable_by_batch_size: int = 3   # docs/benchmarks.md: the ngram crossover is between batch 3 and 4
 
     def __post_init__(self) -> None:
         c = FieldChecks()
