@@ -13,6 +13,7 @@ import asyncio
 import math
 import os
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import click
@@ -165,6 +166,65 @@ def bench(ctx, engine_dir, endpoint, api, model, api_key, metrics_url, no_force_
     """Replay load against an engine (--engine) or a server (--endpoint); sweep rates; report and plot."""
     if ctx.invoked_subcommand is not None:
         return
+    prep = prepare(ctx.params, targets=sum(bool(x) for x in (endpoint, dry_run))
+                   + (engine_dir is not None and not endpoint and not dry_run))
+    if threads:
+        import torch
+
+        torch.set_num_threads(threads)
+    load_start = os.getloadavg()[0]
+    t0 = time.time()
+    if dry_run:
+        from kiln.bench.stub_server import running_stub
+
+        with running_stub() as url:
+            runs = asyncio.run(run_target(prep, _OpenAI(url, model=None, request_timeout=request_timeout)))
+    elif endpoint and api == "triton":
+        from kiln.bench.targets import TritonTarget
+
+        mu = None if metrics_url in (None, "none") else metrics_url
+        try:
+            target = TritonTarget(endpoint, model=model, metrics_url=mu, request_timeout=request_timeout,
+                                  force_lengths=not no_force_lengths)
+        except ConnectionError as exc:
+            raise click.ClickException(str(exc)) from None
+        runs = asyncio.run(run_target(prep, target))
+    elif endpoint:
+        runs = asyncio.run(run_target(prep, _openai_target(ctx.params, endpoint)))
+    else:
+        from kiln.bench.targets import InProcessTarget
+        from kiln.runtime import LLM
+
+        try:
+            serving = ExecutorConfig(**given(ExecutorConfig, options, exclude=_EXECUTOR_EXCLUDE),
+                                     metrics_window=1 << 20)
+            llm = LLM(engine_dir, config=serving)
+        except KilnError as exc:
+            raise click.ClickException(str(exc)) from None
+        try:
+            runs = asyncio.run(run_target(prep, InProcessTarget(llm)))
+        finally:
+            llm.shutdown()
+    result = finish_result(prep.config, runs, prep.slo, prep.facts, load_start, t0)
+    _write_outputs(result, out_dir, plots=not no_plots)
+
+
+@dataclass
+class Prepared:
+    """What every target of one ``kiln bench`` invocation runs: the workload, the rates, the prompts, the SLO."""
+
+    work: object          # kiln.bench.workload.Workload
+    plan: list[float] | str
+    synth: object         # kiln.bench.workload.PromptSynthesizer
+    slo: SLO
+    facts: object | None  # EngineFacts of --engine
+    config: dict
+    params: dict
+
+
+def prepare(params: dict, targets: int | None = None) -> Prepared:
+    """The workload, rate plan, prompts and SLO from ``kiln bench``'s options (``targets``: how many of --engine /
+    --endpoint / --dry-run were chosen; None: compare's targets stand in for them)."""
     try:
         import matplotlib  # noqa: F401
         import tqdm  # noqa: F401
@@ -174,35 +234,38 @@ def bench(ctx, engine_dir, endpoint, api, model, api_key, metrics_url, no_force_
     from kiln.bench import workload as wl
     from kiln.bench.engine_facts import FactsError, engine_facts
 
+    p = params
+    rate, rates, sweep, max_throughput = p["rate"], p["rates"], p["sweep"], p["max_throughput"]
+    engine_dir, tokenizer, vocab_size, seed = p["engine_dir"], p["tokenizer"], p["vocab_size"], p["seed"]
     modes = sum(x is not None and x is not False for x in (rate, rates, sweep, max_throughput or None))
     if modes > 1:
         raise click.UsageError("choose one of --rate, --rates, --sweep auto, --max-throughput")
-    targets = sum(bool(x) for x in (endpoint, dry_run)) + (engine_dir is not None and not endpoint and not dry_run)
-    if targets != 1:
+    if targets is not None and targets != 1:
         raise click.UsageError("choose one target: --engine DIR (in-process), --endpoint URL, or --dry-run")
-    slo = SLO(_duration(slo_ttft_p95), _duration(slo_tpot_p95))
+    slo = SLO(_duration(p["slo_ttft_p95"]), _duration(p["slo_tpot_p95"]))
     facts = None
     if engine_dir is not None:
         try:
             facts = engine_facts(engine_dir)
         except FactsError as exc:
             raise click.ClickException(str(exc)) from None
-    if dry_run and vocab_size is None and engine_dir is None and tokenizer is None:
+    if p["dry_run"] and vocab_size is None and engine_dir is None and tokenizer is None:
         vocab_size = 32000
 
     # ---- workload
-    p_scale = prompt_scale if prompt_scale is not None else (length_scale or 1.0)
-    o_scale = output_scale if output_scale is not None else (length_scale or 1.0)
+    trace, prompt_len, output_len = p["trace"], p["prompt_len"], p["output_len"]
+    p_scale = p["prompt_scale"] if p["prompt_scale"] is not None else (p["length_scale"] or 1.0)
+    o_scale = p["output_scale"] if p["output_scale"] is not None else (p["length_scale"] or 1.0)
     rows = None
     try:
         if trace is not None:
             rows = wl.read_trace(trace)
         if trace is not None and prompt_len is None and output_len is None:
-            work = wl.trace_workload(rows, window=_window(window), max_requests=max_requests, prompt_scale=p_scale,
-                                     output_scale=o_scale, source=str(trace))
+            work = wl.trace_workload(rows, window=_window(p["window"]), max_requests=p["max_requests"],
+                                     prompt_scale=p_scale, output_scale=o_scale, source=str(trace))
         else:
-            n = max_requests or num_requests
-            work = wl.synthetic_workload(n, rate=1.0, seed=seed, burstiness=burstiness,
+            n = p["max_requests"] or p["num_requests"]
+            work = wl.synthetic_workload(n, rate=1.0, seed=seed, burstiness=p["burstiness"],
                                          prompt_len=wl.LengthSpec.parse(prompt_len or "128"),
                                          output_len=wl.LengthSpec.parse(output_len or "128"), trace_rows=rows)
             if p_scale != 1.0 or o_scale != 1.0:
@@ -213,10 +276,10 @@ def bench(ctx, engine_dir, endpoint, api, model, api_key, metrics_url, no_force_
                                    dict(work.description, prompt_scale=p_scale, output_scale=o_scale))
     except (wl.TraceError, ValueError) as exc:
         raise click.ClickException(str(exc)) from None
-    if shared_prefix:
-        n_p, l_p = _pair(shared_prefix, "--shared-prefix")
+    if p["shared_prefix"]:
+        n_p, l_p = _pair(p["shared_prefix"], "--shared-prefix")
         work = wl.with_shared_prefix(work, n_p, l_p, seed)
-    if clip_to_engine:
+    if p["clip_to_engine"]:
         if facts is None:
             raise click.UsageError("--clip-to-engine needs --engine DIR (with --endpoint: the served engine's "
                                    "directory)")
@@ -233,76 +296,46 @@ def bench(ctx, engine_dir, endpoint, api, model, api_key, metrics_url, no_force_
     elif rate is not None:
         plan = [rate]
     else:  # replay at the pattern's own rate (a trace's recorded rate x --rate-scale)
-        plan = [work.mean_rate * rate_scale]
+        plan = [work.mean_rate * p["rate_scale"]]
     vocab, specials, vocab_source = _vocab_and_specials(engine_dir, tokenizer, vocab_size)
     synth = wl.PromptSynthesizer(vocab, seed, specials)
-    out_dir.mkdir(parents=True, exist_ok=True)
-
-    if threads:
-        import torch
-
-        torch.set_num_threads(threads)
+    p["out_dir"].mkdir(parents=True, exist_ok=True)
     config = {
-        "options": {k: (str(v) if isinstance(v, Path) else v) for k, v in ctx.params.items() if k != "api_key"},
+        "options": {k: (str(v) if isinstance(v, Path) else v) for k, v in p.items() if k != "api_key"},
         "workload": work.description, "slo": slo.as_dict(),
         "rates": plan if plan == "auto" else [("max" if math.isinf(r) else r) for r in plan],
         "prompts": {"vocab_size": vocab, "vocab_source": vocab_source, "special_ids_avoided": len(specials),
                     "seed": seed, "sent_as": "token ids"},
-        "warmup_requests": warmup,
+        "warmup_requests": p["warmup"],
     }
+    return Prepared(work, plan, synth, slo, facts, config, p)
 
-    async def main(target) -> list[dict]:
-        from kiln.bench.runner import run_sweep
 
-        try:
-            if _is_openai(target):
-                await target.resolve_model()
-            config["target"] = target.describe()
-            await _warm(target, warmup, synth)
-            return await run_sweep(target, work, synth, plan, slo=slo, progress=not no_progress, timeout=run_timeout,
-                                   start_rate=start_rate, log=lambda m: click.echo(m, err=True))
-        except ConnectionError as exc:
-            raise click.ClickException(str(exc)) from None
-        finally:
-            await target.close()
+async def run_target(prep: Prepared, target, config: dict | None = None) -> list[dict]:
+    """Warm ``target`` up, then run the sweep; ``config`` (default: ``prep.config``) gets the target's description."""
+    from kiln.bench.runner import run_sweep
 
-    load_start = os.getloadavg()[0]
-    t0 = time.time()
-    if dry_run:
-        from kiln.bench.stub_server import running_stub
+    config = prep.config if config is None else config
+    p = prep.params
+    try:
+        if _is_openai(target):
+            await target.resolve_model()
+        config["target"] = target.describe()
+        await _warm(target, p["warmup"], prep.synth)
+        return await run_sweep(target, prep.work, prep.synth, prep.plan, slo=prep.slo, progress=not p["no_progress"],
+                               timeout=p["run_timeout"], start_rate=p["start_rate"],
+                               log=lambda m: click.echo(m, err=True))
+    except ConnectionError as exc:
+        raise click.ClickException(str(exc)) from None
+    finally:
+        await target.close()
 
-        with running_stub() as url:
-            runs = asyncio.run(main(_OpenAI(url, model=None, request_timeout=request_timeout)))
-    elif endpoint and api == "triton":
-        from kiln.bench.targets import TritonTarget
 
-        mu = None if metrics_url in (None, "none") else metrics_url
-        try:
-            target = TritonTarget(endpoint, model=model, metrics_url=mu, request_timeout=request_timeout,
-                                  force_lengths=not no_force_lengths)
-        except ConnectionError as exc:
-            raise click.ClickException(str(exc)) from None
-        runs = asyncio.run(main(target))
-    elif endpoint:
-        mu = None if metrics_url == "none" else (metrics_url or "auto")
-        runs = asyncio.run(main(_OpenAI(endpoint, model=model, metrics_url=mu, api_key=api_key,
-                                        request_timeout=request_timeout, force_lengths=not no_force_lengths)))
-    else:
-        from kiln.bench.targets import InProcessTarget
-        from kiln.runtime import LLM
-
-        try:
-            serving = ExecutorConfig(**given(ExecutorConfig, options, exclude=_EXECUTOR_EXCLUDE),
-                                     metrics_window=1 << 20)
-            llm = LLM(engine_dir, config=serving)
-        except KilnError as exc:
-            raise click.ClickException(str(exc)) from None
-        try:
-            runs = asyncio.run(main(InProcessTarget(llm)))
-        finally:
-            llm.shutdown()
-    result = finish_result(config, runs, slo, facts, load_start, t0)
-    _write_outputs(result, out_dir, plots=not no_plots)
+def _openai_target(params: dict, endpoint: str, model: str | None = None):
+    """An OpenAI target with ``kiln bench``'s client options (metrics, key, timeout, forced lengths)."""
+    mu = None if params["metrics_url"] == "none" else (params["metrics_url"] or "auto")
+    return _OpenAI(endpoint, model=model or params["model"], metrics_url=mu, api_key=params["api_key"],
+                   request_timeout=params["request_timeout"], force_lengths=not params["no_force_lengths"])
 
 
 class _OpenAI:  # lazily resolved alias so that `kiln bench --help` does not import httpx
@@ -357,14 +390,96 @@ def _write_outputs(result: dict, out_dir: Path, plots: bool) -> None:
 
 
 @bench.command("compare")
-@click.argument("a", type=click.Path(path_type=Path, dir_okay=False))
-@click.argument("b", type=click.Path(path_type=Path, dir_okay=False))
-def compare_cmd(a: Path, b: Path) -> None:
-    """Two kiln bench results side by side, rate by rate, with B/A ratios."""
-    from kiln.bench.report import ResultError, compare, read_result
+@click.argument("results", nargs=-1, type=click.Path(path_type=Path, dir_okay=False))
+@click.option("--target", "targets", multiple=True, metavar="NAME=URL",
+              help="An OpenAI-compatible server to run the workload against (repeat it; in order: ratios are to "
+                   "the first).")
+@click.option("--launch", "launches", multiple=True, metavar="NAME=COMMAND",
+              help="Start target NAME with COMMAND (shell words) before its run and stop it after: measures its "
+                   "startup time and idle RSS; one server runs at a time.")
+@click.option("--pid", "pids", multiple=True, metavar="NAME=PID",
+              help="The pid of a running target's server: its idle RSS (process tree) is read before the run.")
+@click.option("--startup-timeout", type=float, default=600.0, show_default=True,
+              help="Seconds a launched server may take until /v1/models answers.")
+@click.pass_context
+def compare_cmd(ctx, results: tuple[Path, ...], targets, launches, pids, startup_timeout) -> None:
+    """Side by side: run the workload of `kiln bench`'s options against each --target (e.g. kiln and vLLM), or
+    read two or more result.json files.
 
+    \b
+    kiln bench --trace code.csv --prompt-scale 0.25 --rates 2,3,4 --num-requests 32 --slo-ttft-p95 2s \\
+      --slo-tpot-p95 200ms --output cmp/ compare --target kiln=http://127.0.0.1:8000 \\
+      --target vllm=http://127.0.0.1:8001 --launch "vllm=python vllm_cli.py serve CKPT --port 8001"
+    kiln bench compare a/result.json b/result.json
+    """
+    from kiln.bench.compare import CompareError, format_comparison, parse_targets, write_comparison_plot
+    from kiln.bench.report import ResultError, read_result
+
+    if results and (targets or launches or pids):
+        raise click.UsageError("give result files or --target options, not both")
+    if results:
+        if len(results) < 2:
+            raise click.UsageError("compare needs two or more result files")
+        try:
+            loaded = {}
+            for i, path in enumerate(results):   # named by their target (or folder); the same twice: two columns
+                r = read_result(path)
+                name = (r["config"].get("target") or {}).get("name") or path.parent.name or str(path)
+                loaded[name if name not in loaded else f"{name} #{i + 1}"] = r
+        except ResultError as exc:
+            raise click.ClickException(str(exc)) from None
+        click.echo(format_comparison(loaded, {n: r.get("server_process", {}) for n, r in loaded.items()}))
+        return
     try:
-        ra, rb = read_result(a), read_result(b)
-    except ResultError as exc:
-        raise click.ClickException(str(exc)) from None
-    click.echo(compare(ra, rb, str(a), str(b)))
+        specs = parse_targets(targets, launches, pids)
+    except CompareError as exc:
+        raise click.BadParameter(str(exc)) from None
+    params = ctx.parent.params
+    if params["endpoint"] or params["dry_run"]:
+        raise click.UsageError("compare's servers are its --target options; leave --endpoint / --dry-run out")
+    prep = prepare(params)
+    out_dir = params["out_dir"]
+    loaded, extras = {}, {}
+    for spec in specs:
+        try:
+            loaded[spec.name], extras[spec.name] = _compare_one(prep, spec, out_dir / spec.name, startup_timeout)
+        except CompareError as exc:
+            raise click.ClickException(str(exc)) from None
+    text = format_comparison(loaded, extras)
+    (out_dir / "compare.txt").write_text(text + "\n")
+    import json
+
+    (out_dir / "compare.json").write_text(json.dumps({"targets": [s.name for s in specs], "extras": extras}, indent=1))
+    click.echo(text)
+    if not params["no_plots"]:
+        click.echo(f"plot: {write_comparison_plot(loaded, out_dir / 'compare.png')}")
+
+
+def _compare_one(prep: Prepared, spec, out_dir: Path, startup_timeout: float) -> tuple[dict, dict]:
+    """One target of a comparison: launch it (if asked), read its idle RSS, run the sweep, stop it; its result
+    (also written to OUT/NAME/result.json) and the startup / RSS facts."""
+    import copy
+
+    from kiln.bench.compare import launch, stop, tree_rss_bytes
+
+    extras: dict = {"startup_s": None, "idle_rss_bytes": None}
+    proc, pid = None, spec.pid
+    if spec.command:
+        click.echo(f"[{spec.name}] launching: {' '.join(spec.command)}", err=True)
+        proc, extras["startup_s"] = launch(spec, startup_timeout, out_dir / "server.log")
+        pid = proc.pid
+        click.echo(f"[{spec.name}] up after {extras['startup_s']:.1f} s", err=True)
+    try:
+        if pid is not None:
+            extras["idle_rss_bytes"] = tree_rss_bytes(pid)
+        config = copy.deepcopy(prep.config)
+        load_start, t0 = os.getloadavg()[0], time.time()
+        runs = asyncio.run(run_target(prep, _openai_target(prep.params, spec.url), config))
+    finally:
+        if proc is not None:
+            stop(proc)
+    config["target"]["name"] = spec.name
+    result = finish_result(config, runs, prep.slo, prep.facts, load_start, t0)
+    result["server_process"] = extras
+    _write_outputs(result, out_dir, plots=not prep.params["no_plots"])
+    return result, extras

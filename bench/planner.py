@@ -55,6 +55,7 @@ import numpy as np
 
 from kiln.bench.devices import Device
 from kiln.bench.engine_facts import EngineFacts
+from kiln.bench.serving_knobs import recommend_token_budget
 from kiln.contract import BuildConfigError, ModelConfig, TensorParallelMapping
 from kiln.runtime.executor import ExecutorConfig, resolve_serving_limits
 from kiln.runtime.kv_cache import cdiv
@@ -281,9 +282,6 @@ def plan(facts: EngineFacts, device: Device, workload: WorkloadStats, *, tp: int
     rec_batch = max(1, min(b.max_batch_size, limits.num_blocks // blocks_at_key))
     st["max_batch_size"] = _v(rec_batch, f"sequences the pool holds at {key} prompt + output (no preemption at those "
                                          f"lengths), at most the engine's {b.max_batch_size}")
-    rec_tokens = min(b.max_num_tokens, cdiv(int(workload.prompt[key]) + rec_batch, block) * block)
-    st["max_num_tokens"] = _v(rec_tokens, f"a {key} prompt + one decode token per running sequence in one step, "
-                                          f"block-aligned, at most the engine's {b.max_num_tokens}")
     st["kv_cache_memory_fraction"] = _v(recommended_fraction, f"leaves {headroom:.0%} headroom + the activation peak")
 
     # ---- step time model
@@ -404,7 +402,27 @@ def plan(facts: EngineFacts, device: Device, workload: WorkloadStats, *, tp: int
     elif rate is not None:
         load["instances"] = _v(math.ceil(rate / lam_q), f"ceil(rate {rate:g} / queueing onset rate) (no SLO given)",
                                "instances")
+    # the decodes a step carries where the server should run: at the SLO rate, else at half the queueing onset
+    lam_op = lam_slo if slo_ttft_p95 is not None or slo_tpot_p95 is not None else 0.0
+    lam_op = lam_op if lam_op > 0 else lam_q / 2
+    decodes = min(lam_op * max(Om - 1, 0) * step(lam_op), rec_batch)
+    _recommend_budget(st, A, per_token, b, workload, decodes, f"{lam_op:.3g} req/s", slo_ttft_p95, slo_tpot_p95)
     return out
+
+
+def _recommend_budget(st: dict, a: float, per_token: float, bounds, workload: WorkloadStats, decodes: float,
+                      where: str, slo_ttft_p95: float | None, slo_tpot_p95: float | None) -> None:
+    """settings: max_num_tokens and the prefill chunk it leaves, from the step time (bench/serving_knobs.py)."""
+    d = max(1, round(decodes))
+    tb = recommend_token_budget(a, per_token, block=bounds.tokens_per_block, engine_max=bounds.max_num_tokens,
+                                decodes=d, prompt_p95=workload.prompt["p95"], slo_ttft_s=slo_ttft_p95,
+                                slo_tpot_s=slo_tpot_p95)
+    st["max_num_tokens"] = _v(tb.max_num_tokens, f"step time {a * 1e3:.1f} ms + {per_token * 1e3:.3f} ms/token: "
+                                                 f"{tb.reason}; block-aligned, at most the engine's "
+                                                 f"{bounds.max_num_tokens}", "tokens")
+    st["prefill_chunk"] = _v(tb.prefill_chunk, f"max_num_tokens less the {d} decodes running at {where} (Little's "
+                                               "law: rate x (output - 1) x t_step; decodes go first in a step)",
+                             "tokens")
 
 
 def format_plan(p: dict) -> str:

@@ -140,28 +140,6 @@ def _x1000(x):
     return None if x is None else x * 1e3
 
 
-def compare(a: dict, b: dict, name_a: str = "A", name_b: str = "B") -> str:
-    """Both results side by side, rate by rate (rates present in both), with B/A ratios."""
-    by_rate_b = {str(r["rate"]): r for r in b["runs"]}
-    rows = []
-    for ra in a["runs"]:
-        rb = by_rate_b.get(str(ra["rate"]))
-        if rb is None:
-            continue
-        for name, get in COMPARE_METRICS:
-            va, vb = get(ra), get(rb)
-            ratio = "-" if va in (None, 0) or vb is None else f"x{vb / va:.2f}"
-            rows.append([_rate(ra["rate"]), name, _f(va, ".3g"), _f(vb, ".3g"), ratio])
-    if not rows:
-        return (f"no rate in common: {name_a} has {[r['rate'] for r in a['runs']]}, "
-                f"{name_b} has {[r['rate'] for r in b['runs']]}")
-    wa, wb = a["config"]["workload"], b["config"]["workload"]
-    notes = [] if _same_workload(wa, wb) else ["NOTE: the two results ran different workloads:",
-                                               f"  {name_a}: {wa}", f"  {name_b}: {wb}"]
-    head = [f"A = {name_a}: {a['config']['target']}", f"B = {name_b}: {b['config']['target']}", *notes]
-    return "\n".join(head + [format_table(["rate", "metric", "A", "B", "B/A"], rows)])
-
-
 def _same_workload(wa: dict, wb: dict) -> bool:
     ignore = {"rate", "time_scale", "pattern_rate"}
     return {k: v for k, v in wa.items() if k not in ignore} == {k: v for k, v in wb.items() if k not in ignore}

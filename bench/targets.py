@@ -435,8 +435,10 @@ QUEUE_HISTOGRAMS = ("kiln_request_queue_time_seconds", "kiln_queue_time_seconds"
 
 def canonical_metrics(samples: dict[str, float]) -> dict:
     """The numbers kiln bench reads, under canonical names; the queue-time histogram as
-    ``queue_sum`` / ``queue_count`` / ``queue_buckets`` (cumulative (le, count))."""
+    ``queue_sum`` / ``queue_count`` / ``queue_buckets`` (cumulative (le, count)). Labelled series (vLLM labels
+    each by engine and model_name) are summed over their labels other than a histogram's ``le``."""
     out: dict = {}
+    samples = _drop_labels(samples)
     for key, names in METRIC_NAMES.items():
         for n in names:
             if n in samples:
@@ -447,6 +449,19 @@ def canonical_metrics(samples: dict[str, float]) -> dict:
             out.update(queue_sum=samples.get(f"{h}_sum", 0.0), queue_count=samples[f"{h}_count"],
                        queue_buckets=histogram_buckets(samples, h))
             break
+    return out
+
+
+def _drop_labels(samples: dict[str, float]) -> dict[str, float]:
+    """``parse_prometheus``'s samples with every label but ``le`` dropped, the series that differed only in those
+    summed (``name{engine="0",model_name="m"}`` -> ``name``)."""
+    out: dict[str, float] = {}
+    for key, value in samples.items():
+        name, brace, labels = key.partition("{")
+        if brace:
+            le = next((p for p in labels.rstrip("}").split(",") if p.startswith("le=")), None)
+            key = f"{name}{{{le}}}" if le else name
+        out[key] = out.get(key, 0.0) + value
     return out
 
 

@@ -133,6 +133,9 @@ class Scheduler:
         self.requests: dict[str, Request] = {}   # every unfinished request
         self.num_preemptions = 0
         self.batch_credit = 0.0    # tokens batch work may still spend (while online work is present)
+        # requests per queue and class ("running_online", "waiting_batch", ...), kept by _join and _leave where
+        # requests enter and leave the queues, so that each step's batch share is O(1)
+        self._counts = {f"{state}_{cls}": 0 for state in ("running", "waiting") for cls in REQUEST_CLASSES}
 
     # ---- admission checks -----------------------------------------------------------------------------
     def resolve_max_tokens(self, num_prompt_tokens: int, max_tokens: int | None) -> int:
@@ -181,10 +184,20 @@ class Scheduler:
         self.requests[request.request_id] = request
         request.status = RequestStatus.RUNNING
         self.running.append(request)
+        self._join("running", request)
 
     def _enqueue(self, request: Request) -> None:
         keys = [r.order_key for r in self.waiting]
         self.waiting.insert(bisect.bisect_right(keys, request.order_key), request)
+        self._join("waiting", request)
+
+    def _join(self, queue: str, request: Request) -> None:
+        self._counts[f"{queue}_{request_class(request.priority)}"] += 1
+
+    def _leave(self, queue: str, request: Request) -> None:
+        """Take ``request`` out of ``queue`` ("running" or "waiting") and out of its class count."""
+        getattr(self, queue).remove(request)
+        self._counts[f"{queue}_{request_class(request.priority)}"] -= 1
 
     def has_unfinished(self) -> bool:
         return bool(self.requests)
@@ -194,11 +207,7 @@ class Scheduler:
 
     def class_counts(self) -> dict[str, int]:
         """Running and waiting requests per class ("running_online", "waiting_batch", ...)."""
-        out = {f"{state}_{cls}": 0 for state in ("running", "waiting") for cls in REQUEST_CLASSES}
-        for state, reqs in (("running", self.running), ("waiting", self.waiting)):
-            for r in reqs:
-                out[f"{state}_{request_class(r.priority)}"] += 1
-        return out
+        return dict(self._counts)
 
     @property
     def num_running(self) -> int:
@@ -219,7 +228,7 @@ class Scheduler:
             req = self.requests.pop(rid, None)
             if req is None:
                 continue
-            (self.running if req.status is RequestStatus.RUNNING else self.waiting).remove(req)
+            self._leave("running" if req.status is RequestStatus.RUNNING else "waiting", req)
             self.kv.free(req)
             self._release_adapter(req)
             req.status = status
@@ -229,7 +238,7 @@ class Scheduler:
         return ended
 
     def _preempt(self, request: Request, out: SchedulerOutput) -> None:
-        self.running.remove(request)
+        self._leave("running", request)
         self.kv.free(request)
         self._release_adapter(request)
         request.num_computed_tokens = 0
@@ -359,7 +368,7 @@ class Scheduler:
                     break
                 self._preempt(max(victims, key=lambda r: r.order_key), step.out)
                 continue
-            self.waiting.remove(req)
+            self._leave("waiting", req)
             if req.adapter is not None:
                 req.lora_slot = self.adapters.acquire(req.adapter)
             req.status = RequestStatus.RUNNING
@@ -368,16 +377,16 @@ class Scheduler:
                 req.metrics.first_scheduled_time = step.now
                 req.metrics.num_cached_tokens = start
             self.running.append(req)
+            self._join("running", req)
             self._take(req, start, n, step)
 
     def _batch_allowance(self, step: _Step) -> None:
         """Set this step's batch share (``batch_tokens``) and floor (``batch_reserve``), see the module docstring."""
-        c = self.config
-        reqs = (*self.running, *self.waiting)
-        if not any(r.priority <= BATCH_PRIORITY for r in reqs):
+        c, n = self.config, self._counts
+        if not n["running_batch"] + n["waiting_batch"]:
             self.batch_credit = 0.0
             return
-        step.online_present = any(r.priority > BATCH_PRIORITY for r in reqs)
+        step.online_present = n["running_online"] + n["waiting_online"] > 0
         if not step.online_present:
             self.batch_credit = 0.0
             # at least one block: a smaller prefill chunk could not be block-aligned

@@ -162,6 +162,32 @@ kiln_request_queue_time_seconds_count 6.0
     assert m["queue_buckets"] == [(0.1, 4.0), (1.0, 6.0), (float("inf"), 6.0)]
 
 
+def test_vllm_labelled_metrics_map_to_the_canonical_ones():
+    """vLLM labels every series by engine and model_name: the series are summed over those labels (two engines
+    here), a histogram's buckets keep their le."""
+    from kiln.bench.targets import canonical_metrics, parse_prometheus
+
+    text = """# TYPE vllm:num_requests_running gauge
+vllm:num_requests_running{engine="0",model_name="small"} 3.0
+vllm:num_requests_running{engine="1",model_name="small"} 2.0
+# TYPE vllm:num_requests_waiting gauge
+vllm:num_requests_waiting{engine="0",model_name="small"} 4.0
+# TYPE vllm:kv_cache_usage_perc gauge
+vllm:kv_cache_usage_perc{engine="0",model_name="small"} 0.5
+# TYPE vllm:num_preemptions counter
+vllm:num_preemptions_total{engine="0",model_name="small"} 7.0
+# TYPE vllm:request_queue_time_seconds histogram
+vllm:request_queue_time_seconds_bucket{engine="0",le="0.3",model_name="small"} 2.0
+vllm:request_queue_time_seconds_bucket{engine="0",le="+Inf",model_name="small"} 5.0
+vllm:request_queue_time_seconds_sum{engine="0",model_name="small"} 4.5
+vllm:request_queue_time_seconds_count{engine="0",model_name="small"} 5.0
+"""
+    m = canonical_metrics(parse_prometheus(text))
+    assert (m["running"], m["waiting"], m["kv_usage"], m["preemptions"]) == (5.0, 4.0, 0.5, 7.0)
+    assert m["queue_count"] == 5.0 and m["queue_sum"] == 4.5
+    assert m["queue_buckets"] == [(0.3, 2.0), (float("inf"), 5.0)]
+
+
 def test_rejections_and_unreachable_servers_are_counted(tmp_path):
     with running_stub(reject_every=4) as url:
         r = CliRunner().invoke(bench, ["--endpoint", url, "--vocab-size", "100", "--warmup", "0", "--rate", "50",

@@ -273,3 +273,43 @@ def test_batch_min_share_keeps_batch_progressing_under_online_load(policy):
         assert any(r.num_output_tokens < 2 for r in online)   # online work was running all along
         drain(s)
         assert all(r.num_output_tokens == 2 for r in [*online, b])
+
+
+def _scanned_counts(s: Scheduler) -> dict[str, int]:
+    """The per-class counts by a scan of the queues: what the scheduler's kept counts must equal."""
+    from kiln.runtime.outputs import REQUEST_CLASSES, request_class
+
+    out = {f"{q}_{c}": 0 for q in ("running", "waiting") for c in REQUEST_CLASSES}
+    for q in ("running", "waiting"):
+        for r in getattr(s, q):
+            out[f"{q}_{request_class(r.priority)}"] += 1
+    return out
+
+
+@pytest.mark.parametrize("policy", ["guaranteed_no_evict", "max_utilization"])
+def test_class_counts_follow_every_queue_move(policy):
+    """The counts the batch share reads each step (O(1), no scan) track admissions, preemptions (a small pool under
+    max_utilization preempts), aborts of waiting and running requests, and finishes."""
+    import random
+
+    from kiln.runtime.outputs import BATCH_PRIORITY
+
+    rng = random.Random(3)
+    s = make(num_blocks=12, bs=4, batch=3, tokens=12, policy=policy)
+    live, moves = [], 0
+    for i in range(60):
+        if rng.random() < 0.5:
+            prio = rng.choice([BATCH_PRIORITY, 0, 1])
+            live.append(add(s, rng.randint(1, 12), rng.randint(1, 8), f"r{i}", priority=prio).request_id)
+        if live and rng.random() < 0.15:
+            rid = live.pop(rng.randrange(len(live)))
+            s.finish_requests(rid, RequestStatus.FINISHED_ABORTED)
+        before = s.num_preemptions
+        for r in step(s)[1]:
+            live.remove(r.request_id)
+        moves += s.num_preemptions - before
+        assert s.class_counts() == _scanned_counts(s)
+    drain(s)
+    assert s.class_counts() == _scanned_counts(s) == dict.fromkeys(_scanned_counts(s), 0)
+    if policy == "max_utilization":
+        assert moves > 0   # the pool was small enough to exercise preemption
