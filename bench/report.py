@@ -6,6 +6,8 @@ import json
 import math
 from pathlib import Path
 
+from kiln.bench import disagg
+
 RESULT_FORMAT = 1
 
 
@@ -115,6 +117,7 @@ def format_result(result: dict) -> str:
             f"rate {_rate(rate)}: {s['spec_accepted_tokens'] / s['spec_proposed_tokens']:.0%}"
             + (f", {(s['spec_accepted_tokens'] + s['spec_verify_steps']) / s['spec_verify_steps']:.2f}"
                if s.get("spec_verify_steps") else "") for rate, s in spec))
+    lines.extend(disagg.format_lines(result))
     m = result.get("machine", {})
     if m:
         lines.append(f"machine: {m.get('cpus')} CPUs, 1-min load {_f(m.get('loadavg_1m_start'), '.1f')} at start, "

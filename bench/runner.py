@@ -13,6 +13,7 @@ import os
 import time
 from collections import Counter
 
+from kiln.bench import disagg
 from kiln.bench.stats import SLO, fit_step_time, goodput, knee, saturation_rate, summary
 from kiln.bench.targets import ABORTED, COMPLETED, FAILED, OUTCOMES, REJECTED, RequestRecord
 from kiln.bench.workload import PromptSynthesizer, Workload
@@ -42,7 +43,7 @@ async def _poll_metrics(target, origin: float, interval: float, out: list, stop:
             out.append({"t": time.perf_counter() - origin, "running": s.get("running"), "waiting": s.get("waiting"),
                         "kv_usage": s.get("kv_usage"), "kv_blocks_used": s.get("kv_blocks_used"),
                         "kv_blocks_total": s.get("kv_blocks_total"), "prefix_hit_rate": s.get("prefix_hit_rate"),
-                        "preemptions": pre - base})
+                        "preemptions": pre - base, **disagg.series_row(s)})
         try:
             await asyncio.wait_for(stop.wait(), interval)
         except asyncio.TimeoutError:
@@ -229,6 +230,9 @@ def _rate_result(workload: Workload, records: list[RequestRecord], series: list[
         "timeseries": series,
         "per_request": [r.as_dict() for r in records],
     }
+    pd = disagg.rate_section(before, after, series)
+    if pd is not None:
+        result["disagg"] = pd
     return result
 
 

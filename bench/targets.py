@@ -19,6 +19,8 @@ import math
 import time
 from dataclasses import asdict, dataclass, field
 
+from kiln.bench import disagg
+
 COMPLETED, FAILED, REJECTED, ABORTED = "completed", "failed", "rejected", "aborted"
 OUTCOMES = (COMPLETED, FAILED, REJECTED, ABORTED)
 
@@ -106,6 +108,7 @@ class InProcessTarget:
         spec = s.get("speculative") or {}
         out.update({f"spec_{k}": float(spec[k]) for k in ("proposed_tokens", "accepted_tokens", "verify_steps")
                     if k in spec})
+        out.update(disagg.from_stats(s))
         return out
 
     def steps(self) -> list:
@@ -449,6 +452,7 @@ def canonical_metrics(samples: dict[str, float]) -> dict:
             out.update(queue_sum=samples.get(f"{h}_sum", 0.0), queue_count=samples[f"{h}_count"],
                        queue_buckets=histogram_buckets(samples, h))
             break
+    out.update(disagg.from_samples(samples))   # a PD server's KV transfer and TTFT split
     return out
 
 

@@ -69,7 +69,7 @@ from kiln.runtime.adapters import AdapterPool, AdapterRegistry, LoraAdapter
 from kiln.runtime.fields import SEED_RANGE, FieldChecks, is_integer
 from kiln.runtime.grammar import GrammarCompiler
 from kiln.runtime.kv_cache import KVCacheManager, available_memory_bytes, cdiv, plan_num_blocks
-from kiln.runtime.kv_transfer import ImportMeta, KVExport
+from kiln.runtime.kv_transfer import ImportMeta, KVExport, untransferable
 from kiln.runtime.metrics import RuntimeMetrics, StepRecord
 from kiln.runtime.output_stream import OutputStream
 from kiln.runtime.outputs import RequestOutput
@@ -418,10 +418,10 @@ class Executor:
         sampled (``kiln.runtime.kv_transfer``: how a prefill worker hands a request to a decode worker)."""
         checked = self.validate(prompt_token_ids, params, priority=priority, request_id=request_id,
                                 callback=callback, arrival_time=arrival_time, lora=lora)
-        if kv_export is not None and (checked.adapter is not None or checked.params.structured_output is not None):
+        refusal = untransferable(checked.adapter, checked.params.structured_output) if kv_export else None
+        if refusal is not None:
             self.metrics.incr("requests_rejected")
-            raise InvalidRequestError("a request whose KV blocks are exported cannot use a LoRA adapter or "
-                                      "structured output (disaggregated serving does not carry them yet)")
+            raise refusal
         engine_failure = self.engine.failure   # a tensor-parallel rank died while idle
         if engine_failure is not None:
             self.metrics.incr("requests_rejected")
@@ -463,9 +463,10 @@ class Executor:
             raise InvalidRequestError(f"imported KV blocks {meta.shape} {meta.dtype} do not fit this pool "
                                       f"({want} blocks of {pool[:2] + pool[3:]} {self.kv_cache.dtype}): the two "
                                       "workers must serve the same engine")
-        if checked.adapter is not None or checked.params.structured_output is not None:
+        refusal = untransferable(checked.adapter, checked.params.structured_output)
+        if refusal is not None:
             self.metrics.incr("requests_rejected")
-            raise InvalidRequestError("an imported request cannot use a LoRA adapter or structured output")
+            raise refusal
         with self._cv:
             req = self._register(checked, request_id, arrival_time, prompt, callback)
             self._incoming_imports.append(_Import(req, meta, start_transfer))

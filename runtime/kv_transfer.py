@@ -15,6 +15,8 @@ from dataclasses import dataclass
 
 import torch
 
+from kiln.contract import InvalidRequestError
+
 
 @dataclass
 class KVExport:
@@ -62,3 +64,14 @@ class ImportMeta:
 def as_bytes(t: torch.Tensor) -> torch.Tensor:
     """A contiguous tensor's bytes as a flat uint8 view (what the transport moves, whatever the KV dtype)."""
     return t.reshape(-1).view(torch.uint8)
+
+
+def untransferable(lora: object = None, structured_output: object = None) -> InvalidRequestError | None:
+    """The one refusal of what a KV transfer does not carry yet (a LoRA adapter's state, a grammar matcher's):
+    the executor's export and import hooks and the disaggregated frontend all raise it. None when neither is set."""
+    what = [name for name, value in (("a LoRA adapter", lora), ("structured output", structured_output))
+            if value is not None]
+    if not what:
+        return None
+    return InvalidRequestError(f"{' and '.join(what)}: disaggregated serving (KV blocks moved between prefill and "
+                               "decode workers) does not carry this yet; serve the request from a colocated server")

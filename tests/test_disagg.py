@@ -163,7 +163,7 @@ def test_sigkill_of_a_decode_worker_fails_its_streams_and_the_rest_serve(cluster
         time.sleep(0.01)
     flights = cluster.executor._flights
     victim = flights[rids[0]].decode
-    pid = next(w.proc.pid for w in cluster.executor.workers if w.role == "decode" and w.index == victim)
+    pid = next(w.pid for w in cluster.executor.workers if w.uid == victim)
     on_victim = [r for r in rids if flights[r].decode == victim]
     t0 = time.monotonic()
     os.kill(pid, signal.SIGKILL)

@@ -1,56 +1,50 @@
-"""The disaggregated frontend: ``DisaggLLM`` is an ``LLM`` whose requests run on P prefill and D decode workers.
+"""The disaggregated frontend: ``DisaggLLM`` is an ``LLM`` whose requests run on prefill and decode workers.
 
     llm = DisaggLLM("engines/llama", prefill_workers=1, decode_workers=1, max_batch_size=16)
     llm.generate(prompts, SamplingParams(temperature=0, max_tokens=64))   # as LLM; kiln serve uses it the same way
 
-Each worker is a process with its own LLM (``kiln.runtime.disagg.worker``). A request goes to the prefill worker
-with the fewest requests in prefill; it computes the prompt's KV and the first token and exports the blocks
-(``kiln.runtime.kv_transfer``). This frontend then picks the decode worker with the fewest requests, which
-reserves the blocks (its admission counts them), receives them over torch.distributed (``transport``),
-and continues the sequence; every output the caller sees comes from the decode worker (the first token
-included, once its blocks landed, so TTFT covers the transfer).
+Each worker is a process with its own LLM (``kiln.runtime.disagg.worker``), started here on this machine or, with
+``listen="HOST:PORT"``, started anywhere with ``kiln worker --connect HOST:PORT`` (``pool``: membership). A
+request goes to the prefill worker with the fewest requests in prefill; it computes the prompt's KV and the first
+token and exports the blocks (``kiln.runtime.kv_transfer``). This frontend then picks the decode worker with the
+fewest requests, which reserves the blocks (its admission counts them), receives them over torch.distributed
+(``transport``), and continues the sequence; every output the caller sees comes from the decode worker (the first
+token included, once its blocks landed, so TTFT covers the transfer).
 
-Failure: a worker's control socket closing means it died; its requests in flight end at once with an error
-naming it, routing skips it, and ``failure`` (health checks) stays None while one worker of each role lives
-(``health()`` names the degraded pool). A transfer that fails or times out fails its request only. A worker that
-died does not rejoin: restart the server (torch.distributed's world is fixed when it forms).
+Failure: a worker that dies (its connection closes, or it goes silent) fails its requests in flight at once with
+an error naming it, routing skips it, and ``failure`` (health checks) stays None while one worker of each role
+lives (``health()`` names the degraded pool). A worker that connects again in the same role takes the dead one's
+slot back (health returns to ok, routing uses it). A transfer that fails or times out fails its request only.
 
-Not carried yet: LoRA adapters and structured output (refused with a clear error), workers on other hosts.
+Not carried yet: LoRA adapters and structured output (``kv_transfer.untransferable``: refused with a clear error).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import datetime
 import itertools
 import logging
 import os
-import signal
-import socket
-import subprocess
-import sys
 import threading
 import time
 import weakref
 from collections.abc import Callable
-from dataclasses import dataclass, field
-from multiprocessing.connection import Connection
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
-
-import torch.distributed as dist
 
 from kiln.contract import (
     ConfigError,
     EngineConfig,
-    EngineLoadError,
     ExecutorClosedError,
     InvalidRequestError,
     read_engine_config,
 )
 from kiln.runtime.detokenizer import load_tokenizer
+from kiln.runtime.disagg.pool import PoolWorker, WorkerPool, worker_options
 from kiln.runtime.executor import Executor, ExecutorConfig
 from kiln.runtime.kv_cache import KVCacheManager
+from kiln.runtime.kv_transfer import untransferable
 from kiln.runtime.llm import LLM
 from kiln.runtime.metrics import Histogram, RuntimeMetrics
 from kiln.runtime.outputs import RequestMetrics, RequestOutput
@@ -59,7 +53,6 @@ from kiln.runtime.scheduler import Scheduler, SchedulerConfig
 
 logger = logging.getLogger("kiln.runtime")
 
-START_TIMEOUT_S = 300.0
 # engine-side counters: summed over the workers (the request-level ones are counted here, once per request)
 WORKER_COUNTERS = ("steps", "preemptions", "prefill_tokens_computed", "decode_tokens_computed", "generation_tokens",
                    "engine_time", "step_time")
@@ -82,32 +75,8 @@ class EngineInfo:
 
 
 @dataclass
-class _Worker:
-    role: str
-    index: int
-    proc: subprocess.Popen
-    conn: Connection
-    info: dict = field(default_factory=dict)
-    stats: dict | None = None
-    death: str | None = None
-    lock: threading.Lock = field(default_factory=threading.Lock)
-
-    @property
-    def name(self) -> str:
-        return f"{self.role} worker {self.index} (pid {self.proc.pid})"
-
-    def send(self, *msg) -> bool:
-        with self.lock:
-            try:
-                self.conn.send(msg)
-                return True
-            except (OSError, EOFError):
-                return False
-
-
-@dataclass
 class _Flight:
-    """A request in flight: where it is (prefill, decode) and what the caller saw last."""
+    """A request in flight: where it is (the uids of its prefill and decode workers) and what the caller saw last."""
 
     request_id: str
     ids: list[int]
@@ -124,17 +93,24 @@ class _Flight:
 
 
 class ClusterExecutor:
-    """The executor interface (submit, abort, validate, stats, failure, close) over the workers."""
+    """The executor interface (submit, abort, validate, stats, failure, close) over the workers.
+
+    ``listen``: None starts ``prefill_workers`` + ``decode_workers`` local workers; "HOST:PORT" starts none and
+    waits for that many to connect (``kiln worker``), taking more (and restarted ones) as they come.
+    ``kv_store_port``: the TCPStore the KV pairs meet on (0: a free one; workers learn it when they join)."""
 
     def __init__(self, directory: Path, config: EngineConfig, tokenizer, options: ExecutorConfig,
                  prefill_workers: int, decode_workers: int, worker_threads: int | None = None,
-                 transfer_timeout: float = 30.0, log_level: str = "warning"):
+                 transfer_timeout: float = 30.0, log_level: str = "warning", listen: str | None = None,
+                 kv_store_port: int = 0):
         if prefill_workers < 1 or decode_workers < 1:
             raise ConfigError(f"disaggregated serving needs at least one prefill and one decode worker, got "
                               f"{prefill_workers} and {decode_workers}")
         if config.tp_size > 1:
             raise ConfigError("disaggregated serving runs single-rank engines (this one has tp_size "
                               f"{config.tp_size})")
+        if not transfer_timeout > 0:
+            raise ConfigError(f"transfer_timeout must be > 0 seconds, got {transfer_timeout!r}")
         self.tokenizer = tokenizer
         self.vocab_size = config.model.vocab_size
         self.eos_token_ids = tuple(config.tokenizer.eos_token_ids)
@@ -149,123 +125,82 @@ class ClusterExecutor:
         self._ids = itertools.count()
         self._tags = itertools.count(1)
         self._closed = False
-        self._readers: set[threading.Thread] = set()
-        n = prefill_workers + decode_workers
-        threads = worker_threads or max(1, (os.cpu_count() or 1) // n)
-        worker_options = dataclasses.asdict(options)
-        if options.kv_cache_memory_fraction is not None:   # the workers share this machine's memory
-            worker_options["kv_cache_memory_fraction"] = options.kv_cache_memory_fraction / n
-        self.store = dist.TCPStore("127.0.0.1", 0, n + 1, True, timeout=datetime.timedelta(seconds=120),
-                                   wait_for_workers=False)
-        self.workers: list[_Worker] = []
+        n_local = 0 if listen else prefill_workers + decode_workers
+        threads = worker_threads or (max(1, (os.cpu_count() or 1) // n_local) if n_local else None)
+        init = {"options": worker_options(options, n_local), "threads": threads,
+                "transfer_timeout": transfer_timeout, "log_level": log_level}
+        self.pool = WorkerPool(directory, lambda role: init, self._on_message, self._on_join, self._on_death, listen,
+                               kv_store_port)
         try:
             for role, count in (("prefill", prefill_workers), ("decode", decode_workers)):
-                for i in range(count):
-                    self.workers.append(self._spawn(role, i))
-            for w in self.workers:
-                w.send("init", {"role": w.role, "index": w.index, "num_prefill": prefill_workers,
-                        "num_decode": decode_workers, "host": "127.0.0.1", "port": self.store.port,
-                        "engine_dir": str(directory), "options": worker_options, "threads": threads,
-                        "transfer_timeout": transfer_timeout, "log_level": log_level})
-            self._await_ready(directory)
+                for _ in range(count if n_local else 0):
+                    self.pool.spawn(role, threads)
+            self.pool.wait_for({"prefill": prefill_workers, "decode": decode_workers})
         except BaseException:
-            self._kill()
+            self.pool.kill()
             raise
-        decode = [w for w in self.workers if w.role == "decode"]
+        decode = self.pool.alive("decode")
         b = config.bounds
         self.block_size = b.tokens_per_block
-        self.max_batch_size = sum(w.info["max_batch_size"] for w in decode)
-        smallest = min(w.info["num_blocks"] for w in self.workers)
-        # the request checks of one worker (every worker's pool holds at least this many blocks)
+        smallest = min(w.info["num_blocks"] for w in self.pool.workers())
+        # the request checks of one worker (every worker at start holds at least this many blocks)
         self.scheduler = Scheduler(SchedulerConfig(min(w.info["max_batch_size"] for w in decode), b.max_num_tokens,
                                                    b.max_seq_len, b.max_input_len),
                                    KVCacheManager(smallest, self.block_size, False))
-        self.kv_plan = "; ".join(f"{w.name}: {w.info['kv_plan']}" for w in self.workers)
-        self.bytes_per_block = self.workers[0].info["bytes_per_block"]
-        for w in self.workers:
-            t = threading.Thread(target=self._read, args=(w,), name=f"kiln-disagg-{w.role}{w.index}", daemon=True)
-            self._readers.add(t)
-            t.start()
+        self.bytes_per_block = decode[0].info["bytes_per_block"]
 
-    # ---- workers ----------------------------------------------------------------------------------------
-    def _spawn(self, role: str, index: int) -> _Worker:
-        ours, theirs = socket.socketpair()
-        try:
-            cmd = [sys.executable, "-m", "kiln.runtime.disagg.worker", "--ctrl-fd", str(theirs.fileno()),
-                   "--parent-pid", str(os.getpid())]
-            proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, pass_fds=(theirs.fileno(),))
-        finally:
-            theirs.close()
-        return _Worker(role, index, proc, Connection(ours.detach()))
+    @property
+    def workers(self) -> list[PoolWorker]:
+        return self.pool.workers()
 
-    def _await_ready(self, directory: Path) -> None:
-        deadline = time.monotonic() + START_TIMEOUT_S
-        for w in self.workers:
-            while not w.conn.poll(0.2):
-                if w.proc.poll() is not None:
-                    raise EngineLoadError(f"{directory}: {w.name} exited with code {w.proc.returncode} while "
-                                          "starting (its error is above, on stderr)")
-                if time.monotonic() > deadline:
-                    raise EngineLoadError(f"{directory}: {w.name} did not start within {START_TIMEOUT_S:g} s")
-            try:
-                status, detail = w.conn.recv()
-            except EOFError:
-                raise EngineLoadError(f"{directory}: {w.name} exited while starting (its error is above)") from None
-            if status != "ready":
-                raise EngineLoadError(f"{directory}: {w.name} failed to start: {detail}")
-            w.info = detail
+    @property
+    def kv_plan(self) -> str:
+        return "; ".join(f"{w.name}: {w.info['kv_plan']}" for w in self.pool.workers())
 
-    def _read(self, w: _Worker) -> None:
-        while True:
-            try:
-                msg = w.conn.recv()
-            except (EOFError, OSError):
-                break
-            try:
-                getattr(self, f"_on_{msg[0]}")(w, *msg[1:])
-            except Exception:
-                logger.exception("handling %r from %s failed", msg[0], w.name)
-        self._died(w)
+    @property
+    def max_batch_size(self) -> int:
+        return sum(w.info["max_batch_size"] for w in self.pool.alive("decode"))
 
-    def _died(self, w: _Worker) -> None:
-        try:
-            code = w.proc.wait(5)
-        except subprocess.TimeoutExpired:
-            code = None
-        if self._closed:
-            return
-        killed = code is not None and code < 0 and -code in signal.valid_signals()
-        w.death = f"{w.name} died ({f'killed by {signal.Signals(-code).name}' if killed else f'exit code {code}'})"
-        logger.error("%s; its requests fail, the others serve on", w.death)
+    # ---- membership (the pool's reader and admission threads) -------------------------------------------
+    def _on_message(self, w: PoolWorker, msg: tuple) -> None:
+        getattr(self, f"_on_{msg[0]}")(w, *msg[1:])
+
+    def _on_join(self, w: PoolWorker) -> None:
+        for peer in self.pool.alive("decode" if w.role == "prefill" else "prefill"):   # build their KV pairs now
+            peer.send("peer", w.uid)
+            w.send("peer", peer.uid)
+
+    def _on_death(self, w: PoolWorker, death: str) -> None:
         with self._lock:
             lost = [f for f in self._flights.values()
-                    if (f.decode == w.index if w.role == "decode" else f.prefill == w.index and f.decode is None)]
+                    if (f.decode == w.uid if w.role == "decode" else f.prefill == w.uid and f.decode is None)]
         for f in lost:
-            self._fail(f, f"the {w.death} with this request in flight; retry it")
+            self._fail(f, f"the {death} with this request in flight; retry it")
+        for peer in self.pool.alive("decode" if w.role == "prefill" else "prefill"):
+            peer.send("forget", w.uid)   # its KV pair with the dead one ends (a rejoined worker has a new uid)
 
-    def _alive(self, role: str) -> list[_Worker]:
-        return [w for w in self.workers if w.role == role and w.death is None]
-
-    def _least_loaded(self, role: str) -> _Worker | None:
-        alive = self._alive(role)
+    def _least_loaded(self, role: str) -> PoolWorker | None:
+        alive = self.pool.alive(role)
         if not alive:
             return None
         with self._lock:
             if role == "prefill":
-                load = {w.index: sum(f.prefill == w.index and f.decode is None for f in self._flights.values())
+                load = {w.uid: sum(f.prefill == w.uid and f.decode is None for f in self._flights.values())
                         for w in alive}
             else:
-                load = {w.index: sum(f.decode == w.index for f in self._flights.values()) for w in alive}
-        return min(alive, key=lambda w: (load[w.index], w.index))
+                load = {w.uid: sum(f.decode == w.uid for f in self._flights.values()) for w in alive}
+        return min(alive, key=lambda w: (load[w.uid], w.index))
 
-    def _worker(self, role: str, index: int) -> _Worker:
-        return next(w for w in self.workers if w.role == role and w.index == index)
+    def _send(self, uid: int | None, *msg) -> None:
+        w = None if uid is None else self.pool.by_uid(uid)
+        if w is not None:
+            w.send(*msg)
 
     # ---- messages from the workers (reader threads) -------------------------------------------------------
-    def _on_stats(self, w: _Worker, stats: dict) -> None:
+    def _on_stats(self, w: PoolWorker, stats: dict) -> None:
         w.stats = stats
 
-    def _on_prefilled(self, w: _Worker, rid: str, meta) -> None:
+    def _on_prefilled(self, w: PoolWorker, rid: str, meta) -> None:
         f = self._flights.get(rid)
         if f is None or f.aborted:
             w.send("drop", rid)
@@ -281,44 +216,43 @@ class ClusterExecutor:
             self._fail(f, "no decode worker is alive")
             return
         tag = next(self._tags)
-        f.decode = d.index
+        f.decode = d.uid
         with self._lock:
             self.transfer["blocks"] += meta.num_blocks
-        d.send("import", rid, f.ids, f.params, f.priority, f.arrival, f.prompt, meta, w.index, tag)
-        w.send("send", rid, d.index, tag)
+        d.send("import", rid, f.ids, f.params, f.priority, f.arrival, f.prompt, meta, w.uid, tag)
+        w.send("send", rid, d.uid, tag)
 
-    def _on_sent(self, w: _Worker, rid: str, nbytes: int, seconds: float) -> None:
+    def _on_sent(self, w: PoolWorker, rid: str, nbytes: int, seconds: float) -> None:
         with self._lock:
             self.transfer["transfers"] += 1
             self.transfer["bytes"] += nbytes
             self.transfer["seconds"] += seconds
         self.metrics.observe("kv_transfer_time", seconds)
 
-    def _on_send_failed(self, w: _Worker, rid: str, error: str) -> None:
+    def _on_send_failed(self, w: PoolWorker, rid: str, error: str) -> None:
         with self._lock:
             self.transfer["failed"] += 1
         f = self._flights.get(rid)
         if f is not None:
-            if f.decode is not None:
-                self._worker("decode", f.decode).send("abort", rid)
+            self._send(f.decode, "abort", rid)
             self._fail(f, f"the KV transfer from prefill worker {w.index} failed: {error}")
 
-    def _on_received(self, w: _Worker, rid: str, nbytes: int, seconds: float) -> None:
+    def _on_received(self, w: PoolWorker, rid: str, nbytes: int, seconds: float) -> None:
         pass   # the sender's side is the one counted (bytes and time of each transfer)
 
-    def _on_ended(self, w: _Worker, rid: str, out: RequestOutput) -> None:
+    def _on_ended(self, w: PoolWorker, rid: str, out: RequestOutput) -> None:
         f = self._flights.get(rid)
         if f is not None:   # ended in prefill: aborted, or the engine failed on it
             self._finish(f, out)
 
-    def _on_rejected(self, w: _Worker, rid: str, error: str) -> None:
+    def _on_rejected(self, w: PoolWorker, rid: str, error: str) -> None:
         f = self._flights.get(rid)
         if f is not None:
             self._fail(f, f"the {w.name} refused the request: {error}")
 
-    def _on_out(self, w: _Worker, rid: str, out: RequestOutput) -> None:
+    def _on_out(self, w: PoolWorker, rid: str, out: RequestOutput) -> None:
         f = self._flights.get(rid)
-        if f is None or f.decode != w.index:
+        if f is None or f.decode != w.uid:
             return
         now = time.monotonic()
         if f.last is None:
@@ -363,12 +297,11 @@ class ClusterExecutor:
             raise
 
     def grammar_compiler(self):
-        raise InvalidRequestError("structured output is not served by disaggregated workers yet (--prefill-workers); "
-                                  "serve this request from a colocated server")
+        raise untransferable(structured_output=True)
 
     def _adapter(self, lora: Any) -> None:
         if lora is not None:
-            raise InvalidRequestError(f"lora={lora!r}: disaggregated workers serve no LoRA adapters yet")
+            raise untransferable(lora=lora)
 
     def submit(self, prompt_token_ids: Any, params: SamplingParams | None = None, *,
                request_id: str | None = None, priority: int = 0, prompt: str | None = None,
@@ -377,10 +310,10 @@ class ClusterExecutor:
         checked = self.validate(prompt_token_ids, params, priority=priority, request_id=request_id,
                                 callback=callback, arrival_time=arrival_time, lora=lora)
         failure = self.failure
-        if failure is not None:
-            self.metrics.incr("requests_rejected")
-            raise ExecutorClosedError(failure)
         p = self._least_loaded("prefill")
+        if failure is not None or p is None:
+            self.metrics.incr("requests_rejected")
+            raise ExecutorClosedError(failure or "no prefill worker is alive")
         with self._lock:
             if request_id is None:
                 request_id = f"req-{next(self._ids)}"
@@ -391,7 +324,7 @@ class ClusterExecutor:
                 raise InvalidRequestError(f"request id {request_id!r} is already in use")
             params = dataclasses.replace(checked.params, max_tokens=checked.max_tokens)
             f = _Flight(request_id, checked.token_ids, params, checked.priority,
-                        time.monotonic() if arrival_time is None else arrival_time, prompt, callback, p.index)
+                        time.monotonic() if arrival_time is None else arrival_time, prompt, callback, p.uid)
             self._flights[request_id] = f
         self.metrics.incr("requests_submitted")
         self.metrics.incr("prompt_tokens", len(checked.token_ids))
@@ -404,29 +337,27 @@ class ClusterExecutor:
         if f is None:
             return
         f.aborted = True
-        if f.decode is not None:
-            self._worker("decode", f.decode).send("abort", request_id)
-        else:
-            self._worker("prefill", f.prefill).send("abort", request_id)
+        self._send(f.prefill if f.decode is None else f.decode, "abort", request_id)
 
     def in_loop_thread(self) -> bool:
-        return threading.current_thread() in self._readers
+        return threading.current_thread() in self.pool.readers
 
     @property
     def failure(self) -> str | None:
         if self._closed:
             return "the executor is closed"
         for role in ("prefill", "decode"):
-            if not self._alive(role):
-                deaths = "; ".join(w.death for w in self.workers if w.role == role)
+            if not self.pool.alive(role):
+                deaths = "; ".join(w.death or "" for w in self.pool.workers() if w.role == role)
                 return f"no {role} worker is alive ({deaths})"
         return None
 
     def health(self) -> dict:
-        """Each worker's state; ``degraded`` while some died but every role still has one."""
-        workers = [{"role": w.role, "index": w.index, "pid": w.proc.pid, "alive": w.death is None,
-                    **({"error": w.death} if w.death else {})} for w in self.workers]
-        status = "failed" if self.failure else "degraded" if any(w.death for w in self.workers) else "ok"
+        """Each worker slot's state; ``degraded`` while some slot's worker died (until one rejoins in its place)
+        but every role still has one."""
+        workers = [{"role": w.role, "index": w.index, "uid": w.uid, "pid": w.pid, "host": w.host,
+                    "alive": w.death is None, **({"error": w.death} if w.death else {})} for w in self.pool.workers()]
+        status = "failed" if self.failure else "degraded" if any(not w["alive"] for w in workers) else "ok"
         return {"status": status, "workers": workers}
 
     def queues(self) -> dict[str, int]:
@@ -437,7 +368,7 @@ class ClusterExecutor:
 
     def stats(self) -> dict:
         snap = self.metrics.snapshot()
-        live = [w for w in self.workers if w.death is None and w.stats is not None]
+        live = [w for w in self.pool.workers() if w.death is None and w.stats is not None]
         for key in WORKER_COUNTERS:
             snap["counters"][key] = sum(w.stats["counters"][key] for w in live)
         decode = [w.stats for w in live if w.role == "decode"]
@@ -460,7 +391,8 @@ class ClusterExecutor:
         with self._lock:
             transfer = dict(self.transfer)
         snap["disagg"] = {"workers": self.health()["workers"], "queues": q, "kv_transfer": transfer,
-                          "bytes_per_block": self.bytes_per_block}
+                          "bytes_per_block": self.bytes_per_block,
+                          "worker_address": f"{self.pool.address[0]}:{self.pool.address[1]}"}
         return snap
 
     def is_idle(self) -> bool:
@@ -475,40 +407,25 @@ class ClusterExecutor:
         return True
 
     def close(self, wait: bool = True, timeout: float | None = None) -> None:
-        """Abort what is in flight, stop the workers (killing those that do not stop within 10 s)."""
+        """Abort what is in flight, stop the workers (killing local ones that do not stop within 10 s)."""
         if self._closed:
             return
         for f in list(self._flights.values()):
             self._fail(f, None)
         self._closed = True
-        for w in self.workers:
-            w.send("stop")
-        deadline = time.monotonic() + 10
-        for w in self.workers:
-            try:
-                w.proc.wait(max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                w.proc.kill()
-                w.proc.wait(5)
-            w.conn.close()
-
-    def _kill(self) -> None:
-        self._closed = True
-        for w in self.workers:
-            if w.proc.poll() is None:
-                w.proc.kill()
-            w.proc.wait(5)
-            w.conn.close()
+        self.pool.close()
 
 
 class DisaggLLM(LLM):
     """An LLM served by ``prefill_workers`` prefill and ``decode_workers`` decode processes (see the module
     docstring); every LLM method works the same. ``worker_threads``: torch threads per worker (default: the
-    CPUs shared evenly). ``transfer_timeout``: seconds one KV transfer may take before only its request fails."""
+    CPUs shared evenly among local workers). ``transfer_timeout``: seconds one KV transfer may take before only
+    its request fails. ``listen``: "HOST:PORT" to wait for that many workers started elsewhere with ``kiln worker
+    --connect HOST:PORT`` (the secret in KILN_WORKER_KEY) instead of starting them here."""
 
     def __init__(self, engine: str | Path, tokenizer=None, *, prefill_workers: int = 1, decode_workers: int = 1,
-                 worker_threads: int | None = None, transfer_timeout: float = 30.0,
-                 config: ExecutorConfig | None = None, **options):
+                 worker_threads: int | None = None, transfer_timeout: float = 30.0, listen: str | None = None,
+                 kv_store_port: int = 0, config: ExecutorConfig | None = None, **options):
         if options.pop("lora_modules", None):
             raise ConfigError("disaggregated workers serve no LoRA adapters yet; drop lora_modules")
         if config is not None and options:
@@ -519,7 +436,8 @@ class DisaggLLM(LLM):
         self.engine = EngineInfo(read_engine_config(directory), directory)
         self.tokenizer = tokenizer if tokenizer is not None else load_tokenizer(directory)
         self.executor = ClusterExecutor(directory, self.engine.config, self.tokenizer, config, prefill_workers,
-                                        decode_workers, worker_threads, transfer_timeout)
+                                        decode_workers, worker_threads, transfer_timeout, listen=listen,
+                                        kv_store_port=kv_store_port)
         weakref.finalize(self, self.executor.close).atexit = True
 
     def _adapters(self):

@@ -1,43 +1,82 @@
-"""``python -m kiln.runtime.disagg.worker``: one prefill or decode worker, its own ``LLM`` (engine, KV pool, step loop).
+"""``kiln worker --role prefill|decode --connect HOST:PORT ENGINE``: one prefill or decode worker, its own ``LLM``
+(engine, KV pool, step loop), serving the disaggregated frontend at HOST:PORT (``kiln serve ... --worker-listen``,
+or the frontend that started it as ``python -m kiln.runtime.disagg``).
 
-Started by the frontend (``kiln.runtime.disagg.cluster``) as a fresh interpreter (like a tensor-parallel rank:
-nothing of the user's program is imported) with one end of a socket pair (``--ctrl-fd``), on which every
-message is a pickled tuple. First the frontend sends ``("init", dict)`` (role, index, worker counts, the store's
-address, ExecutorConfig fields, threads, transfer timeout); the worker loads its LLM, joins the transport
-(``kiln.runtime.disagg.transport``) and answers ``("ready", info)`` or ``("error", text)``. Then:
+The control channel is ``multiprocessing.connection`` over TCP, authenticated with the shared secret in
+``KILN_WORKER_KEY`` (HMAC challenge both ways before anything is unpickled); every message is a tuple. The worker
+says ``("hello", {role, engine fingerprint, pid, host})``; the frontend answers ``("init", dict)`` (index, uid,
+the TCPStore's port, ExecutorConfig fields, transfer timeout) or ``("refused", text)``; the worker loads its LLM and
+answers ``("ready", info)`` or ``("error", text)``. Then:
 
-frontend -> prefill: ``("prefill", rid, ids, params, priority, arrival, prompt)``, ``("send", rid, decode_index,
-tag)``, ``("drop", rid)``, ``("abort", rid)``, ``("stop",)``.
+frontend -> prefill: ``("prefill", rid, ids, params, priority, arrival, prompt)``, ``("send", rid, decode_uid,
+tag)``, ``("drop", rid)``, ``("abort", rid)``, ``("peer", uid)`` (build the KV pair with that decode worker now),
+``("forget", uid)`` (that peer is gone), ``("stop",)``.
 prefill -> frontend: ``("prefilled", rid, ImportMeta)`` (its first token is out, its blocks are held),
 ``("sent", rid, nbytes, seconds)`` / ``("send_failed", rid, error)``, ``("ended", rid, RequestOutput)`` (ended
 before its blocks were exported: aborted or failed), ``("rejected", rid, error)``.
-frontend -> decode: ``("import", rid, ids, params, priority, arrival, prompt, ImportMeta, prefill_index, tag)``,
-``("abort", rid)``, ``("stop",)``.
+frontend -> decode: ``("import", rid, ids, params, priority, arrival, prompt, ImportMeta, prefill_uid, tag)``,
+``("abort", rid)``, ``("peer", uid)``, ``("forget", uid)``, ``("stop",)``.
 decode -> frontend: ``("out", rid, RequestOutput)`` (every output, the final one included), ``("received", rid,
 nbytes, seconds)``, ``("rejected", rid, error)``.
-Both: ``("stats", dict)`` every STATS_INTERVAL_S.
+Both: ``("stats", dict)`` every STATS_INTERVAL_S (the frontend's liveness check too).
 
-The worker exits when the frontend is gone (its socket closes, or its pid changes).
+The worker exits when the frontend is gone (the connection closes; or, when started by it, its pid changes).
 """
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
+import hashlib
 import logging
 import os
 import signal
+import socket
 import threading
 import time
 import traceback
-from multiprocessing.connection import Connection
+from multiprocessing import AuthenticationError
+from multiprocessing.connection import Client, Connection
+from pathlib import Path
+
+import click
 
 STATS_INTERVAL_S = 0.5
+KEY_ENV = "KILN_WORKER_KEY"
 logger = logging.getLogger("kiln.runtime")
 
 
+def engine_fingerprint(engine_dir: Path) -> str:
+    """What must match between the frontend's engine and a worker's: its config.json (engines built from one
+    checkpoint with one build config are the same file)."""
+    from kiln.contract import CONFIG_FILE
+
+    return hashlib.sha256((Path(engine_dir) / CONFIG_FILE).read_bytes()).hexdigest()
+
+
+def parse_address(text: str) -> tuple[str, int]:
+    """``HOST:PORT`` (``[v6]:PORT`` too) -> (host, port); a ConfigError naming the form otherwise."""
+    from kiln.contract import ConfigError
+
+    host, sep, port = text.rpartition(":")
+    host = host.strip("[]")
+    if not sep or not host or not port.isdigit() or not 0 <= int(port) < 65536:
+        raise ConfigError(f"{text!r}: give HOST:PORT (e.g. 10.0.0.5:7100)")
+    return host, int(port)
+
+
+def worker_key() -> bytes:
+    from kiln.contract import ConfigError
+
+    key = os.environ.get(KEY_ENV, "")
+    if len(key) < 16:
+        raise ConfigError(f"set {KEY_ENV} to the same secret (16+ characters) on the frontend and every worker: it "
+                          "authenticates the control connection (e.g. export "
+                          f"{KEY_ENV}=$(python -c 'import secrets; print(secrets.token_hex(16))'))")
+    return key.encode()
+
+
 class _Channel:
-    """The control socket; sends come from several threads (step loop callbacks, transfer lanes, stats)."""
+    """The control connection; sends come from several threads (step loop callbacks, transfer lanes, stats)."""
 
     def __init__(self, conn: Connection):
         self.conn, self._lock = conn, threading.Lock()
@@ -46,30 +85,28 @@ class _Channel:
         with self._lock:
             try:
                 self.conn.send(msg)
-            except (OSError, EOFError):   # the frontend is gone: the reader loop ends the process
+            except (OSError, EOFError, ValueError):   # the frontend is gone: the reader loop ends the process
                 pass
 
 
 class Worker:
-    def __init__(self, chan: _Channel, init: dict):
+    def __init__(self, chan: _Channel, engine_dir: Path, init: dict, store_host: str):
         from kiln.runtime import LLM, ExecutorConfig
         from kiln.runtime.disagg import transport
 
-        self.chan, self.role, self.index = chan, init["role"], init["index"]
-        self.num_prefill = init["num_prefill"]
-        self.llm = LLM(init["engine_dir"], config=ExecutorConfig(**init["options"]))
+        self.chan, self.role, self.uid = chan, init["role"], init["uid"]
+        self.llm = LLM(engine_dir, config=ExecutorConfig(**init["options"]))
         self.executor = self.llm.executor
-        self.groups = transport.join(init["host"], init["port"], transport.rank_of(self.role, self.index,
-                                     self.num_prefill), init["num_prefill"], init["num_decode"],
-                                     init["transfer_timeout"])
-        self.lanes: dict[int, transport.PeerLane] = {}   # by peer index
+        self.store = transport.connect_store(store_host, init["store_port"])
+        self.timeout = init["transfer_timeout"]
+        self.lanes: dict[int, transport.PairLane] = {}   # by peer uid (made by the control or the step-loop thread)
+        self._lanes_lock = threading.Lock()
         self.held: dict[str, object] = {}                # prefill: exported blocks waiting to be sent, by rid
         self.exported: set[str] = set()
-        self.buffers: dict[str, object] = {}             # decode: (meta, peer, tag) of imports, by rid
 
     def info(self) -> dict:
         e = self.executor
-        return {"pid": os.getpid(), "num_blocks": e.kv.num_blocks, "kv_plan": e.kv_plan,
+        return {"num_blocks": e.kv.num_blocks, "kv_plan": e.kv_plan,
                 "max_batch_size": e.scheduler.config.max_batch_size,
                 "bytes_per_block": e.engine.kv_bytes_per_token * e.block_size}
 
@@ -95,12 +132,12 @@ class Worker:
         except Exception as exc:
             self.chan.send("rejected", rid, f"{type(exc).__name__}: {exc}")
 
-    def send(self, rid, decode_index, tag) -> None:
+    def send(self, rid, decode_uid, tag) -> None:
         blocks = self.held.pop(rid, None)
         if blocks is None:
             self.chan.send("send_failed", rid, "the prefill worker holds no blocks for this request")
             return
-        self._lane(decode_index).put(rid, blocks, tag)
+        self._lane(decode_uid).put(rid, blocks, tag)
 
     def _sent(self, rid, result, seconds) -> None:
         if isinstance(result, BaseException):
@@ -109,9 +146,9 @@ class Worker:
             self.chan.send("sent", rid, result.nbytes, seconds)
 
     # ---- decode ---------------------------------------------------------------------------------------
-    def import_(self, rid, ids, params, priority, arrival, prompt, meta, prefill_index, tag) -> None:
+    def import_(self, rid, ids, params, priority, arrival, prompt, meta, prefill_uid, tag) -> None:
         def start(_rid, _blocks) -> None:   # in the step loop: receive into a buffer (the loop copies it in)
-            self._lane(prefill_index).put(rid, meta.empty(), tag)
+            self._lane(prefill_uid).put(rid, meta.empty(), tag)
 
         try:
             self.executor.submit_imported(ids, params, meta, start, request_id=rid, priority=priority,
@@ -127,19 +164,24 @@ class Worker:
         self.executor.land(rid, result)
 
     # ---- both -----------------------------------------------------------------------------------------
-    def _lane(self, peer: int):
+    def _lane(self, peer_uid: int):
         from kiln.runtime.disagg import transport
 
-        lane = self.lanes.get(peer)
-        if lane is None:
-            if self.role == "prefill":
-                group, rank = self.groups[(self.index, peer)], transport.rank_of("decode", peer, self.num_prefill)
-                lane = transport.PeerLane(f"kiln-kv-send-{peer}", transport.sender(group, rank), self._sent)
-            else:
-                group, rank = self.groups[(peer, self.index)], transport.rank_of("prefill", peer, self.num_prefill)
-                lane = transport.PeerLane(f"kiln-kv-recv-{peer}", transport.receiver(group, rank), self._received)
-            self.lanes[peer] = lane
+        with self._lanes_lock:
+            lane = self.lanes.get(peer_uid)
+            if lane is None:
+                if self.role == "prefill":
+                    lane = transport.PairLane(self.store, f"{self.uid}-{peer_uid}", 0, self.timeout, self._sent)
+                else:
+                    lane = transport.PairLane(self.store, f"{peer_uid}-{self.uid}", 1, self.timeout, self._received)
+                self.lanes[peer_uid] = lane
         return lane
+
+    def forget(self, peer_uid: int) -> None:
+        with self._lanes_lock:
+            lane = self.lanes.pop(peer_uid, None)
+        if lane is not None:
+            lane.close()
 
     def report_stats(self) -> None:
         while True:
@@ -150,7 +192,7 @@ class Worker:
     def serve(self) -> None:
         threading.Thread(target=self.report_stats, name="kiln-worker-stats", daemon=True).start()
         handlers = {"prefill": self.prefill, "send": self.send, "drop": lambda rid: self.held.pop(rid, None),
-                    "import": self.import_, "abort": self.abort}
+                    "import": self.import_, "abort": self.abort, "forget": self.forget, "peer": self._lane}
         while True:
             try:
                 msg = self.chan.conn.recv()
@@ -174,36 +216,73 @@ def _exit_with_parent(parent_pid: int) -> None:
     threading.Thread(target=watch, name="kiln-worker-parent-watch", daemon=True).start()
 
 
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m kiln.runtime.disagg.worker",
-                                     description="A prefill or decode worker (started by the disaggregated frontend).")
-    parser.add_argument("--ctrl-fd", type=int, required=True)
-    parser.add_argument("--parent-pid", type=int, required=True)
-    args = parser.parse_args(argv)
-    _exit_with_parent(args.parent_pid)
-    signal.signal(signal.SIGINT, signal.SIG_IGN)   # the frontend decides when workers stop
-    chan = _Channel(Connection(args.ctrl_fd))
-    code = 0
-    try:
-        _, init = chan.conn.recv()   # ("init", dict)
-        import torch
+def run_worker(role: str, address: str, engine_dir: Path, threads: int | None = None,
+               connect_timeout: float = 60.0) -> int:
+    """Connect to the frontend, load the LLM, serve until the frontend stops it or goes; the exit code."""
+    from kiln.contract import ConfigError
 
-        torch.set_num_threads(init["threads"])
-        logging.basicConfig(level=init.get("log_level", "WARNING").upper())
-        worker = Worker(chan, init)
+    host, port = parse_address(address)
+    key = worker_key()
+    deadline = time.monotonic() + connect_timeout
+    while True:   # the frontend may still be starting
+        try:
+            conn = Client((host, port), authkey=key)
+            break
+        except AuthenticationError:
+            raise ConfigError(f"the frontend at {address} refused this worker's {KEY_ENV} (it differs from the "
+                              "frontend's)") from None
+        except OSError as exc:
+            if time.monotonic() > deadline:
+                raise ConfigError(f"cannot reach the disaggregated frontend at {address} within "
+                                  f"{connect_timeout:g} s: {exc}") from None
+            time.sleep(0.2)
+    chan = _Channel(conn)
+    chan.send("hello", {"role": role, "engine": engine_fingerprint(engine_dir), "pid": os.getpid(),
+                        "host": socket.gethostname()})
+    kind, init = conn.recv()
+    if kind != "init":
+        raise ConfigError(f"the frontend at {address} refused this worker: {init}")
+    import torch
+
+    torch.set_num_threads(threads or init["threads"] or os.cpu_count() or 1)
+    logging.basicConfig(level=init.get("log_level", "WARNING").upper())
+    try:
+        worker = Worker(chan, engine_dir, init, host)
     except BaseException as exc:
         chan.send("error", f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}")
-        code = 1
-    else:
-        chan.send("ready", worker.info())
-        try:
-            worker.serve()
-        finally:
-            worker.llm.shutdown()
+        return 1
+    chan.send("ready", worker.info())
+    try:
+        worker.serve()
+    finally:
+        worker.llm.shutdown()
+    return 0
+
+
+@click.command("worker")
+@click.argument("engine_dir", type=click.Path(exists=True, file_okay=False, path_type=Path))
+@click.option("--role", type=click.Choice(["prefill", "decode"]), required=True, help="What this worker runs.")
+@click.option("--connect", "address", required=True, metavar="HOST:PORT",
+              help="The frontend's worker address (kiln serve ... --worker-listen HOST:PORT).")
+@click.option("--threads", type=click.IntRange(min=1), default=None,
+              help="torch threads (default: the frontend's --worker-threads, else every CPU here).")
+@click.option("--connect-timeout", type=click.FloatRange(min=0), default=60.0, show_default=True,
+              help="Seconds to keep trying to reach the frontend.")
+@click.option("--parent-pid", type=int, default=None, hidden=True)   # started by the frontend: exit with it
+def worker(engine_dir: Path, role: str, address: str, threads: int | None, connect_timeout: float,
+           parent_pid: int | None) -> None:
+    """A prefill or decode worker of a disaggregated server (KILN_WORKER_KEY: the frontend's secret)."""
+    from kiln.contract import ConfigError
     from kiln.runtime.tensor_parallel import _exit_without_teardown
 
+    if parent_pid is not None:
+        _exit_with_parent(parent_pid)
+        signal.signal(signal.SIGINT, signal.SIG_IGN)   # the frontend decides when its workers stop
+    try:
+        code = run_worker(role, address, engine_dir, threads, connect_timeout)
+    except ConfigError as exc:
+        raise click.ClickException(str(exc)) from None
+    except (EOFError, ConnectionError) as exc:
+        raise click.ClickException(f"the frontend at {address} closed the connection ({exc or 'EOF'})") from None
     _exit_without_teardown(code)
 
-
-if __name__ == "__main__":
-    main()

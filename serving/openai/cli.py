@@ -70,7 +70,16 @@ LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
 @click.option("--decode-workers", type=click.IntRange(min=1), default=1, show_default=True,
               help="Decode worker processes (with --prefill-workers).")
 @click.option("--worker-threads", type=click.IntRange(min=1), default=None,
-              help="Torch threads per prefill/decode worker; default: the CPUs shared evenly.")
+              help="Torch threads per prefill/decode worker; default: the CPUs shared evenly (local workers), "
+                   "every CPU of the worker's host (--worker-listen).")
+@click.option("--worker-listen", default=None, metavar="HOST:PORT",
+              help="Start no workers: wait for --prefill-workers and --decode-workers to connect here with "
+                   "`kiln worker --role ROLE --connect HOST:PORT ENGINE` (KILN_WORKER_KEY: the same secret on "
+                   "both); restarted workers rejoin, extra ones add capacity. See docs/disaggregated.md.")
+@click.option("--kv-store-port", type=click.IntRange(min=0, max=65535), default=0, show_default=True,
+              help="Port of the TCPStore the workers' KV transfer pairs meet on (0: a free one).")
+@click.option("--transfer-timeout", type=click.FloatRange(min=0, min_open=True), default=30.0, show_default=True,
+              help="Seconds one request's KV transfer may take before only that request fails.")
 @dataclass_options(ExecutorConfig)
 @build_options
 def serve(model_dir: Path, **options) -> None:

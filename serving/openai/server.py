@@ -57,6 +57,9 @@ class ServeSettings:
     prefill_workers: int = 0                # > 0: disaggregated prefill/decode workers (kiln.runtime.disagg)
     decode_workers: int = 1
     worker_threads: int | None = None       # torch threads per worker; default: the CPUs shared evenly
+    worker_listen: str | None = None        # "HOST:PORT": workers connect here (kiln worker) instead of being started
+    kv_store_port: int = 0
+    transfer_timeout: float = 30.0
 
 
 class _Server(uvicorn.Server):
@@ -190,13 +193,21 @@ def run(model_dir: Path, settings: ServeSettings, executor_options: dict,
         raise click.ClickException(str(exc)) from None
     click.echo(f"kiln serve: loading {engine_dir}")
     try:
+        if settings.worker_listen and not settings.prefill_workers:
+            raise click.ClickException("--worker-listen needs --prefill-workers N (how many prefill workers to wait "
+                                       "for; --decode-workers likewise)")
         if settings.prefill_workers:
             from kiln.runtime.disagg import DisaggLLM
 
             if settings.lora_modules or settings.batch_store:
                 raise click.ClickException("--prefill-workers serves no LoRA adapters and no Batch API yet")
+            if settings.worker_listen:
+                click.echo(f"kiln serve: waiting for {settings.prefill_workers} prefill and "
+                           f"{settings.decode_workers} decode workers on {settings.worker_listen}")
             llm = DisaggLLM(engine_dir, config=config, prefill_workers=settings.prefill_workers,
-                            decode_workers=settings.decode_workers, worker_threads=settings.worker_threads)
+                            decode_workers=settings.decode_workers, worker_threads=settings.worker_threads,
+                            transfer_timeout=settings.transfer_timeout, listen=settings.worker_listen,
+                            kv_store_port=settings.kv_store_port)
         else:
             llm = LLM(engine_dir, config=config, lora_modules=lora_modules(settings.lora_modules))
     except (EngineLoadError, ConfigError, AdapterLoadError) as exc:
