@@ -4,9 +4,12 @@ Where the numbers come from: the server's own ``/metrics`` (``kiln serve --prefi
 of an in-process ``DisaggLLM``), read before and after each rate, so each rate reports its own deltas: KV bytes,
 blocks and transfers moved, failed transfers, the wire time per request (``kiln_kv_transfer_seconds``) and the
 TTFT split (``kiln_ttft_prefill_seconds``: arrival to the prefill worker's first token; ``kiln_ttft_transfer_seconds``:
-from there to the decode worker's first token), as mean and p50/p95 by bucket interpolation; and the queue per role
-(``kiln_disagg_requests{role}``) from the gauges polled during the rate (endpoints only). No per-response field is
-needed, so any client (the OpenAI and Triton ones alike) gets them.
+from there to the decode worker's first token), as mean and p50/p95 by bucket interpolation; and the requests in
+flight per role: the mean from the server's request-seconds counter (``kiln_disagg_request_seconds_total{role}``,
+the time integral of the in-flight gauge) over the time between the two reads, so it does not depend on when or
+whether a poll happened; the max from the gauge ``kiln_disagg_requests{role}`` as read before, during (endpoints'
+polls) and after the rate. No per-response field is needed, so any client (the OpenAI and Triton ones alike) gets
+them.
 """
 
 from __future__ import annotations
@@ -21,8 +24,17 @@ STATS_HISTOGRAMS = {"transfer": "kv_transfer_time", "ttft_prefill": "ttft_prefil
 ROLES = ("prefill", "decode")
 
 
-def from_samples(samples: dict[str, float]) -> dict:
-    """The PD numbers of a parsed Prometheus page, under ``disagg_*`` keys ({} for a colocated server)."""
+def _by_role(labelled: dict[str, float], name: str, role: str) -> float | None:
+    """A per-role series summed over its other labels (None when the page has none)."""
+    hits = [v for k, v in labelled.items() if k.partition("{")[0] == name and f'role="{role}"' in k]
+    return sum(hits) if hits else None
+
+
+def from_samples(samples: dict[str, float], labelled: dict[str, float] | None = None) -> dict:
+    """The PD numbers of a parsed Prometheus page, under ``disagg_*`` keys ({} for a colocated server).
+    ``samples``: with labels other than ``le`` dropped (``canonical_metrics``); ``labelled``: the page as parsed,
+    for the per-role series (default ``samples``)."""
+    labelled = samples if labelled is None else labelled
     if COUNTERS["kv_transfers"] not in samples:
         return {}
     out: dict = {f"disagg_{k}": samples[name] for k, name in COUNTERS.items() if name in samples}
@@ -34,9 +46,9 @@ def from_samples(samples: dict[str, float]) -> dict:
             out[f"disagg_{key}"] = {"sum": samples.get(f"{name}_sum", 0.0), "count": samples[f"{name}_count"],
                                     "buckets": buckets}
     for role in ROLES:
-        name = f'kiln_disagg_requests{{role="{role}"}}'
-        if name in samples:
-            out[f"disagg_queue_{role}"] = samples[name]
+        for key, name in (("queue", "kiln_disagg_requests"), ("request_seconds", "kiln_disagg_request_seconds_total")):
+            if (value := _by_role(labelled, name, role)) is not None:
+                out[f"disagg_{key}_{role}"] = value
     return out
 
 
@@ -52,6 +64,7 @@ def from_stats(stats: dict) -> dict:
         h = stats["histograms"][name]
         out[f"disagg_{key}"] = {"sum": h["sum"], "count": h["count"], "buckets": [tuple(b) for b in h["buckets"]]}
     out.update({f"disagg_queue_{role}": d["queues"][role] for role in ROLES})
+    out.update({f"disagg_request_seconds_{role}": d["request_seconds"][role] for role in ROLES})
     return out
 
 
@@ -67,8 +80,9 @@ def _histogram_delta(before: dict, after: dict, key: str) -> dict:
             "p95": histogram_quantile(buckets, 0.95) if n > 0 else None}
 
 
-def rate_section(before: dict, after: dict, series: list[dict]) -> dict | None:
-    """One rate's PD report (None when the target is not a PD server)."""
+def rate_section(before: dict, after: dict, series: list[dict], window_s: float) -> dict | None:
+    """One rate's PD report (None when the target is not a PD server); ``window_s``: the seconds between the
+    ``before`` and ``after`` reads."""
     if "disagg_kv_transfers" not in after:
         return None
     delta = {k: after.get(f"disagg_{k}", 0.0) - before.get(f"disagg_{k}", 0.0) for k in COUNTERS}
@@ -80,8 +94,15 @@ def rate_section(before: dict, after: dict, series: list[dict]) -> dict | None:
            "ttft_prefill_s": _histogram_delta(before, after, "ttft_prefill"),
            "ttft_transfer_s": _histogram_delta(before, after, "ttft_transfer")}
     for role in ROLES:
-        q = [r[f"disagg_queue_{role}"] for r in series if r.get(f"disagg_queue_{role}") is not None]
-        out[f"queue_{role}"] = {"mean": sum(q) / len(q), "max": max(q)} if q else None
+        key = f"disagg_request_seconds_{role}"
+        seen = [r[f"disagg_queue_{role}"] for r in (before, *series, after) if f"disagg_queue_{role}" in r]
+        if key not in after or not seen or window_s <= 0:
+            out[f"queue_{role}"] = None
+            continue
+        area = after[key] - before.get(key, 0.0)
+        out[f"queue_{role}"] = {"mean": area / window_s, "max_read": max(seen),   # polls can miss a short peak
+                                "request_seconds": area}
+    out["window_s"] = window_s
     out["source"] = "server /metrics (or stats()) after - before this rate; quantiles by bucket interpolation"
     return out
 
@@ -104,7 +125,7 @@ def format_lines(result: dict) -> list[str]:
             continue
         t, p, x = d["transfer_time_s"], d["ttft_prefill_s"], d["ttft_transfer_s"]
         per = d["bytes_per_request"]
-        queues = ", ".join(f"{role} {q['mean']:.1f} mean / {q['max']:g} max" for role in ROLES
+        queues = ", ".join(f"{role} {q['mean']:.2f} mean / {q['max_read']:g} max read" for role in ROLES
                            if (q := d[f"queue_{role}"]) is not None)
         lines.append(f"PD rate {run['rate']}: KV moved {d['kv_transfer_bytes'] / 1e6:.2f} MB in {d['transfers']} "
                      f"transfers ({'-' if per is None else f'{per / 1e3:.1f}'} KB/request, {d['transfers_failed']} "

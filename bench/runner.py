@@ -101,6 +101,7 @@ async def run_rate(target, workload: Workload, synth: PromptSynthesizer, *, slo:
     specs = workload.requests
     prompts = [synth.prompt(s, run_index) for s in specs]
     before = await asyncio.to_thread(target.metrics)
+    read_before = time.perf_counter()
     records = [RequestRecord(s.index, s.arrival, s.prompt_len, s.output_len) for s in specs]
     bar = tqdm(total=len(specs), desc=f"rate {workload.description.get('rate')}", unit="req", disable=not progress,
                leave=False, dynamic_ncols=True)
@@ -144,13 +145,14 @@ async def run_rate(target, workload: Workload, synth: PromptSynthesizer, *, slo:
         await poller
     bar.close()
     after = await asyncio.to_thread(target.metrics)
+    window_s = time.perf_counter() - read_before
     for r in records:
         r.shift(origin)
         if r.outcome is None:  # cannot happen, but an unaccounted request must show
             r.outcome, r.error_kind = FAILED, "unaccounted"
     if _has_steps(target):
         series = _step_series(target.steps(), origin_mono, t_end)
-    result = _rate_result(workload, records, series, before, after, slo, t_end, load_before)
+    result = _rate_result(workload, records, series, before, after, slo, t_end, load_before, window_s)
     # CPU time this process got (the in-process engine's step loop included) per second of the run: on a
     # shared machine a low share next to a busy engine means other work took the cores
     cpu = time.process_time() - cpu_before
@@ -166,7 +168,7 @@ def _has_steps(target) -> bool:
 
 
 def _rate_result(workload: Workload, records: list[RequestRecord], series: list[dict], before: dict, after: dict,
-                 slo: SLO, t_end: float, load_before) -> dict:
+                 slo: SLO, t_end: float, load_before, window_s: float) -> dict:
     outcomes = Counter(r.outcome for r in records)
     done = [r for r in records if r.outcome == COMPLETED]
     first_sent = min((r.sent for r in records if r.sent is not None), default=0.0)
@@ -230,7 +232,7 @@ def _rate_result(workload: Workload, records: list[RequestRecord], series: list[
         "timeseries": series,
         "per_request": [r.as_dict() for r in records],
     }
-    pd = disagg.rate_section(before, after, series)
+    pd = disagg.rate_section(before, after, series, window_s)
     if pd is not None:
         result["disagg"] = pd
     return result

@@ -441,7 +441,7 @@ def canonical_metrics(samples: dict[str, float]) -> dict:
     ``queue_sum`` / ``queue_count`` / ``queue_buckets`` (cumulative (le, count)). Labelled series (vLLM labels
     each by engine and model_name) are summed over their labels other than a histogram's ``le``."""
     out: dict = {}
-    samples = _drop_labels(samples)
+    labelled, samples = samples, _drop_labels(samples)
     for key, names in METRIC_NAMES.items():
         for n in names:
             if n in samples:
@@ -452,7 +452,7 @@ def canonical_metrics(samples: dict[str, float]) -> dict:
             out.update(queue_sum=samples.get(f"{h}_sum", 0.0), queue_count=samples[f"{h}_count"],
                        queue_buckets=histogram_buckets(samples, h))
             break
-    out.update(disagg.from_samples(samples))   # a PD server's KV transfer and TTFT split
+    out.update(disagg.from_samples(samples, labelled))   # a PD server's KV transfer, TTFT split, per-role series
     return out
 
 

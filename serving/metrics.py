@@ -98,11 +98,16 @@ def _disagg(s: dict, p: str) -> Iterator[Metric]:
         yield CounterMetricFamily(f"{p}_{name}", doc, value=d["kv_transfer"][key])
     queue = GaugeMetricFamily(f"{p}_disagg_requests", "Requests in flight by role (prefill: not yet handed to a "
                               "decode worker).", labels=["role"])
+    area = CounterMetricFamily(f"{p}_disagg_request_seconds", "Request-seconds spent in flight by role (the time "
+                               "integral of kiln_disagg_requests: its rate is the mean number in flight).",
+                               labels=["role"])
     alive = GaugeMetricFamily(f"{p}_disagg_workers_alive", "Live workers by role.", labels=["role"])
     for role in ("prefill", "decode"):
         queue.add_metric([role], d["queues"][role])
+        area.add_metric([role], d["request_seconds"][role])
         alive.add_metric([role], sum(w["alive"] for w in d["workers"] if w["role"] == role))
     yield queue
+    yield area
     yield alive
 
 

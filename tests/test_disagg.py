@@ -161,16 +161,26 @@ def test_sigkill_of_a_decode_worker_fails_its_streams_and_the_rest_serve(cluster
     while not all(len(outs.get(r, [])) >= 2 for r in rids):
         assert time.monotonic() < deadline, "the streams did not start"
         time.sleep(0.01)
-    flights = cluster.executor._flights
-    victim = flights[rids[0]].decode
+    # on a loaded machine the first stream may have ended while the last was still in prefill: kill the decode
+    # worker of the running stream with the most tokens still to come
+    where = {r: f.decode for r, f in list(cluster.executor._flights.items()) if r in rids}
+    assert where, "every stream ended before one could be killed"
+    victim = where[min(where, key=lambda r: len(outs[r]))]
     pid = next(w.pid for w in cluster.executor.workers if w.uid == victim)
-    on_victim = [r for r in rids if flights[r].decode == victim]
+    on_victim = [r for r, uid in where.items() if uid == victim]
     t0 = time.monotonic()
     os.kill(pid, signal.SIGKILL)
     assert ended.wait(60)
-    for r in on_victim:
+    killed = 0
+    for r in rids:
         last = outs[r][-1]
-        assert last.finish_reason == "abort" and "decode worker" in last.error and "SIGKILL" in last.error
+        if last.finish_reason == "length":   # ended before the kill
+            assert not last.error and len(last.token_ids) == 100
+        else:
+            assert r in on_victim and last.finish_reason == "abort", (r, last)
+            assert "decode worker" in last.error and "SIGKILL" in last.error
+            killed += 1
+    assert killed >= 1
     assert time.monotonic() - t0 < 10
     assert cluster.executor.failure is None
     health = cluster.executor.health()

@@ -43,14 +43,19 @@ def test_bench_reports_kv_transfer_and_ttft_split_of_a_pd_server(checkpoint_dir,
     assert d["transfer_time_s"]["count"] == 12 and d["transfer_time_s"]["p95"] > 0
     assert d["ttft_prefill_s"]["count"] == 12 and d["ttft_transfer_s"]["count"] == 12
     assert 0 < d["ttft_prefill_s"]["mean"] < max(p["ttft"] for p in done) + 1
-    assert d["queue_prefill"] is not None and d["queue_decode"]["max"] >= 0
+    # in flight per role, from request-seconds (no poll needed): each request is in prefill from its arrival to its
+    # first token on the prefill worker (or later) and in decode after, all within the client's e2e
+    qp, qd = d["queue_prefill"], d["queue_decode"]
+    assert qp["request_seconds"] >= d["ttft_prefill_s"]["mean"] * 12 * 0.99 > 0 and qd["request_seconds"] > 0
+    assert qp["request_seconds"] + qd["request_seconds"] <= sum(p["e2e"] for p in done)
+    assert qp["mean"] == pytest.approx(qp["request_seconds"] / d["window_s"]) and qp["max_read"] >= 0
     assert "PD rate 8.0: KV moved" in r.output and "TTFT split" in r.output
 
 
 def test_a_colocated_page_has_no_pd_numbers():
     page = "# TYPE kiln_steps_total counter\nkiln_steps_total 10.0\n"
     m = canonical_metrics(parse_prometheus(page))
-    assert from_samples(parse_prometheus(page)) == {} and rate_section({}, m, []) is None
+    assert from_samples(parse_prometheus(page)) == {} and rate_section({}, m, [], 1.0) is None
 
 
 def test_pd_deltas_are_per_rate():
@@ -59,10 +64,13 @@ def test_pd_deltas_are_per_rate():
                 f"kiln_kv_transfer_blocks_total {n * 2}\nkiln_kv_transfers_failed_total 0\n"
                 f'kiln_kv_transfer_seconds_bucket{{le="0.01"}} {n}\nkiln_kv_transfer_seconds_bucket{{le="+Inf"}} {n}\n'
                 f"kiln_kv_transfer_seconds_sum {secs}\nkiln_kv_transfer_seconds_count {n}\n"
-                f'kiln_disagg_requests{{role="prefill"}} 1\nkiln_disagg_requests{{role="decode"}} 3\n')
+                f'kiln_disagg_requests{{role="prefill"}} 1\nkiln_disagg_requests{{role="decode"}} {n // 4}\n'
+                f'kiln_disagg_request_seconds_total{{role="prefill"}} {n}\n'
+                f'kiln_disagg_request_seconds_total{{role="decode"}} {3 * n}\n')
     before, after = (canonical_metrics(parse_prometheus(page(n, s))) for n, s in ((4, 0.02), (10, 0.05)))
-    d = rate_section(before, after, [{"disagg_queue_decode": 3}, {"disagg_queue_decode": 1}])
+    d = rate_section(before, after, [{"disagg_queue_decode": 3}, {"disagg_queue_decode": 1}], 3.0)
     assert d["transfers"] == 6 and d["kv_transfer_bytes"] == 6000 and d["bytes_per_request"] == 1000
     assert d["transfer_time_s"]["count"] == 6 and d["transfer_time_s"]["mean"] == pytest.approx(0.005)
     assert 0 < d["transfer_time_s"]["p95"] <= 0.01
-    assert d["queue_decode"] == {"mean": 2.0, "max": 3} and d["queue_prefill"] is None
+    assert d["queue_decode"] == {"mean": 6.0, "max_read": 3, "request_seconds": 18.0}   # 18 s over 3 s
+    assert d["queue_prefill"] == {"mean": 2.0, "max_read": 1, "request_seconds": 6.0}

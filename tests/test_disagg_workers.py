@@ -72,7 +72,8 @@ def wait_until(cond, timeout: float, what: str) -> None:
 @pytest.fixture(scope="module")
 def external(engine):
     """A frontend listening on 127.0.0.1 and three `kiln worker` processes (1 prefill, 2 decode) connecting to
-    it; the workers start first and keep trying until the frontend listens."""
+    it; the workers start first and keep trying until the frontend listens. ``procs`` is keyed by start order: the
+    slot a worker gets depends on which says hello first (find a slot's process by its pid)."""
     address = f"127.0.0.1:{free_port()}"
     procs = {("prefill", 0): start_worker("prefill", address, engine.directory),
              ("decode", 0): start_worker("decode", address, engine.directory),
@@ -147,15 +148,17 @@ def test_killed_decode_worker_rejoins(external, engine, prompts, colocated):
     llm, procs, address = external
     ex = llm.executor
     old = by_slot(llm, "decode", 1)
-    procs[("decode", 1)].send_signal(signal.SIGKILL)
-    procs[("decode", 1)].wait(10)
+    # slots go by the order the workers said hello, not the order they were started: find slot 1's process
+    victim = next(key for key, p in procs.items() if p.pid == old.pid)
+    procs[victim].send_signal(signal.SIGKILL)
+    procs[victim].wait(10)
     wait_until(lambda: ex.health()["status"] == "degraded", 20, "health did not turn degraded")
     assert ex.failure is None
     assert llm.generate(prompts[:2], GREEDY)[0].token_ids == colocated[0]   # the survivors serve meanwhile
-    procs[("decode", 1)] = start_worker("decode", address, engine.directory)
+    procs[victim] = start_worker("decode", address, engine.directory)
     wait_until(lambda: ex.health()["status"] == "ok", 120, "the restarted worker did not rejoin")
     new = by_slot(llm, "decode", 1)
-    assert new.uid != old.uid and new.pid == procs[("decode", 1)].pid and new.death is None
+    assert new.uid != old.uid and new.pid == procs[victim].pid and new.death is None
     outs = llm.generate(prompts, GREEDY)
     assert [o.token_ids for o in outs] == colocated
     wait_until(lambda: new.stats is not None and new.stats["counters"]["generation_tokens"] > 0, 10,

@@ -122,6 +122,9 @@ class ClusterExecutor:
         self.transfer = {"transfers": 0, "blocks": 0, "bytes": 0, "seconds": 0.0, "failed": 0}
         self._lock = threading.Lock()
         self._flights: dict[str, _Flight] = {}
+        # request-seconds per role (the time integral of the requests in flight there; mean queue = its rate)
+        self.request_seconds = {"prefill": 0.0, "decode": 0.0}
+        self._area_t = time.monotonic()
         self._ids = itertools.count()
         self._tags = itertools.count(1)
         self._closed = False
@@ -216,8 +219,9 @@ class ClusterExecutor:
             self._fail(f, "no decode worker is alive")
             return
         tag = next(self._tags)
-        f.decode = d.uid
         with self._lock:
+            self._advance()
+            f.decode = d.uid
             self.transfer["blocks"] += meta.num_blocks
         d.send("import", rid, f.ids, f.params, f.priority, f.arrival, f.prompt, meta, w.uid, tag)
         w.send("send", rid, d.uid, tag)
@@ -274,8 +278,10 @@ class ClusterExecutor:
 
     def _finish(self, f: _Flight, out: RequestOutput) -> None:
         with self._lock:
-            if self._flights.pop(f.request_id, None) is None:
+            if f.request_id not in self._flights:
                 return   # ended already (a worker died and its requests were failed)
+            self._advance()
+            del self._flights[f.request_id]
         self.metrics.record_request(out.metrics, "error" if out.error else out.finish_reason)
         self._deliver(f, out)
 
@@ -325,6 +331,7 @@ class ClusterExecutor:
             params = dataclasses.replace(checked.params, max_tokens=checked.max_tokens)
             f = _Flight(request_id, checked.token_ids, params, checked.priority,
                         time.monotonic() if arrival_time is None else arrival_time, prompt, callback, p.uid)
+            self._advance()
             self._flights[request_id] = f
         self.metrics.incr("requests_submitted")
         self.metrics.incr("prompt_tokens", len(checked.token_ids))
@@ -360,11 +367,22 @@ class ClusterExecutor:
         status = "failed" if self.failure else "degraded" if any(not w["alive"] for w in workers) else "ok"
         return {"status": status, "workers": workers}
 
+    def _counts(self) -> dict[str, int]:
+        """(under ``_lock``) the requests in flight per role."""
+        decode = sum(f.decode is not None for f in self._flights.values())
+        return {"prefill": len(self._flights) - decode, "decode": decode}
+
+    def _advance(self) -> None:
+        """(under ``_lock``, before the requests in flight change) add the time since the last change times the
+        requests in each role to ``request_seconds``."""
+        now = time.monotonic()
+        for role, n in self._counts().items():
+            self.request_seconds[role] += n * (now - self._area_t)
+        self._area_t = now
+
     def queues(self) -> dict[str, int]:
         with self._lock:
-            flights = list(self._flights.values())
-        return {"prefill": sum(f.decode is None for f in flights),
-                "decode": sum(f.decode is not None for f in flights)}
+            return self._counts()
 
     def stats(self) -> dict:
         snap = self.metrics.snapshot()
@@ -390,7 +408,10 @@ class ClusterExecutor:
                           "enable_prefix_reuse": self.config.enable_prefix_reuse, "tokens_per_block": self.block_size}
         with self._lock:
             transfer = dict(self.transfer)
-        snap["disagg"] = {"workers": self.health()["workers"], "queues": q, "kv_transfer": transfer,
+            self._advance()
+            request_seconds = dict(self.request_seconds)
+        snap["disagg"] = {"workers": self.health()["workers"], "queues": q, "request_seconds": request_seconds,
+                          "kv_transfer": transfer,
                           "bytes_per_block": self.bytes_per_block,
                           "worker_address": f"{self.pool.address[0]}:{self.pool.address[1]}"}
         return snap

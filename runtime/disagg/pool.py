@@ -217,7 +217,9 @@ class WorkerPool:
                 self._on_message(w, msg)
             except Exception:
                 logger.exception("handling %r from %s failed", msg[0], w.name)
-        if w.proc is not None:   # ours: say how it ended
+        if not self.closed:   # dead from now on: routing skips it, health says so, its slot is free to rejoin
+            w.death = f"{w.name} died ({reason})"
+        if w.proc is not None:   # ours: say how it ended (its exit code may take up to 5 s)
             try:
                 code = w.proc.wait(5)
             except subprocess.TimeoutExpired:
