@@ -3,6 +3,8 @@
     kiln plan --engine DIR --device h100-80gb --trace trace.csv --rate 20 --ttft-p95 2s --tpot-p95 50ms
     kiln plan --hf-config llama-8b/config.json --dtype bfloat16 --device h200 --tp 2 --context-p95 8000 --output-p95 500
     kiln plan --engine DIR --device cpu:24 --calibration bench-out/result.json --trace trace.csv --prompt-scale 0.03
+    kiln plan --engine DIR --device cpu:24 --calibration colocated/result.json --trace trace.csv --rate 4 \
+        --ttft-p95 2s --tpot-p95 100ms --pd --pd-transfer pd-bench/result.json   # P prefill + D decode workers
 """
 
 from __future__ import annotations
@@ -66,11 +68,21 @@ _EXCLUDE = ("seed", "metrics_window", "enable_prefix_reuse", "kv_cache_memory_fr
               help="Lengths the concurrency limit is planned for.")
 @click.option("--calibration", type=click.Path(path_type=Path, dir_okay=False),
               help="A kiln bench result.json of this engine: measured bandwidth and FLOP/s replace the roofline's.")
+@click.option("--pd", "pd", is_flag=True,
+              help="Also plan disaggregated serving: P prefill + D decode workers for --rate within the SLO, "
+                   "against colocated instances on the same hardware (needs --pd-transfer or --transfer-bandwidth).")
+@click.option("--pd-transfer", type=click.Path(path_type=Path, dir_okay=False),
+              help="A kiln bench result.json of a PD server (kiln serve --prefill-workers): its measured KV bytes per "
+                   "block and transport bandwidth.")
+@click.option("--transfer-bandwidth", type=float,
+              help="KV transport bandwidth in GB/s instead of a measured one (bytes per block: the engine's).")
+@click.option("--pd-max-workers", type=click.IntRange(min=2), default=64, show_default=True,
+              help="Largest P + D (and colocated instance count) searched.")
 @click.option("--output", "out_path", type=click.Path(path_type=Path, dir_okay=False), help="Write the plan as JSON.")
 def plan(engine_dir, hf_config, dtype, quantization, kv_cache_dtype, max_seq_len, tokens_per_block, device, memory,
          bandwidth, flops, tp, trace, window, max_requests, length_scale, prompt_scale, output_scale, clip_to_engine,
          context_p95, output_p95, context_mean, output_mean, rate, ttft_p95, tpot_p95, kv_cache_memory_fraction,
-         headroom, percentile, calibration, out_path, **options):
+         headroom, percentile, calibration, pd, pd_transfer, transfer_bandwidth, pd_max_workers, out_path, **options):
     """Capacity plan: KV pool, concurrency limits, settings, step time and instances (every number with its source)."""
     from dataclasses import replace
 
@@ -146,14 +158,38 @@ def plan(engine_dir, hf_config, dtype, quantization, kv_cache_dtype, max_seq_len
         if not cal or "bandwidth_bytes_per_s" not in cal:
             raise click.ClickException(f"{calibration}: the result has no step-time fit of an engine (run kiln bench "
                                        "with --engine DIR, or against kiln serve with --engine DIR for the facts)")
+    transport = None
+    if pd:
+        from kiln.bench.pd_plan import Transport, transport_from_result
+
+        per_block = facts.kv_bytes_per_token * facts.bounds.tokens_per_block
+        if (pd_transfer is None) == (transfer_bandwidth is None):
+            raise click.UsageError("--pd needs --pd-transfer RESULT.json (measured) or --transfer-bandwidth GB/s")
+        if transfer_bandwidth is not None:
+            if not transfer_bandwidth > 0:
+                raise click.BadParameter(f"--transfer-bandwidth must be > 0 GB/s, got {transfer_bandwidth:g}")
+            transport = Transport(per_block, transfer_bandwidth * 1e9, "--transfer-bandwidth; bytes per block: "
+                                                                       "the engine's KV bytes per token x block")
+        else:
+            try:
+                transport = transport_from_result(pd_transfer, per_block)
+            except (PlanError, ResultError) as exc:
+                raise click.ClickException(str(exc)) from None
+    elif pd_transfer is not None or transfer_bandwidth is not None:
+        raise click.UsageError("--pd-transfer and --transfer-bandwidth go with --pd")
     try:
         fraction = "recommended" if kv_cache_memory_fraction is None else kv_cache_memory_fraction
         result = make_plan(facts, dev, stats, tp=tp, kv_cache_memory_fraction=fraction, headroom=headroom,
                            percentile=int(percentile), calibration=cal, rate=rate, slo_ttft_p95=_duration(ttft_p95),
-                           slo_tpot_p95=_duration(tpot_p95), **serving)
+                           slo_tpot_p95=_duration(tpot_p95), pd_transport=transport, pd_max_workers=pd_max_workers,
+                           **serving)
     except PlanError as exc:
         raise click.ClickException(str(exc)) from None
     click.echo(format_plan(result))
+    if "pd" in result:
+        from kiln.bench.pd_plan import format_pd
+
+        click.echo(format_pd(result["pd"]))
     if out_path is not None:
         out_path.parent.mkdir(parents=True, exist_ok=True)
         out_path.write_text(json.dumps({"kiln_plan": 1, "engine": facts.as_dict(), "plan": result,

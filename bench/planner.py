@@ -166,12 +166,15 @@ def plan(facts: EngineFacts, device: Device, workload: WorkloadStats, *, tp: int
          kv_cache_memory_fraction: float | None | str = "recommended", max_kv_cache_tokens: int | None = None,
          available_bytes: int | None = None, headroom: float = 0.10, percentile: int = 95,
          calibration: dict | None = None, rate: float | None = None, slo_ttft_p95: float | None = None,
-         slo_tpot_p95: float | None = None, capacity_policy: str = "guaranteed_no_evict", max_loras: int = 4) -> dict:
+         slo_tpot_p95: float | None = None, capacity_policy: str = "guaranteed_no_evict", max_loras: int = 4,
+         pd_transport=None, pd_max_workers: int = 64) -> dict:
     """The plan: every number as {"value", "unit", "source"} under a few headings.
 
     Serving options mean what they mean to ``LLM(...)``, except ``kv_cache_memory_fraction``, which defaults
     to the recommended fraction instead of the runtime's 0.9 (None: no memory limit, as in ExecutorConfig).
-    ``tp`` None: the engine's tensor-parallel size (1 for a model not built yet).
+    ``tp`` None: the engine's tensor-parallel size (1 for a model not built yet). ``pd_transport``
+    (``pd_plan.Transport``): also plan prefill and decode workers (``pd_plan``) from this step-time model, under
+    ``out["pd"]``.
     """
     if tp is None:
         tp = facts.tp_size
@@ -407,6 +410,20 @@ def plan(facts: EngineFacts, device: Device, workload: WorkloadStats, *, tp: int
     lam_op = lam_op if lam_op > 0 else lam_q / 2
     decodes = min(lam_op * max(Om - 1, 0) * step(lam_op), rec_batch)
     _recommend_budget(st, A, per_token, b, workload, decodes, f"{lam_op:.3g} req/s", slo_ttft_p95, slo_tpot_p95)
+    if pd_transport is not None:
+        from kiln.bench.pd_plan import StepModel, plan_pd
+
+        model = StepModel(fixed_s=A, token_s=per_token, sequence_s=per_sequence + t_compute(0, 1, 0),
+                          context_s=kv_dev / bw + t_compute(0, 0, 1), attention_s=t_compute(0, 0, 1),
+                          chunk=chunk_budget, block=block, seats=onset_limit)
+
+        def colocated(lam: float) -> tuple[float, float]:   # past the queueing onset the mean model says nothing
+            return (math.inf, math.inf) if lam > lam_q else (ttft(lam, workload.prompt["p95"]), step(lam))
+
+        if rate is None:
+            raise PlanError("the PD plan needs --rate (requests/s in total)")
+        out["pd"] = plan_pd(model, workload, pd_transport, rate, colocated, slo_ttft_p95, slo_tpot_p95,
+                            pd_max_workers)
     return out
 
 
@@ -428,6 +445,8 @@ def _recommend_budget(st: dict, a: float, per_token: float, bounds, workload: Wo
 def format_plan(p: dict) -> str:
     rows = []
     for section, items in p.items():
+        if section == "pd":   # a table of its own: pd_plan.format_pd
+            continue
         for name, v in items.items():
             val = v["value"]
             if isinstance(val, float):

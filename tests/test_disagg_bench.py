@@ -50,6 +50,17 @@ def test_bench_reports_kv_transfer_and_ttft_split_of_a_pd_server(checkpoint_dir,
     assert qp["request_seconds"] + qd["request_seconds"] <= sum(p["e2e"] for p in done)
     assert qp["mean"] == pytest.approx(qp["request_seconds"] / d["window_s"]) and qp["max_read"] >= 0
     assert "PD rate 8.0: KV moved" in r.output and "TTFT split" in r.output
+    # kiln plan --pd takes the transport from this result: bytes per block and bandwidth as measured
+    from kiln.bench.plan_cli import plan as plan_cmd
+
+    p = CliRunner().invoke(plan_cmd, ["--engine", str(engine.directory), "--device", "cpu:24", "--context-p95", "80",
+                                      "--output-p95", "8", "--rate", "2", "--ttft-p95", "5s", "--pd", "--pd-transfer",
+                                      str(tmp_path / "out" / "result.json"), "--output", str(tmp_path / "plan.json")])
+    assert p.exit_code == 0, p.output
+    t = json.loads((tmp_path / "plan.json").read_text())["plan"]["pd"]["transport"]
+    assert t["bytes_per_block"] == bs * engine.kv_bytes_per_token
+    wire = d["transfer_time_s"]["mean"] * d["transfer_time_s"]["count"]
+    assert t["bandwidth_bytes_per_s"] == pytest.approx(d["kv_transfer_bytes"] / wire)
 
 
 def test_a_colocated_page_has_no_pd_numbers():
