@@ -201,7 +201,8 @@ def format_pd(pd: dict) -> str:
                      f"{'met' if r['meets_slo'] else 'missed'}")
     rec, n = pd["recommended"], pd["colocated_instances"]
     within = f"within {pd['max_workers']} workers"
+    colocated = (f"colocated needs {n} instance{'s' if n != 1 else ''}" if n
+                 else f"colocated meets it with no count {within}")
     lines.append((f"recommended: {rec['config']} ({rec['workers']} workers)" if rec else
-                  f"recommended: no P/D split meets the SLO {within}")
-                 + (f"; colocated needs {n} instances" if n else f"; colocated meets it with no count {within}"))
+                  f"recommended: no P/D split meets the SLO {within}") + f"; {colocated}")
     return "\n".join(lines)
