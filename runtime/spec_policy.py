@@ -15,13 +15,15 @@ positions j) and keeps the count m that maximises expected tokens per second of 
 included; so k = 0 when the draft is too slow or the acceptance too low, and speculation pauses by itself when
 a larger step costs more than its proposals bring. What keeps the estimates honest:
 
-- the first step seen at a size is a warm-up (a compiled backend may specialise on it), not recorded; a sample
-  over 3x the size's estimate is clipped (another process took the cores);
+- the first step seen at a size is a warm-up (first-touch costs), not recorded; a size's estimate is the median
+  of its last samples (a step slowed by another process on the cores does not stick), and a size not measured
+  for ``EXPIRE`` steps is dropped, so a once-slow size is tried again;
 - above the largest size seen the curve is flat when it knows one size (so a larger step gets tried) and
   linear with its mean slope otherwise; below the smallest it scales with the size (so a plain step gets tried);
-- a plain decode step is taken when the plain size's estimate is older than ``REFRESH`` observations;
+- a plain decode step is taken when the plain size's estimate is older than ``REFRESH`` steps;
 - a request left at k = 0 gets one probe token after ``backoff_steps`` steps (at most one probe per that many
-  steps for the whole engine), so its acceptance is re-measured and k grows back when it recovers.
+  steps for the whole engine), so its acceptance is re-measured and k grows back when it recovers; no probe
+  when even acceptance 1 would not pay at the measured costs (the probe could not change the choice).
 
 Acceptance per request: exponential averages of accepted proposals A and of rejections R (steps where a
 proposal was rejected); a = A / (A + R) is the per-position estimate for truncated geometric outcomes. A new
@@ -31,45 +33,54 @@ request starts from the engine-wide average.
 from __future__ import annotations
 
 import bisect
+from collections import deque
 from dataclasses import dataclass
 
 DECAY = 0.7          # per-request acceptance memory (per verify step)
 GLOBAL_DECAY = 0.95  # the engine-wide prior's memory
 PRIOR_WEIGHT = 2.0   # pseudo-steps of the prior a new request starts with
-ALPHA = 0.2          # cost estimates' exponential average weight
-CLIP = 3.0           # a sample over CLIP x the estimate counts as CLIP x the estimate
-REFRESH = 64         # observations after which the plain step's estimate is re-measured
+WINDOW = 5           # samples kept per size: the estimate is their median
+REFRESH = 64         # steps after which the plain step's estimate is re-measured
+EXPIRE = 512         # steps after which a size's estimate is dropped (it is measured again when next tried)
 
 
 class CostCurve:
-    """Seconds of a step by its size: an exponential average per size seen (after a warm-up sighting),
-    piecewise linear between sizes (see the module docstring for outside them)."""
+    """Seconds of a step by its size: the median of its last WINDOW samples per size seen (after a warm-up
+    sighting), piecewise linear between sizes (see the module docstring for outside them). ``clock`` counts
+    steps (the policy advances it) for ``stale`` and ``expire``."""
 
     def __init__(self) -> None:
         self.sizes: list[int] = []
         self.seconds: dict[int, float] = {}
-        self.updated: dict[int, int] = {}   # size -> observation count when last recorded
-        self.count = 0
+        self.clock = 0
+        self._samples: dict[int, deque[float]] = {}
+        self._updated: dict[int, int] = {}
         self._warm: set[int] = set()
 
     def observe(self, size: int, seconds: float) -> None:
         if size <= 0:
             return
-        self.count += 1
-        old = self.seconds.get(size)
-        if old is None:
+        samples = self._samples.get(size)
+        if samples is None:
             if size not in self._warm:
                 self._warm.add(size)
                 return
             bisect.insort(self.sizes, size)
-            self.seconds[size] = seconds
-        else:
-            self.seconds[size] = old + ALPHA * (min(seconds, CLIP * old) - old)
-        self.updated[size] = self.count
+            samples = self._samples[size] = deque(maxlen=WINDOW)
+        samples.append(seconds)
+        self.seconds[size] = sorted(samples)[(len(samples) - 1) // 2]   # the lower median
+        self._updated[size] = self.clock
 
-    def stale(self, size: int) -> bool:
-        """Not measured at ``size``, or not for REFRESH observations."""
-        return self.count - self.updated.get(size, -REFRESH - 1) > REFRESH
+    def stale(self, size: int, horizon: int = REFRESH) -> bool:
+        """Not measured at ``size`` within the last ``horizon`` steps."""
+        return size not in self._updated or self.clock - self._updated[size] > horizon
+
+    def expire(self) -> None:
+        """Drop the sizes not measured for EXPIRE steps (a slow sample there must not keep a size untried)."""
+        old = [n for n in self.sizes if self.stale(n, EXPIRE)]
+        for n in old:
+            self.sizes.remove(n)
+            del self.seconds[n], self._samples[n], self._updated[n]
 
     def __call__(self, size: int) -> float | None:
         """The estimate at ``size`` (None before any measurement)."""
@@ -120,6 +131,11 @@ class SpecPolicy:
 
     # ---- what happened ----------------------------------------------------------------------------
     def observe_step(self, num_tokens: int, seconds: float) -> None:
+        """A target step's size and seconds (also the clock of both curves)."""
+        for curve in (self.target, self.draft):
+            curve.clock += 1
+            if curve.clock % 64 == 0:
+                curve.expire()
         self.target.observe(num_tokens, seconds)
 
     def observe_round(self, num_seqs: int, seconds: float) -> None:
@@ -196,9 +212,21 @@ class SpecPolicy:
             a.idle = 0 if ks[i] else a.idle + 1
         if self._since_probe > self.probe_interval and sum(ks) < max_total:
             idle = max(range(len(ks)), key=lambda i: accs[i].idle if caps[i] else -1, default=None)
-            if idle is not None and ks[idle] == 0 and caps[idle] and accs[idle].idle > self.probe_interval:
+            if (idle is not None and ks[idle] == 0 and caps[idle] and accs[idle].idle > self.probe_interval
+                    and self._could_pay(caps[idle], base_tokens, num_decoding, base_time)):
                 ks[idle], accs[idle].idle, self._since_probe = 1, 0, 0
         return ks
+
+    def _could_pay(self, cap: int, base_tokens: int, num_decoding: int, base_time: float) -> bool:
+        """Whether some k <= cap would beat plain decode for one request at acceptance 1 (else a probe of its
+        acceptance cannot change the choice: the costs alone rule speculation out)."""
+        plain = num_decoding / base_time
+        d1 = self.draft(1) or 0.0
+        for j in range(1, cap + 1):
+            draft_time = d1 * (j if self.round_per_position else 1)
+            if (num_decoding + j) / (max(self.target(base_tokens + j), base_time) + draft_time) > plain:
+                return True
+        return False
 
 
 def _fill(caps: list[int], max_total: int) -> list[int]:

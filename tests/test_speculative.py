@@ -261,6 +261,9 @@ def test_policy_gives_k_0_when_the_draft_is_too_slow_and_k_back_when_it_is_cheap
         cheap.record("r", 4, 1)
     assert cheap.choose([("r", 4, False)], 1, 1, 16)[0] >= 2
     # the same costs with a one-round proposer (n-gram): one round for all positions
+    # no probes where even acceptance 1 would not pay: a draft round slower than a target step
+    slow = policy_with(target, {1: 1.5}, per_position=True, probe=3)
+    assert [slow.choose([("r", 4, False)], 1, 1, 16)[0] for _ in range(10)] == [0] * 10
     ngram = policy_with(target, {1: 0.5}, per_position=False)
     for _ in range(10):
         ngram.record("r", 4, 4)
@@ -314,7 +317,7 @@ def test_policy_measures_before_it_decides_and_refreshes_the_plain_cost():
     assert fixed.choose([("r", 3, False)], 1, 1, 16) == [3]
 
 
-def test_cost_curve_interpolates_warms_up_and_clips():
+def test_cost_curve_interpolates_warms_up_and_forgets_slow_samples():
     curve = CostCurve()
     assert curve(4) is None
     curve.observe(2, 10.0)   # warm-up: not recorded
@@ -324,8 +327,15 @@ def test_cost_curve_interpolates_warms_up_and_clips():
     curve.observe(10, 10.0)
     assert curve(2) == 2.0 and curve(10) == 10.0 and curve(6) == pytest.approx(6.0)
     assert curve(1) == pytest.approx(1.0) and curve(14) == pytest.approx(14.0)
-    curve.observe(2, 100.0)   # clipped at 3x the estimate
-    assert curve(2) == pytest.approx(2.0 + 0.2 * (6.0 - 2.0))
+    curve.observe(2, 100.0)   # one slow sample: the median of the last ones stays
+    assert curve(2) == 2.0
+    curve.observe(2, 3.0)
+    curve.observe(2, 3.0)
+    assert curve(2) == 3.0
+    curve.clock += 600   # not measured for EXPIRE steps: dropped (tried again)
+    curve.observe(10, 10.0)
+    curve.expire()
+    assert curve.sizes == [10] and curve(5) == pytest.approx(5.0)
 
 
 def test_speculative_config_errors_name_the_problem(checkpoint_dir):
