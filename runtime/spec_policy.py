@@ -4,7 +4,7 @@ Speculation pays when the tokens a step emits grow faster than its cost. For a r
 each accepted with probability a (given the ones before were), the j-th proposal adds a^j expected tokens, so
 k proposals give 1 + a + ... + a^k = (1 - a^(k+1)) / (1 - a) tokens. A step's cost is measured, not assumed:
 
-- the target's step time as a function of the tokens in the step (``CostCurve``: an exponential average per
+- the target's step time as a function of the tokens in the step (``CostCurve``: the median of recent samples per
   size seen, linear in between), which is where batch size enters: a 16-sequence step that adds 4 proposals
   each costs what 80 tokens cost, measured;
 - the proposer's round time as a function of the sequences in the round: a draft model runs one round per
