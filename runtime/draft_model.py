@@ -26,6 +26,7 @@ number of tokens (every sequence lives in both): see ``Executor.__init__`` and d
 from __future__ import annotations
 
 import logging
+import time
 from pathlib import Path
 from typing import Any
 
@@ -117,6 +118,8 @@ class _DraftSeq:
 class DraftProposer(Proposer):
     """Proposals from a draft engine with its own KV pool (see the module docstring)."""
 
+    round_per_position = True
+
     def __init__(self, config: SpeculativeConfig, draft, num_blocks: int, sampler: Sampler,
                  enable_prefix_reuse: bool = True):
         super().__init__(config)
@@ -154,6 +157,11 @@ class DraftProposer(Proposer):
 
     def close(self) -> None:
         self.engine.close()
+
+    def fixed_k(self, request) -> bool:
+        """A seeded sampled request: rejection sampling draws from its generator as its proposals go, so the same
+        seed repeats its tokens only with the same k sequence (always the most, not a timing-driven choice)."""
+        return request.params.temperature > 0 and request.generator is not None
 
     def draft_probs(self, request_id: str) -> torch.Tensor | None:
         return self._probs.get(request_id)
@@ -218,6 +226,7 @@ class DraftProposer(Proposer):
         feed = {req.request_id: req.all_token_ids[seq.num_computed_tokens:] for req, seq, _ in live}
         probs: dict[str, list[torch.Tensor]] = {req.request_id: [] for req, _, _ in live}
         for j in range(max((k for _, _, k in live), default=0)):
+            t0 = time.perf_counter()
             batch = [(req, seq) for req, seq, k in live if k > j]
             if j > 0:   # this round feeds the previous round's proposal
                 for req, seq in batch:
@@ -230,6 +239,7 @@ class DraftProposer(Proposer):
                 req.spec_token_ids.append(t)
                 probs[req.request_id].append(row)
                 feed[req.request_id] = [t]
+            self.policy.observe_round(len(batch), time.perf_counter() - t0)   # the policy's draft cost
         for req, _, _ in live:
             if req.params.temperature > 0:
                 self._probs[req.request_id] = torch.stack(probs[req.request_id])

@@ -796,9 +796,10 @@ class Executor:
         if spec:
             self.proposer.rolled_back([s.request for s in out.scheduled if s.num_spec])
         self._emit_outputs(new_tokens, sample.logprobs if sample else [], spec)
-        self._record_step(out, len(new_tokens), time.perf_counter() - t0, engine_time,
-                          sample.mask_time if sample else None)
+        step_time = time.perf_counter() - t0
+        self._record_step(out, len(new_tokens), step_time, engine_time, sample.mask_time if sample else None)
         if self.proposer is not None:
+            self.proposer.policy.observe_step(sum(s.num_new_tokens for s in out.scheduled), step_time)
             self._propose()
 
     def _verify(self, out: SchedulerOutput, rows: list[int], logits: torch.Tensor):
@@ -874,23 +875,32 @@ class Executor:
         return SamplerOutput(tokens, logprobs, part.mask_time)
 
     def _propose(self) -> None:
-        """Proposals for the decoding requests' next step (none while more sequences run than
-        ``disable_by_batch_size``: decode is compute-bound there; none for structured output)."""
+        """Proposals for the decoding requests' next step: each one's k from the proposer's policy (measured
+        costs and acceptance, ``kiln.runtime.spec_policy``); none while more sequences run than
+        ``disable_by_batch_size`` when it is set; none for structured output."""
         sched, proposer = self.scheduler, self.proposer
-        if sched.num_running > proposer.config.disable_by_batch_size:
+        cap = proposer.config.disable_by_batch_size
+        if cap is not None and sched.num_running > cap:
             return
         # the logits rows the next step can give proposals (each sequence that may run keeps one, as the scheduler
         # counts them): more would be dropped there, after a draft model had spent its rounds on them
         c = sched.config
         rows = (c.max_num_logits or c.max_num_tokens) - min(c.max_batch_size, sched.num_running + sched.num_waiting)
-        wants = []
+        candidates, base, decoding = [], 0, 0
         for req in sched.running:
-            if req.spec_token_ids or req.grammar is not None or req.num_tokens - req.num_computed_tokens != 1:
+            left = req.num_tokens - req.num_computed_tokens
+            base += left
+            decoding += left == 1
+            if req.spec_token_ids or req.grammar is not None or left != 1:
                 continue
-            k = min(proposer.num_tokens(req.request_id), req.max_tokens - req.num_output_tokens - 1, rows)
+            k = req.max_tokens - req.num_output_tokens - 1
             if k > 0:
-                wants.append((req, k))
-                rows -= k
+                candidates.append((req, k))
+        if not candidates or rows <= 0:
+            return
+        ks = proposer.policy.choose([(req.request_id, k, proposer.fixed_k(req)) for req, k in candidates],
+                                    min(base, c.max_num_tokens), decoding, rows)
+        wants = [(req, k) for (req, _), k in zip(candidates, ks) if k > 0]
         if wants:
             proposer.propose_all(wants)   # a draft model runs its rounds for all of them together
 

@@ -13,10 +13,10 @@ The n-gram proposer (prompt lookup) proposes the continuation of the most recent
 longest suffix of ``prompt_lookup_max`` .. ``prompt_lookup_min`` tokens. Its index is built incrementally per
 request (each new token adds one entry per n-gram size), so a proposal costs a few dict lookups, not a scan.
 
-Adaptive k (per request): after each verify step the request's acceptance (an exponential average of accepted /
-proposed) sets its next k; below ``min_acceptance`` it stops proposing for ``backoff_steps`` steps, then tries
-one token again. Speculation pauses for the whole step when more than ``disable_by_batch_size`` sequences run
-(decode is compute-bound there: a 1 + k-token step costs nearly 1 + k times a 1-token step).
+Adaptive k (per request): ``kiln.runtime.spec_policy`` picks each request's k from the measured cost of a
+target step by its size, the proposer's round cost and the request's recent acceptance (k = 0 when no k beats
+plain decode, so speculation also pauses by itself at batch sizes where a larger step costs more than its
+proposals bring); ``disable_by_batch_size`` is a hard cap on top (vLLM's key).
 
 Draft-model proposals (``kiln.runtime.draft_model``) are not point masses: a sampled request's are verified by
 rejection sampling with the draft's distribution (``kiln.runtime.rejection``); a greedy request's as above.
@@ -26,11 +26,13 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import time
 from dataclasses import dataclass
 from typing import Any
 
 from kiln.contract import ConfigError, reject_unknown_options
 from kiln.runtime.fields import FieldChecks
+from kiln.runtime.spec_policy import SpecPolicy
 
 METHODS = ("ngram", "draft_model")
 
@@ -46,9 +48,8 @@ class SpeculativeConfig:
     prompt_lookup_min: int = 2
     model: str | None = None
     adaptive: bool = True
-    min_acceptance: float = 0.3
-    backoff_steps: int = 16
-    disable_by_batch_size: int = 3   # docs/benchmarks.md: the ngram crossover is between batch 3 and 4
+    backoff_steps: int = 16                  # a request left at k = 0 is probed with one token after this many
+    disable_by_batch_size: int | None = None  # no proposals while more sequences run (a hard cap on the policy)
 
     def __post_init__(self) -> None:
         c = FieldChecks()
@@ -57,9 +58,9 @@ class SpeculativeConfig:
         self.prompt_lookup_max = c.integer("prompt_lookup_max", self.prompt_lookup_max, 1)
         self.prompt_lookup_min = c.integer("prompt_lookup_min", self.prompt_lookup_min, 1)
         self.adaptive = c.flag("adaptive", self.adaptive)
-        self.min_acceptance = c.number("min_acceptance", self.min_acceptance, 0, 1)
         self.backoff_steps = c.integer("backoff_steps", self.backoff_steps, 1)
-        self.disable_by_batch_size = c.integer("disable_by_batch_size", self.disable_by_batch_size, 1)
+        self.disable_by_batch_size = c.integer("disable_by_batch_size", self.disable_by_batch_size, 1,
+                                               optional=True)
         if (isinstance(self.prompt_lookup_min, int) and isinstance(self.prompt_lookup_max, int)
                 and self.prompt_lookup_min > self.prompt_lookup_max):
             c.problems.append(f"prompt_lookup_min ({self.prompt_lookup_min}) is above prompt_lookup_max "
@@ -101,49 +102,29 @@ class _NgramIndex:
     indexed: int = 0          # ends 1..indexed are in the maps
 
 
-@dataclass
-class _Adaptive:
-    acceptance: float = 1.0   # exponential average of accepted / proposed
-    k: int = 0
-    pause: int = 0            # steps left without proposals
-
-
 class Proposer:
-    """What the executor sees of a proposer: each request's adaptive k, its proposals for the next step
-    (``propose_all`` sets ``spec_token_ids``), the outcome of each verify step, and its end. A point-mass
-    proposer (n-gram) has no draft distribution; a draft model's (``kiln.runtime.draft_model``) holds KV that
-    rolls back and is freed with its target's."""
+    """What the executor sees of a proposer: its policy (``kiln.runtime.spec_policy``: each request's k from
+    measured costs and acceptance), its proposals for the next step (``propose_all`` sets ``spec_token_ids``),
+    the outcome of each verify step, and its end. A point-mass proposer (n-gram) has no draft distribution; a
+    draft model's (``kiln.runtime.draft_model``) holds KV that rolls back and is freed with its target's."""
+
+    round_per_position = False   # a draft model runs one round per proposed position, the n-gram lookup one
 
     def __init__(self, config: SpeculativeConfig):
         self.config = config
-        self._adaptive: dict[str, _Adaptive] = {}
+        self.policy = SpecPolicy(config.num_speculative_tokens, config.adaptive, config.backoff_steps,
+                                 self.round_per_position)
 
     def forget(self, request_id: str) -> None:
-        self._adaptive.pop(request_id, None)
-
-    def num_tokens(self, request_id: str) -> int:
-        """How many tokens the request may propose next (adaptive k; 0 while paused)."""
-        a = self._adaptive.get(request_id)
-        if a is None:
-            a = self._adaptive[request_id] = _Adaptive(k=self.config.num_speculative_tokens)
-        if a.pause > 0:
-            a.pause -= 1
-            return 0
-        return a.k
+        self.policy.forget(request_id)
 
     def record(self, request_id: str, proposed: int, accepted: int) -> None:
-        """A verify step's outcome: adapt the request's k (see the module docstring)."""
-        c = self.config
-        a = self._adaptive.get(request_id)
-        if a is None or not c.adaptive or proposed == 0:
-            return
-        a.acceptance = 0.7 * a.acceptance + 0.3 * accepted / proposed
-        if a.acceptance < c.min_acceptance:
-            a.pause, a.k, a.acceptance = c.backoff_steps, 1, c.min_acceptance   # retry with 1 token after the pause
-        elif accepted == proposed:
-            a.k = min(c.num_speculative_tokens, a.k + 1)
-        else:
-            a.k = max(1, min(a.k, accepted + 1))
+        """A verify step's outcome (the policy's acceptance estimate follows)."""
+        self.policy.record(request_id, proposed, accepted)
+
+    def fixed_k(self, request) -> bool:
+        """Whether the request's tokens depend on its k sequence (then k must not follow timings)."""
+        return False
 
     def propose_all(self, wants: list[tuple[Any, int]]) -> None:
         """Set ``spec_token_ids`` (at most k tokens) of each (request, k) in ``wants``."""
@@ -176,8 +157,10 @@ class NgramProposer(Proposer):
         super().forget(request_id)
 
     def propose_all(self, wants: list[tuple[Any, int]]) -> None:
+        t0 = time.perf_counter()
         for req, k in wants:
             req.spec_token_ids = self.propose(req.request_id, req.all_token_ids, k)
+        self.policy.observe_round(len(wants), time.perf_counter() - t0)
 
     def propose(self, request_id: str, tokens: list[int], k: int) -> list[int]:
         """Up to ``k`` tokens that followed the latest earlier occurrence of the longest matching suffix."""

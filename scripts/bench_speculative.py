@@ -20,8 +20,10 @@ workloads from that corpus: copy-heavy = a corpus window and its first tokens ag
 
 ``--methods ngram,draft_model`` measures both proposers in the same run, against the same baseline: the draft is
 the ``--draft-size`` Llama (default ``small-draft``, ~4.4x smaller than ``small``), fitted to the same corpus for
-the same steps, so it shares the target's tokenizer. ``--disable-by-batch-size N`` overrides the pause threshold
-of every method (the batch crossover: run ``--methods ngram --batches 1,2,3,4 --disable-by-batch-size 64``).
+the same steps, so it shares the target's tokenizer. By default each method's k is the adaptive policy's
+(``kiln.runtime.spec_policy``: from measured costs and acceptance); ``--disable-by-batch-size N`` sets the hard
+cap of every method, ``--fixed-k`` turns the policy off (always k: the batch crossover without adaptation is
+``--methods ngram --batches 1,2,3,4 --fixed-k``).
 Each speculating row prints its acceptance per draft position.
 """
 
@@ -158,6 +160,8 @@ def spec_configs(args) -> dict[str, dict]:
             raise SystemExit(f"--methods: unknown method {method!r} (ngram, draft_model)")
         if args.disable_by_batch_size is not None:
             configs[method]["disable_by_batch_size"] = args.disable_by_batch_size
+        if args.fixed_k:
+            configs[method]["adaptive"] = False
     return configs
 
 
@@ -174,7 +178,8 @@ def main() -> None:
     ap.add_argument("--k", type=int, default=4, help="num_speculative_tokens")
     ap.add_argument("--spec", default=None, help="the ngram method's speculative_config JSON (overrides --k)")
     ap.add_argument("--disable-by-batch-size", type=int, default=None,
-                    help="every method's disable_by_batch_size (default: the config's default)")
+                    help="every method's disable_by_batch_size hard cap (default: none)")
+    ap.add_argument("--fixed-k", action="store_true", help="adaptive off: every step proposes k (within the rows)")
     ap.add_argument("--trained", type=int, default=0, metavar="STEPS",
                     help="fit the checkpoint to the synthetic corpus for STEPS steps and take the workloads from "
                          "that corpus (a model that predicts its text, as the demo's; default: random weights)")

@@ -17,6 +17,7 @@ import torch
 from kiln.contract import ConfigError
 from kiln.runtime import LLM, SamplingParams
 from kiln.runtime.kv_cache import cdiv
+from kiln.runtime.spec_policy import CostCurve, SpecPolicy
 from kiln.runtime.speculative import NgramProposer, SpeculativeConfig
 
 from runtime_support import assert_no_leak, get_engine, hf_greedy, random_prompts
@@ -219,15 +220,122 @@ def test_ngram_proposer_index_matches_a_rescan():
         assert got == want, (tokens[-8:], got, want)
 
 
-def test_adaptive_k_backs_off_and_recovers():
-    proposer = NgramProposer(SpeculativeConfig(num_speculative_tokens=4, backoff_steps=3))
-    assert proposer.num_tokens("r") == 4
-    for _ in range(4):   # acceptance 0.7, 0.49, 0.34, 0.24: below min_acceptance 0.3
-        proposer.record("r", 4, 0)
-    assert [proposer.num_tokens("r") for _ in range(4)] == [0, 0, 0, 1]
-    for _ in range(4):
-        proposer.record("r", proposer.num_tokens("r"), proposer.num_tokens("r"))
-    assert proposer.num_tokens("r") == 4
+def policy_with(target: dict[int, float], draft: dict[int, float], per_position: bool, k: int = 4,
+                probe: int = 3) -> SpecPolicy:
+    """A policy whose cost curves hold the given seconds by size (each observed twice: the first is a warm-up)."""
+    policy = SpecPolicy(k, True, probe, per_position)
+    for _ in range(2):
+        for n, t in target.items():
+            policy.observe_step(n, t)
+        for n, t in draft.items():
+            policy.observe_round(n, t)
+    return policy
+
+
+def test_policy_takes_the_k_that_maximises_tokens_per_second():
+    # a flat target (fixed overhead dominates) and a free proposer: every proposal that may be accepted pays
+    policy = policy_with({1: 1.0, 5: 1.0}, {1: 0.0}, per_position=False)
+    assert policy.choose([("r", 8, False)], 1, 1, 16) == [4]
+    # a target whose cost is linear in tokens: a proposal pays only when its expected gain beats its cost
+    policy = policy_with({1: 1.0, 17: 17.0}, {1: 0.0}, per_position=False)
+    assert policy.choose([("r", 4, False)], 1, 1, 16) == [0]
+    # rows: never more proposals than the step has logits rows for
+    policy = policy_with({2: 1.0, 10: 1.0}, {2: 0.0}, per_position=False)
+    # the largest gains first: a^1, b^1, a^2, b^2, a^3
+    assert policy.choose([("a", 4, False), ("b", 4, False)], 2, 2, 5) == [3, 2]
+
+
+def test_policy_gives_k_0_when_the_draft_is_too_slow_and_k_back_when_it_is_cheap():
+    target = {1: 1.0, 5: 1.1}
+    for _ in range(3):   # acceptance 0.5: 4 proposals bring 0.5 + 0.25 + 0.125 + 0.06 tokens
+        policy = policy_with(target, {1: 0.5}, per_position=True)
+        for _ in range(10):
+            policy.record("r", 4, 1)
+    assert policy.acceptance("r") == pytest.approx(0.5, abs=0.02)
+    # a draft round costs half a target step: 1 proposal = 1.5 tokens for 1.5 + 0.5 s ... never beats 1 token/s
+    assert policy.choose([("r", 4, False)], 1, 1, 16) == [0]
+    # a seeded request sampled through a draft model keeps its k whatever the timings (reproducible tokens)
+    assert policy.choose([("r", 4, True), ("s", 4, False)], 2, 2, 16) == [4, 0]
+    cheap = policy_with(target, {1: 0.05}, per_position=True)
+    for _ in range(10):
+        cheap.record("r", 4, 1)
+    assert cheap.choose([("r", 4, False)], 1, 1, 16)[0] >= 2
+    # the same costs with a one-round proposer (n-gram): one round for all positions
+    # no probes where even acceptance 1 would not pay: a draft round slower than a target step
+    slow = policy_with(target, {1: 1.5}, per_position=True, probe=3)
+    assert [slow.choose([("r", 4, False)], 1, 1, 16)[0] for _ in range(10)] == [0] * 10
+    ngram = policy_with(target, {1: 0.5}, per_position=False)
+    for _ in range(10):
+        ngram.record("r", 4, 4)
+    assert ngram.choose([("r", 4, False)], 1, 1, 16) == [4]
+
+
+def test_policy_pauses_at_large_batches_from_measured_costs():
+    # 16 sequences: the step's cost grows with its tokens (compute-bound), proposals at acceptance 0.5 do not pay
+    policy = policy_with({16: 1.0, 80: 5.0}, {16: 0.0}, per_position=False)
+    for r in range(16):
+        for _ in range(10):
+            policy.record(f"r{r}", 4, 1)
+    assert policy.choose([(f"r{r}", 4, False) for r in range(16)], 16, 16, 128) == [0] * 16
+    # one sequence on the same engine (a flat step): speculation pays
+    policy = policy_with({1: 1.0, 5: 1.05}, {1: 0.0}, per_position=False)
+    for _ in range(10):
+        policy.record("r0", 4, 1)
+    assert policy.choose([("r0", 4, False)], 1, 1, 128)[0] > 0
+
+
+def test_policy_probes_a_request_at_k_0_and_gives_k_back_when_acceptance_recovers():
+    policy = policy_with({1: 1.0, 5: 1.2}, {1: 0.1}, per_position=True, probe=3)
+    for _ in range(10):
+        policy.record("r", 4, 0)
+    ks = []
+    for _ in range(8):
+        ks.append(policy.choose([("r", 4, False)], 1, 1, 16)[0])
+        policy.observe_step(1, 1.0)   # the plain steps keep the plain cost fresh
+    assert ks == [0, 0, 0, 1, 0, 0, 0, 1]   # one probe token every 3 steps at k = 0
+    for _ in range(6):   # the probes (then the proposals) are accepted: k grows back to the most
+        policy.record("r", 1, 1)
+    assert policy.choose([("r", 4, False)], 1, 1, 16)[0] == 4
+
+
+def test_policy_measures_before_it_decides_and_refreshes_the_plain_cost():
+    policy = SpecPolicy(4, True, 16, False)
+    assert policy.choose([("r", 4, False)], 1, 1, 16) == [4]   # nothing measured: full k (and the step is measured)
+    policy.observe_step(5, 1.0)
+    policy.observe_step(5, 1.0)   # known at 5 tokens only: below it the cost scales with the size, so plain wins
+    assert policy.choose([("r", 4, False)], 1, 1, 16) == [0]
+    policy.observe_step(1, 0.9)
+    policy.observe_step(1, 0.9)
+    policy.record("r", 4, 4)
+    assert policy.choose([("r", 4, False)], 1, 1, 16) == [4]
+    for _ in range(70):   # only speculating steps for a while: the plain step is measured again
+        policy.observe_step(5, 1.0)
+    assert policy.choose([("r", 4, False)], 1, 1, 16) == [0]
+    fixed = SpecPolicy(4, False, 16, False)   # adaptive off: always the full k
+    fixed.observe_step(1, 1.0)
+    fixed.record("r", 4, 0)
+    assert fixed.choose([("r", 3, False)], 1, 1, 16) == [3]
+
+
+def test_cost_curve_interpolates_warms_up_and_forgets_slow_samples():
+    curve = CostCurve()
+    assert curve(4) is None
+    curve.observe(2, 10.0)   # warm-up: not recorded
+    assert curve(2) is None
+    curve.observe(2, 2.0)
+    curve.observe(10, 9.0)
+    curve.observe(10, 10.0)
+    assert curve(2) == 2.0 and curve(10) == 10.0 and curve(6) == pytest.approx(6.0)
+    assert curve(1) == pytest.approx(1.0) and curve(14) == pytest.approx(14.0)
+    curve.observe(2, 100.0)   # one slow sample: the median of the last ones stays
+    assert curve(2) == 2.0
+    curve.observe(2, 3.0)
+    curve.observe(2, 3.0)
+    assert curve(2) == 3.0
+    curve.clock += 600   # not measured for EXPIRE steps: dropped (tried again)
+    curve.observe(10, 10.0)
+    curve.expire()
+    assert curve.sizes == [10] and curve(5) == pytest.approx(5.0)
 
 
 def test_speculative_config_errors_name_the_problem(checkpoint_dir):

@@ -104,13 +104,26 @@ def test_greedy_24_concurrent_requests_match_transformers(checkpoint_dir, family
         assert spec["proposed_tokens"] > 24 and rollbacks[0] > 0, spec
 
 
+def test_greedy_outputs_with_the_adaptive_policy_match_transformers(checkpoint_dir):
+    """The cost-aware policy on (its k follows this machine's timings): still transformers' tokens, books exact."""
+    ckpt = checkpoint_dir("llama", train_steps=60)
+    prompts = [corpus_prompt(ckpt)[: 8 + i] for i in range(12)] + copy_heavy(12, seed=16)
+    max_tokens = [random.Random(90 + i).randint(8, 30) for i in range(24)]
+    with LLM(get_engine(ckpt), speculative_config=draft_config(draft_of(checkpoint_dir, "llama", 60)),
+             max_batch_size=8) as llm:
+        checked_books(llm)
+        greedy_matches_hf(llm, ckpt, prompts, max_tokens)
+        assert_no_draft_leak(llm)
+        assert llm.stats()["speculative"]["proposed_tokens"] > 0
+
+
 def test_the_target_as_its_own_draft_accepts_its_proposals(checkpoint_dir):
     """Greedy with the target as the draft: the draft's argmax is the target's (up to near-ties of a random model),
     so nearly every proposal is accepted and the outputs are still transformers'."""
     ckpt = checkpoint_dir("llama")
     engine = get_engine(ckpt)
     prompts = copy_heavy(8, seed=12)
-    with LLM(engine, speculative_config=draft_config(engine), max_batch_size=4) as llm:
+    with LLM(engine, speculative_config=draft_config(engine, adaptive=False), max_batch_size=4) as llm:
         checked_books(llm)
         greedy_matches_hf(llm, ckpt, prompts, [24] * 8)
         spec = llm.stats()["speculative"]
@@ -123,7 +136,7 @@ def test_preemption_and_prefix_reuse_keep_greedy_outputs(checkpoint_dir):
     prompts = [corpus_prompt(ckpt)[: 8 + i] for i in range(12)] + copy_heavy(12, seed=13)
     max_tokens = [random.Random(70 + i).randint(4, 30) for i in range(24)]
     longest = max(len(p) + m for p, m in zip(prompts, max_tokens))
-    with LLM(get_engine(ckpt), speculative_config=draft_config(draft_of(checkpoint_dir, "llama", 60)),
+    with LLM(get_engine(ckpt), speculative_config=draft_config(draft_of(checkpoint_dir, "llama", 60), adaptive=False),
              capacity_policy="max_utilization", max_kv_cache_tokens=longest + 16) as llm:
         checked_books(llm)
         released = []
@@ -142,7 +155,7 @@ def test_stops_logprobs_and_n_as_without_speculation(checkpoint_dir):
     ckpt = checkpoint_dir("llama", train_steps=60)
     engine = get_engine(ckpt)
     prompts = [corpus_prompt(ckpt)] * 2 + copy_heavy(4, seed=14)
-    config = draft_config(draft_of(checkpoint_dir, "llama", 60))
+    config = draft_config(draft_of(checkpoint_dir, "llama", 60), adaptive=False)
     with LLM(engine) as plain, LLM(engine, speculative_config=config) as spec:
         full = plain.generate(prompts, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=2))
         got = spec.generate(prompts, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=2))
