@@ -164,7 +164,7 @@ def _library_path(key: str) -> Path:
     from torch.utils import cpp_extension
 
     logger.info("compiling kiln's native kernels (first use, ~20 s; cached in TORCH_EXTENSIONS_DIR)")
-    return Path(cpp_extension.load(
+    path = Path(cpp_extension.load(
         name=f"{LIBRARY_NAME}_{key}",
         sources=[str(p) for p in SOURCES],
         extra_cflags=[*CFLAGS, key_define(key)],
@@ -172,6 +172,22 @@ def _library_path(key: str) -> Path:
         is_python_module=False,
         verbose=False,
     ))
+    # the loader has also loaded it, so its C++ kernels now serve the ops: it must see the enabled flag (else a
+    # later native_kernels_disabled() leaves this copy's kernels running)
+    _track(path)
+    return path
+
+
+def _track(path: Path) -> ctypes.CDLL:
+    """Open the library at ``path`` (once per copy), remember it in ``_opened`` and give it the enabled flag."""
+    lib = ctypes.CDLL(str(path))
+    known = next((o for o in _opened if o._handle == lib._handle), None)
+    if known is None:
+        _declare(lib)
+        _opened.append(lib)
+        known = lib
+    known.kiln_ops_set_enabled(int(_enabled))
+    return known
 
 
 def _jit_cached(key: str) -> Path | None:
@@ -238,9 +254,7 @@ def _load() -> ctypes.CDLL | None:
             path = _library_path(key)
             if library_key(path) != key:
                 raise RuntimeError(f"{path} does not carry build key {key}")
-            lib = ctypes.CDLL(str(path))
-            _declare(lib)
-            _opened.append(lib)
+            lib = _track(path)
             for opened in _opened:
                 opened.kiln_ops_set_enabled(int(_enabled))
             _apply_tuning(lib, key)

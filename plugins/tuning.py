@@ -4,10 +4,12 @@ The kernels pick their instruction set from CPUID (AVX-512 with VNNI where prese
 depends on the microarchitecture's caches and memory system beyond that are the software prefetch distances
 (bytes ahead in a weight stream): ``row_prefetch`` (one-row decode, int8/int4), ``small_prefetch`` (batched
 decode, M <= 32: the first pass over each tile) and ``onepass_prefetch`` (AVX-512 one-pass 13..16 rows), and how
-many panels an int4 one-row decode reads at once per thread (``row_panels``: 1 = one sequential stream). The
+many panels an int4 / int8 one-row decode reads at once per thread (``row_panels`` / ``int8_row_panels``: 1 = one
+sequential stream; where the hardware prefetcher follows one stream per page, several interleaved ones keep more
+lines in flight). The
 library starts with per-microarchitecture defaults (``default_tuning`` in ``csrc/linear_kernels.cpp``); then
 :func:`apply` loads this machine's measured choice from the cache, or measures it (:func:`autotune`, ~0.5-2 s:
-the int4 decode kernels streaming weights from memory at each candidate distance) and caches it, a JSON file
+the int4 and int8 decode kernels streaming weights from memory at each candidate) and caches it, a JSON file
 named by the library's build key and the CPU (:func:`cache_path`, beside the kernel cache in
 TORCH_EXTENSIONS_DIR). ``KILN_AUTOTUNE=0`` keeps the defaults; ``KILN_TUNING=name=value,...`` sets values.
 """
@@ -26,7 +28,7 @@ logger = logging.getLogger("kiln.plugins")
 __all__ = ["TUNABLES", "get", "set_value", "current", "cpu_signature", "cache_path", "autotune", "apply",
            "describe_kernel"]
 
-TUNABLES = ("row_prefetch", "small_prefetch", "onepass_prefetch", "row_panels")
+TUNABLES = ("row_prefetch", "small_prefetch", "onepass_prefetch", "row_panels", "int8_row_panels")
 CANDIDATES = (0, 512, 1024, 2048, 4096, 8192)
 ROUNDS = 5
 
@@ -44,7 +46,7 @@ def set_value(lib, name: str, value: int) -> None:
         raise ValueError(f"unknown kernel tunable {name!r}; the tunables are {list(TUNABLES)}")
     if rc == 2:
         raise ValueError(f"kernel tunable {name}={value} is out of range (prefetch distances 0..65536 bytes, "
-                         "row_panels 1, 2 or 4)")
+                         "row_panels 1, 2 or 4, int8_row_panels the same)")
 
 
 def current(lib) -> dict[str, int]:
@@ -101,16 +103,27 @@ def autotune(lib, nthreads: int, budget_s: float = 6.0) -> dict[str, int]:
     g = torch.Generator().manual_seed(0)
     weights = [torch.randint(0, 256, (n // 16, k // 8, 64), dtype=torch.uint8, generator=g) for _ in range(copies)]
     scales = torch.full((n // 16, k // gs, 16), 0.01, dtype=torch.float16)
+    # int8 panels of the same shape (4 MiB each), half as many copies: also 96 MiB
+    int8_weights = [torch.randint(-127, 128, (n // 16, k // 2, 16, 2), dtype=torch.int8, generator=g)
+                    for _ in range(copies // 2)]
+    int8_scales = torch.full((n,), 0.01)
+    int8_panel = _int8_panel_type()
     chosen = current(lib)
     for name, rows, candidates in (("row_panels", 1, (1, 2, 4)), ("row_prefetch", 1, CANDIDATES),
-                                   ("small_prefetch", 8, CANDIDATES)):
+                                   ("small_prefetch", 8, CANDIDATES), ("int8_row_panels", 1, (1, 2, 4))):
         x = torch.randn(rows, k)
         y = torch.empty(rows, n)
         idx = [0]
 
         def call():
-            w = weights[idx[0] % copies]
+            i = idx[0]
             idx[0] += 1
+            if name == "int8_row_panels":
+                w = int8_weights[i % len(int8_weights)]
+                lib.kiln_linear(int8_panel, w.data_ptr(), int8_scales.data_ptr(), 0, x.data_ptr(), rows, n, k, None,
+                                y.data_ptr(), nthreads, 0)
+                return
+            w = weights[i % copies]
             lib.kiln_linear_int4_panel(w.data_ptr(), scales.data_ptr(), None, gs, x.data_ptr(), rows, n, k, None,
                                        y.data_ptr(), nthreads, 0)
 
@@ -130,6 +143,12 @@ def autotune(lib, nthreads: int, budget_s: float = 6.0) -> dict[str, int]:
         set_value(lib, name, best)
         logger.info("kiln autotune %s: %s -> %d", name, {c: round(t * 1e3, 2) for c, t in times.items()}, best)
     return chosen
+
+
+def _int8_panel_type() -> int:
+    from kiln.plugins.native import ABI
+
+    return ABI.weight_types["int8_panel"]
 
 
 def _cached(path: Path) -> dict[str, int] | None:

@@ -70,6 +70,14 @@ def test_prebuilt_library_is_used_only_when_its_key_matches(native, monkeypatch,
     with pytest.warns(RuntimeWarning, match="built from other sources or for another torch"):
         path = native_lib._library_path(key)
     assert path != prebuilt and native_lib.library_key(path) == key
+    # where that compiled it, the loader also loaded that copy, whose C++ kernels now serve the ops: disabling the
+    # native kernels must reach it too (the forced-fallback tests after this one in the process depend on it)
+    g = torch.Generator().manual_seed(3)
+    q, s = fmt.quantize_int8(torch.randn(40, 128, generator=g))
+    x = torch.randn(3, 128, generator=g)
+    with native_lib.native_kernels_disabled():
+        assert torch.equal(ops.weight_only_linear(x, q, s, None, 8, 0),
+                           linear.weight_only_linear_reference(x, q, s, None, 8, 0))
 
 
 def test_build_failure_warns_once_and_falls_back(monkeypatch):

@@ -694,6 +694,7 @@ struct Tuning {
   int64_t small_prefetch;    // batched decode (M <= SMALL_M): each panel of a tile's first pass
   int64_t onepass_prefetch;  // AVX-512 one-pass batched decode (13..16 rows)
   int64_t row_panels;        // int4 one-row decode: panels a thread reads at once (1: one stream; 2 or 4)
+  int64_t int8_row_panels;   // int8 one-row decode: the same choice
 };
 
 // CPU family / model (AMD: Zen 3 = family 25 models 0x00-0x0f, 0x20-0x5f; Zen 4 = 25, 0x10-0x1f, 0x60-0xaf;
@@ -704,8 +705,8 @@ Tuning default_tuning() {
   const unsigned family = ((eax >> 8) & 0xf) + (((eax >> 8) & 0xf) == 0xf ? (eax >> 20) & 0xff : 0);
   const unsigned model = ((eax >> 4) & 0xf) | (((eax >> 16) & 0xf) << 4);
   const bool zen3 = family == 25 && (model < 0x10 || (model >= 0x20 && model < 0x60));
-  if (zen3) return {4096, 0, 0, 1};
-  return {2048, 4096, 8192, 1};
+  if (zen3) return {4096, 0, 0, 1, 1};
+  return {2048, 4096, 8192, 1, 1};
 }
 
 Tuning& tuning() {
@@ -759,6 +760,12 @@ struct Isa {
     else return _mm256_and_si256(_mm256_srli_epi16(w, 4 * C), _mm256_set1_epi16(15));
   }
   static inline VI imul(VI a, VI b) { return _mm256_mullo_epi32(a, b); }
+  static inline VI iand(VI a, VI b) { return _mm256_and_si256(a, b); }
+  static inline VI iset1_16(int16_t v) { return _mm256_set1_epi16(v); }
+  template <int S>
+  static inline VI srli16(VI v) { return _mm256_srli_epi16(v, S); }
+  template <int S>
+  static inline VI srai32(VI v) { return _mm256_srai_epi32(v, S); }
   static inline VI u8_to_i32(const uint8_t* p) {
     return _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
   }
@@ -814,6 +821,12 @@ struct Isa {
     else return _mm512_and_si512(_mm512_srli_epi16(w, 4 * C), _mm512_set1_epi16(15));
   }
   static inline VI imul(VI a, VI b) { return _mm512_mullo_epi32(a, b); }
+  static inline VI iand(VI a, VI b) { return _mm512_and_si512(a, b); }
+  static inline VI iset1_16(int16_t v) { return _mm512_set1_epi16(v); }
+  template <int S>
+  static inline VI srli16(VI v) { return _mm512_srli_epi16(v, S); }
+  template <int S>
+  static inline VI srai32(VI v) { return _mm512_srai_epi32(v, S); }
   static inline VI u8_to_i32(const uint8_t* p) {
     return _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
   }
@@ -882,7 +895,9 @@ std::string describe_panel(int wtype, int64_t M, int64_t N) {
     return "int4 panels, " + isa + (Isa::L == 16 ? " vnni" : "") + ", " + what;
   }
   if (kind == KILN_W_INT8) {
-    if (M == 1) what = "one-row stream, 4 chains, prefetch " + std::to_string(t.row_prefetch) + " B";
+    if (M == 1 && t.int8_row_panels > 1 && panels % t.int8_row_panels == 0)
+      what = "one row x " + std::to_string(t.int8_row_panels) + " panels, prefetch " + std::to_string(t.small_prefetch) + " B";
+    else if (M == 1) what = "one-row stream, 4 chains, prefetch " + std::to_string(t.row_prefetch) + " B";
     else if (M < 4 && panels % 4 == 0) what = "2x4 tiles";
     else what = tiles(Isa::MR_INT, Isa::NP_INT);
     return "int8 panels, " + isa + (Isa::L == 16 ? " vnni" : "") + ", " + what;
@@ -1206,6 +1221,7 @@ int kiln_get_tuning(const char* name, int64_t* value) {
   else if (n == "small_prefetch") *value = t.small_prefetch;
   else if (n == "onepass_prefetch") *value = t.onepass_prefetch;
   else if (n == "row_panels") *value = t.row_panels;
+  else if (n == "int8_row_panels") *value = t.int8_row_panels;
   else return 1;
   return 0;
 }
@@ -1220,6 +1236,9 @@ int kiln_set_tuning(const char* name, int64_t value) {
   else if (n == "row_panels") {
     if (value != 1 && value != 2 && value != 4) return 2;
     t.row_panels = value;
+  } else if (n == "int8_row_panels") {
+    if (value != 1 && value != 2 && value != 4) return 2;
+    t.int8_row_panels = value;
   } else return 1;
   return 0;
 }

@@ -333,8 +333,9 @@ inline void tile_bf16dot(const uint16_t* w, int64_t K, const int32_t* xp, int64_
 // 8-15). Per group of gs k (gs % 8 == 0), each row has an fp16 scale and a zero point z (uint8, or 8 for all when
 // the weight has none): w = (u - z) * scale. The int32 sums start at -z * sum(x in the group) (exact), so a
 // group's sum is sum((u - z) * x) before one conversion and one FMA with its scale.
-// Sums stay exact within INT4_CHUNK blocks (2048 k: 256 x 2 x 15 x 32767 per chain, four chains < 2^31).
-constexpr int64_t INT4_CHUNK = 256;
+// Sums stay exact within INT4_CHUNK blocks (1024 k: 128 x 2 x 15 x 32767 per chain, four chains < 2^31); the
+// one-row kernel's chunk is the same (its bound is tighter), so that both flush at the same k and agree bitwise.
+constexpr int64_t INT4_CHUNK = 128;
 
 struct Int4W {
   const uint8_t* w;     // [N/16][K/8][64]
@@ -355,12 +356,19 @@ inline Isa::VI int4_start(const uint8_t* zg, int v, int32_t xsum) {
 }
 
 // Decode (one row of x), one panel: four int32 chains (one per pair step of a block), one sequential stream.
+// One row has no rows of x to share a weight vector's decode with, so the decode is what the kernel spends its
+// vector ops on (on AVX-512 the shifts and the dot products share one port): a 64-byte block takes one shift and
+// four ANDs. Nibbles 1 and 3 are masked in place, i.e. left times 16 (up to 240, still an int16 pair lane), and
+// their chains are divided by 16 (exactly: every term is a multiple of 16) before they join the others. Those two
+// chains bound the chunk: INT4_CHUNK blocks x 2 x 240 x 32767 < 2^31.
+
 inline void panel_int4_row(const Int4W& W, int64_t p, const int32_t* xq, float sx, const int32_t* xs,
                            const Epilogue& ep, int64_t pf) {
   const uint8_t* w = W.panel(p);
   const uint16_t* sc = W.pscales(p);
   const uint8_t* zp = W.pzeros(p);
   const int64_t G = W.groups(), gblocks = W.gs / 8;
+  const Isa::VI lo4 = Isa::iset1_16(0x000F), hi4 = Isa::iset1_16(0x00F0);
   Isa::V facc[VP];
   for (int v = 0; v < VP; ++v) facc[v] = Isa::zero();
   for (int64_t g = 0; g < G; ++g) {
@@ -379,14 +387,16 @@ inline void panel_int4_row(const Int4W& W, int64_t p, const int32_t* xq, float s
         const Isa::VI x2 = Isa::iset1(xq[4 * b + 2]), x3 = Isa::iset1(xq[4 * b + 3]);
         for (int v = 0; v < VP; ++v) {
           const Isa::VI wv = Isa::iload(q + v * 4 * Isa::L);
-          acc[0][v] = Isa::dot_pairs(acc[0][v], Isa::template nib<0>(wv), x0);
-          acc[1][v] = Isa::dot_pairs(acc[1][v], Isa::template nib<1>(wv), x1);
-          acc[2][v] = Isa::dot_pairs(acc[2][v], Isa::template nib<2>(wv), x2);
-          acc[3][v] = Isa::dot_pairs(acc[3][v], Isa::template nib<3>(wv), x3);
+          const Isa::VI t = Isa::template srli16<8>(wv);
+          acc[0][v] = Isa::dot_pairs(acc[0][v], Isa::iand(wv, lo4), x0);
+          acc[1][v] = Isa::dot_pairs(acc[1][v], Isa::iand(wv, hi4), x1);   // 16 x nibble 1
+          acc[2][v] = Isa::dot_pairs(acc[2][v], Isa::iand(t, lo4), x2);
+          acc[3][v] = Isa::dot_pairs(acc[3][v], Isa::iand(t, hi4), x3);    // 16 x nibble 3
         }
       }
       for (int v = 0; v < VP; ++v) {
-        const Isa::VI t = Isa::iadd(Isa::iadd(acc[0][v], acc[1][v]), Isa::iadd(acc[2][v], acc[3][v]));
+        const Isa::VI t = Isa::iadd(Isa::iadd(acc[0][v], acc[2][v]),
+                                    Isa::iadd(Isa::template srai32<4>(acc[1][v]), Isa::template srai32<4>(acc[3][v])));
         facc[v] = Isa::fma(Isa::f16_to_f32(sc + g * 16 + v * Isa::L), Isa::cvt(t), facc[v]);
       }
     }
@@ -526,6 +536,16 @@ void panel_gemm_float(const typename W::T* w, int64_t M, int64_t N, int64_t K, c
 inline void panel_gemm_int8(const int8_t* w, int64_t M, int64_t N, int64_t K, const int16_t* xq16,
                             const float* sx, const Epilogue& ep, int nthreads) {
   const int32_t* xq = reinterpret_cast<const int32_t*>(xq16);
+  const int64_t int8_np = tuning().int8_row_panels;
+  if (M == 1 && int8_np > 1 && (N / 16) % int8_np == 0) {
+    // decode over int8_row_panels interleaved streams per thread (CPUs whose prefetchers want several)
+    const int64_t pstride = K * 16;
+    for_tiles(1, N / (16 * int8_np), 1, nthreads, [&](int64_t, int64_t, int64_t g) {
+      if (int8_np == 2) panel_int8<1, 2, true>(w + g * 2 * pstride, pstride, xq, K / 2, sx, K, ep, 0, g * 32);
+      else panel_int8<1, 4, true>(w + g * 4 * pstride, pstride, xq, K / 2, sx, K, ep, 0, g * 64);
+    });
+    return;
+  }
   if (M == 1) {
     // decode: panels in contiguous runs, one per thread (static schedule), so each thread streams one
     // sequential run of memory
