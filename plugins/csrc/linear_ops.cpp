@@ -50,9 +50,9 @@ std::atomic<int64_t> g_int4_gemm_m{cpu_has_amx_bf16() ? 128 : 0};
 // bf16 panels with bf16 x at M >= this (0: never; -1: not chosen yet) run as oneDNN bf16 GEMMs (torch's
 // cpublas::brgemm, AMX where present) on the panels as they are stored: a panel [K/2, 16, 2] is exactly the
 // VNNI-packed B operand of a 16-column GEMM, so nothing is copied or dequantized. Products are exact and sums
-// in fp32, as in the panel kernels (vdpbf16ps). Measured on Sapphire Rapids (2 cores): 1.5-2.1x the panel kernels
-// at M = 16, 3.5-4.7x at M = 512 (docs/benchmarks.md); chosen where the CPU has AMX-BF16 and torch's oneDNN
-// brgemm takes bf16, else never (the panel kernels keep every M, as before).
+// in fp32, as in the panel kernels (vdpbf16ps). Measured to beat the panel kernels from M = 16 on Sapphire Rapids
+// (docs/benchmarks.md, "bf16 prefill on AMX"); chosen where the CPU has AMX-BF16 and torch's oneDNN brgemm takes
+// bf16, else never (the panel kernels keep every M, as before; not measured on a CPU without AMX).
 std::atomic<int64_t> g_bf16_gemm_m{-1};
 int64_t bf16_gemm_m() {
   int64_t m = g_bf16_gemm_m.load(std::memory_order_relaxed);
