@@ -28,7 +28,8 @@ magnitude below the weight quantisation error; a call whose x holds NaN/inf comp
 propagate as in the reference; one row of x, i.e. decode, reads one sequential stream per thread);
 int4 panels the same way, each group's int32 sum exact (started at -zero * the group's sum of x) before its scale;
 bf16 weights with bf16 x use the CPU's bf16 dot product where it has one
-(AVX512_BF16: products exact, fp32 accumulation), else they are widened to fp32. The vector width is
+(AVX512_BF16: products exact, fp32 accumulation), else they are widened to fp32; from :func:`bf16_gemm_m` rows
+(on AMX CPUs) bf16 panels with bf16 x run as oneDNN GEMMs on the panels in place instead. The vector width is
 chosen at run time (:func:`kiln.plugins.native.panel_isa`): the library runs on any AVX2 CPU.
 
 Other layouts: small M (decode) runs streaming GEMV kernels (each weight byte read once per call,
@@ -64,6 +65,7 @@ __all__ = [
     "weight_only_linear", "bf16_linear", "fp32_linear",
     "weight_only_linear_reference", "bf16_linear_reference", "fp32_linear_reference", "float_linear_reference",
     "kernel_max_m", "set_kernel_max_m", "int4_gemm_m", "set_int4_gemm_m",
+    "bf16_gemm_m", "set_bf16_gemm_m",
 ]
 
 # Rows of the weight dequantised at once in the sgemm path (bounded fp32 scratch).
@@ -133,6 +135,27 @@ def set_int4_gemm_m(m: int) -> int:
         raise ValueError(f"int4_gemm_m must be >= 0 (0 turns the bf16 GEMM path off), got {m}")
     old = int4_gemm_m()
     lib.kiln_ops_set_int4_gemm_m(int(m))
+    return old
+
+
+def bf16_gemm_m() -> int:
+    """Rows of x from which a bf16-panel weight with bf16 x runs as oneDNN bf16 GEMMs (torch's brgemm, AMX where
+    present) on the panels as stored (each panel is the VNNI-packed operand of a 16-column GEMM: no copy) instead
+    of kiln's panel kernels; 0: never (the default where the CPU has no AMX-BF16). Same numerics: exact products,
+    fp32 sums."""
+    lib = native.library()
+    return int(lib.kiln_ops_bf16_gemm_m()) if lib is not None else 0
+
+
+def set_bf16_gemm_m(m: int) -> int:
+    """Change :func:`bf16_gemm_m` (0 turns the oneDNN path off); returns the previous value."""
+    lib = native.library()
+    if lib is None:
+        raise RuntimeError("the native kernels are unavailable or disabled: there is no bf16 GEMM threshold to set")
+    if m < 0:
+        raise ValueError(f"bf16_gemm_m must be >= 0 (0 turns the oneDNN GEMM path off), got {m}")
+    old = bf16_gemm_m()
+    lib.kiln_ops_set_bf16_gemm_m(int(m))
     return old
 
 

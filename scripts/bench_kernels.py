@@ -10,7 +10,10 @@ weight that fits the caches is read from them; ``--from-memory`` hands each call
 copies to overflow the last-level cache, as a decode step reads every layer's weights from memory once.
 
     .venv/bin/python scripts/bench_kernels.py [--shapes 4096x5504,1024x2816] [--m 1,16] [--threads N]
-                                              [--from-memory]
+                                              [--from-memory] [--only bf16]
+
+"kiln bf16_linear (x bf16)" is what a bf16 engine runs: from ``linear.bf16_gemm_m()`` rows (AMX CPUs) oneDNN bf16
+GEMMs on the panels in place; "(x bf16, panel kernels)" forces kiln's panel kernels at every M for comparison.
 """
 
 from __future__ import annotations
@@ -59,6 +62,7 @@ def main() -> None:
     ap.add_argument("--min-time", type=float, default=0.4, help="seconds per case")
     ap.add_argument("--from-memory", action="store_true",
                     help="each call reads the next of copies of the weight totalling 256 MiB (not the caches)")
+    ap.add_argument("--only", default="", help="run only the cases whose name contains this (e.g. bf16)")
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -67,6 +71,13 @@ def main() -> None:
     from kiln.plugins import weight_format as fmt
 
     from bench_common import stream_read_bandwidth
+
+    def panel_kernels_only(x, w):
+        old = linear.set_bf16_gemm_m(0)
+        try:
+            return linear.bf16_linear(x, w)
+        finally:
+            linear.set_bf16_gemm_m(old)
 
     print(f"torch {torch.__version__}, threads {torch.get_num_threads()}, "
           f"cpu capability {torch.backends.cpu.get_cpu_capability()}", flush=True)
@@ -108,6 +119,7 @@ def main() -> None:
                 ("F.linear bf16", 2 * n * k, lambda: F.linear(xb, WB())),
                 ("kiln bf16_linear (x fp32)", 2 * n * k, lambda: linear.bf16_linear(x, WBP())),
                 ("kiln bf16_linear (x bf16)", 2 * n * k, lambda: linear.bf16_linear(xb, WBP())),
+                ("kiln bf16 (x bf16, panel kernels)", 2 * n * k, lambda: panel_kernels_only(xb, WBP())),
                 ("kiln bf16_linear (plain rows)", 2 * n * k, lambda: linear.bf16_linear(x, WB())),
             ]
             if int8pack is not None:
@@ -125,7 +137,7 @@ def main() -> None:
                           (f"kiln int4 g{args.group_size} panels x bf16", n * k // 2 + p4.scales.numel() * 2,
                            lambda: linear.weight_only_linear(xb, P4(), p4.scales, None, 4, args.group_size))]
             ref_ms = None
-            for name, nbytes, fn in cases:
+            for name, nbytes, fn in (c for c in cases if args.only in c[0]):
                 try:
                     sec, med = bench(fn, args.min_time)
                 except Exception as e:  # keep going: one broken torch op must not hide the rest

@@ -55,8 +55,16 @@ def test_panel_layout_round_trip():
         fmt.pack_panels(torch.randn(32, 33).bfloat16())
 
 
+@pytest.fixture
+def bf16_kernels_only(native):
+    """The bf16 panel kernels at every M (no oneDNN GEMM path, which AMX CPUs take from bf16_gemm_m rows)."""
+    old = linear.set_bf16_gemm_m(0)
+    yield
+    linear.set_bf16_gemm_m(old)
+
+
 @pytest.mark.parametrize("shape", SHAPES)
-def test_fp32_and_bf16_panels(isa, shape):
+def test_fp32_and_bf16_panels(isa, shape, bf16_kernels_only):
     n, k = shape
     torch.manual_seed(n * k)
     w, b = torch.randn(n, k) * 0.05, torch.randn(n)
@@ -75,6 +83,47 @@ def test_fp32_and_bf16_panels(isa, shape):
         ref = (xb.float() @ wb.float().t() + b).bfloat16()
         y = linear.bf16_linear(xb, pb, b)
         assert y.dtype == torch.bfloat16 and _rel(y, ref) < 1e-2, (m, "bf16 x")
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+def test_bf16_panels_onednn_gemm_path(native, shape):
+    """From bf16_gemm_m rows with bf16 x (prefill on AMX CPUs; forced here from 2 rows on any CPU, so the route is
+    taken and checked even where the default is off), the panels run in place as oneDNN bf16 GEMMs: within bf16
+    rounding of the reference, bias included, and within one bf16 rounding of the panel kernels' result; below the
+    threshold, and for fp32 x, the panel kernels run as before."""
+    n, k = shape
+    torch.manual_seed(n * k + 1)
+    w, b = torch.randn(n, k) * 0.05, torch.randn(n)
+    wb = w.bfloat16()
+    pb = fmt.pack_panels(wb)
+    old = linear.set_bf16_gemm_m(2)
+    try:
+        assert "oneDNN bf16 GEMM" in native_lib.describe_kernel("bf16_panel", 2, n)
+        assert "oneDNN" not in native_lib.describe_kernel("bf16_panel", 1, n)
+        for m in (2, 5, 16, 33, 64, 65, 200):
+            xb = torch.randn(m, k).bfloat16()
+            ref = (xb.float() @ wb.float().t() + b).bfloat16()
+            for bias in (b, None):
+                y = linear.bf16_linear(xb.view(1, m, k), pb, bias)
+                want = ref if bias is not None else (xb.float() @ wb.float().t()).bfloat16()
+                assert y.shape == (1, m, n) and y.dtype == torch.bfloat16 and _rel(y[0], want) < 1e-2, m
+            linear.set_bf16_gemm_m(0)
+            kernels = linear.bf16_linear(xb, pb, b)
+            linear.set_bf16_gemm_m(2)
+            assert _rel(linear.bf16_linear(xb, pb, b), kernels) < 1e-2, m
+        x = torch.randn(33, k)  # fp32 x: the panel kernels (fp32 out, no rounding of x)
+        assert _rel(linear.bf16_linear(x, pb, b), x @ wb.float().t() + b) < 1e-5
+        with pytest.raises(ValueError, match="bf16_gemm_m must be >= 0"):
+            linear.set_bf16_gemm_m(-1)
+    finally:
+        linear.set_bf16_gemm_m(old)
+
+
+def test_bf16_gemm_default_follows_the_cpu(native):
+    """On by default (from 16 rows) exactly where the CPU has AMX-BF16; other CPUs keep the panel kernels."""
+    with open("/proc/cpuinfo") as f:
+        amx = "amx_bf16" in f.read().split()
+    assert linear.bf16_gemm_m() == (16 if amx else 0)
 
 
 @pytest.mark.parametrize("shape", SHAPES)

@@ -102,5 +102,7 @@ void kiln_ops_set_max_m(int wtype, int64_t max_m);
 // instead of the int4 kernels; 0: never (the default on CPUs without AMX-BF16).
 int64_t kiln_ops_int4_gemm_m();
 void kiln_ops_set_int4_gemm_m(int64_t m);
+int64_t kiln_ops_bf16_gemm_m();
+void kiln_ops_set_bf16_gemm_m(int64_t m);
 
 }  // extern "C"

@@ -884,6 +884,11 @@ std::string describe_panel(int wtype, int64_t M, int64_t N) {
   };
   const int kind = kiln_weight_kind(wtype);
   std::string what;
+  if (wtype == KILN_W_BF16_PANEL) {
+    const int64_t gemm_m = kiln_ops_bf16_gemm_m();
+    if (gemm_m > 0 && M >= gemm_m) return "bf16 panels in place, oneDNN bf16 GEMM per panel with bf16 x (from M " +
+                                          std::to_string(gemm_m) + ")";
+  }
   if (wtype == KILN_W_INT4_PANEL) {
     const int64_t gemm_m = kiln_ops_int4_gemm_m();
     if (gemm_m > 0 && M >= gemm_m) return "int4 panels -> bf16 once per call, oneDNN bf16 GEMM (from M " +

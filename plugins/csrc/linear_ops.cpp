@@ -12,6 +12,7 @@
 #include <ATen/core/Tensor.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/ops/empty.h>
+#include <ATen/native/CPUBlas.h>
 #include <ATen/ops/mm.h>
 #include <cpuid.h>
 #include <torch/library.h>
@@ -45,6 +46,50 @@ bool cpu_has_amx_bf16() {
   return (d >> 22) & 1u;  // CPUID.(EAX=7,ECX=0):EDX[22] AMX-BF16
 }
 std::atomic<int64_t> g_int4_gemm_m{cpu_has_amx_bf16() ? 128 : 0};
+
+// bf16 panels with bf16 x at M >= this (0: never; -1: not chosen yet) run as oneDNN bf16 GEMMs (torch's
+// cpublas::brgemm, AMX where present) on the panels as they are stored: a panel [K/2, 16, 2] is exactly the
+// VNNI-packed B operand of a 16-column GEMM, so nothing is copied or dequantized. Products are exact and sums
+// in fp32, as in the panel kernels (vdpbf16ps). Measured to beat the panel kernels from M = 16 on Sapphire Rapids
+// (docs/benchmarks.md, "bf16 prefill on AMX"); chosen where the CPU has AMX-BF16 and torch's oneDNN brgemm takes
+// bf16, else never (the panel kernels keep every M, as before; not measured on a CPU without AMX).
+std::atomic<int64_t> g_bf16_gemm_m{-1};
+int64_t bf16_gemm_m() {
+  int64_t m = g_bf16_gemm_m.load(std::memory_order_relaxed);
+  if (m < 0) {
+    m = cpu_has_amx_bf16() && at::native::cpublas::could_pack(at::kBFloat16) ? 16 : 0;
+    g_bf16_gemm_m.store(m);
+  }
+  return m;
+}
+
+// Rows of x per brgemm call (measured: 64 beats 32 by 1.1-1.3x at M >= 128).
+constexpr int64_t BF16_GEMM_MB = 64;
+
+// y [M, N] = x [M, K] (bf16, contiguous) @ panels^T (+ bias), one 16-column brgemm per panel and block of rows,
+// panels split between threads; y in x's dtype (bf16).
+at::Tensor bf16_panel_gemm(const at::Tensor& x2, const at::Tensor& w, const float* bias, int64_t N, int64_t K) {
+  const int64_t M = x2.size(0), P = N / KILN_PANEL;
+  at::Tensor y = at::empty({M, N}, x2.options().dtype(at::kFloat));
+  const auto* xp = static_cast<const at::BFloat16*>(x2.const_data_ptr());
+  const auto* wp = static_cast<const at::BFloat16*>(w.const_data_ptr());
+  float* yp = static_cast<float*>(y.data_ptr());
+  at::parallel_for(0, P, 1, [&](int64_t p0, int64_t p1) {
+    for (int64_t m0 = 0; m0 < M; m0 += BF16_GEMM_MB) {
+      const int64_t mc = std::min(BF16_GEMM_MB, M - m0);
+      for (int64_t p = p0; p < p1; ++p) {
+        float* c = yp + m0 * N + p * KILN_PANEL;
+        at::native::cpublas::brgemm(mc, KILN_PANEL, K, K, KILN_PANEL, N, false, xp + m0 * K, wp + p * K * KILN_PANEL,
+                                    c, true);
+        if (bias)
+          for (int64_t r = 0; r < mc; ++r)
+            for (int64_t j = 0; j < KILN_PANEL; ++j) c[r * N + j] += bias[p * KILN_PANEL + j];
+      }
+    }
+    at::native::cpublas::brgemm_release(true);
+  });
+  return y.to(at::kBFloat16);
+}
 
 using OptT = std::optional<at::Tensor>;
 
@@ -222,6 +267,21 @@ at::Tensor float_linear_cpu(const at::Tensor& x, const at::Tensor& weight, const
   const auto [N, K] = weight_nk(weight);
   if (!act_ok(x, K)) return float_linear_py<WTYPE>(x, weight, bias);
   const at::Tensor w = weight.contiguous();
+  if (WTYPE == KILN_W_BF16 && panel && x.scalar_type() == at::kBFloat16) {
+    const int64_t gemm_m = bf16_gemm_m();
+    if (gemm_m > 0 && x.numel() / K >= gemm_m) {
+      at::Tensor b;
+      if (bias.has_value() && bias->defined()) {
+        if (bias->dim() != 1 || bias->size(0) != N) return float_linear_py<WTYPE>(x, weight, bias);
+        b = bias->to(at::kFloat).contiguous();
+      }
+      at::Tensor y = bf16_panel_gemm(x.reshape({-1, K}).contiguous(), w,
+                                     b.defined() ? static_cast<const float*>(b.const_data_ptr()) : nullptr, N, K);
+      std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
+      shape.back() = N;
+      return y.view(shape);
+    }
+  }
   const int wtype = panel ? (WTYPE == KILN_W_BF16 ? KILN_W_BF16_PANEL : KILN_W_FP32_PANEL)
                   : packed ? (WTYPE == KILN_W_BF16 ? KILN_W_BF16_PACKED : KILN_W_FP32_PACKED) : WTYPE;
   at::Tensor y = run(wtype, x, w, nullptr, bias, 0, N, K);
@@ -252,6 +312,10 @@ int64_t kiln_ops_max_m(int wtype) {
 int64_t kiln_ops_int4_gemm_m() { return g_int4_gemm_m.load(); }
 
 void kiln_ops_set_int4_gemm_m(int64_t m) { g_int4_gemm_m.store(m < 0 ? 0 : m); }
+
+int64_t kiln_ops_bf16_gemm_m() { return bf16_gemm_m(); }
+
+void kiln_ops_set_bf16_gemm_m(int64_t m) { g_bf16_gemm_m.store(m < 0 ? 0 : m); }
 
 void kiln_ops_set_max_m(int wtype, int64_t max_m) {
   const int kind = kiln_weight_kind(wtype);
