@@ -58,26 +58,45 @@ def test_loaded_library_carries_this_build_key(native):
                ("weight_only_linear", "bf16_linear", "fp32_linear", "rms_norm", "paged_attention"))
 
 
-def test_prebuilt_library_is_used_only_when_its_key_matches(native, monkeypatch, tmp_path):
-    key = native_lib.build_key()
-    prebuilt = tmp_path / "kiln_kernels.so"
-    monkeypatch.setattr(native_lib, "PREBUILT", prebuilt)
-    prebuilt.write_bytes(b"\x7fELF...kiln-build-key:" + key.encode() + b"\0...")
-    assert native_lib._library_path(key) == prebuilt
-    # stale (other sources or another torch): not loaded; compiled (here: found in the JIT cache) instead
-    prebuilt.write_bytes(b"\x7fELF...kiln-build-key:kstale\0...")
-    monkeypatch.setattr(native_lib, "_warned", set())
-    with pytest.warns(RuntimeWarning, match="built from other sources or for another torch"):
-        path = native_lib._library_path(key)
-    assert path != prebuilt and native_lib.library_key(path) == key
-    # where that compiled it, the loader also loaded that copy, whose C++ kernels now serve the ops: disabling the
-    # native kernels must reach it too (the forced-fallback tests after this one in the process depend on it)
-    g = torch.Generator().manual_seed(3)
-    q, s = fmt.quantize_int8(torch.randn(40, 128, generator=g))
-    x = torch.randn(3, 128, generator=g)
-    with native_lib.native_kernels_disabled():
-        assert torch.equal(ops.weight_only_linear(x, q, s, None, 8, 0),
-                           linear.weight_only_linear_reference(x, q, s, None, 8, 0))
+# Run in a process of its own: where the key check compiles the library, torch's extension loader also loads that
+# copy, whose C++ kernels then serve the ops for the rest of the process, with their own thresholds (int4_gemm_m,
+# bf16_gemm_m, max_m) that the setters of the first copy do not reach; later kernel tests in the same worker
+# would run the wrong route.
+_PREBUILT_KEY_CHECK = r"""
+import sys, warnings
+from pathlib import Path
+import torch
+from kiln.plugins import linear, native as native_lib, weight_format as fmt
+assert native_lib.library() is not None
+key = native_lib.build_key()
+prebuilt = Path(sys.argv[1]) / "kiln_kernels.so"
+native_lib.PREBUILT = prebuilt
+prebuilt.write_bytes(b"\x7fELF...kiln-build-key:" + key.encode() + b"\0...")
+assert native_lib._library_path(key) == prebuilt
+# stale (other sources or another torch): not loaded; compiled (or found in the JIT cache) instead
+prebuilt.write_bytes(b"\x7fELF...kiln-build-key:kstale\0...")
+native_lib._warned = set()
+with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    path = native_lib._library_path(key)
+assert any("built from other sources or for another torch" in str(w.message) for w in caught), caught
+assert path != prebuilt and native_lib.library_key(path) == key
+# where that compiled it, the loader also loaded that copy, whose C++ kernels now serve the ops: disabling the
+# native kernels must reach it too
+g = torch.Generator().manual_seed(3)
+q, s = fmt.quantize_int8(torch.randn(40, 128, generator=g))
+x = torch.randn(3, 128, generator=g)
+with native_lib.native_kernels_disabled():
+    assert torch.equal(torch.ops.kiln.weight_only_linear(x, q, s, None, 8, 0),
+                       linear.weight_only_linear_reference(x, q, s, None, 8, 0))
+print("ok")
+"""
+
+
+def test_prebuilt_library_is_used_only_when_its_key_matches(native, tmp_path):
+    done = subprocess.run([sys.executable, "-c", _PREBUILT_KEY_CHECK, str(tmp_path)], capture_output=True, text=True,
+                          timeout=600)
+    assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stderr[-3000:]
 
 
 def test_build_failure_warns_once_and_falls_back(monkeypatch):
