@@ -118,24 +118,33 @@ def set_kernel_max_m(kind: str, max_m: int) -> int:
     return old
 
 
+def _gemm_m(kind: str) -> int:
+    lib = native.library()
+    return int(getattr(lib, f"kiln_ops_{kind}_gemm_m")()) if lib is not None else 0
+
+
+def _set_gemm_m(kind: str, m: int) -> int:
+    """Set the oneDNN-route threshold of ``kind`` ('int4' or 'bf16'); returns the previous value."""
+    lib = native.library()
+    if lib is None:
+        raise RuntimeError(f"the native kernels are unavailable or disabled: there is no {kind} GEMM threshold to set")
+    if m < 0:
+        raise ValueError(f"{kind}_gemm_m must be >= 0 (0 turns the oneDNN GEMM path off), got {m}")
+    old = _gemm_m(kind)
+    getattr(lib, f"kiln_ops_set_{kind}_gemm_m")(int(m))
+    return old
+
+
 def int4_gemm_m() -> int:
     """Rows of x from which an int4-panel weight runs as a bf16 GEMM (oneDNN; AMX where present) on the weight
     dequantized once per call instead of the int4 kernels; 0: never (the default where the CPU has no AMX-BF16).
     That path rounds x to bf16 (~2^-9 relative error, far below the int4 weight error)."""
-    lib = native.library()
-    return int(lib.kiln_ops_int4_gemm_m()) if lib is not None else 0
+    return _gemm_m("int4")
 
 
 def set_int4_gemm_m(m: int) -> int:
     """Change :func:`int4_gemm_m` (0 turns the bf16 GEMM path off); returns the previous value."""
-    lib = native.library()
-    if lib is None:
-        raise RuntimeError("the native kernels are unavailable or disabled: there is no int4 GEMM threshold to set")
-    if m < 0:
-        raise ValueError(f"int4_gemm_m must be >= 0 (0 turns the bf16 GEMM path off), got {m}")
-    old = int4_gemm_m()
-    lib.kiln_ops_set_int4_gemm_m(int(m))
-    return old
+    return _set_gemm_m("int4", m)
 
 
 def bf16_gemm_m() -> int:
@@ -143,20 +152,12 @@ def bf16_gemm_m() -> int:
     present) on the panels as stored (each panel is the VNNI-packed operand of a 16-column GEMM: no copy) instead
     of kiln's panel kernels; 0: never (the default where the CPU has no AMX-BF16). Same numerics: exact products,
     fp32 sums."""
-    lib = native.library()
-    return int(lib.kiln_ops_bf16_gemm_m()) if lib is not None else 0
+    return _gemm_m("bf16")
 
 
 def set_bf16_gemm_m(m: int) -> int:
     """Change :func:`bf16_gemm_m` (0 turns the oneDNN path off); returns the previous value."""
-    lib = native.library()
-    if lib is None:
-        raise RuntimeError("the native kernels are unavailable or disabled: there is no bf16 GEMM threshold to set")
-    if m < 0:
-        raise ValueError(f"bf16_gemm_m must be >= 0 (0 turns the oneDNN GEMM path off), got {m}")
-    old = bf16_gemm_m()
-    lib.kiln_ops_set_bf16_gemm_m(int(m))
-    return old
+    return _set_gemm_m("bf16", m)
 
 
 def _native(wtype: str, x: torch.Tensor, w: torch.Tensor, scales, bias, group_size: int, n: int, k: int):
