@@ -353,6 +353,25 @@ def test_onnx_engine_concurrent_greedy_matches_transformers(family, engine_of, c
         assert out.token_ids == hf_greedy(ckpt, prompt, 12, ignore_eos=True), f"{family}: prompt {prompt}"
 
 
+def test_onnx_engine_speculative_greedy_matches_transformers(engine_of, checkpoint_dir):
+    """ngram speculation on an onnx engine: the (1 + k)-row verify steps go through onnxruntime's graph like any
+    packed step (their logits rows by logits_indices), so greedy outputs stay transformers' and proposals are
+    accepted and rolled back (the KV books balance after)."""
+    ckpt = checkpoint_dir("llama")
+    eng = engine_of("llama", backend="onnx")
+    vocab = eng.config.model.vocab_size
+    seg = random_prompts(3, vocab, 4, 9, seed=5)
+    prompts = [s * 3 for s in seg] + random_prompts(2, vocab, 3, 30, seed=6)
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
+    with LLM(eng, speculative_config=spec) as llm:
+        outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=16, ignore_eos=True))
+        stats = llm.stats()["speculative"]
+        llm.executor.kv.check_consistency()
+    for prompt, out in zip(prompts, outs):
+        assert out.token_ids == hf_greedy(ckpt, prompt, 16, ignore_eos=True), f"prompt {prompt}"
+    assert 0 < stats["accepted_tokens"] <= stats["proposed_tokens"], stats
+
+
 def test_onnx_weight_only_engines_match_the_cpu_ones(engine_of):
     """Same quantized weights, same definition (dequantize, fp32 GEMM): the onnx int8/int4 engines agree with
     the cpu engine's kernels to their activation rounding."""
