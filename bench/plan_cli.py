@@ -78,11 +78,18 @@ _EXCLUDE = ("seed", "metrics_window", "enable_prefix_reuse", "kv_cache_memory_fr
               help="KV transport bandwidth in GB/s instead of a measured one (bytes per block: the engine's).")
 @click.option("--pd-max-workers", type=click.IntRange(min=2), default=64, show_default=True,
               help="Largest P + D (and colocated instance count) searched.")
+@click.option("--speculative-config", "speculative_config",
+              help="Plan speculation (JSON, as kiln serve takes it): a draft model's memory, and the time per output "
+                   "token against plain decode.")
+@click.option("--spec-acceptance",
+              help="With --speculative-config: the per-position acceptance rate (0-1), or a kiln bench result.json "
+                   "of a speculating server (its measured tokens per verify step).")
 @click.option("--output", "out_path", type=click.Path(path_type=Path, dir_okay=False), help="Write the plan as JSON.")
 def plan(engine_dir, hf_config, dtype, quantization, kv_cache_dtype, max_seq_len, tokens_per_block, device, memory,
          bandwidth, flops, tp, trace, window, max_requests, length_scale, prompt_scale, output_scale, clip_to_engine,
          context_p95, output_p95, context_mean, output_mean, rate, ttft_p95, tpot_p95, kv_cache_memory_fraction,
-         headroom, percentile, calibration, pd, pd_transfer, transfer_bandwidth, pd_max_workers, out_path, **options):
+         headroom, percentile, calibration, pd, pd_transfer, transfer_bandwidth, pd_max_workers, speculative_config,
+         spec_acceptance, out_path, **options):
     """Capacity plan: KV pool, concurrency limits, settings, step time and instances (every number with its source)."""
     from dataclasses import replace
 
@@ -177,12 +184,13 @@ def plan(engine_dir, hf_config, dtype, quantization, kv_cache_dtype, max_seq_len
                 raise click.ClickException(str(exc)) from None
     elif pd_transfer is not None or transfer_bandwidth is not None:
         raise click.UsageError("--pd-transfer and --transfer-bandwidth go with --pd")
+    speculation = _speculation(speculative_config, spec_acceptance, facts)
     try:
         fraction = "recommended" if kv_cache_memory_fraction is None else kv_cache_memory_fraction
         result = make_plan(facts, dev, stats, tp=tp, kv_cache_memory_fraction=fraction, headroom=headroom,
                            percentile=int(percentile), calibration=cal, rate=rate, slo_ttft_p95=_duration(ttft_p95),
                            slo_tpot_p95=_duration(tpot_p95), pd_transport=transport, pd_max_workers=pd_max_workers,
-                           **serving)
+                           speculation=speculation, **serving)
     except PlanError as exc:
         raise click.ClickException(str(exc)) from None
     click.echo(format_plan(result))
@@ -195,3 +203,35 @@ def plan(engine_dir, hf_config, dtype, quantization, kv_cache_dtype, max_seq_len
         out_path.write_text(json.dumps({"kiln_plan": 1, "engine": facts.as_dict(), "plan": result,
                                         "clip": clip if trace is not None else None}, indent=1))
         click.echo(f"plan: {out_path}")
+
+
+def _speculation(value: str | None, acceptance: str | None, target):
+    """--speculative-config (checked as the runtime checks it) and --spec-acceptance -> SpeculationInputs."""
+    from kiln.bench.engine_facts import FactsError, engine_facts
+    from kiln.bench.planner import PlanError
+    from kiln.bench.spec_plan import SpeculationInputs, parse_acceptance
+    from kiln.runtime.speculative import SpeculativeConfig
+
+    if value is None:
+        if acceptance is not None:
+            raise click.UsageError("--spec-acceptance goes with --speculative-config")
+        return None
+    try:
+        spec = SpeculativeConfig.of(value)
+    except ConfigError as exc:
+        raise click.BadParameter(str(exc), param_hint="--speculative-config") from None
+    draft = None
+    if spec.method == "draft_model":
+        try:
+            draft = engine_facts(spec.model)
+        except FactsError as exc:
+            raise click.BadParameter(f"the draft: {exc}", param_hint="--speculative-config") from None
+        if draft.vocab_size != target.vocab_size:   # the runtime refuses this draft (draft_model.check_compatible)
+            raise click.BadParameter(f"the draft engine {spec.model} has a vocabulary of {draft.vocab_size} tokens, "
+                                     f"the target {target.name} {target.vocab_size}: a draft must share the "
+                                     "target's tokenizer", param_hint="--speculative-config")
+    try:
+        acc = parse_acceptance(acceptance) if acceptance is not None else None
+    except PlanError as exc:
+        raise click.BadParameter(str(exc), param_hint="--spec-acceptance") from None
+    return SpeculationInputs(spec.method, spec.num_speculative_tokens, acc, draft)

@@ -50,6 +50,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -57,8 +58,12 @@ from kiln.bench.devices import Device
 from kiln.bench.engine_facts import EngineFacts
 from kiln.bench.serving_knobs import recommend_token_budget
 from kiln.contract import BuildConfigError, ModelConfig, TensorParallelMapping
+from kiln.runtime.draft_model import draft_pool_blocks
 from kiln.runtime.executor import ExecutorConfig, resolve_serving_limits
 from kiln.runtime.kv_cache import cdiv
+
+if TYPE_CHECKING:
+    from kiln.bench.spec_plan import SpeculationInputs
 
 ALLREDUCE_HOP_S = 5e-6
 _ELEM = {"float32": 4, "bfloat16": 2, "float16": 2}
@@ -167,14 +172,15 @@ def plan(facts: EngineFacts, device: Device, workload: WorkloadStats, *, tp: int
          available_bytes: int | None = None, headroom: float = 0.10, percentile: int = 95,
          calibration: dict | None = None, rate: float | None = None, slo_ttft_p95: float | None = None,
          slo_tpot_p95: float | None = None, capacity_policy: str = "guaranteed_no_evict", max_loras: int = 4,
-         pd_transport=None, pd_max_workers: int = 64) -> dict:
+         pd_transport=None, pd_max_workers: int = 64, speculation: SpeculationInputs | None = None) -> dict:
     """The plan: every number as {"value", "unit", "source"} under a few headings.
 
     Serving options mean what they mean to ``LLM(...)``, except ``kv_cache_memory_fraction``, which defaults
     to the recommended fraction instead of the runtime's 0.9 (None: no memory limit, as in ExecutorConfig).
     ``tp`` None: the engine's tensor-parallel size (1 for a model not built yet). ``pd_transport``
     (``pd_plan.Transport``): also plan prefill and decode workers (``pd_plan``) from this step-time model, under
-    ``out["pd"]``.
+    ``out["pd"]``. ``speculation``: the memory of a draft model and the speed of speculating (``spec_plan``),
+    under ``out["speculative"]``.
     """
     if tp is None:
         tp = facts.tp_size
@@ -218,6 +224,12 @@ def plan(facts: EngineFacts, device: Device, workload: WorkloadStats, *, tp: int
                                       + facts.origin.get("lora_slot_bytes", "") + ")", "B")
         available_bytes -= pool
         avail_src += " - the LoRA adapter pool"
+    draft = speculation.draft if speculation is not None else None
+    if draft is not None:   # the runtime loads the draft before it measures what the pools may take
+        if tp > 1:
+            raise PlanError("a draft model is planned on one device only (--tp 1)")
+        available_bytes -= draft.weights_bytes
+        avail_src += " - the draft's weights"
     mem["available_after_weights"] = _v(available_bytes, avail_src, "B")
     if available_bytes <= facts.activation_peak_bytes:
         raise PlanError(f"the weights ({weights_dev / 2**30:.2f} GiB per device) leave "
@@ -234,7 +246,9 @@ def plan(facts: EngineFacts, device: Device, workload: WorkloadStats, *, tp: int
     cfg = ExecutorConfig(max_batch_size=max_batch_size, max_num_tokens=max_num_tokens,
                          kv_cache_memory_fraction=fraction, max_kv_cache_tokens=max_kv_cache_tokens)
     try:
-        limits = resolve_serving_limits(b, kv_dev, cfg, available_bytes=available_bytes)
+        # with a draft, one budget for both pools, split by bytes per token (as the executor sizes them)
+        limits = resolve_serving_limits(b, kv_dev + (draft.kv_bytes_per_token if draft else 0), cfg,
+                                        available_bytes=available_bytes)
     except ValueError as exc:
         raise PlanError(str(exc)) from None
     pool_src = "kiln.runtime.executor.resolve_serving_limits (the executor's own sizing): " + limits.kv_plan
@@ -246,6 +260,10 @@ def plan(facts: EngineFacts, device: Device, workload: WorkloadStats, *, tp: int
     mem["kv_pool_blocks"] = _v(limits.num_blocks, pool_src, "blocks")
     mem["kv_pool_tokens"] = _v(limits.num_blocks * block, f"blocks x tokens_per_block {block}", "tokens")
     mem["kv_pool_bytes"] = _v(limits.num_blocks * block * kv_dev, "tokens x KV bytes per token per device", "B")
+    if draft is not None:
+        from kiln.bench.spec_plan import draft_memory
+
+        draft_memory(mem, draft, draft_pool_blocks(limits.num_blocks, block, draft.bounds))
     if fraction is not None and available_bytes * (1 - fraction) < facts.activation_peak_bytes:
         left = available_bytes * (1 - fraction) / 2**20
         mem["warning"] = _v(f"kv_cache_memory_fraction {fraction} leaves {left:.0f} MiB, "
@@ -410,6 +428,20 @@ def plan(facts: EngineFacts, device: Device, workload: WorkloadStats, *, tp: int
     lam_op = lam_op if lam_op > 0 else lam_q / 2
     decodes = min(lam_op * max(Om - 1, 0) * step(lam_op), rec_batch)
     _recommend_budget(st, A, per_token, b, workload, decodes, f"{lam_op:.3g} req/s", slo_ttft_p95, slo_tpot_p95)
+    if speculation is not None:
+        from kiln.bench.spec_plan import plan_speculation
+
+        def one_sequence(n: int) -> float:   # a step of one sequence computing n tokens, n logits rows
+            return t_mem(ctx_mean, n) + t_compute(n, n, n * ctx_mean) + allreduce(n, n)
+
+        draft_step = None
+        if draft is not None:
+            d_hd = draft.num_heads * draft.head_dim
+            draft_step = ((draft.streamed_weight_bytes + ctx_mean * draft.kv_bytes_per_token) / bw
+                          + (2 * draft.matmul_params + 2 * draft.lm_head_params
+                             + 4 * draft.num_layers * d_hd * ctx_mean) / fl)
+        out["speculative"] = plan_speculation(speculation.num_speculative_tokens, speculation.method,
+                                              speculation.acceptance, one_sequence, draft_step)
     if pd_transport is not None:
         from kiln.bench.pd_plan import StepModel, plan_pd
 

@@ -286,8 +286,8 @@ class DraftProposer(Proposer):
         return torch.stack(out)
 
 
-def draft_pool_blocks(target_blocks: int, target_block_size: int, draft) -> int:
-    """The draft pool for a target pool of ``target_blocks``: the same tokens (capped by the draft's bounds)."""
-    b = draft.config.bounds
+def draft_pool_blocks(target_blocks: int, target_block_size: int, b) -> int:
+    """The draft pool for a target pool of ``target_blocks``: the same tokens (capped by the draft's bounds ``b``;
+    the executor's sizing and ``kiln plan``'s)."""
     blocks = cdiv(target_blocks * target_block_size, b.tokens_per_block)
     return min(blocks, b.max_num_blocks) if b.max_num_blocks else blocks

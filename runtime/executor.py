@@ -321,7 +321,7 @@ class Executor:
             return NgramProposer(spec)
         from kiln.runtime.draft_model import DraftProposer, draft_pool_blocks
 
-        blocks = draft_pool_blocks(self.limits.num_blocks, self.block_size, draft)
+        blocks = draft_pool_blocks(self.limits.num_blocks, self.block_size, draft.config.bounds)
         self.kv_plan += (f"; draft engine's pool: {blocks} blocks x {draft.config.bounds.tokens_per_block} tokens "
                          f"({draft.kv_bytes_per_token} B/token; the budget split by bytes per token, "
                          "both pools hold the same tokens)")

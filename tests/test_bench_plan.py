@@ -227,3 +227,81 @@ def test_hf_config_estimate_of_an_moe_model(tmp_path):
     assert "(99% of the experts)" in step["decode_step_batch_16"]["source"]
     params = p["inputs"]["parameters"]["value"]
     assert params.startswith("46.70") and "12.880B active" in params
+
+
+def _spec(engine, k: int = 4) -> dict:
+    return {"method": "draft_model", "model": str(engine.directory), "num_speculative_tokens": k}
+
+
+@pytest.mark.parametrize("options", [dict(max_batch_size=4, kv_cache_memory_fraction=2e-5),
+                                     dict(max_kv_cache_tokens=200, kv_cache_memory_fraction=None)])
+def test_a_draft_models_memory_is_what_llm_allocates(tiny, options):
+    """Both pools from one budget split by bytes per token, the draft's weights out of the memory first: the
+    planner's blocks and bytes are the executor's, for the target's pool and the draft's."""
+    from kiln.bench.spec_plan import SpeculationInputs
+    from kiln.runtime import LLM
+
+    facts = engine_facts(tiny.directory)
+    with LLM(tiny, speculative_config=_spec(tiny), **options) as llm:
+        ex = llm.executor
+        given = ex.limits.available_bytes + facts.weights_bytes if ex.limits.available_bytes is not None else 10**12
+        p = plan(facts, get_device("cpu:24"), WorkloadStats.from_percentiles(40, 20), available_bytes=given,
+                 speculation=SpeculationInputs("draft_model", 4, None, facts), **options)
+        mem, draft = p["memory"], ex.proposer
+        assert mem["kv_pool_blocks"]["value"] == ex.kv.num_blocks
+        assert mem["draft_kv_pool_blocks"]["value"] == draft.kv.num_blocks
+        assert mem["draft_kv_pool_bytes"]["value"] == draft.kv_cache.numel() * draft.kv_cache.element_size()
+        assert mem["draft_weights"]["value"] == facts.weights_bytes
+        assert mem["available_after_weights"]["value"] == given - facts.weights_bytes
+    without = plan(facts, get_device("cpu:24"), WorkloadStats.from_percentiles(40, 20), available_bytes=given,
+                   **options)
+    if options.get("kv_cache_memory_fraction"):   # memory-bound: a draft's pool takes its share of the tokens
+        assert without["memory"]["kv_pool_blocks"]["value"] > mem["kv_pool_blocks"]["value"]
+
+
+def test_speculation_speed_model(tiny):
+    """Acceptance 0 costs a step's extra work, acceptance 1 yields k + 1 tokens a step, the break-even rate is
+    where the expected tokens pay the verify step plus the draft round, ngram has no draft round."""
+    from kiln.bench.spec_plan import Acceptance, SpeculationInputs
+
+    facts, work, dev = engine_facts(tiny.directory), WorkloadStats.from_percentiles(40, 20), get_device("cpu:24")
+
+    def section(method, rate, k=4):
+        acc = Acceptance(rate, None, "test") if rate is not None else None
+        s = SpeculationInputs(method, k, acc, facts if method == "draft_model" else None)
+        return plan(facts, dev, work, speculation=s)["speculative"]
+
+    ngram0, ngram1, draft1 = section("ngram", 0.0), section("ngram", 1.0), section("draft_model", 1.0)
+    assert ngram0["tokens_per_step"]["value"] == 1 and ngram0["speedup_batch_1"]["value"] < 1
+    assert ngram1["tokens_per_step"]["value"] == 5
+    assert "draft_round" not in ngram1 and draft1["draft_round"]["value"] > 0
+    assert draft1["speedup_batch_1"]["value"] < ngram1["speedup_batch_1"]["value"]
+    cost = ngram1["break_even_tokens_per_step"]["value"]
+    assert cost == pytest.approx((ngram1["verify_step"]["value"]) / ngram1["plain_step"]["value"])
+    a = ngram1["break_even_acceptance"]["value"]
+    assert section("ngram", a)["speedup_batch_1"]["value"] == pytest.approx(1.0, abs=0.01)
+    assert "note" in section("ngram", None)
+    # the target as its own draft pays a full extra step per proposal: no acceptance makes that pay at k = 4
+    assert draft1["break_even_tokens_per_step"]["value"] > 5 and draft1["break_even_acceptance"]["value"] is None
+
+
+def test_plan_cli_speculation_options_and_errors(tiny, checkpoint_dir, tmp_path):
+    base = ["--engine", str(tiny.directory), "--device", "cpu:24", "--context-p95", "60", "--output-p95", "30"]
+    other_vocab = get_engine(checkpoint_dir("llama", vocab_size=640, num_hidden_layers=1))
+    r = CliRunner().invoke(plan_cmd, base + ["--speculative-config", json.dumps(_spec(tiny)), "--spec-acceptance",
+                                             "0.7"])
+    assert r.exit_code == 0, r.output
+    assert "draft_kv_pool_blocks" in r.output and "speedup_batch_1" in r.output
+    r = CliRunner().invoke(plan_cmd, base + ["--speculative-config", '{"method": "ngram", "num_speculative_tokens": 3}',
+                                             "--spec-acceptance", "0.5"])
+    assert r.exit_code == 0 and "draft_weights" not in r.output and "tokens_per_step" in r.output, r.output
+    bad = [(["--speculative-config", '{"method": "eagle"}'], "method"),
+           (["--speculative-config", "{nope"], "not valid JSON"),
+           (["--spec-acceptance", "0.5"], "goes with --speculative-config"),
+           (["--speculative-config", '{"method": "ngram"}', "--spec-acceptance", "1.5"], "rate in [0, 1]"),
+           (["--speculative-config", '{"method": "ngram"}', "--spec-acceptance", str(tmp_path / "none.json")],
+            "no such file"),
+           (["--speculative-config", json.dumps(_spec(other_vocab))], "vocabulary of 640 tokens")]
+    for extra, message in bad:
+        r = CliRunner().invoke(plan_cmd, base + extra)
+        assert r.exit_code != 0 and message in r.output, (extra, r.output)
