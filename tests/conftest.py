@@ -89,6 +89,14 @@ def checkpoint_dir(tmp_path_factory):
     return make
 
 
+@pytest.fixture(scope="module")
+def llama_engine(checkpoint_dir):
+    """The tiny Llama checkpoint's engine (runtime_support.TEST_BUILD), built once per process."""
+    from runtime_support import get_engine
+
+    return get_engine(checkpoint_dir("llama"))
+
+
 @pytest.fixture(scope="session")
 def native():
     """The native kernel library, loaded (compiled on a cold cache) once; the tests that use this

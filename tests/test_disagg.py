@@ -15,16 +15,11 @@ from kiln.runtime import LLM, InvalidRequestError, SamplingParams
 from kiln.runtime.disagg import DisaggLLM
 from kiln.runtime.kv_cache import cdiv
 
-from runtime_support import assert_no_leak, get_engine, random_prompts
+from runtime_support import assert_no_leak, random_prompts
 
 pytestmark = [pytest.mark.xdist_group("disagg"), pytest.mark.usefixtures("hang_watchdog")]
 
 VOCAB = 512
-
-
-@pytest.fixture(scope="module")
-def engine(checkpoint_dir):
-    return get_engine(checkpoint_dir("llama"))
 
 
 @pytest.fixture(scope="module")
@@ -36,17 +31,17 @@ def prompts():
 
 
 @pytest.fixture(scope="module")
-def colocated(engine, prompts):
+def colocated(llama_engine, prompts):
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
-    with LLM(engine) as llm:
+    with LLM(llama_engine) as llm:
         return [o.token_ids for o in llm.generate(prompts, params)]
 
 
-def test_export_import_between_two_executors_equals_colocated(engine, prompts, colocated):
+def test_export_import_between_two_executors_equals_colocated(llama_engine, prompts, colocated):
     """A prefill-only executor exports each prompt's blocks at its first token; another imports them and decodes:
     the same greedy tokens as one executor, and both pools end with no block held."""
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
-    with LLM(engine) as pre, LLM(engine) as dec:
+    with LLM(llama_engine) as pre, LLM(llama_engine) as dec:
         done = {i: threading.Event() for i in range(len(prompts))}
         results: dict[int, list[int]] = {}
 
@@ -63,7 +58,7 @@ def test_export_import_between_two_executors_equals_colocated(engine, prompts, c
             while not exported:
                 time.sleep(0.001)
             exp = exported[0]
-            assert exp.blocks.shape[2] == cdiv(len(ids), engine.config.bounds.tokens_per_block)
+            assert exp.blocks.shape[2] == cdiv(len(ids), llama_engine.config.bounds.tokens_per_block)
 
             def reserved(rid, blocks):
                 assert len(blocks) == exp.blocks.shape[2]
@@ -80,8 +75,8 @@ def test_export_import_between_two_executors_equals_colocated(engine, prompts, c
         assert_no_leak(dec)
 
 
-def test_import_refuses_blocks_of_another_shape(engine):
-    with LLM(engine) as dec, LLM(engine) as pre:
+def test_import_refuses_blocks_of_another_shape(llama_engine):
+    with LLM(llama_engine) as dec, LLM(llama_engine) as pre:
         got = []
         pre.executor.submit([5, 6, 7], SamplingParams(temperature=0, max_tokens=1), kv_export=got.append)
         pre.executor.wait_idle(10)
@@ -90,8 +85,8 @@ def test_import_refuses_blocks_of_another_shape(engine):
                                          lambda *_: None, request_id="x")
 
 
-def test_failed_transfer_fails_only_its_request(engine):
-    with LLM(engine) as pre, LLM(engine) as dec:
+def test_failed_transfer_fails_only_its_request(llama_engine):
+    with LLM(llama_engine) as pre, LLM(llama_engine) as dec:
         got = []
         pre.executor.submit([5, 6, 7], SamplingParams(temperature=0, max_tokens=1), kv_export=got.append)
         pre.executor.wait_idle(10)
@@ -107,13 +102,13 @@ def test_failed_transfer_fails_only_its_request(engine):
 
 # ---- worker processes ---------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
-def cluster(engine):
+def cluster(llama_engine):
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    with DisaggLLM(engine.directory, prefill_workers=1, decode_workers=2, worker_threads=1) as llm:
+    with DisaggLLM(llama_engine.directory, prefill_workers=1, decode_workers=2, worker_threads=1) as llm:
         yield llm
 
 
-def test_greedy_outputs_equal_colocated_and_counters_count_blocks(cluster, prompts, colocated, engine):
+def test_greedy_outputs_equal_colocated_and_counters_count_blocks(cluster, prompts, colocated, llama_engine):
     """16 concurrent mixed-length requests: the same tokens as the colocated LLM; every prompt's blocks moved
     once, bytes = blocks x bytes per block."""
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
@@ -122,11 +117,11 @@ def test_greedy_outputs_equal_colocated_and_counters_count_blocks(cluster, promp
     assert [o.token_ids for o in outs] == colocated
     assert [o.text for o in outs] == [cluster.decode(t) for t in colocated]
     after = cluster.stats()["disagg"]["kv_transfer"]
-    bs = engine.config.bounds.tokens_per_block
+    bs = llama_engine.config.bounds.tokens_per_block
     blocks = sum(cdiv(len(p), bs) for p in prompts)
     assert after["blocks"] - before["blocks"] == blocks
     assert after["transfers"] - before["transfers"] == len(prompts)
-    per_block = engine.kv_bytes_per_token * bs
+    per_block = llama_engine.kv_bytes_per_token * bs
     assert cluster.stats()["disagg"]["bytes_per_block"] == per_block
     assert after["bytes"] - before["bytes"] == blocks * per_block
     s = cluster.stats()
