@@ -24,7 +24,7 @@ FAST_MODULES = {
     "test_plugin_ops_native", "test_weight_only_linear", "test_native_library", "test_serving_chat_template",
     "test_bench_workload", "test_bench_stats", "test_panel_kernels", "test_docs", "test_structured_output",
     "test_tool_parsers", "test_prompt_bounds", "test_triton_protocol", "test_lora_op", "test_batch_lines",
-    "test_family_configs", "test_moe", "test_kv_quant",
+    "test_family_configs", "test_moe", "test_kv_quant", "test_disagg_router",
 }
 
 

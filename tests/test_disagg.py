@@ -1,6 +1,7 @@
 """Disaggregated prefill/decode: KV export/import between two executors in one process (the runtime hook), then
 ``DisaggLLM`` with worker processes (torch.distributed gloo transfers) against the colocated LLM on the same
-engine: greedy outputs token for token, transfer counters, a SIGKILLed decode worker, and refused requests."""
+engine: greedy outputs token for token, transfer counters, prefix-aware routing between two prefill workers, a
+SIGKILLed decode worker, and refused requests."""
 
 from __future__ import annotations
 
@@ -104,7 +105,7 @@ def test_failed_transfer_fails_only_its_request(llama_engine):
 @pytest.fixture(scope="module")
 def cluster(llama_engine):
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    with DisaggLLM(llama_engine.directory, prefill_workers=1, decode_workers=2, worker_threads=1) as llm:
+    with DisaggLLM(llama_engine.directory, prefill_workers=2, decode_workers=2, worker_threads=1) as llm:
         yield llm
 
 
@@ -135,6 +136,57 @@ def test_refused_requests_name_the_problem(cluster):
         cluster.generate([5, 6, 7], SamplingParams(max_tokens=1000))
     with pytest.raises(InvalidRequestError, match="structured output"):
         cluster.generate([5, 6, 7], SamplingParams(max_tokens=4, structured_output={"json": {"type": "object"}}))
+
+
+def wait_until(cond, timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, f"{what} within {timeout:g} s"
+        time.sleep(0.02)
+
+
+def fresh_stats(workers) -> None:
+    """Wait for two stats reports from each worker: the second was taken after this call began."""
+    for w in workers:
+        for _ in range(2):
+            seen = w.stats
+            wait_until(lambda w=w, seen=seen: w.stats is not seen, 10, f"no stats from {w.name}")
+
+
+def test_prompts_sharing_a_prefix_go_to_the_prefill_worker_that_holds_it(cluster, llama_engine):
+    """Two 48-token prefixes, one prefilled on each prefill worker (the second goes to the other one: the first
+    is queued on its worker); then a burst of 8 requests, the two prefixes in the order a a b b a a b b: each
+    goes to the worker that holds its prefix (least-loaded routing would mix them) and finds it cached there
+    (each worker's prefix-hit counter rises by 4 x 48 tokens); the outputs equal the colocated LLM's."""
+    ex = cluster.executor
+    bs = llama_engine.config.bounds.tokens_per_block
+    a, b = random_prompts(2, VOCAB, 6 * bs, 6 * bs, seed=50)
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    outs: dict[str, object] = {}
+    cb = lambda out: out.finished and outs.__setitem__(out.request_id, out)   # noqa: E731
+    warm = [ex.submit(p + [3], params, callback=cb) for p in (a, b)]
+    holder = {0: ex._flights[warm[0]].prefill, 1: ex._flights[warm[1]].prefill}
+    assert holder[0] != holder[1]
+    wait_until(lambda: all(r in outs for r in warm), 60, "the warm-up requests did not end")
+    prefill = [w for w in ex.workers if w.role == "prefill"]
+    fresh_stats(prefill)
+    hits = {w.uid: w.stats["kv_cache"]["prefix_hits"] for w in prefill}
+    routed = ex.stats()["disagg"]["routing"]["prefix_routed"]
+
+    which = [0, 0, 1, 1, 0, 0, 1, 1]
+    burst = [(a, b)[k] + s for k, s in zip(which, random_prompts(8, VOCAB, 2, 7, seed=51))]
+    rids, routes = [], []
+    for p in burst:
+        rids.append(ex.submit(p, params, callback=cb))
+        routes.append(ex._flights[rids[-1]].prefill)
+    assert routes == [holder[k] for k in which]
+    wait_until(lambda: all(r in outs for r in rids), 60, "the burst did not end")
+    assert ex.stats()["disagg"]["routing"]["prefix_routed"] - routed == len(burst)
+    fresh_stats(prefill)
+    for w in prefill:
+        assert w.stats["kv_cache"]["prefix_hits"] - hits[w.uid] == 4 * 6 * bs, w.name
+    with LLM(llama_engine) as llm:
+        assert [outs[r].token_ids for r in rids] == [o.token_ids for o in llm.generate(burst, params)]
 
 
 def test_sigkill_of_a_decode_worker_fails_its_streams_and_the_rest_serve(cluster, prompts):
