@@ -86,6 +86,25 @@ def test_import_refuses_blocks_of_another_shape(llama_engine):
                                          lambda *_: None, request_id="x")
 
 
+def test_kv_transfer_refuses_lora_and_structured_output_in_one_place(llama_engine):
+    """Export (submit with kv_export) and import (submit_imported) refuse what a transfer does not carry with the
+    one check of Executor.validate(kv_transfer=True), before any grammar is compiled; each refusal counts once."""
+    json_out = SamplingParams(max_tokens=4, structured_output={"json": {"type": "object"}})
+    with LLM(llama_engine) as llm:
+        ex = llm.executor
+        got = []
+        ex.submit([5, 6, 7], SamplingParams(temperature=0, max_tokens=1), kv_export=got.append)
+        ex.wait_idle(10)
+        with pytest.raises(InvalidRequestError, match="^structured output: disaggregated serving"):
+            ex.submit([5, 6, 7], json_out, kv_export=lambda _: None)
+        with pytest.raises(InvalidRequestError, match="^a LoRA adapter: disaggregated serving"):
+            ex.submit([5, 6, 7], SamplingParams(max_tokens=4), lora="x", kv_export=lambda _: None)
+        with pytest.raises(InvalidRequestError, match="^structured output: disaggregated serving"):
+            ex.submit_imported([5, 6, 7], json_out, got[0].meta(), lambda *_: None, request_id="y")
+        assert ex.metrics.counters["requests_rejected"] == 3
+        assert ex.metrics.counters.get("structured_requests", 0) == 0
+
+
 def test_failed_transfer_fails_only_its_request(llama_engine):
     with LLM(llama_engine) as pre, LLM(llama_engine) as dec:
         got = []

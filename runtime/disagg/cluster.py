@@ -315,19 +315,23 @@ class ClusterExecutor:
 
     def validate(self, prompt: Any, params: SamplingParams | None = None, *, priority: Any = 0,
                  request_id: Any = None, callback: Any = None, arrival_time: Any = None, lora: Any = None):
-        """The checks of ``Executor.validate``, against the smallest worker's limits."""
+        """The checks of ``Executor.validate`` for a request whose KV moves (what that refuses), against the
+        smallest worker's limits."""
         try:
-            return Executor._check(self, prompt, params, priority, request_id, callback, arrival_time, lora)
+            return Executor._check(self, prompt, params, priority, request_id, callback, arrival_time, lora, True)
         except (InvalidRequestError, ConfigError):
             self.metrics.incr("requests_rejected")
             raise
 
-    def grammar_compiler(self):
-        raise untransferable(structured_output=True)
+    @staticmethod
+    def _adapter(lora: Any) -> None:
+        """(Executor._check's adapter lookup) none: a named adapter was refused before (kv_transfer)."""
+        return None
 
-    def _adapter(self, lora: Any) -> None:
-        if lora is not None:
-            raise untransferable(lora=lora)
+    def grammar_compiler(self):
+        """There is none here (the OpenAI server asks for it to check a constraint early): the refusal validate
+        would give."""
+        raise untransferable(structured_output=True)
 
     def submit(self, prompt_token_ids: Any, params: SamplingParams | None = None, *,
                request_id: str | None = None, priority: int = 0, prompt: str | None = None,
