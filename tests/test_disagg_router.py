@@ -41,9 +41,20 @@ def test_no_prefix_anywhere_is_least_loaded():
     router = PrefixRouter(BS)
     assert router.route("a", PREFIX, [(0, 0), (1, 0)]).uid == 0      # a tie: the lower slot
     assert router.route("b", OTHER, [(0, 1), (1, 0)]).uid == 1       # 0 has a's 16 tokens queued
-    assert router.route("c", [7] * 10, [(0, 1), (1, 1)]).uid == 0    # 16 tokens queued on each: the lower slot
+    assert router.route("c", [7] * 10, [(0, 1), (1, 1)]).uid == 0    # 16 tokens queued on each: 0 was chosen longer ago
     router.release("a")
     assert router.route("d", [7] * 10, [(0, 1), (1, 1)]).uid == 0    # 0 holds c's 10 now, 1 holds b's 16
+
+
+def test_ties_go_to_the_worker_chosen_least_recently():
+    """Prompts no worker holds, each routed after the last left prefill: they take turns, so new prefixes spread
+    over the workers' caches."""
+    router = PrefixRouter(BS)
+    uids = []
+    for i in range(4):
+        uids.append(router.route(f"r{i}", [i] * 9, [(0, 0), (1, 0)]).uid)
+        router.release(f"r{i}")
+    assert uids == [0, 1, 0, 1]
 
 
 def test_the_holder_of_a_prefix_wins_until_its_queue_costs_more():

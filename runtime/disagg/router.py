@@ -13,11 +13,13 @@ compute: ``queued(w) + len(prompt) - cached(w)``, where ``queued(w)`` sums the u
 prefill on ``w`` and ``cached(w)`` is the prompt's longest prefix (whole blocks, leaving at least one token to
 compute, as the worker's own lookup does) that ``w`` holds. With no useful prefix anywhere this is the least
 loaded worker; a holder whose queue costs more than recomputing the prefix elsewhere loses to a less loaded
-worker. Ties go to the worker with fewer requests in prefill, then the lower slot.
+worker. Ties go to the worker with fewer requests in prefill, then to the one chosen least recently (so prompts
+that no worker holds spread over the workers' caches instead of all landing on the first), then the lower slot.
 """
 
 from __future__ import annotations
 
+import itertools
 import threading
 from collections import Counter
 from collections.abc import Iterable, Sequence
@@ -60,6 +62,8 @@ class PrefixRouter:
         self._held: dict[int, set[bytes]] = {}        # worker uid -> hashes its cache holds (as last reported)
         self._pending: dict[int, Counter] = {}        # worker uid -> hashes of the prompts in prefill there
         self._claims: dict[str, _Claim] = {}          # request id -> its claim on a worker
+        self._chosen: dict[int, int] = {}             # worker uid -> when it was last chosen (a sequence number)
+        self._seq = itertools.count()
         self._lock = threading.Lock()
 
     def on_events(self, uid: int, events: Iterable[tuple[bool, bytes]]) -> None:
@@ -77,6 +81,7 @@ class PrefixRouter:
         with self._lock:
             self._held.pop(uid, None)
             self._pending.pop(uid, None)
+            self._chosen.pop(uid, None)
             for rid in [r for r, c in self._claims.items() if c.uid == uid]:
                 del self._claims[rid]
 
@@ -103,11 +108,12 @@ class PrefixRouter:
             for order, (uid, requests) in enumerate(workers):
                 cached = self.cached_blocks(uid, usable) * self.block_size
                 cost = queued[uid] + len(ids) - cached
-                key = (cost, requests, order)
+                key = (cost, requests, self._chosen.get(uid, -1), order)
                 if best is None or key < best[0]:
                     best = (key, Route(uid, cached, cost))
             assert best is not None, "route() needs at least one worker"
             route = best[1]
+            self._chosen[route.uid] = next(self._seq)
             self._claims[request_id] = _Claim(route.uid, hashes, len(ids) - route.cached_tokens)
             self._pending.setdefault(route.uid, Counter()).update(hashes)
         return route
