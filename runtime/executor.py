@@ -340,24 +340,31 @@ class Executor:
 
     def validate(self, prompt: Any, params: SamplingParams | None = None, *, priority: Any = 0,
                  request_id: Any = None, callback: Any = None, arrival_time: Any = None,
-                 lora: Any = None) -> CheckedRequest:
+                 lora: Any = None, kv_transfer: bool = False) -> CheckedRequest:
         """Check one request in the caller's thread: its token ids (see ``kiln.runtime.prompts``), every
         SamplingParams field again (it may have changed since construction) and the engine's limits, the
         priority, id, callback and arrival time, and the LoRA adapter it names (``lora``: a loaded adapter's name,
-        None for the base model). Returns the normalised request; raises InvalidRequestError
+        None for the base model). ``kv_transfer``: the request's KV blocks move between executors
+        (``kiln.runtime.kv_transfer``), which carry no adapter or grammar state yet: a LoRA adapter or structured
+        output is refused first (the one place that refusal is made: export, import and the disaggregated
+        frontend all ask for it). Returns the normalised request; raises InvalidRequestError
         or ConfigError (both ValueErrors, counted as rejected). Nothing is queued."""
         try:
-            return self._check(prompt, params, priority, request_id, callback, arrival_time, lora)
+            return self._check(prompt, params, priority, request_id, callback, arrival_time, lora, kv_transfer)
         except (InvalidRequestError, ConfigError):
             self.metrics.incr("requests_rejected")
             raise
 
-    def _check(self, prompt, params, priority, request_id, callback, arrival_time, lora) -> CheckedRequest:
+    def _check(self, prompt, params, priority, request_id, callback, arrival_time, lora,
+               kv_transfer: bool = False) -> CheckedRequest:
         ids = checked_token_ids(prompt)
         params = SamplingParams() if params is None else params
         if not isinstance(params, SamplingParams):
             raise InvalidRequestError(f"sampling params must be a SamplingParams, got {type(params).__name__}")
         params.check()
+        refusal = untransferable(lora, params.structured_output) if kv_transfer else None
+        if refusal is not None:
+            raise refusal
         bad = [t for t in ids if not 0 <= t < self.vocab_size]
         if bad:
             raise InvalidRequestError(f"prompt token ids {bad[:5]} are outside the vocabulary [0, {self.vocab_size})")
@@ -417,11 +424,8 @@ class Executor:
         ``kv_export``: called (in the step loop, once) with the request's prompt blocks when its first token is
         sampled (``kiln.runtime.kv_transfer``: how a prefill worker hands a request to a decode worker)."""
         checked = self.validate(prompt_token_ids, params, priority=priority, request_id=request_id,
-                                callback=callback, arrival_time=arrival_time, lora=lora)
-        refusal = untransferable(checked.adapter, checked.params.structured_output) if kv_export else None
-        if refusal is not None:
-            self.metrics.incr("requests_rejected")
-            raise refusal
+                                callback=callback, arrival_time=arrival_time, lora=lora,
+                                kv_transfer=kv_export is not None)
         engine_failure = self.engine.failure   # a tensor-parallel rank died while idle
         if engine_failure is not None:
             self.metrics.incr("requests_rejected")
@@ -454,7 +458,7 @@ class Executor:
         no block ids: receive and drop them), so the sending side is never left waiting.
         Errors as for :meth:`submit`; a shape that is not this pool's is an InvalidRequestError."""
         checked = self.validate(prompt_token_ids, params, priority=priority, request_id=request_id,
-                                callback=callback, arrival_time=arrival_time)
+                                callback=callback, arrival_time=arrival_time, kv_transfer=True)
         want = cdiv(len(checked.token_ids), self.block_size)
         pool = tuple(self.kv_cache.shape)
         if (meta.num_blocks != want or tuple(meta.shape[:2]) != pool[:2] or tuple(meta.shape[3:]) != pool[3:]
@@ -463,10 +467,6 @@ class Executor:
             raise InvalidRequestError(f"imported KV blocks {meta.shape} {meta.dtype} do not fit this pool "
                                       f"({want} blocks of {pool[:2] + pool[3:]} {self.kv_cache.dtype}): the two "
                                       "workers must serve the same engine")
-        refusal = untransferable(checked.adapter, checked.params.structured_output)
-        if refusal is not None:
-            self.metrics.incr("requests_rejected")
-            raise refusal
         with self._cv:
             req = self._register(checked, request_id, arrival_time, prompt, callback)
             self._incoming_imports.append(_Import(req, meta, start_transfer))

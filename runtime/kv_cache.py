@@ -13,6 +13,8 @@ hands out block ids, and it alone knows which blocks each request holds (its blo
   hashes mean equal prefixes. ``hash -> block`` lets a new request pick up the blocks of a prefix that an
   earlier (or concurrent) request already computed; they are shared (count > 1), never copied.
 * Taking a block from the free queue that still holds a cached prefix evicts it (drops its hash).
+* :meth:`record_events` makes the manager log each hash it caches and evicts (``events``, in order), so
+  another process can follow what this pool holds (the disaggregated frontend's prefix-aware routing).
 * Sliding-window models (``sliding_window > 0``): a token attends to the last ``sliding_window``
   positions only, so blocks that fall wholly before the window of the next token are released as the
   request advances. The block table keeps its positions (position p is in entry p // block_size); a
@@ -29,7 +31,7 @@ import hashlib
 import logging
 import os
 from array import array
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -88,6 +90,17 @@ class KVCacheManager:
         self.prefix_queries = 0
         self.prefix_hits = 0
         self.evictions = 0
+        self.events: deque[tuple[bool, bytes]] | None = None   # (cached?, hash) since the last drain
+
+    def record_events(self) -> None:
+        """From now on log every hash cached (True, h) and evicted (False, h) in ``events``: appended by the step
+        loop, taken by :meth:`drain_events` in any thread (deque appends and pops are atomic)."""
+        self.events = deque()
+
+    def drain_events(self) -> list[tuple[bool, bytes]]:
+        """The events logged since the last drain, oldest first (one drainer at a time keeps them in order)."""
+        ev = self.events
+        return [] if ev is None else [ev.popleft() for _ in range(len(ev))]
 
     # ---- accounting -------------------------------------------------------------------------------
     @property
@@ -176,6 +189,8 @@ class KVCacheManager:
                 continue  # already cached (a prefix hit), or the same prefix lives in another block
             self.cached[h] = b
             self.block_hash[b] = h
+            if self.events is not None:
+                self.events.append((True, h))
         self._registered[rid] = full
 
     # ---- allocation ---------------------------------------------------------------------------------
@@ -185,6 +200,8 @@ class KVCacheManager:
         if h is not None:
             if self.cached.get(h) == b:
                 del self.cached[h]
+                if self.events is not None:
+                    self.events.append((False, h))
             self.block_hash[b] = None
             self.evictions += 1
         self.ref_cnt[b] = 1

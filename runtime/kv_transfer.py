@@ -68,7 +68,8 @@ def as_bytes(t: torch.Tensor) -> torch.Tensor:
 
 def untransferable(lora: object = None, structured_output: object = None) -> InvalidRequestError | None:
     """The one refusal of what a KV transfer does not carry yet (a LoRA adapter's state, a grammar matcher's):
-    the executor's export and import hooks and the disaggregated frontend all raise it. None when neither is set."""
+    ``Executor.validate(kv_transfer=True)`` raises it, for export, import and the disaggregated frontend alike.
+    None when neither is set."""
     what = [name for name, value in (("a LoRA adapter", lora), ("structured output", structured_output))
             if value is not None]
     if not what:

@@ -84,6 +84,12 @@ DISAGG_COUNTERS = {
     "transfers": ("kv_transfers", "Requests whose KV blocks were moved."),
     "failed": ("kv_transfers_failed", "KV transfers that failed (their requests ended with an error)."),
 }
+DISAGG_ROUTING = {
+    "prefix_routed": ("disagg_prefix_routed", "Requests sent to the prefill worker that holds a cached prefix of "
+                      "their prompt."),
+    "prefix_routed_tokens": ("disagg_prefix_routed_tokens", "Prompt tokens those requests were expected to find "
+                             "cached there (the worker's prefix-hit counters say what it found)."),
+}
 
 
 def _disagg(s: dict, p: str) -> Iterator[Metric]:
@@ -96,6 +102,8 @@ def _disagg(s: dict, p: str) -> Iterator[Metric]:
                                     buckets=[(floatToGoString(le), n) for le, n in h["buckets"]])
     for key, (name, doc) in DISAGG_COUNTERS.items():
         yield CounterMetricFamily(f"{p}_{name}", doc, value=d["kv_transfer"][key])
+    for key, (name, doc) in DISAGG_ROUTING.items():
+        yield CounterMetricFamily(f"{p}_{name}", doc, value=d["routing"][key])
     queue = GaugeMetricFamily(f"{p}_disagg_requests", "Requests in flight by role (prefill: not yet handed to a "
                               "decode worker).", labels=["role"])
     area = CounterMetricFamily(f"{p}_disagg_request_seconds", "Request-seconds spent in flight by role (the time "

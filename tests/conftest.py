@@ -24,7 +24,7 @@ FAST_MODULES = {
     "test_plugin_ops_native", "test_weight_only_linear", "test_native_library", "test_serving_chat_template",
     "test_bench_workload", "test_bench_stats", "test_panel_kernels", "test_docs", "test_structured_output",
     "test_tool_parsers", "test_prompt_bounds", "test_triton_protocol", "test_lora_op", "test_batch_lines",
-    "test_family_configs", "test_moe", "test_kv_quant",
+    "test_family_configs", "test_moe", "test_kv_quant", "test_disagg_router",
 }
 
 
@@ -87,6 +87,14 @@ def checkpoint_dir(tmp_path_factory):
         return cache[key]
 
     return make
+
+
+@pytest.fixture(scope="module")
+def llama_engine(checkpoint_dir):
+    """The tiny Llama checkpoint's engine (runtime_support.TEST_BUILD), built once per process."""
+    from runtime_support import get_engine
+
+    return get_engine(checkpoint_dir("llama"))
 
 
 @pytest.fixture(scope="session")

@@ -20,18 +20,13 @@ import pytest
 from kiln.runtime import LLM, SamplingParams
 from kiln.runtime.disagg import DisaggLLM
 
-from runtime_support import get_engine, random_prompts
+from runtime_support import random_prompts
 
 pytestmark = [pytest.mark.xdist_group("disagg"), pytest.mark.usefixtures("hang_watchdog")]
 
 VOCAB = 512
 KEY = "kiln-test-key-0123456789"
 KILN = str(Path(sys.executable).parent / "kiln")
-
-
-@pytest.fixture(scope="module")
-def engine(checkpoint_dir):
-    return get_engine(checkpoint_dir("llama"))
 
 
 @pytest.fixture(scope="module")
@@ -45,8 +40,8 @@ GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
 
 
 @pytest.fixture(scope="module")
-def colocated(engine, prompts):
-    with LLM(engine) as llm:
+def colocated(llama_engine, prompts):
+    with LLM(llama_engine) as llm:
         return [o.token_ids for o in llm.generate(prompts, GREEDY)]
 
 
@@ -70,18 +65,18 @@ def wait_until(cond, timeout: float, what: str) -> None:
 
 
 @pytest.fixture(scope="module")
-def external(engine):
+def external(llama_engine):
     """A frontend listening on 127.0.0.1 and three `kiln worker` processes (1 prefill, 2 decode) connecting to
     it; the workers start first and keep trying until the frontend listens. ``procs`` is keyed by start order: the
     slot a worker gets depends on which says hello first (find a slot's process by its pid)."""
     address = f"127.0.0.1:{free_port()}"
-    procs = {("prefill", 0): start_worker("prefill", address, engine.directory),
-             ("decode", 0): start_worker("decode", address, engine.directory),
-             ("decode", 1): start_worker("decode", address, engine.directory)}
+    procs = {("prefill", 0): start_worker("prefill", address, llama_engine.directory),
+             ("decode", 0): start_worker("decode", address, llama_engine.directory),
+             ("decode", 1): start_worker("decode", address, llama_engine.directory)}
     old = os.environ.get("KILN_WORKER_KEY")
     os.environ["KILN_WORKER_KEY"] = KEY
     try:
-        with DisaggLLM(engine.directory, prefill_workers=1, decode_workers=2, listen=address,
+        with DisaggLLM(llama_engine.directory, prefill_workers=1, decode_workers=2, listen=address,
                        transfer_timeout=3.0) as llm:
             yield llm, procs, address
     finally:
@@ -142,7 +137,7 @@ def test_transfer_timeout_fails_only_its_request(external, prompts):
                "the stalled decode worker served nothing after it resumed")
 
 
-def test_killed_decode_worker_rejoins(external, engine, prompts, colocated):
+def test_killed_decode_worker_rejoins(external, llama_engine, prompts, colocated):
     """SIGKILL decode worker 1, start it again: /health goes degraded, then ok again; the new worker holds slot 1
     under a new uid, its KV pairs are new groups, and it serves requests (greedy tokens as colocated)."""
     llm, procs, address = external
@@ -155,7 +150,7 @@ def test_killed_decode_worker_rejoins(external, engine, prompts, colocated):
     wait_until(lambda: ex.health()["status"] == "degraded", 20, "health did not turn degraded")
     assert ex.failure is None
     assert llm.generate(prompts[:2], GREEDY)[0].token_ids == colocated[0]   # the survivors serve meanwhile
-    procs[victim] = start_worker("decode", address, engine.directory)
+    procs[victim] = start_worker("decode", address, llama_engine.directory)
     wait_until(lambda: ex.health()["status"] == "ok", 120, "the restarted worker did not rejoin")
     new = by_slot(llm, "decode", 1)
     assert new.uid != old.uid and new.pid == procs[victim].pid and new.death is None
@@ -165,18 +160,18 @@ def test_killed_decode_worker_rejoins(external, engine, prompts, colocated):
                "the rejoined worker served nothing")
 
 
-def test_hostile_connections_are_refused(external, engine, tmp_path):
+def test_hostile_connections_are_refused(external, llama_engine, tmp_path):
     """A worker with the wrong key exits with an error naming KILN_WORKER_KEY; garbage on the worker port and a
     worker whose engine's config.json differs are refused; the pool serves on."""
     llm, _, address = external
-    bad = start_worker("decode", address, engine.directory, key="not-the-key-0123456789")
+    bad = start_worker("decode", address, llama_engine.directory, key="not-the-key-0123456789")
     _, err = bad.communicate(timeout=60)
     assert bad.returncode != 0 and "KILN_WORKER_KEY" in err
     host, port = address.rsplit(":", 1)
     with socket.create_connection((host, int(port))) as s:
         s.sendall(b"\x00\x00\x00\x10GET / HTTP/1.1\r\n\r\n" * 4)
     other = tmp_path / "other"
-    shutil.copytree(engine.directory, other)
+    shutil.copytree(llama_engine.directory, other)
     config = other / "config.json"
     config.write_text(json.dumps(json.loads(config.read_text()), indent=1))
     stranger = start_worker("decode", address, other)

@@ -5,8 +5,9 @@
 
 Each worker is a process with its own LLM (``kiln.runtime.disagg.worker``), started here on this machine or, with
 ``listen="HOST:PORT"``, started anywhere with ``kiln worker --connect HOST:PORT`` (``pool``: membership). A
-request goes to the prefill worker with the fewest requests in prefill; it computes the prompt's KV and the first
-token and exports the blocks (``kiln.runtime.kv_transfer``). This frontend then picks the decode worker with the
+request goes to the prefill worker that holds the longest cached prefix of its prompt unless its queue makes
+another sooner (``router``: least loaded when none holds one); it computes the prompt's KV and the first token
+and exports the blocks (``kiln.runtime.kv_transfer``). This frontend then picks the decode worker with the
 fewest requests, which reserves the blocks (its admission counts them), receives them over torch.distributed
 (``transport``), and continues the sequence; every output the caller sees comes from the decode worker (the first
 token included, once its blocks landed, so TTFT covers the transfer).
@@ -42,6 +43,7 @@ from kiln.contract import (
 )
 from kiln.runtime.detokenizer import load_tokenizer
 from kiln.runtime.disagg.pool import PoolWorker, WorkerPool, worker_options
+from kiln.runtime.disagg.router import PrefixRouter
 from kiln.runtime.executor import Executor, ExecutorConfig
 from kiln.runtime.kv_cache import KVCacheManager
 from kiln.runtime.kv_transfer import untransferable
@@ -120,6 +122,10 @@ class ClusterExecutor:
         for name in DISAGG_HISTOGRAMS:
             self.metrics.hist[name] = Histogram()
         self.transfer = {"transfers": 0, "blocks": 0, "bytes": 0, "seconds": 0.0, "failed": 0}
+        self.block_size = config.bounds.tokens_per_block
+        self.router = PrefixRouter(self.block_size, options.enable_prefix_reuse)
+        # requests sent to a prefill worker for a cached prefix of theirs, and the prompt tokens expected cached
+        self.routing = {"prefix_routed": 0, "prefix_routed_tokens": 0}
         self._lock = threading.Lock()
         self._flights: dict[str, _Flight] = {}
         # request-seconds per role (the time integral of the requests in flight there; mean queue = its rate)
@@ -144,7 +150,6 @@ class ClusterExecutor:
             raise
         decode = self.pool.alive("decode")
         b = config.bounds
-        self.block_size = b.tokens_per_block
         smallest = min(w.info["num_blocks"] for w in self.pool.workers())
         # the request checks of one worker (every worker at start holds at least this many blocks)
         self.scheduler = Scheduler(SchedulerConfig(min(w.info["max_batch_size"] for w in decode), b.max_num_tokens,
@@ -174,6 +179,8 @@ class ClusterExecutor:
             w.send("peer", peer.uid)
 
     def _on_death(self, w: PoolWorker, death: str) -> None:
+        if w.role == "prefill":
+            self.router.forget(w.uid)
         with self._lock:
             lost = [f for f in self._flights.values()
                     if (f.decode == w.uid if w.role == "decode" else f.prefill == w.uid and f.decode is None)]
@@ -182,17 +189,25 @@ class ClusterExecutor:
         for peer in self.pool.alive("decode" if w.role == "prefill" else "prefill"):
             peer.send("forget", w.uid)   # its KV pair with the dead one ends (a rejoined worker has a new uid)
 
-    def _least_loaded(self, role: str) -> PoolWorker | None:
-        alive = self.pool.alive(role)
+    def _least_loaded_decode(self) -> PoolWorker | None:
+        alive = self.pool.alive("decode")
         if not alive:
             return None
         with self._lock:
-            if role == "prefill":
-                load = {w.uid: sum(f.prefill == w.uid and f.decode is None for f in self._flights.values())
-                        for w in alive}
-            else:
-                load = {w.uid: sum(f.decode == w.uid for f in self._flights.values()) for w in alive}
+            load = {w.uid: sum(f.decode == w.uid for f in self._flights.values()) for w in alive}
         return min(alive, key=lambda w: (load[w.uid], w.index))
+
+    def _route_prefill(self, request_id: str, ids: list[int]) -> PoolWorker | None:
+        """(under ``_lock``) the prefill worker for a prompt (``router``), its request counted there."""
+        alive = self.pool.alive("prefill")
+        if not alive:
+            return None
+        load = {w.uid: sum(f.prefill == w.uid and f.decode is None for f in self._flights.values()) for w in alive}
+        route = self.router.route(request_id, ids, [(w.uid, load[w.uid]) for w in alive])
+        if route.cached_tokens:
+            self.routing["prefix_routed"] += 1
+            self.routing["prefix_routed_tokens"] += route.cached_tokens
+        return next(w for w in alive if w.uid == route.uid)
 
     def _send(self, uid: int | None, *msg) -> None:
         w = None if uid is None else self.pool.by_uid(uid)
@@ -203,7 +218,11 @@ class ClusterExecutor:
     def _on_stats(self, w: PoolWorker, stats: dict) -> None:
         w.stats = stats
 
+    def _on_kv_events(self, w: PoolWorker, events: list) -> None:
+        self.router.on_events(w.uid, events)
+
     def _on_prefilled(self, w: PoolWorker, rid: str, meta) -> None:
+        self.router.release(rid)   # its blocks are in the worker's cache now (the events came first)
         f = self._flights.get(rid)
         if f is None or f.aborted:
             w.send("drop", rid)
@@ -213,7 +232,7 @@ class ClusterExecutor:
         f.prefilled_at = time.monotonic()
         if meta.first_token_time is not None:
             self.metrics.observe("ttft_prefill", meta.first_token_time - f.arrival)
-        d = self._least_loaded("decode")
+        d = self._least_loaded_decode()
         if d is None:
             w.send("drop", rid)
             self._fail(f, "no decode worker is alive")
@@ -282,6 +301,7 @@ class ClusterExecutor:
                 return   # ended already (a worker died and its requests were failed)
             self._advance()
             del self._flights[f.request_id]
+        self.router.release(f.request_id)
         self.metrics.record_request(out.metrics, "error" if out.error else out.finish_reason)
         self._deliver(f, out)
 
@@ -295,19 +315,23 @@ class ClusterExecutor:
 
     def validate(self, prompt: Any, params: SamplingParams | None = None, *, priority: Any = 0,
                  request_id: Any = None, callback: Any = None, arrival_time: Any = None, lora: Any = None):
-        """The checks of ``Executor.validate``, against the smallest worker's limits."""
+        """The checks of ``Executor.validate`` for a request whose KV moves (what that refuses), against the
+        smallest worker's limits."""
         try:
-            return Executor._check(self, prompt, params, priority, request_id, callback, arrival_time, lora)
+            return Executor._check(self, prompt, params, priority, request_id, callback, arrival_time, lora, True)
         except (InvalidRequestError, ConfigError):
             self.metrics.incr("requests_rejected")
             raise
 
-    def grammar_compiler(self):
-        raise untransferable(structured_output=True)
+    @staticmethod
+    def _adapter(lora: Any) -> None:
+        """(Executor._check's adapter lookup) none: a named adapter was refused before (kv_transfer)."""
+        return None
 
-    def _adapter(self, lora: Any) -> None:
-        if lora is not None:
-            raise untransferable(lora=lora)
+    def grammar_compiler(self):
+        """There is none here (the OpenAI server asks for it to check a constraint early): the refusal validate
+        would give."""
+        raise untransferable(structured_output=True)
 
     def submit(self, prompt_token_ids: Any, params: SamplingParams | None = None, *,
                request_id: str | None = None, priority: int = 0, prompt: str | None = None,
@@ -316,10 +340,9 @@ class ClusterExecutor:
         checked = self.validate(prompt_token_ids, params, priority=priority, request_id=request_id,
                                 callback=callback, arrival_time=arrival_time, lora=lora)
         failure = self.failure
-        p = self._least_loaded("prefill")
-        if failure is not None or p is None:
+        if failure is not None:
             self.metrics.incr("requests_rejected")
-            raise ExecutorClosedError(failure or "no prefill worker is alive")
+            raise ExecutorClosedError(failure)
         with self._lock:
             if request_id is None:
                 request_id = f"req-{next(self._ids)}"
@@ -328,6 +351,10 @@ class ClusterExecutor:
             elif request_id in self._flights:
                 self.metrics.counters["requests_rejected"] += 1
                 raise InvalidRequestError(f"request id {request_id!r} is already in use")
+            p = self._route_prefill(request_id, checked.token_ids)
+            if p is None:
+                self.metrics.counters["requests_rejected"] += 1
+                raise ExecutorClosedError("no prefill worker is alive")
             params = dataclasses.replace(checked.params, max_tokens=checked.max_tokens)
             f = _Flight(request_id, checked.token_ids, params, checked.priority,
                         time.monotonic() if arrival_time is None else arrival_time, prompt, callback, p.uid)
@@ -410,8 +437,9 @@ class ClusterExecutor:
             transfer = dict(self.transfer)
             self._advance()
             request_seconds = dict(self.request_seconds)
+            routing = dict(self.routing)
         snap["disagg"] = {"workers": self.health()["workers"], "queues": q, "request_seconds": request_seconds,
-                          "kv_transfer": transfer,
+                          "kv_transfer": transfer, "routing": routing,
                           "bytes_per_block": self.bytes_per_block,
                           "worker_address": f"{self.pool.address[0]}:{self.pool.address[1]}"}
         return snap

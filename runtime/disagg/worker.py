@@ -11,7 +11,9 @@ answers ``("ready", info)`` or ``("error", text)``. Then:
 frontend -> prefill: ``("prefill", rid, ids, params, priority, arrival, prompt)``, ``("send", rid, decode_uid,
 tag)``, ``("drop", rid)``, ``("abort", rid)``, ``("peer", uid)`` (build the KV pair with that decode worker now),
 ``("forget", uid)`` (that peer is gone), ``("stop",)``.
-prefill -> frontend: ``("prefilled", rid, ImportMeta)`` (its first token is out, its blocks are held),
+prefill -> frontend: ``("kv_events", [(cached, hash), ...])`` (what its prefix cache cached and evicted, in
+order: with the stats, and before each ``prefilled``; ``kiln.runtime.disagg.router``),
+``("prefilled", rid, ImportMeta)`` (its first token is out, its blocks are held),
 ``("sent", rid, nbytes, seconds)`` / ``("send_failed", rid, error)``, ``("ended", rid, RequestOutput)`` (ended
 before its blocks were exported: aborted or failed), ``("rejected", rid, error)``.
 frontend -> decode: ``("import", rid, ids, params, priority, arrival, prompt, ImportMeta, prefill_uid, tag)``,
@@ -103,6 +105,9 @@ class Worker:
         self._lanes_lock = threading.Lock()
         self.held: dict[str, object] = {}                # prefill: exported blocks waiting to be sent, by rid
         self.exported: set[str] = set()
+        self._events_lock = threading.Lock()             # one drainer at a time: events reach the frontend in order
+        if self.role == "prefill" and self.executor.config.enable_prefix_reuse:
+            self.executor.kv.record_events()
 
     def info(self) -> dict:
         e = self.executor
@@ -115,9 +120,10 @@ class Worker:
         first = dataclasses.replace(params, max_tokens=1, min_tokens=min(params.min_tokens, 1), stop=None,
                                     include_stop_str_in_output=False)
 
-        def export(exp) -> None:   # in the step loop: keep the blocks, tell the frontend
+        def export(exp) -> None:   # in the step loop: keep the blocks, tell the frontend (what is cached first)
             self.held[rid] = exp.blocks
             self.exported.add(rid)
+            self.send_kv_events()
             self.chan.send("prefilled", rid, exp.meta())
 
         def on_output(out) -> None:
@@ -183,9 +189,16 @@ class Worker:
         if lane is not None:
             lane.close()
 
+    def send_kv_events(self) -> None:
+        with self._events_lock:
+            events = self.executor.kv.drain_events()
+            if events:
+                self.chan.send("kv_events", events)
+
     def report_stats(self) -> None:
         while True:
             time.sleep(STATS_INTERVAL_S)
+            self.send_kv_events()
             s = self.llm.stats()
             self.chan.send("stats", {k: s[k] for k in ("counters", "gauges", "kv_cache")})
 

@@ -12,7 +12,9 @@ import click
 
 from kiln.build_flags import build_config_from, build_options
 from kiln.clikit import dataclass_options, given
+from kiln.contract import ConfigError
 from kiln.runtime import ExecutorConfig
+from kiln.runtime.disagg.config import DisaggConfig
 from kiln.serving.openai.tool_parsers import TOOL_CALL_PARSERS
 
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
@@ -63,23 +65,7 @@ LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
                    "must be built with --lora-target-modules.")
 @click.option("--enable-lora-runtime-loading", is_flag=True, default=False,
               help="Serve /v1/load_lora_adapter and /v1/unload_lora_adapter (vLLM's bodies).")
-@click.option("--prefill-workers", type=click.IntRange(min=0), default=0, show_default=True,
-              help="Disaggregated serving: this many prefill worker processes (and --decode-workers decode ones), "
-                   "each with its own LLM; KV blocks move from prefill to decode workers over torch.distributed. "
-                   "0: one colocated LLM.")
-@click.option("--decode-workers", type=click.IntRange(min=1), default=1, show_default=True,
-              help="Decode worker processes (with --prefill-workers).")
-@click.option("--worker-threads", type=click.IntRange(min=1), default=None,
-              help="Torch threads per prefill/decode worker; default: the CPUs shared evenly (local workers), "
-                   "every CPU of the worker's host (--worker-listen).")
-@click.option("--worker-listen", default=None, metavar="HOST:PORT",
-              help="Start no workers: wait for --prefill-workers and --decode-workers to connect here with "
-                   "`kiln worker --role ROLE --connect HOST:PORT ENGINE` (KILN_WORKER_KEY: the same secret on "
-                   "both); restarted workers rejoin, extra ones add capacity. See docs/disaggregated.md.")
-@click.option("--kv-store-port", type=click.IntRange(min=0, max=65535), default=0, show_default=True,
-              help="Port of the TCPStore the workers' KV transfer pairs meet on (0: a free one).")
-@click.option("--transfer-timeout", type=click.FloatRange(min=0, min_open=True), default=30.0, show_default=True,
-              help="Seconds one request's KV transfer may take before only that request fails.")
+@dataclass_options(DisaggConfig)
 @dataclass_options(ExecutorConfig)
 @build_options
 def serve(model_dir: Path, **options) -> None:
@@ -98,4 +84,8 @@ def serve(model_dir: Path, **options) -> None:
         raise click.UsageError("--metrics-require-key needs --api-key (or KILN_API_KEY)")
     build = build_config_from(options)
     runtime = given(ExecutorConfig, options)   # what the user gave; ExecutorConfig applies its defaults
-    raise SystemExit(run(model_dir, ServeSettings(**options), runtime, build))
+    try:
+        disagg = DisaggConfig(**given(DisaggConfig, options))
+    except ConfigError as exc:
+        raise click.UsageError(str(exc)) from None
+    raise SystemExit(run(model_dir, ServeSettings(**options, disagg=disagg), runtime, build))

@@ -28,6 +28,7 @@ import click
 import uvicorn
 
 from kiln.contract.summary import format_table, summary_rows
+from kiln.runtime.disagg.config import DisaggConfig
 from kiln.serving.openai.http_protocol import DeadlineH11Protocol
 
 logger = logging.getLogger("kiln.serving")
@@ -54,12 +55,7 @@ class ServeSettings:
     enable_lora_runtime_loading: bool = False
     batch_store: Path | None = None         # /v1/files + /v1/batches, state in DIR/batches.sqlite3
     batch_window: int | None = None         # batch lines in the engine at once; default max_batch_size
-    prefill_workers: int = 0                # > 0: disaggregated prefill/decode workers (kiln.runtime.disagg)
-    decode_workers: int = 1
-    worker_threads: int | None = None       # torch threads per worker; default: the CPUs shared evenly
-    worker_listen: str | None = None        # "HOST:PORT": workers connect here (kiln worker) instead of being started
-    kv_store_port: int = 0
-    transfer_timeout: float = 30.0
+    disagg: DisaggConfig = DisaggConfig()   # prefill_workers > 0: disaggregated prefill/decode workers
 
 
 class _Server(uvicorn.Server):
@@ -176,7 +172,7 @@ def run(model_dir: Path, settings: ServeSettings, executor_options: dict,
     ``executor_options``: ExecutorConfig's fields."""
     from kiln.build_flags import resolve
     from kiln.contract import AdapterLoadError
-    from kiln.runtime import LLM, ConfigError, EngineLoadError, ExecutorConfig
+    from kiln.runtime import ConfigError, EngineLoadError, ExecutorConfig
     from kiln.serving.chat_template import ChatTemplateError, load_chat_template
     from kiln.serving.openai.app import create_app
     from kiln.serving.openai.tool_parsers import detect_parser
@@ -193,23 +189,13 @@ def run(model_dir: Path, settings: ServeSettings, executor_options: dict,
         raise click.ClickException(str(exc)) from None
     click.echo(f"kiln serve: loading {engine_dir}")
     try:
-        if settings.worker_listen and not settings.prefill_workers:
-            raise click.ClickException("--worker-listen needs --prefill-workers N (how many prefill workers to wait "
-                                       "for; --decode-workers likewise)")
-        if settings.prefill_workers:
-            from kiln.runtime.disagg import DisaggLLM
-
-            if settings.lora_modules or settings.batch_store:
-                raise click.ClickException("--prefill-workers serves no LoRA adapters and no Batch API yet")
-            if settings.worker_listen:
-                click.echo(f"kiln serve: waiting for {settings.prefill_workers} prefill and "
-                           f"{settings.decode_workers} decode workers on {settings.worker_listen}")
-            llm = DisaggLLM(engine_dir, config=config, prefill_workers=settings.prefill_workers,
-                            decode_workers=settings.decode_workers, worker_threads=settings.worker_threads,
-                            transfer_timeout=settings.transfer_timeout, listen=settings.worker_listen,
-                            kv_store_port=settings.kv_store_port)
-        else:
-            llm = LLM(engine_dir, config=config, lora_modules=lora_modules(settings.lora_modules))
+        pd = settings.disagg
+        if pd.enabled and (settings.lora_modules or settings.batch_store):
+            raise click.ClickException("--prefill-workers serves no LoRA adapters and no Batch API yet")
+        if pd.worker_listen:
+            click.echo(f"kiln serve: waiting for {pd.prefill_workers} prefill and {pd.decode_workers} decode "
+                       f"workers on {pd.worker_listen}")
+        llm = pd.llm(engine_dir, config, lora_modules(settings.lora_modules))
     except (EngineLoadError, ConfigError, AdapterLoadError) as exc:
         raise click.ClickException(str(exc)) from None
     try:

@@ -17,6 +17,7 @@ from kiln.build_flags import build_config_from, build_options, resolve
 from kiln.clikit import dataclass_options, given
 from kiln.contract import ConfigError, EngineLoadError
 from kiln.runtime import ExecutorConfig
+from kiln.runtime.disagg.config import DisaggConfig
 from kiln.serving.triton.repository import OptionError, RepoOptions, render_repository
 
 _EXECUTOR_EXCLUDE = ("metrics_window",)
@@ -50,6 +51,7 @@ def repository_options(fn):
                      help="Declare the integer inputs INT64: JSON clients' numbers arrive as sent (an INT32 input "
                           "takes 2**32+5 as 5) and out-of-range ones are refused by name; typed clients must send "
                           "INT64 (TensorRT-LLM's send INT32, which tritonserver then refuses)."),
+        dataclass_options(DisaggConfig),
         dataclass_options(ExecutorConfig, exclude=_EXECUTOR_EXCLUDE),
     ]
     for option in reversed(options):
@@ -60,12 +62,13 @@ def repository_options(fn):
 def _repo_options(kw: dict) -> RepoOptions:
     try:
         runtime = ExecutorConfig(**given(ExecutorConfig, kw, exclude=_EXECUTOR_EXCLUDE))
+        disagg = DisaggConfig(**given(DisaggConfig, kw))
     except ConfigError as exc:
         raise click.UsageError(str(exc)) from None
     return RepoOptions(model_name=kw.pop("model_name"), instances=kw.pop("instances"), decoupled=kw.pop("decoupled"),
                        copy_engine=kw.pop("copy_engine"), max_queue_size=kw.pop("max_queue_size"), runtime=runtime,
                        lora_modules=tuple(_absolute(spec) for spec in kw.pop("lora_modules")),
-                       int64_inputs=kw.pop("int64_inputs"))
+                       int64_inputs=kw.pop("int64_inputs"), disagg=disagg)
 
 
 def _absolute(spec: str) -> str:

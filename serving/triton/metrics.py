@@ -21,6 +21,10 @@ model instance is its own kiln LLM).
   ``kiln_requests_refused_total`` (``reason``: invalid, overloaded: refused by this model before kiln),
   ``kiln_prompt_tokens_total``, ``kiln_generation_tokens_total``, ``kiln_preemptions_total``; gauges
   ``kiln_prefix_cache_hit_rate``, ``kiln_kv_cache_blocks_cached``, ``kiln_healthy`` (0 once the step loop failed).
+- disaggregated mode only (``prefill_workers`` > 0), the OpenAI frontend's names: counters
+  ``kiln_kv_transfer_bytes_total``, ``kiln_kv_transfer_blocks_total``, ``kiln_kv_transfers_total``,
+  ``kiln_kv_transfers_failed_total``, ``kiln_disagg_prefix_routed_total``, ``kiln_disagg_prefix_routed_tokens_total``;
+  gauges ``kiln_disagg_requests`` and ``kiln_disagg_workers_alive`` (``role``: prefill, decode).
 
 Gauges and counters are refreshed from ``LLM.stats()`` about once a second.
 """
@@ -33,10 +37,11 @@ from kiln.runtime import RequestOutput
 from kiln.runtime.metrics import LATENCY_BUCKETS, OUTCOMES
 
 TOKEN_LEN_BUCKETS = [10, 50, 100, 500, 1000]   # TensorRT-LLM's build_1_2_5_buckets(1000)
+ROLES = ("prefill", "decode")
 
 
 class TritonMetrics:
-    def __init__(self, pb, model: str, version: str, instance: str):
+    def __init__(self, pb, model: str, version: str, instance: str, disagg: bool = False):
         self.pb = pb
         self.labels = {"model": model, "version": version, "instance": instance}
         self.families = []
@@ -92,6 +97,18 @@ class TritonMetrics:
         self.healthy = family("kiln_healthy", "1 while the step loop serves, 0 once it failed", gauge)
         self._last = {"steps": 0, "prefill_tokens_computed": 0, "prompt_tokens": 0, "generation_tokens": 0,
                       "preemptions": 0, **{f"outcome_{o}": 0 for o in OUTCOMES}}
+        self.disagg_counters, self.disagg_roles = {}, {}
+        if disagg:
+            from kiln.serving.metrics import DISAGG_COUNTERS, DISAGG_ROUTING
+
+            for key, (name, doc) in {**DISAGG_COUNTERS, **DISAGG_ROUTING}.items():
+                self.disagg_counters[key] = family(f"kiln_{name}_total", doc, counter)
+                self._last[f"disagg_{key}"] = 0
+            self.disagg_roles = {
+                "queues": family("kiln_disagg_requests", "Requests in flight by role (prefill: not yet handed to a "
+                                 "decode worker)", gauge, "role", ROLES),
+                "alive": family("kiln_disagg_workers_alive", "Live workers by role", gauge, "role", ROLES),
+            }
 
     def refused(self, reason: str) -> None:
         """A request this model refused ("invalid", or "overloaded": over max_queue_size)."""
@@ -140,6 +157,14 @@ class TritonMetrics:
         self.prefix_hit_rate.set(g["prefix_hit_rate"])
         self.cached_blocks.set(g["kv_blocks_cached"])
         self.healthy.set(1 if healthy else 0)
+        d = stats.get("disagg")
+        if d is not None and self.disagg_counters:
+            totals = {**d["kv_transfer"], **d["routing"]}
+            for key, metric in self.disagg_counters.items():
+                self._count(metric, totals[key], f"disagg_{key}")
+            for role in ROLES:
+                self.disagg_roles["queues"][role].set(d["queues"][role])
+                self.disagg_roles["alive"][role].set(sum(w["alive"] for w in d["workers"] if w["role"] == role))
         self._last["steps"] = c["steps"]
         self._last["prefill_tokens_computed"] = c["prefill_tokens_computed"]
 
@@ -152,6 +177,7 @@ class TritonMetrics:
     def close(self) -> None:
         """Drop the metrics before their families (the backend requires that order)."""
         for attr in ("request", "kv", "batcher", "general", "input_len", "output_len", "latency", "batch_size",
-                     "finished_by", "refused_by", "tokens", "prefix_hit_rate", "cached_blocks", "healthy"):
+                     "finished_by", "refused_by", "tokens", "prefix_hit_rate", "cached_blocks", "healthy",
+                     "disagg_counters", "disagg_roles"):
             setattr(self, attr, None)
         self.families.clear()

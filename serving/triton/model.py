@@ -35,8 +35,8 @@ from pathlib import Path
 import torch
 import triton_python_backend_utils as pb
 
-from kiln.contract import AdapterLoadError
-from kiln.runtime import LLM, ConfigError, Engine, ExecutorClosedError, InvalidRequestError, RequestOutput
+from kiln.contract import AdapterLoadError, EngineLoadError
+from kiln.runtime import ConfigError, Engine, ExecutorClosedError, InvalidRequestError, RequestOutput
 from kiln.serving.prompt_bounds import PromptBounds, tokenize
 from kiln.serving.prompt_workers import Busy, PromptWorkers
 from kiln.serving.triton.metrics import TritonMetrics
@@ -49,7 +49,7 @@ from kiln.serving.triton.protocol import (
     request_bytes,
     response_tensors,
 )
-from kiln.serving.triton.repository import check_runtime, lora_modules, read_parameters
+from kiln.serving.triton.repository import check_disagg, check_runtime, lora_modules, read_disagg, read_parameters
 
 CANCEL_CHECK_S = 0.1
 STATS_PERIOD_S = 1.0
@@ -84,22 +84,23 @@ class TritonPythonModel:
         try:
             runtime, self.max_queue_size = read_parameters(params)
             check_runtime(runtime, self.max_queue_size, bounds)
-        except ConfigError as exc:
-            raise pb.TritonModelException(f"config.pbtxt: {exc}") from None
-        self.decoupled = pb.using_decoupled_model_transaction_policy(config)
-        try:
+            disagg = read_disagg(params)
+            instances = sum(g.get("count", 1) for g in config.get("instance_group", [])) or 1
+            check_disagg(disagg, instances, params.get("lora_modules", ""))
             adapters = lora_modules(params.get("lora_modules", ""))
         except ConfigError as exc:
             raise pb.TritonModelException(f"config.pbtxt: {exc}") from None
-        try:
-            self.llm = LLM(engine_dir, config=runtime, lora_modules=adapters)
-        except (AdapterLoadError, ConfigError) as exc:
+        self.decoupled = pb.using_decoupled_model_transaction_policy(config)
+        try:   # prefill_workers > 0: a frontend over worker processes (kiln.runtime.disagg), the same LLM API
+            self.llm = disagg.llm(engine_dir, runtime, adapters)
+        except (AdapterLoadError, ConfigError, EngineLoadError) as exc:
             raise pb.TritonModelException(f"kiln: {exc}") from None
         self.limits = EngineLimits(self.llm.engine.config.model.vocab_size, bounds.max_input_len, bounds.max_seq_len,
                                    PromptBounds.of(self.llm.tokenizer, bounds.max_input_len).max_text_bytes)
         self.workers = PromptWorkers(1, name="kiln-triton-prompt")
         self.block_size = bounds.tokens_per_block
-        self.metrics = TritonMetrics(pb, args["model_name"], args["model_version"], args.get("model_instance_name", ""))
+        self.metrics = TritonMetrics(pb, args["model_name"], args["model_version"], args.get("model_instance_name", ""),
+                                     disagg=disagg.enabled)
         self._lock = threading.Lock()
         self._live: dict[int, _Stream] = {}      # id(stream) -> stream, for cancellation checks and gauges
         self._waiting_first = 0                  # live streams without a token yet (the admission queue)
@@ -108,6 +109,8 @@ class TritonPythonModel:
         self._sender = threading.Thread(target=self._send_loop, name="kiln-triton-sender", daemon=True)
         self._sender.start()
         mode = "decoupled" if self.decoupled else "one response per request"
+        if disagg.enabled:
+            mode += f", {disagg.prefill_workers} prefill + {disagg.decode_workers} decode workers"
         pb.Logger.log_info(f"kiln: serving {engine_dir} ({mode}, {torch.get_num_threads()} torch threads); "
                            f"{self.llm.stats()['kv_cache']['plan']}")
 

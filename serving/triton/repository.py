@@ -1,9 +1,11 @@
 """Render a Triton model repository for a kiln engine: ``<repo>/<model>/config.pbtxt`` and
 ``<repo>/<model>/1/model.py``.
 
-The runtime options (every ``ExecutorConfig`` field) and the admission limit travel as model ``parameters``
-(strings, "" for None); the model reads them back with :func:`read_parameters`, so a hand-edited config.pbtxt
-is checked by the same rules when the model loads. Every option is validated before anything is written.
+The runtime options (every ``ExecutorConfig`` field), the disaggregated mode's (every ``DisaggConfig`` field:
+``prefill_workers`` > 0 makes the model a frontend over prefill and decode worker processes) and the admission
+limit travel as model ``parameters`` (strings, "" for None); the model reads them back with
+:func:`read_parameters` and :func:`read_disagg`, so a hand-edited config.pbtxt is checked by the same rules when
+the model loads. Every option is validated before anything is written.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import jinja2
 
 from kiln.contract import ConfigError, EngineBounds
 from kiln.runtime import Engine, ExecutorConfig
+from kiln.runtime.disagg.config import DisaggConfig
 from kiln.serving.triton.tensors import INPUTS, OUTPUTS
 
 MODEL_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
@@ -44,6 +47,7 @@ class RepoOptions:
     runtime: ExecutorConfig = field(default_factory=ExecutorConfig)
     lora_modules: tuple[str, ...] = ()   # "NAME=PATH" of each LoRA adapter the model loads
     int64_inputs: bool = False   # declare the integer inputs INT64 (kiln.serving.triton.tensors.WIDENED)
+    disagg: DisaggConfig = field(default_factory=DisaggConfig)   # prefill_workers > 0: prefill/decode workers
 
     def validate(self, bounds: EngineBounds) -> None:
         """OptionError for the first bad option (the engine's bounds included)."""
@@ -54,6 +58,19 @@ class RepoOptions:
             raise OptionError("instances", self.instances, ">= 1")
         check_runtime(self.runtime, self.max_queue_size, bounds)
         lora_modules(";".join(self.lora_modules))
+        check_disagg(self.disagg, self.instances, ";".join(self.lora_modules))
+
+
+def check_disagg(disagg: DisaggConfig, instances: int, lora: str) -> None:
+    """What the disaggregated mode cannot be combined with in one model (``lora``: the lora_modules parameter)."""
+    if not disagg.enabled:
+        return
+    if lora:
+        raise OptionError("lora_modules", lora, "none with prefill_workers > 0 (disaggregated serving serves no "
+                          "LoRA adapters yet)")
+    if instances != 1:
+        raise OptionError("instances", instances, "1 with prefill_workers > 0 (one frontend per model: each "
+                          "instance would start prefill_workers + decode_workers workers of its own; raise those)")
 
 
 def lora_modules(value: str) -> dict[str, str]:
@@ -88,16 +105,33 @@ def _text(value) -> str:
 def parameters(options: RepoOptions, engine_dir: str) -> dict[str, str]:
     """The model's config.pbtxt parameters."""
     runtime = {f.name: _text(getattr(options.runtime, f.name)) for f in dataclasses.fields(ExecutorConfig)}
+    disagg = {f.name: _text(getattr(options.disagg, f.name)) for f in dataclasses.fields(DisaggConfig)}
     return {"engine_dir": engine_dir, **runtime, "max_queue_size": str(options.max_queue_size),
-            "lora_modules": ";".join(options.lora_modules)}
+            "lora_modules": ";".join(options.lora_modules), **disagg}
 
 
 def read_parameters(params: dict[str, str]) -> tuple[ExecutorConfig, int]:
     """ExecutorConfig and max_queue_size from config.pbtxt parameters ("" or absent: the default); a value that
     does not parse raises OptionError, one ExecutorConfig refuses raises its ConfigError."""
-    hints = typing.get_type_hints(ExecutorConfig)
+    kwargs = _fields_of(ExecutorConfig, params)
+    try:
+        max_queue_size = int(params.get("max_queue_size", "").strip() or 0)
+    except ValueError:
+        raise OptionError("max_queue_size", params["max_queue_size"], "an integer") from None
+    return ExecutorConfig(**kwargs), max_queue_size
+
+
+def read_disagg(params: dict[str, str]) -> DisaggConfig:
+    """DisaggConfig from config.pbtxt parameters (absent, as in a repository rendered before it: colocated)."""
+    return DisaggConfig(**_fields_of(DisaggConfig, params))
+
+
+def _fields_of(cls: type, params: dict[str, str]) -> dict:
+    """The fields of dataclass ``cls`` given in ``params``, parsed by their annotations (OptionError naming one
+    that does not parse)."""
+    hints = typing.get_type_hints(cls)
     kwargs = {}
-    for f in dataclasses.fields(ExecutorConfig):
+    for f in dataclasses.fields(cls):
         if f.name not in params:
             continue
         raw = params[f.name].strip()
@@ -117,11 +151,7 @@ def read_parameters(params: dict[str, str]) -> tuple[ExecutorConfig, int]:
         except ValueError:
             allowed = {bool: "true or false", int: "an integer", float: "a number"}.get(kind, "a string")
             raise OptionError(f.name, raw, allowed) from None
-    try:
-        max_queue_size = int(params.get("max_queue_size", "").strip() or 0)
-    except ValueError:
-        raise OptionError("max_queue_size", params["max_queue_size"], "an integer") from None
-    return ExecutorConfig(**kwargs), max_queue_size
+    return kwargs
 
 
 def _environment() -> jinja2.Environment:
