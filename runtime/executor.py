@@ -799,48 +799,68 @@ class Executor:
         step_time = time.perf_counter() - t0
         self._record_step(out, len(new_tokens), step_time, engine_time, sample.mask_time if sample else None)
         if self.proposer is not None:
-            self.proposer.policy.observe_step(sum(s.num_new_tokens for s in out.scheduled), step_time)
-            self._propose()
+            self._propose(out, step_time)
 
     def _verify(self, out: SchedulerOutput, rows: list[int], logits: torch.Tensor):
         """Verify the speculating sequences' proposals. Point-mass proposals (n-gram, and any proposer's for a
-        greedy request): sample the target at every position (one sampler call, each position seeing the
-        proposals before it as generated) and accept while they equal the target's token, which is rejection
-        sampling for point masses (``kiln.runtime.speculative``). A seeded request draws position j's noise as
-        its j-th draw without speculation would, so its tokens are those it would generate without speculation
-        (its generator is wound back over the draws of rejected positions). A draft model's proposals for a
-        sampled request: rejection sampling with the draft's q (``kiln.runtime.rejection``).
+        greedy request): sample the target at every position, each position seeing the proposals before it as
+        generated, and accept while they equal the target's token, which is rejection sampling for point masses
+        (``kiln.runtime.speculative``). The rows of requests the sampler would only argmax (``argmax_only``) take
+        one argmax over them all, without the sampler; the others take one sampler call. A seeded request draws
+        position j's noise as its j-th draw without speculation would, so its tokens are those it would generate
+        without speculation (its generator is wound back over the draws of rejected positions). A draft model's
+        proposals for a sampled request: rejection sampling with the draft's q (``kiln.runtime.rejection``).
         Returns the sampler's output (logprobs in emission order), index -> the token after the accepted
         proposals, and index -> the accepted proposals."""
-        views: list = []
-        spans = []
+        plain: list[int] = []   # logits rows of argmax-only requests
+        views: list = []        # the sampler's rows: Position views of speculating requests, or requests
+        view_rows: list[int] = []
+        spans = []              # (index in out.scheduled, its first logits row, its proposals)
         seeded = {}   # request id -> its generator's state before this step's draws
         drafted = {}  # index -> the draft's distribution of its proposals
+        r = 0
         for i in rows:
             s = out.scheduled[i]
-            spans.append((i, len(views), s.num_spec))
-            if s.num_spec:
-                req = s.request
-                views.extend(Position(req, j) for j in range(s.num_spec + 1))
+            req, k = s.request, s.num_spec
+            spans.append((i, r, k))
+            if Sampler.argmax_only(req):
+                plain.extend(range(r, r + k + 1))
+            elif k:
+                view_rows.extend(range(r, r + k + 1))
+                views.extend(Position(req, j) for j in range(k + 1))
                 q = self.proposer.draft_probs(req.request_id) if req.params.temperature > 0 else None
                 if q is not None:
-                    drafted[i] = q[:s.num_spec]
+                    drafted[i] = q[:k]
                 elif req.generator is not None and req.params.temperature > 0:
                     seeded[req.request_id] = req.generator.get_state()
             else:
-                views.append(s.request)
-        if drafted:
-            sample = self._sample_undrafted(logits, views, spans, drafted)
-        else:
-            sample = self.sampler(logits, views)
-        tokens, logprobs = sample.token_ids, sample.logprobs
+                view_rows.append(r)
+                views.append(req)
+            r += k + 1
+        tokens: list = [None] * r
+        logprobs: list = [None] * r
+        mask_time = None
+        if plain:
+            picked = (logits if len(plain) == r else logits[plain]).argmax(dim=1).tolist()
+            for x, t in zip(plain, picked):
+                tokens[x] = t
+        if views:
+            part = logits if len(view_rows) == r else logits[view_rows]
+            if drafted:
+                sample = self._sample_undrafted(part, views, view_rows, spans, drafted)
+            else:
+                sample = self.sampler(part, views)
+            mask_time = sample.mask_time
+            for x, t, lp in zip(view_rows, sample.token_ids, sample.logprobs):
+                tokens[x], logprobs[x] = t, lp
         sampled, accepted, emitted = {}, {}, []
         for i, r, k in spans:
             if k:
                 req = out.scheduled[i].request
                 drafts = req.spec_token_ids[:k]
                 if i in drafted:
-                    a, token, lps = verify_drafted(self.sampler, logits[r:r + k + 1], views[r:r + k + 1], drafts,
+                    v = view_rows.index(r)
+                    a, token, lps = verify_drafted(self.sampler, logits[r:r + k + 1], views[v:v + k + 1], drafts,
                                                    drafted[i])
                 else:
                     a = 0
@@ -857,31 +877,32 @@ class Executor:
             else:
                 emitted.append(logprobs[r])
                 sampled[i] = tokens[r]
-        sample.logprobs = emitted
-        return sample, sampled, accepted
+        return SamplerOutput(tokens, emitted, mask_time), sampled, accepted
 
-    def _sample_undrafted(self, logits: torch.Tensor, views: list, spans, drafted: dict):
-        """The sampler over the rows the rejection sampler does not take (placeholders at the drafted rows, so
-        that row indices stay those of ``views``)."""
+    def _sample_undrafted(self, logits: torch.Tensor, views: list, view_rows: list[int], spans, drafted: dict):
+        """The sampler over the rows (``views``, at logits rows ``view_rows``) the rejection sampler does not take
+        (placeholders at the drafted rows, so that indices stay those of ``views``)."""
         skip = set()
         for i, r, k in spans:
             if i in drafted:
                 skip.update(range(r, r + k + 1))
-        keep = [x for x in range(len(views)) if x not in skip]
+        keep = [x for x, r in enumerate(view_rows) if r not in skip]
         part = self.sampler(logits[keep], [views[x] for x in keep]) if keep else SamplerOutput([], [])
         tokens, logprobs = [-1] * len(views), [None] * len(views)
         for x, t, lp in zip(keep, part.token_ids, part.logprobs):
             tokens[x], logprobs[x] = t, lp
         return SamplerOutput(tokens, logprobs, part.mask_time)
 
-    def _propose(self) -> None:
-        """Proposals for the decoding requests' next step: each one's k from the proposer's policy (measured
-        costs and acceptance, ``kiln.runtime.spec_policy``); none while more sequences run than
+    def _propose(self, out: SchedulerOutput, step_time: float) -> None:
+        """After a step (``out``, ``step_time`` seconds): proposals for the decoding requests' next step, each
+        one's k from the proposer's policy (measured costs and acceptance, ``kiln.runtime.spec_policy``, which the
+        step's cost informs); nothing at all, not even the cost's record, while more sequences run than
         ``disable_by_batch_size`` when it is set; none for structured output."""
         sched, proposer = self.scheduler, self.proposer
         cap = proposer.config.disable_by_batch_size
         if cap is not None and sched.num_running > cap:
             return
+        proposer.policy.observe_step(out.num_tokens, step_time)
         # the logits rows the next step can give proposals (each sequence that may run keeps one, as the scheduler
         # counts them): more would be dropped there, after a draft model had spent its rounds on them
         c = sched.config

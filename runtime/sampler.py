@@ -110,6 +110,16 @@ class Sampler:
             vals = vals.masked_fill(drop, float("-inf"))
         return torch.full_like(x, float("-inf")).scatter_(1, idx, vals)
 
+    @staticmethod
+    def argmax_only(req) -> bool:
+        """Whether the request's token is the argmax of its raw logits: greedy with nothing that changes them
+        (penalties, min_tokens still banning, a grammar) and no logprobs asked (speculative decoding then verifies
+        its rows with one argmax, without the sampler). Checked at its next position: a later one has more output
+        tokens, so min_tokens bans nothing there either."""
+        p = req.params
+        return (p.temperature == 0 and p.logprobs is None and req.grammar is None and not p.needs_penalties
+                and req.num_output_tokens >= p.min_tokens)
+
     def replay(self, generator: torch.Generator, state: torch.Tensor, draws: int) -> None:
         """Set a seeded request's ``generator`` to ``state`` advanced by ``draws`` of its per-token draws (speculative
         decoding keeps the draws of the positions it accepted and takes back the rest)."""

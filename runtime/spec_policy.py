@@ -131,7 +131,10 @@ class SpecPolicy:
 
     # ---- what happened ----------------------------------------------------------------------------
     def observe_step(self, num_tokens: int, seconds: float) -> None:
-        """A target step's size and seconds (also the clock of both curves)."""
+        """A target step's size and seconds (also the clock of both curves); nothing when not adaptive (the
+        choice reads no costs then)."""
+        if not self.adaptive:
+            return
         for curve in (self.target, self.draft):
             curve.clock += 1
             if curve.clock % 64 == 0:

@@ -25,6 +25,12 @@ the same steps, so it shares the target's tokenizer. By default each method's k 
 cap of every method, ``--fixed-k`` turns the policy off (always k: the batch crossover without adaptation is
 ``--methods ngram --batches 1,2,3,4 --fixed-k``).
 Each speculating row prints its acceptance per draft position.
+
+``--breakdown``: where the time of the batch-1 runs goes, by step kind (the prefill step, plain decode steps, verify
+steps by k): steps, median engine ms, median ms of the whole step (schedule to the next step's start: sampling or
+verification, the books, emission, the proposer), tokens each emits, and each kind's share of the run. It says what
+bounds the ratio: a verify step at k that costs c(k) plain steps and emits t(k) tokens gains t(k) / c(k) on its
+share of the run, and the prefill's share gains nothing.
 """
 
 from __future__ import annotations
@@ -147,6 +153,51 @@ def spec_delta(before: dict, after: dict, into: dict) -> None:
         pos[j][1] += a - a0
 
 
+def breakdown(llm, proposer, prompts: list[list[int]], max_tokens: int, rounds: int) -> None:
+    """Print the step-kind table of ``--breakdown`` for the baseline and the speculating runs of ``prompts``."""
+    from bench_decode import StepTimers
+
+    ex = llm.executor
+    timers = StepTimers(ex)
+    update = ex.scheduler.update_from_output
+
+    def counted(out, sampled, accepted=None):   # what kind of step this was, and the tokens it emitted
+        new = update(out, sampled, accepted)
+        timers._cur.update(k=out.num_spec_tokens, emitted=len(new), prefill=out.num_prefill_tokens)
+        return new
+
+    ex.scheduler.update_from_output = counted
+    steps: dict = {None: [], "spec": []}
+    for _ in range(rounds):
+        for method in (None, "spec"):
+            ex.wait_idle()
+            ex.proposer = proposer if method else None
+            timers.reset()
+            run_case(llm, prompts, max_tokens)
+            ex.wait_idle()
+            steps[method] += timers.steps
+    print(f"\nbreakdown, batch {len(prompts)}, {rounds} runs each: ms per step (median), tokens per step (mean)")
+    print(f"{'run':<6} {'step kind':<12} {'steps':>6} {'engine ms':>9} {'step ms':>8} {'vs plain':>8} {'tok/step':>8} "
+          f"{'share':>6}")
+    for method, st in steps.items():
+        kinds: dict = {}
+        for s in st:
+            kind = "prefill" if s.get("prefill") else ("plain" if not s.get("k") else f"verify k={s['k']}")
+            kinds.setdefault(kind, []).append(s)
+        whole = sum(s["total"] + s["since_last"] for s in st)
+        plain = None
+        for kind in sorted(kinds, key=lambda k: (k != "prefill", k != "plain", k)):
+            ks = kinds[kind]
+            step = 1e3 * statistics.median(s["total"] + s["since_last"] for s in ks)
+            plain = step if kind == "plain" else plain
+            share = sum(s["total"] + s["since_last"] for s in ks) / whole
+            print(f"{'base' if method is None else 'ngram':<6} {kind:<12} {len(ks):>6} "
+                  f"{1e3 * statistics.median(s['engine'] for s in ks):>9.2f} {step:>8.2f} "
+                  f"{step / plain if plain and kind != 'prefill' else float('nan'):>7.2f}x "
+                  f"{statistics.mean(s['emitted'] for s in ks):>8.2f} {share:>6.1%}", flush=True)
+    ex.scheduler.update_from_output = update
+
+
 def spec_configs(args) -> dict[str, dict]:
     """The speculative_config of each method asked for (``--spec`` replaces the ngram one)."""
     configs = {}
@@ -184,6 +235,8 @@ def main() -> None:
                     help="fit the checkpoint to the synthetic corpus for STEPS steps and take the workloads from "
                          "that corpus (a model that predicts its text, as the demo's; default: random weights)")
     ap.add_argument("--rounds", type=int, default=3, help="base / spec runs alternated, the median rate kept")
+    ap.add_argument("--breakdown", action="store_true",
+                    help="only the step-kind table of the batch-1 runs (ngram), for each workload")
     args = ap.parse_args()
     from kiln.runtime import LLM
     from kiln.runtime.speculative import NgramProposer, SpeculativeConfig
@@ -217,6 +270,12 @@ def main() -> None:
 
     loads = (corpus_workloads(ckpt, max(batches), 128) if args.trained
              else workloads(mode(None), llm.executor.vocab_size, max(batches), 128))
+    if args.breakdown:
+        for name, prompts in loads.items():
+            print(f"\n{name}:")
+            run_case(mode("ngram"), prompts[:1], 4)
+            breakdown(llm, proposers["ngram"], prompts[:1], args.max_tokens, args.rounds)
+        return
     print(f"\n{datetime.date.today()} llama {args.size}{tag} {args.dtype} {args.backend}, {torch.get_num_threads()} "
           f"threads; greedy, {args.max_tokens} new tokens")
     for method, config in configs.items():

@@ -17,6 +17,8 @@ import torch
 from kiln.contract import ConfigError
 from kiln.runtime import LLM, SamplingParams
 from kiln.runtime.kv_cache import cdiv
+from kiln.runtime.request import Request
+from kiln.runtime.sampler import Sampler
 from kiln.runtime.spec_policy import CostCurve, SpecPolicy
 from kiln.runtime.speculative import NgramProposer, SpeculativeConfig
 
@@ -200,6 +202,37 @@ def test_seeded_sampling_is_the_same_tokens_as_without_speculation(checkpoint_di
         stats = spec.stats()["speculative"]
     assert got == want
     assert stats["accepted_tokens"] > 0 and stats["accepted_tokens"] < stats["proposed_tokens"], stats
+
+
+def test_argmax_only_and_sampled_rows_in_one_verify_step_are_as_without_speculation(checkpoint_dir):
+    """One batch mixes requests whose verify rows take the argmax alone (``Sampler.argmax_only``) with greedy ones
+    the sampler must see (logprobs, a penalty, min_tokens still banning EOS) and seeded sampled ones: every
+    request's tokens (and logprobs) are those it gets without speculation, and both kinds speculated."""
+    ckpt = checkpoint_dir("llama")
+    engine = get_engine(ckpt)
+    prompts = copy_heavy(10, seed=11)
+    kinds = [dict(), dict(logprobs=1), dict(repetition_penalty=1.2), dict(min_tokens=12),
+             dict(temperature=0.9, seed=5), dict()]
+    params = [SamplingParams(**{"temperature": 0.0, "max_tokens": 16, **kinds[i % len(kinds)]})
+              for i in range(len(prompts))]
+    assert [Sampler.argmax_only(Request("r", [1], p, 16)) for p in params[:len(kinds)]] == [
+        True, False, False, False, False, True]
+    verified = Counter()
+    with LLM(engine) as plain, LLM(engine, speculative_config=NGRAM, max_batch_size=8) as spec:
+        record = spec.executor.proposer.record
+
+        def spy(request_id, proposed, accepted):
+            verified[Sampler.argmax_only(spec.executor._requests[request_id])] += proposed
+            record(request_id, proposed, accepted)
+
+        spec.executor.proposer.record = spy
+        want = plain.generate(prompts, params)
+        got = spec.generate(prompts, params)
+    assert verified[True] > 0 and verified[False] > 0, verified
+    for a, b in zip(want, got):
+        assert a.token_ids == b.token_ids
+        if a.logprobs is not None:
+            assert [sorted(d) for d in a.logprobs] == [sorted(d) for d in b.logprobs]
 
 
 def test_ngram_proposer_index_matches_a_rescan():
