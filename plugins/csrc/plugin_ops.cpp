@@ -25,9 +25,7 @@
 #include <ATen/ops/empty.h>
 #include <ATen/ops/empty_like.h>
 #include <ATen/ops/gelu.h>
-#include <ATen/ops/mean.h>
 #include <ATen/ops/mul.h>
-#include <ATen/ops/pow.h>
 #include <ATen/ops/silu.h>
 #include <c10/util/BFloat16.h>
 #include <c10/util/Float8_e4m3fn.h>
@@ -153,31 +151,65 @@ int64_t grain_rows(int64_t d) { return std::max<int64_t>(1, 16384 / std::max<int
 // ---------------------------------------------------------------------------------------------
 // RMSNorm: y = w * cast(x * rsqrt(mean(x^2) + eps)) with x in fp32 (Llama's definition)
 
-// The mean of squares comes from ATen (xf.pow(2).mean(-1), the reference's own reduction, so the
-// result is bit-identical to rms_norm_reference); the rest is one pass by hand. Built without FMA
-// contraction so each product rounds as in the reference.
+// One pass by hand, with no ATen op inside: on a decode step's one 1024-vector the reference's own reduction
+// (xf.pow(2).mean(-1): two TensorIterator ops and their allocations) cost more than the rest of the call. The
+// squares are summed in fp32 over 8-lane partial sums, so the mean differs from the reference's in its last bits
+// (a different order of the same fp32 additions). Built without FMA contraction so each product rounds as in
+// the reference.
+inline __m256 widen8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 widen8(const BF* p) {
+  const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+
+// sum of x[j]^2 in fp32 (each square rounded, as pow(2) does)
 template <typename T>
-__attribute__((optimize("fp-contract=off"))) void rms_rows(const T* x, const float* ms, const T* w, T* y,
-                                                             int64_t rows, int64_t d, float eps) {
-  at::parallel_for(0, rows, grain_rows(d), [&](int64_t r0, int64_t r1) {
-    for (int64_t r = r0; r < r1; ++r) {
-      const T* xr = x + r * d;
-      T* yr = y + r * d;
-      const float inv = 1.0f / std::sqrt(ms[r] + eps);
-      for (int64_t j = 0; j < d; ++j) {
-        const T normed = from_f<T>(to_f(xr[j]) * inv);  // rounded to x's dtype before the scale
-        yr[j] = from_f<T>(to_f(w[j]) * to_f(normed));
-      }
-    }
-  });
+__attribute__((optimize("fp-contract=off"))) float sum_squares(const T* x, int64_t d) {
+  __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps(), a2 = _mm256_setzero_ps(), a3 = _mm256_setzero_ps();
+  int64_t j = 0;
+  for (; j + 32 <= d; j += 32) {
+    const __m256 v0 = widen8(x + j), v1 = widen8(x + j + 8), v2 = widen8(x + j + 16), v3 = widen8(x + j + 24);
+    a0 = _mm256_add_ps(a0, _mm256_mul_ps(v0, v0));
+    a1 = _mm256_add_ps(a1, _mm256_mul_ps(v1, v1));
+    a2 = _mm256_add_ps(a2, _mm256_mul_ps(v2, v2));
+    a3 = _mm256_add_ps(a3, _mm256_mul_ps(v3, v3));
+  }
+  for (; j + 8 <= d; j += 8) {
+    const __m256 v = widen8(x + j);
+    a0 = _mm256_add_ps(a0, _mm256_mul_ps(v, v));
+  }
+  float total = hsum(_mm256_add_ps(_mm256_add_ps(a0, a1), _mm256_add_ps(a2, a3)));
+  for (; j < d; ++j) {
+    const float v = to_f(x[j]);
+    total += v * v;
+  }
+  return total;
+}
+
+// y = w * cast(x * inv) of one row
+template <typename T>
+__attribute__((optimize("fp-contract=off"))) void scale_row(const T* x, const T* w, T* y, int64_t d, float inv) {
+  for (int64_t j = 0; j < d; ++j) {
+    const T normed = from_f<T>(to_f(x[j]) * inv);  // rounded to x's dtype before the scale
+    y[j] = from_f<T>(to_f(w[j]) * to_f(normed));
+  }
+}
+
+inline float inv_rms(float sum_sq, int64_t d, float eps) {
+  return 1.0f / std::sqrt(sum_sq / static_cast<float>(d) + eps);
 }
 
 template <typename T>
 void rms_norm_into(const Tensor& xc, const Tensor& wc, Tensor& y, double eps) {
   const int64_t d = xc.size(-1), rows = xc.numel() / d;
-  const Tensor ms = xc.to(at::kFloat).pow(2).mean(-1, true).contiguous();
-  rms_rows(xc.const_data_ptr<T>(), ms.const_data_ptr<float>(), wc.const_data_ptr<T>(), y.data_ptr<T>(), rows, d,
-           static_cast<float>(eps));
+  const T* x = xc.const_data_ptr<T>();
+  const T* w = wc.const_data_ptr<T>();
+  T* out = y.data_ptr<T>();
+  // rows below the grain run on this thread: a parallel region costs more than one short row
+  at::parallel_for(0, rows, grain_rows(d), [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r)
+      scale_row(x + r * d, w, out + r * d, d, inv_rms(sum_squares(x + r * d, d), d, static_cast<float>(eps)));
+  });
 }
 
 bool norm_ok(const Tensor& x, const Tensor& w) {
@@ -196,10 +228,19 @@ Tensor rms_norm_cpu(const Tensor& x, const Tensor& weight, double eps) {
   return y;
 }
 
+// s = x + residual (rounded to T) and y = rms_norm(s) row by row: each row is summed, squared and scaled while
+// it is in L1.
 template <typename T>
-__attribute__((optimize("fp-contract=off"))) void add_rows(const T* a, const T* b, T* s, int64_t n) {
-  at::parallel_for(0, n, 32768, [&](int64_t i0, int64_t i1) {
-    for (int64_t i = i0; i < i1; ++i) s[i] = from_f<T>(to_f(a[i]) + to_f(b[i]));
+__attribute__((optimize("fp-contract=off"))) void add_norm_rows(const T* x, const T* res, const T* w, T* s, T* y,
+                                                                  int64_t rows, int64_t d, float eps) {
+  at::parallel_for(0, rows, grain_rows(d), [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) {
+      const T* xr = x + r * d;
+      const T* rr = res + r * d;
+      T* sr = s + r * d;
+      for (int64_t j = 0; j < d; ++j) sr[j] = from_f<T>(to_f(xr[j]) + to_f(rr[j]));
+      scale_row(sr, w, y + r * d, d, inv_rms(sum_squares(sr, d), d, eps));
+    }
   });
 }
 
@@ -209,13 +250,13 @@ std::tuple<Tensor, Tensor> fused_add_rms_norm_cpu(const Tensor& x, const Tensor&
     return fused_py(x, residual, weight, eps);
   const Tensor xc = x.contiguous(), rc = residual.contiguous(), wc = weight.contiguous();
   Tensor summed = at::empty_like(xc), y = at::empty_like(xc);
-  if (x.scalar_type() == at::kFloat) {
-    add_rows(xc.const_data_ptr<float>(), rc.const_data_ptr<float>(), summed.data_ptr<float>(), x.numel());
-    rms_norm_into<float>(summed, wc, y, eps);
-  } else {
-    add_rows(xc.const_data_ptr<BF>(), rc.const_data_ptr<BF>(), summed.data_ptr<BF>(), x.numel());
-    rms_norm_into<BF>(summed, wc, y, eps);
-  }
+  const int64_t d = x.size(-1), rows = x.numel() / d;
+  if (x.scalar_type() == at::kFloat)
+    add_norm_rows(xc.const_data_ptr<float>(), rc.const_data_ptr<float>(), wc.const_data_ptr<float>(),
+                  summed.data_ptr<float>(), y.data_ptr<float>(), rows, d, static_cast<float>(eps));
+  else
+    add_norm_rows(xc.const_data_ptr<BF>(), rc.const_data_ptr<BF>(), wc.const_data_ptr<BF>(), summed.data_ptr<BF>(),
+                  y.data_ptr<BF>(), rows, d, static_cast<float>(eps));
   return {y, summed};
 }
 
@@ -270,13 +311,66 @@ std::tuple<Tensor, Tensor> rotary_embedding_cpu(const Tensor& q, const Tensor& k
 }
 
 // ---------------------------------------------------------------------------------------------
-// activations: ATen's vectorised kernels called from C++ (same definition as the references)
+// activations: silu_mul in one pass by hand (fp32/bf16 rows with unit stride: a decode step's slices of the
+// fused gate-up projection); gelu and the other layouts through ATen's vectorised kernels, called from C++
+
+// 8 fp32 -> bf16, rounded to nearest even as c10::BFloat16 does (a NaN becomes 0x7fc0)
+inline __m128i bf16_round8(__m256 v) {
+  const __m256i b = _mm256_castps_si256(v);
+  const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(b, 16), _mm256_set1_epi32(1));
+  __m256i r = _mm256_srli_epi32(_mm256_add_epi32(b, _mm256_add_epi32(odd, _mm256_set1_epi32(0x7fff))), 16);
+  r = _mm256_blendv_epi8(r, _mm256_set1_epi32(0x7fc0), _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q)));
+  return _mm256_castsi256_si128(_mm256_permute4x64_epi64(_mm256_packus_epi32(r, r), 0x08));
+}
+inline __m256 widen_bf16(__m128i h) { return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16)); }
+
+// silu(g) = g / (1 + exp(-g)) with exp8 (Cephes, rel. error ~1e-7: not the bits of ATen's Sleef exp), rounded to
+// T before the product with up, as silu_mul_reference does
+template <typename T>
+__attribute__((optimize("fp-contract=off"))) void silu_mul_row(const T* g, const T* u, T* y, int64_t n) {
+  const __m256 one = _mm256_set1_ps(1.0f), zero = _mm256_setzero_ps();
+  int64_t j = 0;
+  for (; j + 8 <= n; j += 8) {
+    const __m256 x = widen8(g + j);
+    const __m256 silu = _mm256_div_ps(x, _mm256_add_ps(one, exp8(_mm256_sub_ps(zero, x))));
+    if constexpr (std::is_same<T, float>::value) {
+      _mm256_storeu_ps(y + j, _mm256_mul_ps(silu, _mm256_loadu_ps(u + j)));
+    } else {
+      const __m256 prod = _mm256_mul_ps(widen_bf16(bf16_round8(silu)), widen8(u + j));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(y + j), bf16_round8(prod));
+    }
+  }
+  for (; j < n; ++j) {
+    const float x = to_f(g[j]);
+    const T silu = from_f<T>(x / (1.0f + std::exp(-x)));
+    y[j] = from_f<T>(to_f(silu) * to_f(u[j]));
+  }
+}
 
 Tensor silu_mul_cpu(const Tensor& gate, const Tensor& up) {
   if (!enabled() || gate.scalar_type() != up.scalar_type() || !gate.sizes().equals(up.sizes()))
     return silu_mul_py(gate, up);
-  Tensor y = at::silu(gate);
-  return y.mul_(up);
+  const bool rows = gate.dim() == 2 && gate.stride(1) == 1 && up.stride(1) == 1 && gate.numel() > 0;
+  if (!rows || !f32_or_bf16(gate)) {
+    Tensor y = at::silu(gate);
+    return y.mul_(up);
+  }
+  const int64_t n = gate.size(1), gs = gate.stride(0), us = up.stride(0);
+  Tensor y = at::empty({gate.size(0), n}, gate.options());
+  auto run = [&](auto* tag) {
+    using T = std::remove_pointer_t<decltype(tag)>;
+    const T* g = gate.const_data_ptr<T>();
+    const T* u = up.const_data_ptr<T>();
+    T* o = y.data_ptr<T>();
+    at::parallel_for(0, gate.size(0), grain_rows(n), [&](int64_t r0, int64_t r1) {
+      for (int64_t r = r0; r < r1; ++r) silu_mul_row(g + r * gs, u + r * us, o + r * n, n);
+    });
+  };
+  if (gate.scalar_type() == at::kFloat)
+    run(static_cast<float*>(nullptr));
+  else
+    run(static_cast<BF*>(nullptr));
+  return y;
 }
 
 Tensor gelu_cpu(const Tensor& x, c10::string_view approximate) {
