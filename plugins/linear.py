@@ -156,8 +156,15 @@ def bf16_gemm_m() -> int:
 
 
 def set_bf16_gemm_m(m: int) -> int:
-    """Change :func:`bf16_gemm_m` (0 turns the oneDNN path off); returns the previous value."""
-    return _set_gemm_m("bf16", m)
+    """Change :func:`bf16_gemm_m` (0 turns the oneDNN path off); returns the previous value. A CPU without
+    AMX-BF16 refuses m > 0: torch's brgemm takes bf16 VNNI operands only through oneDNN's AMX ukernel."""
+    old = bf16_gemm_m()
+    _set_gemm_m("bf16", m)
+    if m > 0 and bf16_gemm_m() != m:
+        raise RuntimeError(
+            f"bf16_gemm_m={m} needs a CPU with AMX-BF16 (torch's oneDNN brgemm takes bf16 panels only there); "
+            "this CPU has none, so bf16 panels keep kiln's panel kernels: leave bf16_gemm_m at 0")
+    return old
 
 
 def _native(wtype: str, x: torch.Tensor, w: torch.Tensor, scales, bias, group_size: int, n: int, k: int):

@@ -85,12 +85,35 @@ def test_fp32_and_bf16_panels(isa, shape, bf16_kernels_only):
         assert y.dtype == torch.bfloat16 and _rel(y, ref) < 1e-2, (m, "bf16 x")
 
 
+def _has_amx_bf16() -> bool:
+    with open("/proc/cpuinfo") as f:
+        return "amx_bf16" in f.read().split()
+
+
+def test_bf16_gemm_path_refused_without_amx(native):
+    """Where the CPU has no AMX-BF16, torch's brgemm throws on bf16 panels: asking for the route is refused with an
+    error that says why, nothing changes, and bf16 panels keep the panel kernels."""
+    if _has_amx_bf16():
+        pytest.skip("this CPU has AMX-BF16: the oneDNN route is available (test_bf16_panels_onednn_gemm_path)")
+    assert linear.bf16_gemm_m() == 0
+    with pytest.raises(RuntimeError, match="needs a CPU with AMX-BF16"):
+        linear.set_bf16_gemm_m(2)
+    assert linear.bf16_gemm_m() == 0 and linear.set_bf16_gemm_m(0) == 0
+    assert "oneDNN" not in native_lib.describe_kernel("bf16_panel", 64, 16)
+    wb = (torch.randn(16, 64) * 0.05).bfloat16()
+    xb = torch.randn(33, 64).bfloat16()
+    y = linear.bf16_linear(xb, fmt.pack_panels(wb), None)
+    assert _rel(y, (xb.float() @ wb.float().t()).bfloat16()) < 1e-2
+
+
 @pytest.mark.parametrize("shape", SHAPES)
 def test_bf16_panels_onednn_gemm_path(native, shape):
-    """From bf16_gemm_m rows with bf16 x (prefill on AMX CPUs; forced here from 2 rows on any CPU, so the route is
-    taken and checked even where the default is off), the panels run in place as oneDNN bf16 GEMMs: within bf16
+    """From bf16_gemm_m rows with bf16 x (prefill on AMX CPUs; forced here from 2 rows, so small shapes take the
+    route too), the panels run in place as oneDNN bf16 GEMMs: within bf16
     rounding of the reference, bias included, and within one bf16 rounding of the panel kernels' result; below the
     threshold, and for fp32 x, the panel kernels run as before."""
+    if not _has_amx_bf16():
+        pytest.skip("this CPU has no AMX-BF16: torch's brgemm takes bf16 panels only there (the route is refused)")
     n, k = shape
     torch.manual_seed(n * k + 1)
     w, b = torch.randn(n, k) * 0.05, torch.randn(n)
@@ -121,9 +144,7 @@ def test_bf16_panels_onednn_gemm_path(native, shape):
 
 def test_bf16_gemm_default_follows_the_cpu(native):
     """On by default (from 16 rows) exactly where the CPU has AMX-BF16; other CPUs keep the panel kernels."""
-    with open("/proc/cpuinfo") as f:
-        amx = "amx_bf16" in f.read().split()
-    assert linear.bf16_gemm_m() == (16 if amx else 0)
+    assert linear.bf16_gemm_m() == (16 if _has_amx_bf16() else 0)
 
 
 @pytest.mark.parametrize("shape", SHAPES)

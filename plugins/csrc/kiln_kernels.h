@@ -102,7 +102,9 @@ void kiln_ops_set_max_m(int wtype, int64_t max_m);
 // instead of the int4 kernels; 0: never (the default on CPUs without AMX-BF16).
 int64_t kiln_ops_int4_gemm_m();
 void kiln_ops_set_int4_gemm_m(int64_t m);
+// Rows of x from which bf16 panels with bf16 x run as oneDNN bf16 GEMMs; 0: never. Setting m > 0 returns 0 (and
+// changes nothing) where torch's brgemm cannot take bf16 (no AMX-BF16), else 1.
 int64_t kiln_ops_bf16_gemm_m();
-void kiln_ops_set_bf16_gemm_m(int64_t m);
+int kiln_ops_set_bf16_gemm_m(int64_t m);
 
 }  // extern "C"

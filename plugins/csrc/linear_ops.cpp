@@ -53,11 +53,17 @@ std::atomic<int64_t> g_int4_gemm_m{cpu_has_amx_bf16() ? 128 : 0};
 // in fp32, as in the panel kernels (vdpbf16ps). Measured to beat the panel kernels from M = 16 on Sapphire Rapids
 // (docs/benchmarks.md, "bf16 prefill on AMX"); chosen where the CPU has AMX-BF16 and torch's oneDNN brgemm takes
 // bf16, else never (the panel kernels keep every M, as before; not measured on a CPU without AMX).
+// torch's brgemm takes a bf16 VNNI B operand only through oneDNN's ukernel on AMX: elsewhere it throws, so the
+// route exists only where both hold.
+bool bf16_gemm_available() {
+  static const bool ok = cpu_has_amx_bf16() && at::native::cpublas::could_pack(at::kBFloat16);
+  return ok;
+}
 std::atomic<int64_t> g_bf16_gemm_m{-1};
 int64_t bf16_gemm_m() {
   int64_t m = g_bf16_gemm_m.load(std::memory_order_relaxed);
   if (m < 0) {
-    m = cpu_has_amx_bf16() && at::native::cpublas::could_pack(at::kBFloat16) ? 16 : 0;
+    m = bf16_gemm_available() ? 16 : 0;
     g_bf16_gemm_m.store(m);
   }
   return m;
@@ -315,7 +321,11 @@ void kiln_ops_set_int4_gemm_m(int64_t m) { g_int4_gemm_m.store(m < 0 ? 0 : m); }
 
 int64_t kiln_ops_bf16_gemm_m() { return bf16_gemm_m(); }
 
-void kiln_ops_set_bf16_gemm_m(int64_t m) { g_bf16_gemm_m.store(m < 0 ? 0 : m); }
+int kiln_ops_set_bf16_gemm_m(int64_t m) {
+  if (m > 0 && !bf16_gemm_available()) return 0;
+  g_bf16_gemm_m.store(m < 0 ? 0 : m);
+  return 1;
+}
 
 void kiln_ops_set_max_m(int wtype, int64_t max_m) {
   const int kind = kiln_weight_kind(wtype);
