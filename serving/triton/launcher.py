@@ -73,7 +73,7 @@ def find_triton() -> TritonInstall:
 
 
 def prepare_backends(install: TritonInstall, workdir: Path) -> Path:
-    """``workdir/backends/python`` with the Python backend and the stub of the running Python (links)."""
+    """``workdir/backends/python`` with the Python backend (links) and the stub of the running Python."""
     version = f"{sys.version_info.major}.{sys.version_info.minor}"
     stub = install.stubs / version / "triton_python_backend_stub"
     if not stub.is_file():
@@ -83,11 +83,22 @@ def prepare_backends(install: TritonInstall, workdir: Path) -> Path:
     python = backends / "python"
     python.mkdir(parents=True, exist_ok=True)
     for src in (install.backends / "python" / "libtriton_python.so",
-                install.backends / "python" / "triton_python_backend_utils.py", stub):
+                install.backends / "python" / "triton_python_backend_utils.py"):
         link = python / src.name
         if not link.exists():
             link.symlink_to(src)
+    # the stub runs the engine: it gets glibc's default (dynamic) mmap threshold back, not the one set for the server
+    wrapper = python / stub.name
+    wrapper.unlink(missing_ok=True)
+    if _MMAP_THRESHOLD in os.environ:   # the user's own choice, for both
+        wrapper.symlink_to(stub)
+    else:
+        wrapper.write_text(f"#!/bin/sh\nunset {_MMAP_THRESHOLD}\nexec '{stub}' \"$@\"\n")
+        wrapper.chmod(0o755)
     return backends
+
+
+_MMAP_THRESHOLD = "MALLOC_MMAP_THRESHOLD_"
 
 
 def server_environment(install: TritonInstall) -> dict[str, str]:
@@ -95,6 +106,10 @@ def server_environment(install: TritonInstall) -> dict[str, str]:
     libdir = sysconfig.get_config_var("LIBDIR") or ""
     env["LD_LIBRARY_PATH"] = os.pathsep.join(p for p in (str(install.libs), libdir, env.get("LD_LIBRARY_PATH")) if p)
     env["PATH"] = os.pathsep.join(p for p in (str(Path(sys.prefix) / "bin"), env.get("PATH")) if p)
+    # tritonserver holds each request's body, its parsed JSON and its tensors in buffers as large as the prompt; with
+    # glibc's dynamic threshold those land in the heap and stay (RSS swung 50-190 MB after bursts of 15 MB prompts,
+    # 2026-12-03), with a fixed one they are mapped and given back on free
+    env.setdefault(_MMAP_THRESHOLD, str(1 << 20))
     return env
 
 
