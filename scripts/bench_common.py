@@ -23,12 +23,13 @@ def checkpoint_dir(size: str = "300m") -> Path:
 CKPT = checkpoint_dir()  # the default size, shared by the benchmarks
 
 
-def ensure_checkpoint(size: str = "300m", train_steps: int = 0) -> Path:
+def ensure_checkpoint(size: str = "300m", train_steps: int = 0, train_seq_len: int = 64) -> Path:
     """Create the random Llama of ``size`` (a synthetic_checkpoints preset) once; ``train_steps`` > 0: fitted to
-    the synthetic corpus for that many steps first (its own folder). A lock keeps two benchmarks from writing it
-    together."""
+    the synthetic corpus for that many steps of ``train_seq_len``-token windows first (its own folder). A lock
+    keeps two benchmarks from writing it together."""
     BENCH.mkdir(parents=True, exist_ok=True)
     name = f"llama-{size}" + (f"-corpus{train_steps}" if train_steps else "")
+    name += f"x{train_seq_len}" if train_steps and train_seq_len != 64 else ""
     ckpt = BENCH / name
     with open(BENCH / f".{name}.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
@@ -37,7 +38,7 @@ def ensure_checkpoint(size: str = "300m", train_steps: int = 0) -> Path:
 
             fitted = f", fitted to the synthetic corpus for {train_steps} steps" if train_steps else ""
             log(f"creating a {size} Llama checkpoint in {ckpt}{fitted} (once) ...")
-            make_checkpoint(ckpt, "llama", size, train_steps=train_steps)
+            make_checkpoint(ckpt, "llama", size, train_steps=train_steps, train_seq_len=train_seq_len)
     return ckpt
 
 

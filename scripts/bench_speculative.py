@@ -16,7 +16,12 @@ The checkpoint is synthetic_checkpoints' 246m Llama (random weights, created onc
 model's greedy output settles into loops, which is what an n-gram proposer feeds on: the copy-heavy workload is
 built from the model's own greedy continuation (the prompt holds it twice, and the request continues it).
 ``--trained STEPS`` fits the checkpoint to the synthetic corpus first (the demo's kind of model) and takes both
-workloads from that corpus: copy-heavy = a corpus window and its first tokens again, plain = the window alone.
+workloads from windows of its training stream (the corpus repeated): copy-heavy = a window longer than the corpus,
+so that what the model continues with is text the prompt holds; plain = a window whose continuation it does not
+hold. The fit uses windows as long as a run's sequences (``--train-len``): a model predicts its text only at the
+positions it was fitted on. (The first version's copy-heavy prompt, a window and its first 8 tokens again, was a
+jump the fitted model had never seen: it continued the window's stream, not the repeat, and acceptance measured
+where the two happened to agree.)
 
 ``--methods ngram,draft_model`` measures both proposers in the same run, against the same baseline: the draft is
 the ``--draft-size`` Llama (default ``small-draft``, ~4.4x smaller than ``small``), fitted to the same corpus for
@@ -46,6 +51,7 @@ import torch
 from bench_common import ensure_checkpoint, ensure_engine, log
 
 K_VALUES = (1, 2, 3, 4, 6, 8)
+PROMPT_LEN = 128   # tokens of the random model's prompts; the most of a corpus model's plain prompt
 
 
 def build_config(dtype: str, backend: str) -> dict:
@@ -109,19 +115,37 @@ def workloads(llm, vocab: int, count: int, prompt_len: int) -> dict[str, list[li
     return {"copy-heavy": copy, "plain": plain}
 
 
-def corpus_workloads(ckpt, count: int, prompt_len: int) -> dict[str, list[list[int]]]:
-    """For a corpus-trained checkpoint (``--trained``): copy-heavy = a window of the corpus, then its first 8
-    tokens again (the model, which predicts that text, continues with text the prompt holds: what the n-gram
-    proposer is for, like summarising or editing a given document); plain = the window alone (its continuation
-    is corpus text the prompt does not hold)."""
+def corpus_workloads(ckpt, count: int, max_tokens: int) -> dict[str, list[list[int]]]:
+    """For a corpus-trained checkpoint (``--trained``), windows of the training stream (the corpus repeated, so a
+    fitted model continues each window with the stream's next tokens): copy-heavy = one corpus period plus 48
+    tokens, so what follows the window is text the window already holds (a document whose answer repeats it, as
+    in summarising or editing; what the n-gram proposer is for); plain = a window short enough that neither it nor
+    the generated text reaches the next period (its continuation is corpus text the prompt does not hold)."""
     from tokenizers import Tokenizer
 
-    from synthetic_checkpoints import corpus_token_ids
+    from synthetic_checkpoints import CORPUS, corpus_token_ids
 
-    ids = corpus_token_ids(Tokenizer.from_file(str(ckpt / "tokenizer.json")))
-    stride = max(1, (len(ids) - prompt_len) // count)
-    windows = [ids[i * stride: i * stride + prompt_len] for i in range(count)]
-    return {"copy-heavy": [w + w[:8] for w in windows], "plain": windows}
+    tok = Tokenizer.from_file(str(ckpt / "tokenizer.json"))
+    ids, period = corpus_token_ids(tok), len(tok.encode(CORPUS).ids)
+    plain_len = min(PROMPT_LEN, period - max_tokens)
+    if ids[period: 2 * period] != ids[:period] or plain_len < 16 or max_tokens > period:
+        raise SystemExit(f"--max-tokens {max_tokens}: the corpus period ({period} tokens) leaves no copy-free plain "
+                         f"prompt of 16 tokens or more (or the stream does not repeat it); use at most "
+                         f"{period - 16}")
+    copy_len = period + 48
+    stride = max(1, (len(ids) - copy_len - max_tokens) // count)
+    return {"copy-heavy": [ids[i * stride: i * stride + copy_len] for i in range(count)],
+            "plain": [ids[i * stride: i * stride + plain_len] for i in range(count)]}
+
+
+def corpus_train_len(size: str, max_tokens: int) -> int:
+    """Tokens per training window that cover a copy-heavy run's sequences (its prompt plus ``max_tokens``): a
+    model predicts its text at the positions it was fitted on (fitted on 64-token windows, the small Llama missed
+    1 token in 10 past position 96, and its continuations then left the text)."""
+    from synthetic_checkpoints import CORPUS, hf_config, train_tokenizer
+
+    period = len(train_tokenizer(hf_config("llama", size).vocab_size).encode(CORPUS).ids)
+    return period + 48 + max_tokens
 
 
 def run_case(llm, prompts: list[list[int]], max_tokens: int) -> tuple[float, int]:
@@ -234,6 +258,9 @@ def main() -> None:
     ap.add_argument("--trained", type=int, default=0, metavar="STEPS",
                     help="fit the checkpoint to the synthetic corpus for STEPS steps and take the workloads from "
                          "that corpus (a model that predicts its text, as the demo's; default: random weights)")
+    ap.add_argument("--train-len", type=int, default=0, metavar="TOKENS",
+                    help="--trained's window length (default: the copy-heavy prompt plus --max-tokens, so the "
+                         "model has been fitted at every position the runs use)")
     ap.add_argument("--rounds", type=int, default=3, help="base / spec runs alternated, the median rate kept")
     ap.add_argument("--breakdown", action="store_true",
                     help="only the step-kind table of the batch-1 runs (ngram), for each workload")
@@ -241,8 +268,9 @@ def main() -> None:
     from kiln.runtime import LLM
     from kiln.runtime.speculative import NgramProposer, SpeculativeConfig
 
-    ckpt = ensure_checkpoint(args.size, args.trained)
-    tag = f"-corpus{args.trained}" if args.trained else ""
+    train_len = args.train_len or (corpus_train_len(args.size, args.max_tokens) if args.trained else 64)
+    ckpt = ensure_checkpoint(args.size, args.trained, train_len)
+    tag = ckpt.name.removeprefix(f"llama-{args.size}")
     build = build_config(args.dtype, args.backend)
     engine_dir = ensure_engine(f"llama-{args.size}{tag}-{args.dtype}-{args.backend}-spec", build, ckpt)
     if args.verify_cost:
@@ -250,7 +278,7 @@ def main() -> None:
         return
     configs = spec_configs(args)
     if "draft_model" in configs:
-        draft_ckpt = ensure_checkpoint(args.draft_size, args.trained)
+        draft_ckpt = ensure_checkpoint(args.draft_size, args.trained, train_len)
         draft_dir = ensure_engine(f"llama-{args.draft_size}{tag}-{args.dtype}-{args.backend}-spec", build, draft_ckpt)
         configs["draft_model"]["model"] = str(draft_dir)
     batches = [int(b) for b in args.batches.split(",")]
@@ -268,8 +296,8 @@ def main() -> None:
         llm.executor.proposer = proposers.get(method)
         return llm
 
-    loads = (corpus_workloads(ckpt, max(batches), 128) if args.trained
-             else workloads(mode(None), llm.executor.vocab_size, max(batches), 128))
+    loads = (corpus_workloads(ckpt, max(batches), args.max_tokens) if args.trained
+             else workloads(mode(None), llm.executor.vocab_size, max(batches), PROMPT_LEN))
     if args.breakdown:
         for name, prompts in loads.items():
             print(f"\n{name}:")

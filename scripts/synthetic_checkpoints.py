@@ -184,6 +184,7 @@ def make_checkpoint(
     shard_size: str | None = None,
     dtype: torch.dtype = torch.float32,
     train_steps: int = 0,
+    train_seq_len: int = 64,
     tokenizer: str = "bpe",
     **overrides: Any,
 ) -> Path:
@@ -191,7 +192,8 @@ def make_checkpoint(
     (``tokenizer``: one of :data:`TOKENIZER_KINDS`, see :func:`train_tokenizer`).
 
     ``train_steps`` > 0 fits the random model to :data:`CORPUS` first (see :func:`train_on_corpus`),
-    for checks that need a model whose predictions are not near-ties.
+    for checks that need a model whose predictions are not near-ties; it predicts the text at the positions it
+    was fitted on (``train_seq_len``), not much past them.
     """
     from transformers import AutoModelForCausalLM
 
@@ -208,7 +210,7 @@ def make_checkpoint(
                 param.add_(torch.empty_like(param).uniform_(-0.3, 0.3))
     tok = train_tokenizer(config.vocab_size, tokenizer)
     if train_steps:
-        train_on_corpus(model, corpus_token_ids(tok), train_steps, seed=seed)
+        train_on_corpus(model, corpus_token_ids(tok), train_steps, seed=seed, seq_len=train_seq_len)
     model = model.to(dtype)
     kwargs = {"max_shard_size": shard_size} if shard_size else {}
     model.save_pretrained(out, **kwargs)
