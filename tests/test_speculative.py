@@ -316,6 +316,34 @@ def test_policy_gives_k_0_when_the_draft_is_too_slow_and_k_back_when_it_is_cheap
     assert ngram.choose([("r", 4, False)], 1, 1, 16) == [4]
 
 
+def test_policy_keeps_a_propose_nothing_choice_only_while_nothing_it_rests_on_changes():
+    """The kept "propose nothing" choice (spec_policy.REUSE) lapses at once when an acceptance is recorded, when the
+    step's make-up changes, and after REUSE steps; never does it hold a request back that has become worth it."""
+    from kiln.runtime.spec_policy import REUSE
+
+    policy = policy_with({1: 1.0, 5: 1.3}, {1: 0.0}, per_position=False, probe=10**6)
+    for _ in range(10):
+        policy.record("r", 4, 0)
+    assert policy.choose([("r", 8, False)], 1, 1, 16) == [0]
+    for _ in range(10):   # acceptance recovers: the next choice is made afresh
+        policy.record("r", 4, 4)
+    assert policy.choose([("r", 8, False)], 1, 1, 16) == [4]
+    # the step's make-up: a second request joins; and the costs, re-read after REUSE steps
+    costs = policy_with({1: 1.0, 2: 2.0, 3: 2.0, 6: 12.0}, {1: 0.0}, per_position=False, probe=10**6)
+    for rid in ("a", "b"):
+        for _ in range(10):
+            costs.record(rid, 4, 1)   # acceptance 0.5
+    assert costs.choose([("a", 4, False)], 1, 1, 16) == [0]   # a second token doubles the step
+    assert costs.choose([("a", 4, False), ("b", 4, False)], 2, 2, 16) != [0, 0]   # 2 -> 3 tokens costs nothing
+    assert costs.choose([("a", 4, False)], 1, 1, 16) == [0]
+    for _ in range(3):   # the 2-token step turns cheap: seen once REUSE steps have passed
+        costs.observe_step(2, 1.0)
+    assert costs.choose([("a", 4, False)], 1, 1, 16) == [0]
+    for _ in range(REUSE):
+        costs.observe_step(1, 1.0)
+    assert costs.choose([("a", 4, False)], 1, 1, 16)[0] > 0
+
+
 def test_policy_pauses_at_large_batches_from_measured_costs():
     # 16 sequences: the step's cost grows with its tokens (compute-bound), proposals at acceptance 0.5 do not pay
     policy = policy_with({16: 1.0, 80: 5.0}, {16: 0.0}, per_position=False)
