@@ -919,22 +919,23 @@ class Executor:
                 candidates.append((req, k))
         if not candidates or rows <= 0:
             return
-        if not proposer.round_per_position:
-            # a lookup (n-gram) costs microseconds: look first, and weigh only the requests it found proposals for
-            # (most steps of text that does not repeat find none, and the policy's choice cost more than the lookup)
-            proposer.propose_all([(req, min(k, proposer.policy.k)) for req, k in candidates])
-            candidates = [(req, len(req.spec_token_ids)) for req, _ in candidates if req.spec_token_ids]
-            if not candidates:
-                return
-        ks = proposer.policy.choose([(req.request_id, k, proposer.fixed_k(req)) for req, k in candidates],
-                                    min(base, c.max_num_tokens), decoding, rows)
-        if not proposer.round_per_position:
-            for (req, _), k in zip(candidates, ks):
-                del req.spec_token_ids[k:]
+
+        def choose(cands: list) -> list[int]:
+            return proposer.policy.choose([(req.request_id, k, proposer.fixed_k(req)) for req, k in cands],
+                                          min(base, c.max_num_tokens), decoding, rows)
+
+        if proposer.round_per_position:   # a draft model: its rounds cost engine steps, so k is chosen first
+            wants = [(req, k) for (req, _), k in zip(candidates, choose(candidates)) if k > 0]
+            if wants:
+                proposer.propose_all(wants)   # its rounds for all of them together
             return
-        wants = [(req, k) for (req, _), k in zip(candidates, ks) if k > 0]
-        if wants:
-            proposer.propose_all(wants)   # a draft model runs its rounds for all of them together
+        # a lookup (n-gram) costs microseconds: look first, and weigh only the requests it found proposals for
+        # (most steps of text that does not repeat find none, and the policy's choice cost more than the lookup)
+        proposer.propose_all([(req, min(k, proposer.policy.k)) for req, k in candidates])
+        found = [(req, len(req.spec_token_ids)) for req, _ in candidates if req.spec_token_ids]
+        if found:
+            for (req, _), k in zip(found, choose(found)):
+                del req.spec_token_ids[k:]
 
     def _fail_step(self, out: SchedulerOutput, exc: Exception) -> None:
         """The engine raised on this step: end its requests with the error (see the module docstring for why

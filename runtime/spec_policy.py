@@ -210,14 +210,11 @@ class SpecPolicy:
         key = (tuple(rid for rid, _, _ in candidates), tuple(caps), base_tokens, num_decoding, max_total,
                self._records)
         memo = self._plain_memo
-        if memo is not None and memo[0] == key and self.target.clock < memo[1]:
-            gains = []
-        else:
-            most = sum(_geometric(a.rate, caps[i]) for i, a in enumerate(accs) if not candidates[i][2])
-            gains = [] if (tokens + most) / (base_time + (self.draft(1) or 0.0)) <= best_rate else sorted(
-                ((a.rate ** j, j, i) for i, a in enumerate(accs) if not candidates[i][2]
-                 for j in range(1, caps[i] + 1)), key=lambda g: (-g[0], g[1]))
-            memo = None
+        kept = memo is not None and memo[0] == key and self.target.clock < memo[1]
+        most = 0.0 if kept else sum(_geometric(a.rate, caps[i]) for i, a in enumerate(accs) if not candidates[i][2])
+        gains = [] if kept or (tokens + most) / (base_time + (self.draft(1) or 0.0)) <= best_rate else sorted(
+            ((a.rate ** j, j, i) for i, a in enumerate(accs) if not candidates[i][2] for j in range(1, caps[i] + 1)),
+            key=lambda g: (-g[0], g[1]))
         for m, (gain, j, _) in enumerate(gains[:max_total], 1):
             tokens += gain
             r = j - 1 if self.round_per_position else 0
@@ -235,7 +232,7 @@ class SpecPolicy:
                     break
         for _, _, i in gains[:best_m]:
             ks[i] += 1
-        if best_m == 0 and memo is None:
+        if best_m == 0 and not kept:
             self._plain_memo = (key, self.target.clock + REUSE)
         for i, a in enumerate(accs):
             a.idle = 0 if ks[i] else a.idle + 1

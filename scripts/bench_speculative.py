@@ -52,6 +52,7 @@ from bench_common import ensure_checkpoint, ensure_engine, log
 
 K_VALUES = (1, 2, 3, 4, 6, 8)
 PROMPT_LEN = 128   # tokens of the random model's prompts; the most of a corpus model's plain prompt
+OVERLAP = 48       # tokens a corpus model's copy-heavy prompt runs past one corpus period
 
 
 def build_config(dtype: str, backend: str) -> dict:
@@ -123,16 +124,16 @@ def corpus_workloads(ckpt, count: int, max_tokens: int) -> dict[str, list[list[i
     the generated text reaches the next period (its continuation is corpus text the prompt does not hold)."""
     from tokenizers import Tokenizer
 
-    from synthetic_checkpoints import CORPUS, corpus_token_ids
+    from synthetic_checkpoints import corpus_period, corpus_token_ids
 
     tok = Tokenizer.from_file(str(ckpt / "tokenizer.json"))
-    ids, period = corpus_token_ids(tok), len(tok.encode(CORPUS).ids)
+    ids, period = corpus_token_ids(tok), corpus_period(tok)
     plain_len = min(PROMPT_LEN, period - max_tokens)
     if ids[period: 2 * period] != ids[:period] or plain_len < 16 or max_tokens > period:
         raise SystemExit(f"--max-tokens {max_tokens}: the corpus period ({period} tokens) leaves no copy-free plain "
                          f"prompt of 16 tokens or more (or the stream does not repeat it); use at most "
                          f"{period - 16}")
-    copy_len = period + 48
+    copy_len = period + OVERLAP
     stride = max(1, (len(ids) - copy_len - max_tokens) // count)
     return {"copy-heavy": [ids[i * stride: i * stride + copy_len] for i in range(count)],
             "plain": [ids[i * stride: i * stride + plain_len] for i in range(count)]}
@@ -142,10 +143,9 @@ def corpus_train_len(size: str, max_tokens: int) -> int:
     """Tokens per training window that cover a copy-heavy run's sequences (its prompt plus ``max_tokens``): a
     model predicts its text at the positions it was fitted on (fitted on 64-token windows, the small Llama missed
     1 token in 10 past position 96, and its continuations then left the text)."""
-    from synthetic_checkpoints import CORPUS, hf_config, train_tokenizer
+    from synthetic_checkpoints import corpus_period, hf_config, train_tokenizer
 
-    period = len(train_tokenizer(hf_config("llama", size).vocab_size).encode(CORPUS).ids)
-    return period + 48 + max_tokens
+    return corpus_period(train_tokenizer(hf_config("llama", size).vocab_size)) + OVERLAP + max_tokens
 
 
 def run_case(llm, prompts: list[list[int]], max_tokens: int) -> tuple[float, int]:

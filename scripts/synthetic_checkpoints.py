@@ -227,6 +227,11 @@ def corpus_token_ids(tok) -> list[int]:
     return tok.encode(CORPUS * 4).ids
 
 
+def corpus_period(tok) -> int:
+    """Tokens of one :data:`CORPUS` (the stream of :func:`corpus_token_ids` repeats it)."""
+    return len(tok.encode(CORPUS).ids)
+
+
 def train_on_corpus(model, ids: list[int], steps: int, *, seed: int = 0, seq_len: int = 64, batch: int = 8,
                     lr: float = 3e-3) -> float:
     """Fit ``model`` (a transformers causal LM, fp32) to the token stream ``ids`` for ``steps`` AdamW
