@@ -64,7 +64,7 @@ from kiln.plugins.weight_format import (
 __all__ = [
     "weight_only_linear", "bf16_linear", "fp32_linear",
     "weight_only_linear_reference", "bf16_linear_reference", "fp32_linear_reference", "float_linear_reference",
-    "kernel_max_m", "set_kernel_max_m", "int4_gemm_m", "set_int4_gemm_m",
+    "kernel_max_m", "set_kernel_max_m", "int4_gemm_m", "set_int4_gemm_m", "int4_x_bits", "set_int4_x_bits",
     "bf16_gemm_m", "set_bf16_gemm_m",
 ]
 
@@ -145,6 +145,27 @@ def int4_gemm_m() -> int:
 def set_int4_gemm_m(m: int) -> int:
     """Change :func:`int4_gemm_m` (0 turns the bf16 GEMM path off); returns the previous value."""
     return _set_gemm_m("int4", m)
+
+
+def int4_x_bits() -> int:
+    """How the int4-panel kernels round x: 16 (int16 with one scale per row: error <= max|x_row| / 65534, the
+    default) or 8 (int8 with one scale per weight group, as llama.cpp's q8_0 activations: error <=
+    max|x_group| / 254, ~18x below the int4 weights' own rounding, for half the dot products and half the
+    nibble decode). ``KILN_INT4_X_BITS=8`` chooses 8 for a process; 0 when the native kernels are unavailable."""
+    lib = native.library()
+    return int(lib.kiln_int4_x_bits()) if lib is not None else 0
+
+
+def set_int4_x_bits(bits: int) -> int:
+    """Change :func:`int4_x_bits` (8 or 16) for every int4-panel call of this process; returns the previous value."""
+    lib = native.library()
+    if lib is None:
+        raise RuntimeError("the native kernels are unavailable or disabled: there is no int4 kernel to set")
+    if bits not in (8, 16):
+        raise ValueError(f"int4_x_bits must be 8 or 16, got {bits}")
+    old = int4_x_bits()
+    lib.kiln_set_int4_x_bits(int(bits))
+    return old
 
 
 def bf16_gemm_m() -> int:

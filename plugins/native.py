@@ -224,6 +224,9 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.kiln_linear_int4_panel.argtypes = [ptr, ptr, ptr, i64, ptr, i64, i64, i64, ptr, ptr, ctypes.c_int,
                                            ctypes.c_int]
     lib.kiln_linear_int4_panel.restype = ctypes.c_int
+    lib.kiln_int4_x_bits.restype = ctypes.c_int
+    lib.kiln_set_int4_x_bits.argtypes = [ctypes.c_int]
+    lib.kiln_set_int4_x_bits.restype = ctypes.c_int
     lib.kiln_get_tuning.argtypes = [ctypes.c_char_p, ctypes.POINTER(i64)]
     lib.kiln_get_tuning.restype = ctypes.c_int
     lib.kiln_set_tuning.argtypes = [ctypes.c_char_p, i64]

@@ -324,8 +324,67 @@ def test_int4_panel_layout_and_round_trip():
         linear.weight_only_linear(torch.randn(2, 64), p.qweight, s.float(), None, 4, 32, p.zeros)
 
 
+@pytest.fixture(params=[16, 8])
+def x_bits(request, native):
+    """Both roundings of x in the int4-panel kernels: int16 per row (the default) and int8 per group."""
+    old = linear.set_int4_x_bits(request.param)
+    yield request.param
+    linear.set_int4_x_bits(old)
+
+
+def _x8_reference(x, p, bias, gs):
+    """y as the x8 kernels compute it, in float64: x rounded as theirs (int8 per group of gs, scale max|x| / 127
+    in fp32, round half to even) times the dequantized weight; and each output's bound on its distance from the
+    unrounded product, sum over groups of scale / 2 * sum |w|."""
+    w = fmt.dequantize_int4_panels(p).double()
+    xg = x.float().reshape(x.shape[0], -1, gs)
+    s = xg.abs().amax(-1, keepdim=True) / 127.0
+    s = torch.where(s > 0, s, torch.ones_like(s))
+    q = torch.round(torch.clamp(xg * (1.0 / s), -127, 127))
+    xr = (q.double() * s.double()).reshape(x.shape)
+    err = (s.double().squeeze(-1) / 2) @ w.abs().reshape(w.shape[0], -1, gs).sum(-1).t()
+    y = xr @ w.t() + (bias.double() if bias is not None else 0)
+    return y, err
+
+
+@pytest.mark.parametrize("shape", INT4_SHAPES)
+@pytest.mark.parametrize("zeros", [False, True])
+def test_int4_x8_panels_are_the_int8_rounding_of_x(isa, shape, zeros, int4_kernels_only):
+    """x8: the kernel's output is x rounded to int8 per group times the weight (to fp32 summation order), and
+    within that rounding's bound of the reference (the exact product)."""
+    n, k, gs = shape
+    p = _int4(n, k, gs, zeros, n + k)
+    b = torch.randn(n)
+    old = linear.set_int4_x_bits(8)
+    try:
+        assert "x int8 per group" in native_lib.describe_kernel("int4_panel", 1, n)
+        for m in (1, 2, 5, 16, 33, 200):
+            x = torch.randn(m, k) * torch.linspace(0.1, 3, k)   # groups of different ranges
+            y = linear.weight_only_linear(x, p.qweight, p.scales, b, 4, gs, p.zeros)
+            want, err = _x8_reference(x, p, b, gs)
+            assert _rel(y, want) < 2e-6, m
+            ref = linear.weight_only_linear_reference(x, p.qweight, p.scales, b, 4, gs, p.zeros).double()
+            assert ((y.double() - ref).abs() <= err * 1.001 + 1e-5 * ref.abs().max()).all(), m
+            assert _rel(y, ref) > 1e-6, m   # the rounding is there (the int16 path is ~1e-5 of it)
+            xb = x.bfloat16()
+            yb = linear.weight_only_linear(xb, p.qweight, p.scales, b, 4, gs, p.zeros)
+            assert yb.dtype == torch.bfloat16 and _rel(yb, _x8_reference(xb.float(), p, b, gs)[0]) < 1e-2, m
+    finally:
+        linear.set_int4_x_bits(old)
+
+
+def test_int4_x_bits_setting(native):
+    with pytest.raises(ValueError, match="8 or 16"):
+        linear.set_int4_x_bits(4)
+    assert linear.int4_x_bits() == 16   # the default
+    env = dict(os.environ, KILN_INT4_X_BITS="8")
+    out = subprocess.run([sys.executable, "-c", "from kiln.plugins import linear; print(linear.int4_x_bits())"],
+                         env=env, capture_output=True, text=True, timeout=120)
+    assert out.stdout.split()[-1] == "8", out.stderr[-2000:]
+
+
 @pytest.mark.parametrize("shape", INT4_SHAPES[:3])
-def test_int4_panels_one_row_is_bitwise_a_row_of_many(isa, shape):
+def test_int4_panels_one_row_is_bitwise_a_row_of_many(isa, shape, x_bits):
     n, k, gs = shape
     p = _int4(n, k, gs, True, n)
     x = torch.randn(5, k)
@@ -335,7 +394,7 @@ def test_int4_panels_one_row_is_bitwise_a_row_of_many(isa, shape):
                            y[i:i + 1]), i
 
 
-def test_int4_panels_propagate_nan_and_inf(isa):
+def test_int4_panels_propagate_nan_and_inf(isa, x_bits):
     p = _int4(32, 64, 32, False, 1)
     x = torch.randn(4, 64)
     x[1, 3], x[2, 7] = float("nan"), float("inf")
@@ -431,7 +490,7 @@ def test_autotuning_past_its_budget_keeps_the_defaults(native):
 
 
 @pytest.mark.parametrize("row_panels", [2, 4])
-def test_int4_decode_over_several_panels_is_bitwise_the_one_stream_kernel(isa, row_panels):
+def test_int4_decode_over_several_panels_is_bitwise_the_one_stream_kernel(isa, row_panels, x_bits):
     """row_panels (a tunable) changes how many panels a decode thread reads at once, not the sums."""
     from kiln.plugins import tuning
 

@@ -71,6 +71,10 @@ int kiln_linear(int wtype, const void* w, const float* scales, int64_t group_siz
 int kiln_linear_int4_panel(const void* w, const uint16_t* scales, const uint8_t* zeros, int64_t group_size,
                            const void* x, int64_t M, int64_t N, int64_t K, const float* bias, void* y, int nthreads,
                            int bf16_io);
+// How kiln_linear_int4_panel rounds x: 16 (int16 per row, the default) or 8 (int8 per weight group: error <=
+// max|x_group| / 254, half the dot products; KILN_INT4_X_BITS=8 at load). set: 0, or 1 for another value.
+int kiln_int4_x_bits();
+int kiln_set_int4_x_bits(int bits);
 // int4 panels (as kiln_linear_int4_panel's) -> bf16 bits [N][K] row-major, (u - zero) * scale rounded to nearest
 // even: 0, or 2 when the shape does not fit the layout.
 int kiln_dequant_int4_panel_bf16(const void* w, const uint16_t* scales, const uint8_t* zeros, int64_t group_size,

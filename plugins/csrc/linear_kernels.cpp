@@ -762,6 +762,13 @@ struct Isa {
   static inline VI imul(VI a, VI b) { return _mm256_mullo_epi32(a, b); }
   static inline VI iand(VI a, VI b) { return _mm256_and_si256(a, b); }
   static inline VI iset1_16(int16_t v) { return _mm256_set1_epi16(v); }
+  static inline VI iset1_8(int8_t v) { return _mm256_set1_epi8(v); }
+  // acc + (unsigned bytes lo) . (signed bytes xl) + hi . xh per int32 lane (int4 x8: bytes <= 15, |x| <= 127, so
+  // the 16-bit pair sums of vpmaddubsw, <= 4 x 15 x 127, never saturate)
+  static inline VI dot_u4(VI acc, VI lo, VI xl, VI hi, VI xh) {
+    const __m256i t = _mm256_add_epi16(_mm256_maddubs_epi16(lo, xl), _mm256_maddubs_epi16(hi, xh));
+    return _mm256_add_epi32(acc, _mm256_madd_epi16(t, _mm256_set1_epi16(1)));
+  }
   template <int S>
   static inline VI srli16(VI v) { return _mm256_srli_epi16(v, S); }
   template <int S>
@@ -823,6 +830,10 @@ struct Isa {
   static inline VI imul(VI a, VI b) { return _mm512_mullo_epi32(a, b); }
   static inline VI iand(VI a, VI b) { return _mm512_and_si512(a, b); }
   static inline VI iset1_16(int16_t v) { return _mm512_set1_epi16(v); }
+  static inline VI iset1_8(int8_t v) { return _mm512_set1_epi8(v); }
+  static inline VI dot_u4(VI acc, VI lo, VI xl, VI hi, VI xh) {
+    return _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(acc, lo, xl), hi, xh);
+  }
   template <int S>
   static inline VI srli16(VI v) { return _mm512_srli_epi16(v, S); }
   template <int S>
@@ -869,6 +880,21 @@ int panel_isa() {
   return isa;
 }
 
+// How the int4-panel kernels round x: 16 (int16 per row, error <= max|x_row| / 65534) or 8 (int8 per weight group,
+// error <= max|x_group| / 254, half the dot products: quantize_groups_int8). From KILN_INT4_X_BITS at load
+// (default 16), kiln_set_int4_x_bits after.
+std::atomic<int> g_int4_x_bits{0};  // 0: not read yet
+
+int int4_x_bits() {
+  int bits = g_int4_x_bits.load(std::memory_order_relaxed);
+  if (bits == 0) {
+    const char* env = std::getenv("KILN_INT4_X_BITS");
+    bits = env && std::atoi(env) == 8 ? 8 : 16;
+    g_int4_x_bits.store(bits);
+  }
+  return bits;
+}
+
 // What runs for a panel-layout weight of type wtype at M rows (the dispatch of panel_kernels.h's panel_gemm_*),
 // with the tunables it uses: "kernel, ISA, blocking, prefetch" (kiln inspect --load prints it per linear).
 template <class Isa>
@@ -897,7 +923,8 @@ std::string describe_panel(int wtype, int64_t M, int64_t N) {
       what = "one row x " + std::to_string(t.row_panels) + " panels, prefetch " + std::to_string(t.row_prefetch) + " B";
     else if (M == 1) what = "one-row stream, 4 chains, prefetch " + std::to_string(t.row_prefetch) + " B";
     else what = tiles(Isa::MR_INT4, Isa::NP_INT4);
-    return "int4 panels, " + isa + (Isa::L == 16 ? " vnni" : "") + ", " + what;
+    return "int4 panels, " + isa + (Isa::L == 16 ? " vnni" : "") + (int4_x_bits() == 8 ? ", x int8 per group" : "") +
+           ", " + what;
   }
   if (kind == KILN_W_INT8) {
     if (M == 1 && t.int8_row_panels > 1 && panels % t.int8_row_panels == 0)
@@ -967,6 +994,55 @@ bool quantize_rows_int16(const float* x, int64_t M, int64_t K, int16_t* xq, floa
     }
     for (; k < K; ++k) q[k] = int16_t(std::nearbyint(std::min(32767.0f, std::max(-32767.0f, r[k] * inv))));
   }
+  return true;
+}
+
+// x of an int4-panel call with x8 (panel_kernels.h, Int4X): symmetric int8 per group of gs k (xq = round(x / s),
+// s = max |x| / 127 over the group: error <= max |x_group| / 254 per element, ~18x below the int4 weight's own
+// rounding error of scale / 2 = max |w_group| / 14, and of the order of the bf16 rounding the prefill GEMM path
+// takes), each block of 8 stored as k = 0, 4, 1, 5, 2, 6, 3, 7 (the order of the weight nibbles in a row's
+// 32-bit lane), the groups' scales in sx [M][G] and their sums of xq in xs [M][G]; false if x holds a NaN or an
+// infinity. Serial: ~1 us for K = 4096, far below the GEMV it feeds.
+bool quantize_groups_int8(const float* x, int64_t M, int64_t K, int64_t gs, int8_t* xq, float* sx, int32_t* xs) {
+  const __m256 absmask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+  const __m256 lim = _mm256_set1_ps(127.0f), nlim = _mm256_set1_ps(-127.0f);
+  // bytes 0..7 of a block of 8 int32 (k order) -> the lane order 0, 4, 1, 5, 2, 6, 3, 7
+  const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+  const int64_t G = K / gs;
+  __m256 bad = _mm256_setzero_ps();
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t g = 0; g < G; ++g) {
+      const float* r = x + m * K + g * gs;
+      __m256 mx = _mm256_setzero_ps();
+      for (int64_t k = 0; k < gs; k += 8) {
+        const __m256 t = _mm256_loadu_ps(r + k);
+        mx = _mm256_max_ps(mx, _mm256_and_ps(t, absmask));
+        bad = _mm256_add_ps(bad, _mm256_mul_ps(t, _mm256_setzero_ps()));
+      }
+      alignas(32) float t8[8];
+      _mm256_store_ps(t8, mx);
+      float amax = 0.0f;
+      for (float t : t8) amax = std::max(amax, t);
+      const float s = amax > 0.0f ? amax / 127.0f : 1.0f;
+      const __m256 inv = _mm256_set1_ps(1.0f / s);
+      __m256i sum = _mm256_setzero_si256();
+      int8_t* q = xq + m * K + g * gs;
+      for (int64_t k = 0; k < gs; k += 8) {
+        const __m256i i = _mm256_cvtps_epi32(_mm256_min_ps(_mm256_max_ps(_mm256_mul_ps(_mm256_loadu_ps(r + k), inv), nlim), lim));
+        sum = _mm256_add_epi32(sum, i);
+        const __m256i p = _mm256_permutevar8x32_epi32(i, order);
+        const __m128i w16 = _mm_packs_epi32(_mm256_castsi256_si128(p), _mm256_extracti128_si256(p, 1));
+        _mm_storel_epi64(reinterpret_cast<__m128i*>(q + k), _mm_packs_epi16(w16, w16));
+      }
+      alignas(32) int32_t s8[8];
+      _mm256_store_si256(reinterpret_cast<__m256i*>(s8), sum);
+      sx[m * G + g] = s;
+      xs[m * G + g] = s8[0] + s8[1] + s8[2] + s8[3] + s8[4] + s8[5] + s8[6] + s8[7];
+    }
+  alignas(32) float b8[8];
+  _mm256_store_ps(b8, bad);
+  for (float t : b8)
+    if (t != 0.0f || !(t == t)) return false;
   return true;
 }
 
@@ -1085,10 +1161,28 @@ int run_int4_panel(const Int4View& v, const void* xin, int64_t M, int64_t N, con
   const int64_t K = v.K, gs = v.gs;
   if (N % KILN_PANEL != 0 || K % KILN_INT4_BLOCK != 0 || gs <= 0 || gs % KILN_INT4_BLOCK != 0 || K % gs != 0) return 2;
   const float* x = x_fp32(xin, M, K, bf16_io);
+  const int64_t G = K / gs;
+  float* y = bf16_io ? nullptr : static_cast<float*>(yout);
+  uint16_t* yb = bf16_io ? static_cast<uint16_t*>(yout) : nullptr;
+  if (int4_x_bits() == 8 && K < (int64_t(1) << 20)) {
+    thread_local std::vector<int32_t> xq8;
+    thread_local std::vector<float> sx8;
+    thread_local std::vector<int32_t> xs8;
+    xq8.resize(size_t(M * K / 4));
+    sx8.resize(size_t(M * G));
+    xs8.resize(size_t(M * G));
+    if (!quantize_groups_int8(x, M, K, gs, reinterpret_cast<int8_t*>(xq8.data()), sx8.data(), xs8.data())) return 4;
+    if (panel_isa() == 512)
+      k512::panel_gemm_int4_x8({v.w, v.s, v.z, K, gs}, M, N, {xq8.data(), sx8.data(), xs8.data()},
+                               k512::Epilogue{nullptr, bias, y, yb, N}, nthreads);
+    else
+      k256::panel_gemm_int4_x8({v.w, v.s, v.z, K, gs}, M, N, {xq8.data(), sx8.data(), xs8.data()},
+                               k256::Epilogue{nullptr, bias, y, yb, N}, nthreads);
+    return 0;
+  }
   thread_local std::vector<int16_t> xq;
   thread_local std::vector<float> sx;
   thread_local std::vector<int32_t> xs;
-  const int64_t G = K / gs;
   xq.resize(size_t(M * K));
   sx.resize(size_t(M));
   xs.resize(size_t(M * G));
@@ -1107,8 +1201,6 @@ int run_int4_panel(const Int4View& v, const void* xin, int64_t M, int64_t N, con
       for (; k < gs; ++k) sum += q[k];
       xs[size_t(m * G + g)] = sum;
     }
-  float* y = bf16_io ? nullptr : static_cast<float*>(yout);
-  uint16_t* yb = bf16_io ? static_cast<uint16_t*>(yout) : nullptr;
   if (panel_isa() == 512) {
     k512::panel_gemm_int4({v.w, v.s, v.z, K, gs}, M, N, xq.data(), sx.data(), xs.data(),
                           k512::Epilogue{nullptr, bias, y, yb, N}, nthreads);
@@ -1201,6 +1293,14 @@ int kiln_linear_int4_panel(const void* w, const uint16_t* scales, const uint8_t*
   if (M < 1 || N < 1 || K < 1) return 1;
   return run_int4_panel({static_cast<const uint8_t*>(w), scales, zeros, K, group_size}, x, M, N, bias, y, nthreads,
                         bf16_io != 0);
+}
+
+int kiln_int4_x_bits() { return int4_x_bits(); }
+
+int kiln_set_int4_x_bits(int bits) {
+  if (bits != 8 && bits != 16) return 1;
+  g_int4_x_bits.store(bits);
+  return 0;
 }
 
 int kiln_dequant_int4_panel_bf16(const void* w, const uint16_t* scales, const uint8_t* zeros, int64_t group_size,

@@ -469,6 +469,126 @@ inline void tile_int4(const Int4W& W, const int32_t* xq, const float* sx, const 
   for_row_blocks<MRB>(m0, m1, pass);
 }
 
+// ---- int4 panels with int8 x ("x8", kiln_set_int4_x_bits(8)) ------------------------------------------------
+// The 32-bit lane of row n (words 2n, 2n+1 of a block's line; AVX2: the half of rows 0-7 or 8-15) holds that row's
+// 8 k of the block: its bytes' low nibbles are k = 8b + (0, 4, 1, 5) and, after a 4-bit shift, their high nibbles
+// k = 8b + (2, 6, 3, 7). One AND and one shift + AND give two vectors of unsigned bytes that multiply 4 x 4 bytes
+// of x into each int32 lane (AVX-512 VNNI vpdpbusd, or vpmaddubsw + vpmaddwd on AVX2): half the dot products and
+// half the decode of the int16 path above, x quantised to int8 per weight group (Int4X), its 8 bytes of a block
+// stored in that order. A group's int32 sums start at -z * sum(xq in the group) and end with one FMA with the
+// weight's scale times x's. Every product is at most 15 x 127, so an int32 chain is exact for K < 2^20.
+
+// x of an int4 call: xq [M][K/4] int32 words, each 4 int8 (a block's low-nibble word 2b, high-nibble word 2b+1),
+// sx [M][G] the groups' scales (max |x| / 127), xs [M][G] the groups' sums of xq.
+struct Int4X {
+  const int32_t* xq;
+  const float* sx;
+  const int32_t* xs;
+};
+
+// x8 decode (one row of x), one panel, one sequential stream: four int32 chains (four blocks at a time; on
+// AVX-512 a block is two dependent vpdpbusd, so four chains keep the dot-product unit busy).
+inline void panel_int4_row_x8(const Int4W& W, int64_t p, const int32_t* xq, const float* sx, const int32_t* xs,
+                           const Epilogue& ep, int64_t pf) {
+  const uint8_t* w = W.panel(p);
+  const uint16_t* sc = W.pscales(p);
+  const uint8_t* zp = W.pzeros(p);
+  const int64_t G = W.groups(), gblocks = W.gs / 8;
+  const Isa::VI lo4 = Isa::iset1_8(0x0F);
+  Isa::V facc[VP];
+  for (int v = 0; v < VP; ++v) facc[v] = Isa::zero();
+  for (int64_t g = 0; g < G; ++g) {
+    const uint8_t* zg = zp ? zp + g * 16 : nullptr;
+    Isa::VI acc[4][VP];
+    for (int v = 0; v < VP; ++v) {
+      acc[0][v] = int4_start(zg, v, xs[g]);
+      acc[1][v] = acc[2][v] = acc[3][v] = Isa::izero();
+    }
+    const auto block = [&](int64_t b, int c) {
+      const uint8_t* q = w + b * 64;
+      prefetch_line(q + pf);
+      const Isa::VI xl = Isa::iset1(xq[2 * b]), xh = Isa::iset1(xq[2 * b + 1]);
+      for (int v = 0; v < VP; ++v) {
+        const Isa::VI wv = Isa::iload(q + v * 4 * Isa::L);
+        acc[c][v] = Isa::dot_u4(acc[c][v], Isa::iand(wv, lo4), xl, Isa::iand(Isa::template srli16<4>(wv), lo4), xh);
+      }
+    };
+    const int64_t b1 = (g + 1) * gblocks;
+    int64_t b = g * gblocks;
+    for (; b + 4 <= b1; b += 4) {
+      block(b, 0);
+      block(b + 1, 1);
+      block(b + 2, 2);
+      block(b + 3, 3);
+    }
+    for (; b < b1; ++b) block(b, 0);
+    const Isa::V s = Isa::set1(sx[g]);
+    for (int v = 0; v < VP; ++v) {
+      const Isa::VI t = Isa::iadd(Isa::iadd(acc[0][v], acc[1][v]), Isa::iadd(acc[2][v], acc[3][v]));
+      facc[v] = Isa::fma(Isa::mul(Isa::f16_to_f32(sc + g * 16 + v * Isa::L), s), Isa::cvt(t), facc[v]);
+    }
+  }
+  ep.store(0, p * 16, facc, VP, 1.0f);
+}
+
+// x8: MR rows of x x NP panels (p0 .. p0+NP-1); X points at the first of the MR rows, ldx / G its row strides.
+template <int MR, int NP, bool PF = false>
+inline void panel_int4_x8(const Int4W& W, int64_t p0, const Int4X& X, int64_t ldx, const Epilogue& ep, int64_t m0,
+                       int64_t pf) {
+  const int64_t G = W.groups(), gblocks = W.gs / 8, pb = W.pbytes();
+  const uint8_t* w = W.panel(p0);
+  const Isa::VI lo4 = Isa::iset1_8(0x0F);
+  Isa::V facc[MR][NP][VP];
+  for (int i = 0; i < MR; ++i)
+    for (int p = 0; p < NP; ++p)
+      for (int v = 0; v < VP; ++v) facc[i][p][v] = Isa::zero();
+  for (int64_t g = 0; g < G; ++g) {
+    Isa::VI acc[MR][NP][VP];
+    for (int p = 0; p < NP; ++p) {
+      const uint8_t* zg = W.z ? W.pzeros(p0 + p) + g * 16 : nullptr;
+      for (int i = 0; i < MR; ++i)
+        for (int v = 0; v < VP; ++v) acc[i][p][v] = int4_start(zg, v, X.xs[i * G + g]);
+    }
+    for (int64_t b = g * gblocks; b < (g + 1) * gblocks; ++b) {
+      Isa::VI lo[NP][VP], hi[NP][VP];
+      for (int p = 0; p < NP; ++p) {
+        if constexpr (PF) prefetch_line(w + p * pb + b * 64 + pf);
+        for (int v = 0; v < VP; ++v) {
+          const Isa::VI wv = Isa::iload(w + p * pb + b * 64 + v * 4 * Isa::L);
+          lo[p][v] = Isa::iand(wv, lo4);
+          hi[p][v] = Isa::iand(Isa::template srli16<4>(wv), lo4);
+        }
+      }
+      for (int i = 0; i < MR; ++i) {
+        const Isa::VI xl = Isa::iset1(X.xq[i * ldx + 2 * b]), xh = Isa::iset1(X.xq[i * ldx + 2 * b + 1]);
+        for (int p = 0; p < NP; ++p)
+          for (int v = 0; v < VP; ++v) acc[i][p][v] = Isa::dot_u4(acc[i][p][v], lo[p][v], xl, hi[p][v], xh);
+      }
+    }
+    for (int p = 0; p < NP; ++p)
+      for (int v = 0; v < VP; ++v) {
+        const Isa::V s = Isa::f16_to_f32(W.pscales(p0 + p) + g * 16 + v * Isa::L);
+        for (int i = 0; i < MR; ++i)
+          facc[i][p][v] = Isa::fma(Isa::mul(s, Isa::set1(X.sx[i * G + g])), Isa::cvt(acc[i][p][v]), facc[i][p][v]);
+      }
+  }
+  for (int i = 0; i < MR; ++i) ep.store(m0 + i, p0 * 16, &facc[i][0][0], NP * VP, 1.0f);
+}
+
+// x8: rows m0..m1 against panels g*NP .. g*NP+NP-1; the first pass over the tile prefetches (PF).
+template <int NP, int MRB, bool PF = false>
+inline void tile_int4_x8(const Int4W& W, const Int4X& X, int64_t m0, int64_t m1, int64_t g, const Epilogue& ep,
+                      int64_t pf) {
+  const int64_t ld = W.K / 4, G = W.groups();
+  const auto pass = [&](auto rows, int64_t m) {
+    constexpr int R = decltype(rows)::value;
+    const Int4X Xm{X.xq + m * ld, X.sx + m * G, X.xs + m * G};
+    if (PF && m == m0) panel_int4_x8<R, NP, PF>(W, g * NP, Xm, ld, ep, m, pf);
+    else panel_int4_x8<R, NP>(W, g * NP, Xm, ld, ep, m, pf);
+  };
+  for_row_blocks<MRB>(m0, m1, pass);
+}
+
 // Tiles (row block of MC rows, group of NP panels), row-block major so that a thread's consecutive tiles
 // share their rows of x; dynamic chunks so that a thread preempted by another process holds back little.
 template <class F>
@@ -638,6 +758,43 @@ inline void panel_gemm_int4(const Int4W& W, int64_t M, int64_t N, const int16_t*
     for_tiles(M, panels, Isa::MC, nthreads, [&](int64_t m0, int64_t m1, int64_t g) {
       if (pfm) tile_int4<1, Isa::MR_INT4, PREFETCHING>(W, xq, sx, xs, m0, m1, g, ep, pf);
       else tile_int4<1, Isa::MR_INT4>(W, xq, sx, xs, m0, m1, g, ep, pf);
+    });
+  }
+}
+
+// int4 panels with x8 (x as Int4X: M rows; K % 8 == 0).
+inline void panel_gemm_int4_x8(const Int4W& W, int64_t M, int64_t N, const Int4X& X, const Epilogue& ep,
+                            int nthreads) {
+  const int64_t panels = N / 16;
+  const Tuning& tu = tuning();
+  if (M == 1 && (tu.row_panels == 1 || panels % tu.row_panels != 0)) {
+    // decode: each thread one contiguous run of panels (one sequential stream)
+    const int nt = int(std::max<int64_t>(1, std::min<int64_t>(nthreads, panels)));
+    const int64_t pf = tu.row_prefetch;
+#pragma omp parallel for num_threads(nt) schedule(static)
+    for (int64_t p = 0; p < panels; ++p) panel_int4_row_x8(W, p, X.xq, X.sx, X.xs, ep, pf);
+    return;
+  }
+  if (M == 1) {  // decode over row_panels interleaved streams per thread (CPUs whose prefetchers want several)
+    const int64_t pf = tu.row_prefetch;
+    const int np = int(tu.row_panels);
+    for_tiles(1, panels / np, 1, nthreads, [&](int64_t, int64_t, int64_t g) {
+      if (np == 2) panel_int4_x8<1, 2, true>(W, g * 2, X, W.K / 4, ep, 0, pf);
+      else panel_int4_x8<1, 4, true>(W, g * 4, X, W.K / 4, ep, 0, pf);
+    });
+    return;
+  }
+  const bool pfm = small_batch_prefetch(M);
+  const int64_t pf = tu.small_prefetch;
+  if (panels % Isa::NP_INT4 == 0) {
+    for_tiles(M, panels / Isa::NP_INT4, Isa::MC, nthreads, [&](int64_t m0, int64_t m1, int64_t g) {
+      if (pfm) tile_int4_x8<Isa::NP_INT4, Isa::MR_INT4, PREFETCHING>(W, X, m0, m1, g, ep, pf);
+      else tile_int4_x8<Isa::NP_INT4, Isa::MR_INT4>(W, X, m0, m1, g, ep, pf);
+    });
+  } else {
+    for_tiles(M, panels, Isa::MC, nthreads, [&](int64_t m0, int64_t m1, int64_t g) {
+      if (pfm) tile_int4_x8<1, Isa::MR_INT4, PREFETCHING>(W, X, m0, m1, g, ep, pf);
+      else tile_int4_x8<1, Isa::MR_INT4>(W, X, m0, m1, g, ep, pf);
     });
   }
 }
