@@ -178,3 +178,100 @@ def test_tensor_parallel_build_is_refused(checkpoint_dir, tmp_path):
     qdir, _ = make_quantized(checkpoint_dir("llama"), tmp_path, "gptq")
     with pytest.raises(BuildConfigError, match="tensor parallelism"):
         build_engine(qdir, tmp_path / "engine", BUILD.replace(tp_size=2))
+
+
+# ---- compressed-tensors (llm-compressor's format), made by compressed_tensors itself ---------------------------
+
+def make_compressed_tensors(src: Path, dst: Path, *, symmetric: bool, strategy: str = "group", group_size: int = 32,
+                            dtype: torch.dtype = torch.float32) -> tuple[Path, Path]:
+    """(pack-quantized checkpoint, the float checkpoint of its weights) made from ``src`` by compressed_tensors: its
+    min-max quantization parameters, its fake-quantization (the reference weights) and its packing and config."""
+    from compressed_tensors.compressors import ModelCompressor
+    from compressed_tensors.quantization import (
+        QuantizationArgs,
+        QuantizationConfig,
+        QuantizationScheme,
+        apply_quantization_config,
+    )
+    from compressed_tensors.quantization.lifecycle.forward import fake_quantize
+    from compressed_tensors.quantization.utils import calculate_qparams
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(src, dtype=dtype).eval()
+    args = QuantizationArgs(num_bits=4, type="int", symmetric=symmetric, strategy=strategy,
+                            group_size=group_size if strategy == "group" else None)
+    apply_quantization_config(model, QuantizationConfig(
+        config_groups={"group_0": QuantizationScheme(targets=["Linear"], weights=args)}, ignore=["lm_head"]))
+    reference = {}
+    with torch.no_grad():
+        for name, m in model.named_modules():
+            if hasattr(m, "weight_scale"):
+                w = m.weight if strategy == "channel" else m.weight.unflatten(-1, (-1, group_size))
+                scale, zp = calculate_qparams(w.amin(-1), w.amax(-1), m.quantization_scheme.weights)
+                if strategy == "channel":
+                    scale, zp = scale[:, None], zp[:, None]
+                m.weight_scale.copy_(scale)
+                if hasattr(m, "weight_zero_point"):
+                    m.weight_zero_point.copy_(zp)
+                reference[name + ".weight"] = fake_quantize(m.weight, scale, zp, m.quantization_scheme.weights)
+    out, plain = dst / "quantized", dst / "reference"
+    shutil.copytree(src, plain)
+    state = load_file(str(src / "model.safetensors"))
+    state.update({k: v.to(state[k].dtype) for k, v in reference.items()})
+    save_file(state, str(plain / "model.safetensors"))
+    compressor = ModelCompressor.from_pretrained_model(model, "pack-quantized")
+    compressor.compress_model(model)
+    shutil.copytree(src, out)
+    model.save_pretrained(out)
+    compressor.update_config(str(out))
+    return out, plain
+
+
+@pytest.mark.parametrize("symmetric, strategy, dtype", [(True, "group", torch.float32), (False, "group", torch.float32),
+                                                        (True, "channel", torch.float16)])
+def test_compressed_tensors_engine_matches_transformers(native, checkpoint_dir, tmp_path, symmetric, strategy, dtype):
+    qdir, ref = make_compressed_tensors(checkpoint_dir("llama"), tmp_path, symmetric=symmetric, strategy=strategy,
+                                        dtype=dtype)
+    assert json.loads((qdir / "config.json").read_text())["quantization_config"]["format"] == "pack-quantized"
+    engine = Engine.from_dir(build_engine(qdir, tmp_path / "engine", BUILD))
+    report = json.loads((tmp_path / "engine" / "build_report.json").read_text())
+    assert report["prequantized"] == {"method": "compressed-tensors", "group_size": 32 if strategy == "group" else -1,
+                                      "bits": 4}
+    seqs = [[(7 * i + 3 * j) % 500 + 3 for j in range(n)] for i, n in enumerate((17, 9, 30))]
+    got, want = _logits(engine, seqs), _hf_logits(ref, seqs)
+    # x rounded to int16 per row, and fp32 scales to kiln's fp16 ones (2^-11 relative)
+    assert (got - want).abs().max() <= 2e-3 * want.abs().max()
+    assert (got.argmax(-1) == want.argmax(-1)).float().mean() >= 0.98
+    if symmetric:   # what a user of transformers runs: the compressed checkpoint itself (transformers decompresses it)
+        hf = _hf_logits(qdir, seqs)
+        assert (got - hf).abs().max() <= 2e-3 * hf.abs().max()
+
+
+@pytest.mark.parametrize("change, message", [
+    (lambda q: q["config_groups"]["group_0"].update(format="float-quantized"), "format 'float-quantized'"),
+    (lambda q: q["config_groups"]["group_0"]["weights"].update(num_bits=8), "int weights of 8 bits"),
+    (lambda q: q["config_groups"]["group_0"].update(input_activations={"num_bits": 8, "type": "int"}),
+     "quantizes activations"),
+    (lambda q: q["config_groups"]["group_0"]["weights"].update(strategy="tensor"), "strategy 'tensor'"),
+    (lambda q: q["config_groups"]["group_0"]["weights"].update(group_size=12), "group_size=12"),
+    (lambda q: q["config_groups"].update(group_1={**q["config_groups"]["group_0"], "weights": {
+        **q["config_groups"]["group_0"]["weights"], "group_size": 64}}), r"different group sizes \[32, 64\]"),
+])
+def test_unreadable_compressed_tensors_configs_are_named(checkpoint_dir, tmp_path, change, message):
+    qdir, _ = make_compressed_tensors(checkpoint_dir("llama"), tmp_path, symmetric=True)
+    _rewrite(qdir, config=change)
+    with pytest.raises(CheckpointError, match=message):
+        load_checkpoint(qdir)
+
+
+@pytest.mark.parametrize("damage, message", [
+    (lambda t: t.pop("model.layers.0.self_attn.q_proj.weight_packed"), "missing tensor 'layers.0.self_attn.q_proj"),
+    (lambda t: t.update({"model.layers.0.mlp.down_proj.weight_shape": torch.tensor([3, 3])}),
+     r"weight_shape is \[3, 3\]"),
+    (lambda t: t.update({"model.layers.0.mlp.down_proj.weight_scale": torch.full((64, 4), 1e6)}), "float16's range"),
+])
+def test_damaged_compressed_tensors_are_named(checkpoint_dir, tmp_path, damage, message):
+    qdir, _ = make_compressed_tensors(checkpoint_dir("llama"), tmp_path, symmetric=True)
+    _rewrite(qdir, tensors=damage)
+    with pytest.raises(CheckpointError, match=message):
+        load_checkpoint(qdir)
