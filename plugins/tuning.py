@@ -3,7 +3,8 @@
 The kernels pick their instruction set from CPUID (AVX-512 with VNNI where present, else AVX2 + FMA); what
 depends on the microarchitecture's caches and memory system beyond that are the software prefetch distances
 (bytes ahead in a weight stream): ``row_prefetch`` (one-row decode, int8/int4), ``small_prefetch`` (batched
-decode, M <= 32: the first pass over each tile) and ``onepass_prefetch`` (AVX-512 one-pass 13..16 rows), and how
+decode, M <= 32: the first pass over each tile), ``onepass_prefetch`` (AVX-512 one-pass 13..16 rows) and
+``bf16_row_prefetch`` (bf16-panel decode, M < 4), and how
 many panels an int4 / int8 one-row decode reads at once per thread (``row_panels`` / ``int8_row_panels``: 1 = one
 sequential stream; where the hardware prefetcher follows one stream per page, several interleaved ones keep more
 lines in flight). The
@@ -28,7 +29,7 @@ logger = logging.getLogger("kiln.plugins")
 __all__ = ["TUNABLES", "get", "set_value", "current", "cpu_signature", "cache_path", "autotune", "apply",
            "describe_kernel"]
 
-TUNABLES = ("row_prefetch", "small_prefetch", "onepass_prefetch", "row_panels", "int8_row_panels")
+TUNABLES = ("row_prefetch", "small_prefetch", "onepass_prefetch", "row_panels", "int8_row_panels", "bf16_row_prefetch")
 CANDIDATES = (0, 512, 1024, 2048, 4096, 8192)
 ROUNDS = 5
 
@@ -107,17 +108,29 @@ def autotune(lib, nthreads: int, budget_s: float = 6.0) -> dict[str, int]:
     int8_weights = [torch.randint(-127, 128, (n // 16, k // 2, 16, 2), dtype=torch.int8, generator=g)
                     for _ in range(copies // 2)]
     int8_scales = torch.full((n,), 0.01)
-    int8_panel = _int8_panel_type()
+    int8_panel = _panel_type("int8_panel")
+    # bf16 panels (8 MiB each), a quarter as many: 96 MiB; decoded with bf16 x as a bf16 engine runs them
+    bf16_weights = [torch.randint(0, 1 << 14, (n // 16, k // 2, 16, 2), dtype=torch.int16, generator=g)
+                    for _ in range(copies // 4)]
+    bf16_panel = _panel_type("bf16_panel")
     chosen = current(lib)
     for name, rows, candidates in (("row_panels", 1, (1, 2, 4)), ("row_prefetch", 1, CANDIDATES),
-                                   ("small_prefetch", 8, CANDIDATES), ("int8_row_panels", 1, (1, 2, 4))):
+                                   ("small_prefetch", 8, CANDIDATES), ("int8_row_panels", 1, (1, 2, 4)),
+                                   ("bf16_row_prefetch", 1, CANDIDATES)):
         x = torch.randn(rows, k)
         y = torch.empty(rows, n)
         idx = [0]
+        if name == "bf16_row_prefetch":
+            x, y = x.bfloat16(), y.bfloat16()
 
         def call():
             i = idx[0]
             idx[0] += 1
+            if name == "bf16_row_prefetch":
+                w = bf16_weights[i % len(bf16_weights)]
+                lib.kiln_linear(bf16_panel, w.data_ptr(), None, 0, x.data_ptr(), rows, n, k, None, y.data_ptr(),
+                                nthreads, 1)
+                return
             if name == "int8_row_panels":
                 w = int8_weights[i % len(int8_weights)]
                 lib.kiln_linear(int8_panel, w.data_ptr(), int8_scales.data_ptr(), 0, x.data_ptr(), rows, n, k, None,
@@ -145,10 +158,10 @@ def autotune(lib, nthreads: int, budget_s: float = 6.0) -> dict[str, int]:
     return chosen
 
 
-def _int8_panel_type() -> int:
+def _panel_type(name: str) -> int:
     from kiln.plugins.native import ABI
 
-    return ABI.weight_types["int8_panel"]
+    return ABI.weight_types[name]
 
 
 def _cached(path: Path) -> dict[str, int] | None:

@@ -510,6 +510,29 @@ def test_int4_decode_over_several_panels_is_bitwise_the_one_stream_kernel(isa, r
         tuning.set_value(lib, "row_panels", old)
 
 
+@pytest.mark.parametrize("xdtype", [torch.float32, torch.bfloat16])
+def test_bf16_decode_prefetch_changes_no_result(isa, xdtype):
+    """bf16_row_prefetch (a tunable) only asks for cache lines early: both decode paths of bf16 panels (fp32 x:
+    the float path; bf16 x: the bf16 dot product where the CPU has it) give the same bits at any distance."""
+    from kiln.plugins import tuning
+
+    lib = native_lib.library()
+    g = torch.Generator().manual_seed(12)
+    w = fmt.pack_panels((torch.randn(256, 1024, generator=g) * 0.02).bfloat16())
+    x = torch.randn(2, 1024, generator=g).to(xdtype)
+    old = tuning.get(lib, "bf16_row_prefetch")
+    try:
+        tuning.set_value(lib, "bf16_row_prefetch", 0)
+        plain = [linear.bf16_linear(x[:m], w) for m in (1, 2)]
+        assert "prefetch" not in native_lib.describe_kernel("bf16_panel", 1, 256)
+        for dist in (512, 4096):
+            tuning.set_value(lib, "bf16_row_prefetch", dist)
+            assert f"2x4 tiles, prefetch {dist} B" in native_lib.describe_kernel("bf16_panel", 1, 256)
+            assert all(torch.equal(linear.bf16_linear(x[:m], w), y) for m, y in zip((1, 2), plain))
+    finally:
+        tuning.set_value(lib, "bf16_row_prefetch", old)
+
+
 @pytest.mark.parametrize("int8_row_panels", [2, 4])
 def test_int8_decode_over_several_panels_is_bitwise_the_one_stream_kernel(isa, int8_row_panels):
     """int8_row_panels (a tunable) changes how many panels a decode thread reads at once, not the sums."""

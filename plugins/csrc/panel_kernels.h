@@ -79,7 +79,8 @@ struct Epilogue {
 
 // ---- float path ---------------------------------------------------------------------------------------
 
-// PF: prefetch tuning().small_prefetch bytes ahead in each panel (the pass that streams a tile from memory).
+// PF: prefetch pf bytes ahead in each panel (the pass that streams a tile from memory: tuning().small_prefetch for a
+// batched decode, tuning().bf16_row_prefetch for a bf16 one-row decode).
 // KMAJOR (batched decode, 13..16 rows, AVX-512): all rows in one pass over the weights, so the FMAs overlap the
 // weight stream from memory instead of a second pass re-reading each tile from L2 while memory idles. x is then
 // packed k-major (pack_kmajor: x[k][MR], rows >= `rows` zero; ldx unused): the MR broadcasts of a step read one
@@ -87,14 +88,14 @@ struct Epilogue {
 // prefetches tuning().onepass_prefetch bytes ahead and stores the first `rows` rows.
 template <class W, int MR, int NP, bool PF = false, bool KMAJOR = false>
 inline void panel_float(const typename W::T* w, int64_t pstride, const float* x, int64_t ldx, int64_t K,
-                        const Epilogue& ep, int64_t m0, int64_t n0, int rows = MR) {
+                        const Epilogue& ep, int64_t m0, int64_t n0, int rows = MR, int64_t pf = 0) {
   Isa::V acc[MR][NP][VP];
 #pragma GCC unroll 32
   for (int i = 0; i < MR; ++i)
     for (int p = 0; p < NP; ++p)
       for (int v = 0; v < VP; ++v) acc[i][p][v] = Isa::zero();
   const int64_t steps = K / W::S;
-  const int64_t pfd = KMAJOR ? tuning().onepass_prefetch : tuning().small_prefetch;
+  const int64_t pfd = KMAJOR ? tuning().onepass_prefetch : pf;
   for (int64_t t = 0; t < steps; ++t) {
     const typename W::T* q = w + t * W::STEP;
     if constexpr (PF || KMAJOR)
@@ -219,13 +220,12 @@ inline void panel_int8_row(const int8_t* w, const int32_t* xq, float sx, int64_t
 
 template <int MR, int NP, bool PF = false>
 inline void panel_bf16dot(const uint16_t* w, int64_t pstride, const int32_t* xp, int64_t ldxp, int64_t K,
-                          const Epilogue& ep, int64_t m0, int64_t n0) {
+                          const Epilogue& ep, int64_t m0, int64_t n0, int64_t pfd) {
   Isa::V acc[MR][NP][VP];
   for (int i = 0; i < MR; ++i)
     for (int p = 0; p < NP; ++p)
       for (int v = 0; v < VP; ++v) acc[i][p][v] = Isa::zero();
   const int64_t pairs = K / 2;
-  const int64_t pfd = tuning().small_prefetch;
   for (int64_t t = 0; t < pairs; ++t) {
     if constexpr (PF)
       for (int p = 0; p < NP; ++p) prefetch_line(reinterpret_cast<const char*>(w + p * pstride + t * 32) + pfd);
@@ -282,13 +282,13 @@ inline void for_row_blocks(int64_t m0, int64_t m1, F&& f) {
 // PF: the first pass over the tile (the one that streams its weights from memory) prefetches.
 template <class W, int NP, int MRB, bool PF = false>
 inline void tile_float(const typename W::T* w, int64_t K, const float* x, int64_t m0, int64_t m1, int64_t g,
-                       const Epilogue& ep) {
+                       const Epilogue& ep, int64_t pf = 0) {
   const int64_t pstride = (K / W::S) * W::STEP;  // elements per panel
   const typename W::T* wp = w + g * NP * pstride;
   const int64_t n0 = g * NP * 16;
   const auto pass = [&](auto rows, int64_t m) {
     constexpr int R = decltype(rows)::value;
-    if (PF && m == m0) panel_float<W, R, NP, PF>(wp, pstride, x + m * K, K, K, ep, m, n0);
+    if (PF && m == m0) panel_float<W, R, NP, PF>(wp, pstride, x + m * K, K, K, ep, m, n0, R, pf);
     else panel_float<W, R, NP>(wp, pstride, x + m * K, K, K, ep, m, n0);
   };
   for_row_blocks<MRB>(m0, m1, pass);
@@ -311,15 +311,15 @@ inline void tile_int8(const int8_t* w, int64_t K, const int32_t* xq, const float
 
 template <int NP, int MRB, bool PF = false>
 inline void tile_bf16dot(const uint16_t* w, int64_t K, const int32_t* xp, int64_t m0, int64_t m1, int64_t g,
-                         const Epilogue& ep) {
+                         const Epilogue& ep, int64_t pf = 0) {
   const int64_t pstride = K * 16;
   const uint16_t* wp = w + g * NP * pstride;
   const int64_t n0 = g * NP * 16;
   const int64_t ld = K / 2;
   const auto pass = [&](auto rows, int64_t m) {
     constexpr int R = decltype(rows)::value;
-    if (PF && m == m0) panel_bf16dot<R, NP, PF>(wp, pstride, xp + m * ld, ld, K, ep, m, n0);
-    else panel_bf16dot<R, NP>(wp, pstride, xp + m * ld, ld, K, ep, m, n0);
+    if (PF && m == m0) panel_bf16dot<R, NP, PF>(wp, pstride, xp + m * ld, ld, K, ep, m, n0, pf);
+    else panel_bf16dot<R, NP>(wp, pstride, xp + m * ld, ld, K, ep, m, n0, 0);
   };
   for_row_blocks<MRB>(m0, m1, pass);
 }
@@ -618,8 +618,11 @@ void panel_gemm_float(const typename W::T* w, int64_t M, int64_t N, int64_t K, c
   if (M < 4) {
     // decode: 4 panels per call, a few independent streams and accumulator chains per thread
     if ((N / 16) % 4 == 0) {
+      // bf16 weights prefetch (tuning().bf16_row_prefetch); fp32 ones measured no faster with it
+      const int64_t pf = std::is_same_v<W, PanelBf16> ? tuning().bf16_row_prefetch : 0;
       for_tiles(M, N / 64, M, nthreads, [&](int64_t m0, int64_t m1, int64_t g) {
-        tile_float<W, 4, 2>(w, K, x, m0, m1, g, ep);
+        if (pf > 0) tile_float<W, 4, 2, PREFETCHING>(w, K, x, m0, m1, g, ep, pf);
+        else tile_float<W, 4, 2>(w, K, x, m0, m1, g, ep);
       });
       return;
     }
@@ -642,7 +645,7 @@ void panel_gemm_float(const typename W::T* w, int64_t M, int64_t N, int64_t K, c
   if ((N / 16) % Isa::NP_BIG == 0) {
     const bool pf = small_batch_prefetch(M);
     for_tiles(M, N / (16 * Isa::NP_BIG), Isa::MC, nthreads, [&](int64_t m0, int64_t m1, int64_t g) {
-      if (pf) tile_float<W, Isa::NP_BIG, Isa::MR_BIG, PREFETCHING>(w, K, x, m0, m1, g, ep);
+      if (pf) tile_float<W, Isa::NP_BIG, Isa::MR_BIG, PREFETCHING>(w, K, x, m0, m1, g, ep, tuning().small_prefetch);
       else tile_float<W, Isa::NP_BIG, Isa::MR_BIG>(w, K, x, m0, m1, g, ep);
     });
   } else {
@@ -708,13 +711,15 @@ inline void panel_gemm_bf16dot(const uint16_t* w, int64_t M, int64_t N, int64_t 
     }
   }
   if (M < 4 && (N / 16) % 4 == 0) {
+    const int64_t pf = tuning().bf16_row_prefetch;
     for_tiles(M, N / 64, M, nthreads, [&](int64_t m0, int64_t m1, int64_t g) {
-      tile_bf16dot<4, 2>(w, K, xp, m0, m1, g, ep);
+      if (pf > 0) tile_bf16dot<4, 2, PREFETCHING>(w, K, xp, m0, m1, g, ep, pf);
+      else tile_bf16dot<4, 2>(w, K, xp, m0, m1, g, ep);
     });
   } else if ((N / 16) % Isa::NP_BIG == 0) {
     const bool pf = small_batch_prefetch(M);
     for_tiles(M, N / (16 * Isa::NP_BIG), Isa::MC, nthreads, [&](int64_t m0, int64_t m1, int64_t g) {
-      if (pf) tile_bf16dot<Isa::NP_BIG, Isa::MR_BIG, PREFETCHING>(w, K, xp, m0, m1, g, ep);
+      if (pf) tile_bf16dot<Isa::NP_BIG, Isa::MR_BIG, PREFETCHING>(w, K, xp, m0, m1, g, ep, tuning().small_prefetch);
       else tile_bf16dot<Isa::NP_BIG, Isa::MR_BIG>(w, K, xp, m0, m1, g, ep);
     });
   } else {
