@@ -268,13 +268,15 @@ class TritonPythonModel:
         response = pb.InferenceResponse(output_tensors=[pb.Tensor(name, arr) for name, arr in tensors.items()])
         self._try_send(stream, response, final)
 
-    @staticmethod
-    def _try_send(stream: _Stream, response, final: bool) -> None:
+    def _try_send(self, stream: _Stream, response, final: bool) -> None:
         try:
             stream.sender.send(response, flags=pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL if final else 0)
-        except Exception as exc:  # the client is gone; the request is aborted by the cancellation check
+        except Exception as exc:  # the client is gone: nothing more can reach it, so stop computing for it too
             if not stream.cancelled:
-                pb.Logger.log_warn(f"kiln: could not send a response of {stream.request_id}: {exc}")
+                pb.Logger.log_warn(f"kiln: could not send a response of {stream.request_id} ({exc}); aborting it")
+                stream.cancelled = True
+                if not final:
+                    self.llm.abort(stream.request_id)
 
     def _check_cancelled(self) -> None:
         with self._lock:
