@@ -4,7 +4,8 @@ The kernels pick their instruction set from CPUID (AVX-512 with VNNI where prese
 depends on the microarchitecture's caches and memory system beyond that are the software prefetch distances
 (bytes ahead in a weight stream): ``row_prefetch`` (one-row decode, int8/int4), ``small_prefetch`` (batched
 decode, M <= 32: the first pass over each tile), ``onepass_prefetch`` (AVX-512 one-pass 13..16 rows) and
-``bf16_row_prefetch`` (bf16-panel decode, M < 4), and how
+``bf16_row_prefetch`` (bf16-panel decode, M < 4) and ``int8_row_prefetch`` (int8 one-row decode over several
+streams), and how
 many panels an int4 / int8 one-row decode reads at once per thread (``row_panels`` / ``int8_row_panels``: 1 = one
 sequential stream; where the hardware prefetcher follows one stream per page, several interleaved ones keep more
 lines in flight). The
@@ -29,7 +30,8 @@ logger = logging.getLogger("kiln.plugins")
 __all__ = ["TUNABLES", "get", "set_value", "current", "cpu_signature", "cache_path", "autotune", "apply",
            "describe_kernel"]
 
-TUNABLES = ("row_prefetch", "small_prefetch", "onepass_prefetch", "row_panels", "int8_row_panels", "bf16_row_prefetch")
+TUNABLES = ("row_prefetch", "small_prefetch", "onepass_prefetch", "row_panels", "int8_row_panels", "bf16_row_prefetch",
+            "int8_row_prefetch")
 CANDIDATES = (0, 512, 1024, 2048, 4096, 8192)
 ROUNDS = 5
 
@@ -116,7 +118,7 @@ def autotune(lib, nthreads: int, budget_s: float = 6.0) -> dict[str, int]:
     chosen = current(lib)
     for name, rows, candidates in (("row_panels", 1, (1, 2, 4)), ("row_prefetch", 1, CANDIDATES),
                                    ("small_prefetch", 8, CANDIDATES), ("int8_row_panels", 1, (1, 2, 4)),
-                                   ("bf16_row_prefetch", 1, CANDIDATES)):
+                                   ("int8_row_prefetch", 1, CANDIDATES), ("bf16_row_prefetch", 1, CANDIDATES)):
         x = torch.randn(rows, k)
         y = torch.empty(rows, n)
         idx = [0]
@@ -131,7 +133,7 @@ def autotune(lib, nthreads: int, budget_s: float = 6.0) -> dict[str, int]:
                 lib.kiln_linear(bf16_panel, w.data_ptr(), None, 0, x.data_ptr(), rows, n, k, None, y.data_ptr(),
                                 nthreads, 1)
                 return
-            if name == "int8_row_panels":
+            if name in ("int8_row_panels", "int8_row_prefetch"):
                 w = int8_weights[i % len(int8_weights)]
                 lib.kiln_linear(int8_panel, w.data_ptr(), int8_scales.data_ptr(), 0, x.data_ptr(), rows, n, k, None,
                                 y.data_ptr(), nthreads, 0)

@@ -437,7 +437,7 @@ def test_tunables_set_get_and_describe(native):
         assert "one row x 4 panels, prefetch 3072 B" in native_lib.describe_kernel("int4_panel", 1, 1024)
         assert "one-row stream, 4 chains, prefetch 3072 B" in native_lib.describe_kernel("int8_panel", 1, 1024)
         tuning.set_value(lib, "int8_row_panels", 4)
-        tuning.set_value(lib, "small_prefetch", 1536)
+        tuning.set_value(lib, "int8_row_prefetch", 1536)
         assert "one row x 4 panels, prefetch 1536 B" in native_lib.describe_kernel("int8_panel", 1, 1024)
         width = "avx512" if native_lib.panel_isa() == 512 else "avx2"
         assert native_lib.describe_kernel("fp32_panel", 200, 1024).startswith(f"fp32 panels, {width}")
@@ -543,7 +543,7 @@ def test_int8_decode_over_several_panels_is_bitwise_the_one_stream_kernel(isa, i
     q, s = fmt.quantize_int8(torch.randn(192, 1000, generator=g))
     qp = fmt.pack_panels(q)
     x = torch.randn(1, 1000, generator=g)
-    old = tuning.get(lib, "int8_row_panels")
+    old = tuning.current(lib)
     try:
         tuning.set_value(lib, "int8_row_panels", 1)
         one = linear.weight_only_linear(x, qp, s, None, 8, 0)
@@ -551,8 +551,11 @@ def test_int8_decode_over_several_panels_is_bitwise_the_one_stream_kernel(isa, i
         torch.testing.assert_close(one, ref, atol=ref.abs().max().item() * 1e-4, rtol=1e-4)
         tuning.set_value(lib, "int8_row_panels", int8_row_panels)
         assert f"one row x {int8_row_panels} panels" in native_lib.describe_kernel("int8_panel", 1, 192)
-        assert torch.equal(linear.weight_only_linear(x, qp, s, None, 8, 0), one)
+        for dist in (0, 2048):   # the prefetch distance of those streams (a tunable) changes no sum either
+            tuning.set_value(lib, "int8_row_prefetch", dist)
+            assert torch.equal(linear.weight_only_linear(x, qp, s, None, 8, 0), one)
         with pytest.raises(ValueError, match="int8_row_panels the same"):
             tuning.set_value(lib, "int8_row_panels", 3)
     finally:
-        tuning.set_value(lib, "int8_row_panels", old)
+        for name, value in old.items():
+            tuning.set_value(lib, name, value)

@@ -696,22 +696,24 @@ struct Tuning {
   int64_t row_panels;        // int4 one-row decode: panels a thread reads at once (1: one stream; 2 or 4)
   int64_t int8_row_panels;   // int8 one-row decode: the same choice
   int64_t bf16_row_prefetch; // bf16-panel decode (M < 4, either x): each panel's stream
+  int64_t int8_row_prefetch; // int8 one-row decode over int8_row_panels > 1 streams: each panel's stream
 };
 
 // CPU family / model (AMD: Zen 3 = family 25 models 0x00-0x0f, 0x20-0x5f; Zen 4 = 25, 0x10-0x1f, 0x60-0xaf;
 // Zen 5 = 26) -> the distances measured there; anything else gets Zen 5's (the most measured), and Intel CPUs the
-// bf16 decode prefetch measured on Sapphire Rapids (1024 B: bf16 single-stream decode 53 -> 60 tok/s there).
+// bf16 and int8 decode prefetches measured on Sapphire Rapids (bf16 1024 B: single-stream decode 53 -> 60 tok/s
+// there; int8 over several streams 2048 B).
 Tuning default_tuning() {
   unsigned eax = 0, ebx = 0, ecx = 0, edx = 0;
   __asm__("cpuid" : "=a"(eax), "=b"(ebx), "=c"(ecx), "=d"(edx) : "a"(1), "c"(0));
   const unsigned family = ((eax >> 8) & 0xf) + (((eax >> 8) & 0xf) == 0xf ? (eax >> 20) & 0xff : 0);
   const unsigned model = ((eax >> 4) & 0xf) | (((eax >> 16) & 0xf) << 4);
   const bool zen3 = family == 25 && (model < 0x10 || (model >= 0x20 && model < 0x60));
-  if (zen3) return {4096, 0, 0, 1, 1, 0};
+  if (zen3) return {4096, 0, 0, 1, 1, 0, 0};
   unsigned vb = 0, vc = 0, vd = 0, va = 0;
   __asm__("cpuid" : "=a"(va), "=b"(vb), "=c"(vc), "=d"(vd) : "a"(0), "c"(0));
   const bool intel = vb == 0x756e6547u && vd == 0x49656e69u && vc == 0x6c65746eu;   // "GenuineIntel"
-  return {2048, 4096, 8192, 1, 1, intel ? 1024 : 0};
+  return {2048, 4096, 8192, 1, 1, intel ? 1024 : 0, intel ? 2048 : 4096};
 }
 
 Tuning& tuning() {
@@ -933,7 +935,7 @@ std::string describe_panel(int wtype, int64_t M, int64_t N) {
   }
   if (kind == KILN_W_INT8) {
     if (M == 1 && t.int8_row_panels > 1 && panels % t.int8_row_panels == 0)
-      what = "one row x " + std::to_string(t.int8_row_panels) + " panels, prefetch " + std::to_string(t.small_prefetch) + " B";
+      what = "one row x " + std::to_string(t.int8_row_panels) + " panels, prefetch " + std::to_string(t.int8_row_prefetch) + " B";
     else if (M == 1) what = "one-row stream, 4 chains, prefetch " + std::to_string(t.row_prefetch) + " B";
     else if (M < 4 && panels % 4 == 0) what = "2x4 tiles";
     else what = tiles(Isa::MR_INT, Isa::NP_INT);
@@ -1336,6 +1338,7 @@ int kiln_get_tuning(const char* name, int64_t* value) {
   else if (n == "row_panels") *value = t.row_panels;
   else if (n == "int8_row_panels") *value = t.int8_row_panels;
   else if (n == "bf16_row_prefetch") *value = t.bf16_row_prefetch;
+  else if (n == "int8_row_prefetch") *value = t.int8_row_prefetch;
   else return 1;
   return 0;
 }
@@ -1348,6 +1351,7 @@ int kiln_set_tuning(const char* name, int64_t value) {
   else if (n == "small_prefetch") t.small_prefetch = value;
   else if (n == "onepass_prefetch") t.onepass_prefetch = value;
   else if (n == "bf16_row_prefetch") t.bf16_row_prefetch = value;
+  else if (n == "int8_row_prefetch") t.int8_row_prefetch = value;
   else if (n == "row_panels") {
     if (value != 1 && value != 2 && value != 4) return 2;
     t.row_panels = value;

@@ -138,13 +138,12 @@ constexpr int64_t FLUSH_PAIRS = 128;  // 128 pairs x 2 x 127 x 32767 < 2^31
 
 template <int MR, int NP, bool PF = false>
 inline void panel_int8(const int8_t* w, int64_t pstride, const int32_t* xq, int64_t ldxq, const float* sx,
-                       int64_t K, const Epilogue& ep, int64_t m0, int64_t n0) {
+                       int64_t K, const Epilogue& ep, int64_t m0, int64_t n0, int64_t pfd) {
   Isa::V facc[MR][NP][VP];
   for (int i = 0; i < MR; ++i)
     for (int p = 0; p < NP; ++p)
       for (int v = 0; v < VP; ++v) facc[i][p][v] = Isa::zero();
   const int64_t pairs = K / 2;
-  const int64_t pfd = tuning().small_prefetch;
   for (int64_t t0 = 0; t0 < pairs; t0 += FLUSH_PAIRS) {
     const int64_t t1 = std::min(pairs, t0 + FLUSH_PAIRS);
     Isa::VI acc[MR][NP][VP];
@@ -303,8 +302,8 @@ inline void tile_int8(const int8_t* w, int64_t K, const int32_t* xq, const float
   const int64_t ld = K / 2;
   const auto pass = [&](auto rows, int64_t m) {
     constexpr int R = decltype(rows)::value;
-    if (PF && m == m0) panel_int8<R, NP, PF>(wp, pstride, xq + m * ld, ld, sx + m, K, ep, m, n0);
-    else panel_int8<R, NP>(wp, pstride, xq + m * ld, ld, sx + m, K, ep, m, n0);
+    if (PF && m == m0) panel_int8<R, NP, PF>(wp, pstride, xq + m * ld, ld, sx + m, K, ep, m, n0, tuning().small_prefetch);
+    else panel_int8<R, NP>(wp, pstride, xq + m * ld, ld, sx + m, K, ep, m, n0, 0);
   };
   for_row_blocks<MRB>(m0, m1, pass);
 }
@@ -662,10 +661,10 @@ inline void panel_gemm_int8(const int8_t* w, int64_t M, int64_t N, int64_t K, co
   const int64_t int8_np = tuning().int8_row_panels;
   if (M == 1 && int8_np > 1 && (N / 16) % int8_np == 0) {
     // decode over int8_row_panels interleaved streams per thread (CPUs whose prefetchers want several)
-    const int64_t pstride = K * 16;
+    const int64_t pstride = K * 16, pf = tuning().int8_row_prefetch;
     for_tiles(1, N / (16 * int8_np), 1, nthreads, [&](int64_t, int64_t, int64_t g) {
-      if (int8_np == 2) panel_int8<1, 2, true>(w + g * 2 * pstride, pstride, xq, K / 2, sx, K, ep, 0, g * 32);
-      else panel_int8<1, 4, true>(w + g * 4 * pstride, pstride, xq, K / 2, sx, K, ep, 0, g * 64);
+      if (int8_np == 2) panel_int8<1, 2, true>(w + g * 2 * pstride, pstride, xq, K / 2, sx, K, ep, 0, g * 32, pf);
+      else panel_int8<1, 4, true>(w + g * 4 * pstride, pstride, xq, K / 2, sx, K, ep, 0, g * 64, pf);
     });
     return;
   }
