@@ -1174,49 +1174,42 @@ int run_int4_panel(const Int4View& v, const void* xin, int64_t M, int64_t N, con
   const int64_t G = K / gs;
   float* y = bf16_io ? nullptr : static_cast<float*>(yout);
   uint16_t* yb = bf16_io ? static_cast<uint16_t*>(yout) : nullptr;
-  if (int4_x_bits() == 8 && K < (int64_t(1) << 20)) {
-    thread_local std::vector<int32_t> xq8;
-    thread_local std::vector<float> sx8;
-    thread_local std::vector<int32_t> xs8;
-    xq8.resize(size_t(M * K / 4));
-    sx8.resize(size_t(M * G));
-    xs8.resize(size_t(M * G));
-    if (!quantize_groups_int8(x, M, K, gs, reinterpret_cast<int8_t*>(xq8.data()), sx8.data(), xs8.data())) return 4;
-    if (panel_isa() == 512)
-      k512::panel_gemm_int4_x8({v.w, v.s, v.z, K, gs}, M, N, {xq8.data(), sx8.data(), xs8.data()},
-                               k512::Epilogue{nullptr, bias, y, yb, N}, nthreads);
-    else
-      k256::panel_gemm_int4_x8({v.w, v.s, v.z, K, gs}, M, N, {xq8.data(), sx8.data(), xs8.data()},
-                               k256::Epilogue{nullptr, bias, y, yb, N}, nthreads);
-    return 0;
-  }
-  thread_local std::vector<int16_t> xq;
+  // x rounded for the kernels (panel_kernels.h, Int4X): int8 per group (x8), or int16 per row and its group sums
+  thread_local std::vector<int32_t> xq;
   thread_local std::vector<float> sx;
   thread_local std::vector<int32_t> xs;
-  xq.resize(size_t(M * K));
-  sx.resize(size_t(M));
+  const bool x8 = int4_x_bits() == 8 && K < (int64_t(1) << 20);
+  xq.resize(size_t(M * K / (x8 ? 4 : 2)));
+  sx.resize(size_t(x8 ? M * G : M));
   xs.resize(size_t(M * G));
-  if (!quantize_rows_int16(x, M, K, xq.data(), sx.data())) return 4;
-  for (int64_t m = 0; m < M; ++m)  // each row's group sums (exact in int32: gs * 32767 < 2^31)
-    for (int64_t g = 0; g < G; ++g) {
-      const int16_t* q = xq.data() + m * K + g * gs;
-      __m256i a = _mm256_setzero_si256();
-      int64_t k = 0;
-      for (; k + 16 <= gs; k += 16)
-        a = _mm256_add_epi32(a, _mm256_madd_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + k)),
-                                                  _mm256_set1_epi16(1)));
-      alignas(32) int32_t t[8];
-      _mm256_store_si256(reinterpret_cast<__m256i*>(t), a);
-      int32_t sum = t[0] + t[1] + t[2] + t[3] + t[4] + t[5] + t[6] + t[7];
-      for (; k < gs; ++k) sum += q[k];
-      xs[size_t(m * G + g)] = sum;
-    }
-  if (panel_isa() == 512) {
-    k512::panel_gemm_int4({v.w, v.s, v.z, K, gs}, M, N, xq.data(), sx.data(), xs.data(),
-                          k512::Epilogue{nullptr, bias, y, yb, N}, nthreads);
+  if (x8) {
+    if (!quantize_groups_int8(x, M, K, gs, reinterpret_cast<int8_t*>(xq.data()), sx.data(), xs.data())) return 4;
   } else {
-    k256::panel_gemm_int4({v.w, v.s, v.z, K, gs}, M, N, xq.data(), sx.data(), xs.data(),
-                          k256::Epilogue{nullptr, bias, y, yb, N}, nthreads);
+    int16_t* xq16 = reinterpret_cast<int16_t*>(xq.data());
+    if (!quantize_rows_int16(x, M, K, xq16, sx.data())) return 4;
+    for (int64_t m = 0; m < M; ++m)  // each row's group sums (exact in int32: gs * 32767 < 2^31)
+      for (int64_t g = 0; g < G; ++g) {
+        const int16_t* q = xq16 + m * K + g * gs;
+        __m256i a = _mm256_setzero_si256();
+        int64_t k = 0;
+        for (; k + 16 <= gs; k += 16)
+          a = _mm256_add_epi32(a, _mm256_madd_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + k)),
+                                                    _mm256_set1_epi16(1)));
+        alignas(32) int32_t t[8];
+        _mm256_store_si256(reinterpret_cast<__m256i*>(t), a);
+        int32_t sum = t[0] + t[1] + t[2] + t[3] + t[4] + t[5] + t[6] + t[7];
+        for (; k < gs; ++k) sum += q[k];
+        xs[size_t(m * G + g)] = sum;
+      }
+  }
+  if (panel_isa() == 512) {
+    const k512::Epilogue ep{nullptr, bias, y, yb, N};
+    if (x8) k512::panel_gemm_int4<k512::Int4X8>({v.w, v.s, v.z, K, gs}, M, N, {xq.data(), sx.data(), xs.data()}, ep, nthreads);
+    else k512::panel_gemm_int4<k512::Int4X16>({v.w, v.s, v.z, K, gs}, M, N, {xq.data(), sx.data(), xs.data()}, ep, nthreads);
+  } else {
+    const k256::Epilogue ep{nullptr, bias, y, yb, N};
+    if (x8) k256::panel_gemm_int4<k256::Int4X8>({v.w, v.s, v.z, K, gs}, M, N, {xq.data(), sx.data(), xs.data()}, ep, nthreads);
+    else k256::panel_gemm_int4<k256::Int4X16>({v.w, v.s, v.z, K, gs}, M, N, {xq.data(), sx.data(), xs.data()}, ep, nthreads);
   }
   return 0;
 }

@@ -348,6 +348,16 @@ struct Int4W {
   const uint8_t* pzeros(int64_t p) const { return z ? z + p * groups() * 16 : nullptr; }
 };
 
+// x of an int4 call, as its kernels read it. int16 x (the default): xq [M][K/2] int32 words, each an int16 pair
+// (k even, k odd), and sx [M] the rows' scales. int8 x ("x8" below): xq [M][K/4] int32 words of 4 int8 (a block's
+// low-nibble word 2b, high-nibble word 2b+1), and sx [M][G] the groups' scales (max |x| / 127). Both: xs [M][G] the
+// groups' sums of xq.
+struct Int4X {
+  const int32_t* xq;
+  const float* sx;
+  const int32_t* xs;
+};
+
 // The int32 start of a group's sums for vector v of a panel: -zero * xsum.
 inline Isa::VI int4_start(const uint8_t* zg, int v, int32_t xsum) {
   if (!zg) return Isa::iset1(-8 * xsum);
@@ -477,18 +487,10 @@ inline void tile_int4(const Int4W& W, const int32_t* xq, const float* sx, const 
 // stored in that order. A group's int32 sums start at -z * sum(xq in the group) and end with one FMA with the
 // weight's scale times x's. Every product is at most 15 x 127, so an int32 chain is exact for K < 2^20.
 
-// x of an int4 call: xq [M][K/4] int32 words, each 4 int8 (a block's low-nibble word 2b, high-nibble word 2b+1),
-// sx [M][G] the groups' scales (max |x| / 127), xs [M][G] the groups' sums of xq.
-struct Int4X {
-  const int32_t* xq;
-  const float* sx;
-  const int32_t* xs;
-};
-
 // x8 decode (one row of x), one panel, one sequential stream: four int32 chains (four blocks at a time; on
 // AVX-512 a block is two dependent vpdpbusd, so four chains keep the dot-product unit busy).
 inline void panel_int4_row_x8(const Int4W& W, int64_t p, const int32_t* xq, const float* sx, const int32_t* xs,
-                           const Epilogue& ep, int64_t pf) {
+                              const Epilogue& ep, int64_t pf) {
   const uint8_t* w = W.panel(p);
   const uint16_t* sc = W.pscales(p);
   const uint8_t* zp = W.pzeros(p);
@@ -728,46 +730,41 @@ inline void panel_gemm_bf16dot(const uint16_t* w, int64_t M, int64_t N, int64_t 
   }
 }
 
-// int4 panels: xq [M][K] int16 (K % 8 == 0), sx [M], xs [M][G] the int32 sums of each row's groups.
-inline void panel_gemm_int4(const Int4W& W, int64_t M, int64_t N, const int16_t* xq16, const float* sx,
-                            const int32_t* xs, const Epilogue& ep, int nthreads) {
-  const int32_t* xq = reinterpret_cast<const int32_t*>(xq16);
-  const int64_t panels = N / 16;
-  const Tuning& tu = tuning();
-  if (M == 1 && (tu.row_panels == 1 || panels % tu.row_panels != 0)) {
-    // decode: each thread one contiguous run of panels (one sequential stream)
-    const int nt = int(std::max<int64_t>(1, std::min<int64_t>(nthreads, panels)));
-    const int64_t pf = tu.row_prefetch;
-#pragma omp parallel for num_threads(nt) schedule(static)
-    for (int64_t p = 0; p < panels; ++p) panel_int4_row(W, p, xq, sx[0], xs, ep, pf);
-    return;
+// The int4 kernels of one rounding of x, for panel_gemm_int4: one row over one panel (row), one row over NP
+// interleaved panels (row_panels), and MRB-row tiles (tile).
+struct Int4X16 {
+  static void row(const Int4W& W, int64_t p, const Int4X& X, const Epilogue& ep, int64_t pf) {
+    panel_int4_row(W, p, X.xq, X.sx[0], X.xs, ep, pf);
   }
-  if (M == 1) {  // decode over row_panels interleaved streams per thread (CPUs whose prefetchers want several)
-    const int64_t pf = tu.row_prefetch;
-    const int np = int(tu.row_panels);
-    for_tiles(1, panels / np, 1, nthreads, [&](int64_t, int64_t, int64_t g) {
-      if (np == 2) panel_int4<1, 2, true>(W, g * 2, xq, W.K / 2, sx, xs, ep, 0, pf);
-      else panel_int4<1, 4, true>(W, g * 4, xq, W.K / 2, sx, xs, ep, 0, pf);
-    });
-    return;
+  template <int NP>
+  static void row_panels(const Int4W& W, int64_t p0, const Int4X& X, const Epilogue& ep, int64_t pf) {
+    panel_int4<1, NP, true>(W, p0, X.xq, W.K / 2, X.sx, X.xs, ep, 0, pf);
   }
-  const bool pfm = small_batch_prefetch(M);
-  const int64_t pf = tu.small_prefetch;
-  if (panels % Isa::NP_INT4 == 0) {
-    for_tiles(M, panels / Isa::NP_INT4, Isa::MC, nthreads, [&](int64_t m0, int64_t m1, int64_t g) {
-      if (pfm) tile_int4<Isa::NP_INT4, Isa::MR_INT4, PREFETCHING>(W, xq, sx, xs, m0, m1, g, ep, pf);
-      else tile_int4<Isa::NP_INT4, Isa::MR_INT4>(W, xq, sx, xs, m0, m1, g, ep, pf);
-    });
-  } else {
-    for_tiles(M, panels, Isa::MC, nthreads, [&](int64_t m0, int64_t m1, int64_t g) {
-      if (pfm) tile_int4<1, Isa::MR_INT4, PREFETCHING>(W, xq, sx, xs, m0, m1, g, ep, pf);
-      else tile_int4<1, Isa::MR_INT4>(W, xq, sx, xs, m0, m1, g, ep, pf);
-    });
+  template <int NP, int MRB, bool PF>
+  static void tile(const Int4W& W, const Int4X& X, int64_t m0, int64_t m1, int64_t g, const Epilogue& ep,
+                   int64_t pf) {
+    tile_int4<NP, MRB, PF>(W, X.xq, X.sx, X.xs, m0, m1, g, ep, pf);
   }
-}
+};
 
-// int4 panels with x8 (x as Int4X: M rows; K % 8 == 0).
-inline void panel_gemm_int4_x8(const Int4W& W, int64_t M, int64_t N, const Int4X& X, const Epilogue& ep,
+struct Int4X8 {
+  static void row(const Int4W& W, int64_t p, const Int4X& X, const Epilogue& ep, int64_t pf) {
+    panel_int4_row_x8(W, p, X.xq, X.sx, X.xs, ep, pf);
+  }
+  template <int NP>
+  static void row_panels(const Int4W& W, int64_t p0, const Int4X& X, const Epilogue& ep, int64_t pf) {
+    panel_int4_x8<1, NP, true>(W, p0, X, W.K / 4, ep, 0, pf);
+  }
+  template <int NP, int MRB, bool PF>
+  static void tile(const Int4W& W, const Int4X& X, int64_t m0, int64_t m1, int64_t g, const Epilogue& ep,
+                   int64_t pf) {
+    tile_int4_x8<NP, MRB, PF>(W, X, m0, m1, g, ep, pf);
+  }
+};
+
+// int4 panels (K % 8 == 0), x as Int4X in the rounding of Kern (Int4X16 or Int4X8).
+template <class Kern>
+inline void panel_gemm_int4(const Int4W& W, int64_t M, int64_t N, const Int4X& X, const Epilogue& ep,
                             int nthreads) {
   const int64_t panels = N / 16;
   const Tuning& tu = tuning();
@@ -776,15 +773,15 @@ inline void panel_gemm_int4_x8(const Int4W& W, int64_t M, int64_t N, const Int4X
     const int nt = int(std::max<int64_t>(1, std::min<int64_t>(nthreads, panels)));
     const int64_t pf = tu.row_prefetch;
 #pragma omp parallel for num_threads(nt) schedule(static)
-    for (int64_t p = 0; p < panels; ++p) panel_int4_row_x8(W, p, X.xq, X.sx, X.xs, ep, pf);
+    for (int64_t p = 0; p < panels; ++p) Kern::row(W, p, X, ep, pf);
     return;
   }
   if (M == 1) {  // decode over row_panels interleaved streams per thread (CPUs whose prefetchers want several)
     const int64_t pf = tu.row_prefetch;
     const int np = int(tu.row_panels);
     for_tiles(1, panels / np, 1, nthreads, [&](int64_t, int64_t, int64_t g) {
-      if (np == 2) panel_int4_x8<1, 2, true>(W, g * 2, X, W.K / 4, ep, 0, pf);
-      else panel_int4_x8<1, 4, true>(W, g * 4, X, W.K / 4, ep, 0, pf);
+      if (np == 2) Kern::template row_panels<2>(W, g * 2, X, ep, pf);
+      else Kern::template row_panels<4>(W, g * 4, X, ep, pf);
     });
     return;
   }
@@ -792,13 +789,13 @@ inline void panel_gemm_int4_x8(const Int4W& W, int64_t M, int64_t N, const Int4X
   const int64_t pf = tu.small_prefetch;
   if (panels % Isa::NP_INT4 == 0) {
     for_tiles(M, panels / Isa::NP_INT4, Isa::MC, nthreads, [&](int64_t m0, int64_t m1, int64_t g) {
-      if (pfm) tile_int4_x8<Isa::NP_INT4, Isa::MR_INT4, PREFETCHING>(W, X, m0, m1, g, ep, pf);
-      else tile_int4_x8<Isa::NP_INT4, Isa::MR_INT4>(W, X, m0, m1, g, ep, pf);
+      if (pfm) Kern::template tile<Isa::NP_INT4, Isa::MR_INT4, PREFETCHING>(W, X, m0, m1, g, ep, pf);
+      else Kern::template tile<Isa::NP_INT4, Isa::MR_INT4, false>(W, X, m0, m1, g, ep, pf);
     });
   } else {
     for_tiles(M, panels, Isa::MC, nthreads, [&](int64_t m0, int64_t m1, int64_t g) {
-      if (pfm) tile_int4_x8<1, Isa::MR_INT4, PREFETCHING>(W, X, m0, m1, g, ep, pf);
-      else tile_int4_x8<1, Isa::MR_INT4>(W, X, m0, m1, g, ep, pf);
+      if (pfm) Kern::template tile<1, Isa::MR_INT4, PREFETCHING>(W, X, m0, m1, g, ep, pf);
+      else Kern::template tile<1, Isa::MR_INT4, false>(W, X, m0, m1, g, ep, pf);
     });
   }
 }
