@@ -626,6 +626,8 @@ class Executor:
             self._reserve_imports()
             if sched.has_unfinished():
                 self.step()
+            else:   # no step to refresh them: requests that arrived (or left) while idle still show in the gauges
+                self._refresh_gauges()
 
     def _admit_compiled(self) -> None:
         """Requests whose grammar is ready get their matcher and join the scheduler (in arrival order: it

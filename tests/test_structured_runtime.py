@@ -197,6 +197,9 @@ def test_requests_wait_for_their_grammar_while_others_step(engines):
         gone = llm.submit("y", SamplingParams(structured_output={"json": SCHEMAS[3]}), callback=aborted.append)
         assert done.wait(60), "the unconstrained request did not finish while the grammars compiled"
         assert len(other_tokens) == 40 and not results
+        deadline = time.monotonic() + 10   # the loop may take the two in after the other request's last step
+        while llm.stats()["gauges"]["waiting"] != 2 and time.monotonic() < deadline:
+            time.sleep(0.01)
         assert llm.stats()["gauges"]["waiting"] == 2
         llm.abort(gone)
         deadline = time.monotonic() + 10
