@@ -29,7 +29,7 @@ propagate as in the reference; one row of x, i.e. decode, reads one sequential s
 int4 panels the same way, each group's int32 sum exact (started at -zero * the group's sum of x) before its scale;
 bf16 weights with bf16 x use the CPU's bf16 dot product where it has one
 (AVX512_BF16: products exact, fp32 accumulation), else they are widened to fp32; from :func:`bf16_gemm_m` rows
-(on AMX CPUs) bf16 panels with bf16 x run as oneDNN GEMMs on the panels in place instead. The vector width is
+(on AMX CPUs) bf16 panels with bf16 x run as AMX GEMMs on the panels in place instead. The vector width is
 chosen at run time (:func:`kiln.plugins.native.panel_isa`): the library runs on any AVX2 CPU.
 
 Other layouts: small M (decode) runs streaming GEMV kernels (each weight byte read once per call,
@@ -169,10 +169,11 @@ def set_int4_x_bits(bits: int) -> int:
 
 
 def bf16_gemm_m() -> int:
-    """Rows of x from which a bf16-panel weight with bf16 x runs as oneDNN bf16 GEMMs (torch's brgemm, AMX where
-    present) on the panels as stored (each panel is the VNNI-packed operand of a 16-column GEMM: no copy) instead
-    of kiln's panel kernels; 0: never (the default where the CPU has no AMX-BF16). Same numerics: exact products,
-    fp32 sums."""
+    """Rows of x from which a bf16-panel weight with bf16 x runs as an AMX GEMM on the panels as stored (each
+    panel's 16 k-pairs are one AMX B tile, each panel the VNNI-packed operand of a 16-column GEMM: no copy):
+    kiln's AMX tile kernel where K is a multiple of 32, else torch's oneDNN brgemm per panel, instead of kiln's
+    panel kernels; 0: never (the default where the CPU has no AMX-BF16). Same numerics: exact products, fp32
+    sums."""
     return _gemm_m("bf16")
 
 

@@ -919,8 +919,9 @@ std::string describe_panel(int wtype, int64_t M, int64_t N) {
   std::string what;
   if (wtype == KILN_W_BF16_PANEL) {
     const int64_t gemm_m = kiln_ops_bf16_gemm_m();
-    if (gemm_m > 0 && M >= gemm_m) return "bf16 panels in place, oneDNN bf16 GEMM per panel with bf16 x (from M " +
-                                          std::to_string(gemm_m) + ")";
+    if (gemm_m > 0 && M >= gemm_m) return "bf16 panels in place with bf16 x (from M " + std::to_string(gemm_m) +
+                                          "): AMX tiles, 32 rows x 2 panels (K a multiple of 32), else oneDNN "
+                                          "brgemm per panel";
   }
   if (wtype == KILN_W_INT4_PANEL) {
     const int64_t gemm_m = kiln_ops_int4_gemm_m();

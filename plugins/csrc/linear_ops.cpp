@@ -12,9 +12,13 @@
 #include <ATen/core/Tensor.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/ops/empty.h>
+#include <ATen/ops/zeros.h>
 #include <ATen/native/CPUBlas.h>
 #include <ATen/ops/mm.h>
 #include <cpuid.h>
+#include <immintrin.h>
+#include <sys/syscall.h>
+#include <unistd.h>
 #include <torch/library.h>
 
 #include <atomic>
@@ -71,30 +75,159 @@ int64_t bf16_gemm_m() {
 
 // Rows of x per brgemm call (measured: 64 beats 32 by 1.1-1.3x at M >= 128).
 constexpr int64_t BF16_GEMM_MB = 64;
+// Panels whose outputs one brgemm round fills before they are stored as bf16 (64 columns), and rows of x one
+// round of panel blocks sweeps (256 rows: 0.5-1.4 MB of x for the 246m's K, kept in L2 while a thread's
+// panels stream past it once per 256 rows instead of once per 64).
+constexpr int64_t BF16_GEMM_PB = 4;
+constexpr int64_t BF16_GEMM_MS = 256;
 
-// y [M, N] = x [M, K] (bf16, contiguous) @ panels^T (+ bias), one 16-column brgemm per panel and block of rows,
-// panels split between threads; y in x's dtype (bf16).
+namespace k512 {  // AVX-512 / AMX code, entered only where CPUID reports AMX-BF16 (bf16_gemm_available)
+// rows x cols fp32 accumulators (row stride ldc) + bias -> bf16 rows of y (row stride ldy), rounded to nearest
+// even as at::Tensor::to does; only called where the CPU has AMX-BF16, hence AVX512_BF16.
+__attribute__((target("avx512f,avx512bf16,avx512vl")))
+void store_bf16_rows(const float* c, int64_t ldc, int64_t rows, int64_t cols, const float* bias,
+                     at::BFloat16* y, int64_t ldy) {
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* cr = c + r * ldc;
+    auto* yr = reinterpret_cast<uint16_t*>(y + r * ldy);
+    for (int64_t j = 0; j < cols; j += 16) {  // cols is a multiple of KILN_PANEL (16)
+      __m512 v = _mm512_loadu_ps(cr + j);
+      if (bias) v = _mm512_add_ps(v, _mm512_loadu_ps(bias + j));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(yr + j), (__m256i)_mm512_cvtneps_pbh(v));
+    }
+  }
+}
+
+}  // namespace k512
+
+// y [M, N] = x [M, K] (bf16, contiguous) @ panels^T (+ bias), in x's dtype (bf16). One 16-column brgemm per
+// panel and block of 64 rows, into a small fp32 tile that is stored as bf16 at once (no [M, N] fp32 pass);
+// threads split blocks of 4 panels; each thread sweeps its blocks over 256 rows of x at a time.
 at::Tensor bf16_panel_gemm(const at::Tensor& x2, const at::Tensor& w, const float* bias, int64_t N, int64_t K) {
   const int64_t M = x2.size(0), P = N / KILN_PANEL;
-  at::Tensor y = at::empty({M, N}, x2.options().dtype(at::kFloat));
+  const int64_t NB = (P + BF16_GEMM_PB - 1) / BF16_GEMM_PB;
+  at::Tensor y = at::empty({M, N}, x2.options());
   const auto* xp = static_cast<const at::BFloat16*>(x2.const_data_ptr());
   const auto* wp = static_cast<const at::BFloat16*>(w.const_data_ptr());
-  float* yp = static_cast<float*>(y.data_ptr());
-  at::parallel_for(0, P, 1, [&](int64_t p0, int64_t p1) {
-    for (int64_t m0 = 0; m0 < M; m0 += BF16_GEMM_MB) {
-      const int64_t mc = std::min(BF16_GEMM_MB, M - m0);
-      for (int64_t p = p0; p < p1; ++p) {
-        float* c = yp + m0 * N + p * KILN_PANEL;
-        at::native::cpublas::brgemm(mc, KILN_PANEL, K, K, KILN_PANEL, N, false, xp + m0 * K, wp + p * K * KILN_PANEL,
-                                    c, true);
-        if (bias)
-          for (int64_t r = 0; r < mc; ++r)
-            for (int64_t j = 0; j < KILN_PANEL; ++j) c[r * N + j] += bias[p * KILN_PANEL + j];
+  auto* yp = static_cast<at::BFloat16*>(y.data_ptr());
+  at::parallel_for(0, NB, 1, [&](int64_t b0, int64_t b1) {
+    alignas(64) float c[BF16_GEMM_MB * BF16_GEMM_PB * KILN_PANEL];
+    for (int64_t s0 = 0; s0 < M; s0 += BF16_GEMM_MS) {
+      const int64_t s1 = std::min(M, s0 + BF16_GEMM_MS);
+      for (int64_t bb = b0; bb < b1; ++bb) {
+        const int64_t p0 = bb * BF16_GEMM_PB, np = std::min(BF16_GEMM_PB, P - p0), ldc = np * KILN_PANEL;
+        for (int64_t m0 = s0; m0 < s1; m0 += BF16_GEMM_MB) {
+          const int64_t mc = std::min(BF16_GEMM_MB, s1 - m0);
+          for (int64_t j = 0; j < np; ++j)
+            at::native::cpublas::brgemm(mc, KILN_PANEL, K, K, KILN_PANEL, ldc, false, xp + m0 * K,
+                                        wp + (p0 + j) * K * KILN_PANEL, c + j * KILN_PANEL, true);
+          k512::store_bf16_rows(c, ldc, mc, ldc, bias ? bias + p0 * KILN_PANEL : nullptr, yp + m0 * N + p0 * KILN_PANEL, N);
+        }
       }
     }
     at::native::cpublas::brgemm_release(true);
   });
-  return y.to(at::kBFloat16);
+  return y;
+}
+
+// The same GEMM on AMX tiles directly, where K is a multiple of 32 (one tile of x is 16 rows x 32 k): a panel's
+// 16 k-pairs x 16 columns x 2 are exactly one B tile, so each tile of the panels loads in place (1 KB, stride 64 B).
+// Blocks of 32 rows x 2 panels keep 4 accumulator tiles, 2 of x and 2 of the panels (all 8), i.e. 2 tile loads per
+// tile product against brgemm's ~1.25 at 16 columns a call; measured 1.3-1.6x brgemm's GFLOP/s on the 246m's
+// shapes (docs/benchmarks.md). Rows past the last full 32 are copied into a zero-padded block.
+constexpr int64_t AMX_MR = 32, AMX_KB = 32;
+constexpr int64_t AMX_MS = 256;  // rows of x one sweep of a thread's panel pairs covers (as BF16_GEMM_MS)
+
+// Linux gives a process AMX tile state only on request (arch_prctl ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA);
+// false where it refuses (then the brgemm path runs).
+bool amx_tiles_permitted() {
+  static const bool ok = [] {
+    if (!cpu_has_amx_bf16()) return false;
+    constexpr long ARCH_REQ_XCOMP_PERM = 0x1023, XFEATURE_XTILEDATA = 18;
+    return syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
+  }();
+  return ok;
+}
+
+struct alignas(64) TileConfig {
+  uint8_t palette = 1, start_row = 0, reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+constexpr TileConfig amx_config() {
+  TileConfig cfg;
+  for (int t = 0; t < 8; ++t) cfg.colsb[t] = 64, cfg.rows[t] = 16;  // every tile 16 rows x 64 bytes
+  return cfg;
+}
+// A constant in memory: a config on the stack is not safe, GCC drops its stores as dead (ldtilecfg's read of
+// them is invisible to it), and the tile unit then faults on the garbage.
+alignas(64) const TileConfig AMX_CONFIG = amx_config();
+
+__attribute__((target("amx-tile,amx-bf16"))) void amx_load_config() { _tile_loadconfig(&AMX_CONFIG); }
+
+__attribute__((target("amx-tile,amx-bf16"))) void amx_release() { _tile_release(); }
+
+// c [32, 32] fp32 (row stride 32) = a [32, K] (row stride lda elements) @ panels b0 (and b1 when TWO)
+template <bool TWO>
+__attribute__((target("amx-tile,amx-bf16")))
+void amx_block(const at::BFloat16* a, int64_t lda, const at::BFloat16* b0, const at::BFloat16* b1, int64_t K,
+               float* c) {
+  _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
+  const int64_t stride = lda * int64_t(sizeof(at::BFloat16));
+  for (int64_t k = 0; k < K; k += AMX_KB) {
+    _tile_loadd(4, a + k, stride);
+    _tile_loadd(5, a + 16 * lda + k, stride);
+    _tile_loadd(6, b0 + k * KILN_PANEL, 64);
+    _tile_dpbf16ps(0, 4, 6);
+    _tile_dpbf16ps(2, 5, 6);
+    if (TWO) {
+      _tile_loadd(7, b1 + k * KILN_PANEL, 64);
+      _tile_dpbf16ps(1, 4, 7);
+      _tile_dpbf16ps(3, 5, 7);
+    }
+  }
+  _tile_stored(0, c, 128);
+  _tile_stored(2, c + 16 * 32, 128);
+  if (TWO) {
+    _tile_stored(1, c + 16, 128);
+    _tile_stored(3, c + 16 * 32 + 16, 128);
+  }
+}
+
+at::Tensor bf16_panel_gemm_amx(const at::Tensor& x2, const at::Tensor& w, const float* bias, int64_t N, int64_t K) {
+  const int64_t M = x2.size(0), P = N / KILN_PANEL, PP = (P + 1) / 2;
+  const int64_t full = M / AMX_MR * AMX_MR;
+  at::Tensor y = at::empty({M, N}, x2.options());
+  const auto* xp = static_cast<const at::BFloat16*>(x2.const_data_ptr());
+  const auto* wp = static_cast<const at::BFloat16*>(w.const_data_ptr());
+  auto* yp = static_cast<at::BFloat16*>(y.data_ptr());
+  at::Tensor tail;  // the last M % 32 rows, zero-padded to 32
+  if (full < M) {
+    tail = at::zeros({AMX_MR, K}, x2.options());
+    tail.narrow(0, 0, M - full).copy_(x2.narrow(0, full, M - full));
+  }
+  const auto* tp = tail.defined() ? static_cast<const at::BFloat16*>(tail.const_data_ptr()) : nullptr;
+  at::parallel_for(0, PP, 1, [&](int64_t q0, int64_t q1) {
+    alignas(64) float c[AMX_MR * 32];
+    amx_load_config();
+    for (int64_t s0 = 0; s0 < M; s0 += AMX_MS) {
+      const int64_t s1 = std::min(M, s0 + AMX_MS);
+      for (int64_t q = q0; q < q1; ++q) {
+        const int64_t p = 2 * q, cols = (p + 1 < P ? 2 : 1) * KILN_PANEL;
+        const at::BFloat16* b0 = wp + p * K * KILN_PANEL;
+        for (int64_t m0 = s0; m0 < s1; m0 += AMX_MR) {
+          const at::BFloat16* a = m0 < full ? xp + m0 * K : tp;
+          if (cols == 2 * KILN_PANEL) amx_block<true>(a, K, b0, b0 + K * KILN_PANEL, K, c);
+          else amx_block<false>(a, K, b0, nullptr, K, c);
+          k512::store_bf16_rows(c, 32, std::min(AMX_MR, M - m0), cols, bias ? bias + p * KILN_PANEL : nullptr,
+                          yp + m0 * N + p * KILN_PANEL, N);
+        }
+      }
+    }
+    amx_release();
+  });
+  return y;
 }
 
 using OptT = std::optional<at::Tensor>;
@@ -281,7 +414,8 @@ at::Tensor float_linear_cpu(const at::Tensor& x, const at::Tensor& weight, const
         if (bias->dim() != 1 || bias->size(0) != N) return float_linear_py<WTYPE>(x, weight, bias);
         b = bias->to(at::kFloat).contiguous();
       }
-      at::Tensor y = bf16_panel_gemm(x.reshape({-1, K}).contiguous(), w,
+      const auto gemm = K % AMX_KB == 0 && amx_tiles_permitted() ? bf16_panel_gemm_amx : bf16_panel_gemm;
+      at::Tensor y = gemm(x.reshape({-1, K}).contiguous(), w,
                                      b.defined() ? static_cast<const float*>(b.const_data_ptr()) : nullptr, N, K);
       std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
       shape.back() = N;
