@@ -48,7 +48,7 @@ def main() -> int:
                        list(range(s * per_seq, (s + 1) * per_seq)), 1, NO_ADAPTER) for s in range(args.batch)]
     inputs = pack_inputs(chunks, kv, bs)
     default_m = linear.bf16_gemm_m()
-    settings = {f"oneDNN GEMM from M {default_m}": default_m, "panel kernels only": 0}
+    settings = {f"AMX GEMM from M {default_m}": default_m, "panel kernels only": 0}
     times: dict[str, list[float]] = {name: [] for name in settings}
     first: dict[str, torch.Tensor] = {}
     for name, m in settings.items():   # warm-up (and each setting's first-token logits)
