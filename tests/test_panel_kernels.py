@@ -13,6 +13,7 @@ import sys
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from kiln.plugins import linear
 from kiln.plugins import native as native_lib
@@ -141,6 +142,25 @@ def test_bf16_panels_onednn_gemm_path(native, shape):
             linear.set_bf16_gemm_m(-1)
     finally:
         linear.set_bf16_gemm_m(old)
+
+
+def test_amx_tiles_interleave_with_torchs_brgemm(native):
+    """kiln's AMX tile kernel, torch's brgemm (kiln's route at K % 32 != 0) and torch's bf16 flash attention (brgemm
+    on AMX) in turn on the same threads: each configures the tiles it runs on, so none computes on another's tile
+    shapes (torch caches the config it loaded last per thread; kiln drops that cache before loading its own)."""
+    if not _has_amx_bf16():
+        pytest.skip("this CPU has no AMX-BF16: neither kiln's tile kernel nor torch's bf16 brgemm runs")
+    torch.manual_seed(5)
+    w, w2 = (torch.randn(96, 1024) * 0.05).bfloat16(), (torch.randn(48, 34) * 0.05).bfloat16()
+    x, x2 = torch.randn(200, 1024).bfloat16(), torch.randn(200, 34).bfloat16()
+    q = torch.randn(1, 4, 300, 64).bfloat16()
+    p, p2 = fmt.pack_panels(w), fmt.pack_panels(w2)
+    ref, ref2 = x.float() @ w.float().t(), x2.float() @ w2.float().t()
+    ref_attn = F.scaled_dot_product_attention(q.float(), q.float(), q.float(), is_causal=True)
+    for _ in range(20):
+        assert _rel(linear.bf16_linear(x, p), ref.bfloat16()) < 1e-2
+        assert _rel(linear.bf16_linear(x2, p2), ref2.bfloat16()) < 1e-2
+        assert (F.scaled_dot_product_attention(q, q, q, is_causal=True).float() - ref_attn).abs().max() < 0.05
 
 
 def test_bf16_gemm_default_follows_the_cpu(native):

@@ -210,6 +210,9 @@ at::Tensor bf16_panel_gemm_amx(const at::Tensor& x2, const at::Tensor& w, const 
   const auto* tp = tail.defined() ? static_cast<const at::BFloat16*>(tail.const_data_ptr()) : nullptr;
   at::parallel_for(0, PP, 1, [&](int64_t q0, int64_t q1) {
     alignas(64) float c[AMX_MR * 32];
+    // torch's brgemm caches which tile config it loaded last on this thread: drop that first, so that its next
+    // call configures the tiles again instead of running on ours (or on none, after the release below)
+    at::native::cpublas::brgemm_release(true);
     amx_load_config();
     for (int64_t s0 = 0; s0 < M; s0 += AMX_MS) {
       const int64_t s1 = std::min(M, s0 + AMX_MS);
