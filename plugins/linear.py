@@ -173,7 +173,8 @@ def bf16_gemm_m() -> int:
     panel's 16 k-pairs are one AMX B tile, each panel the VNNI-packed operand of a 16-column GEMM: no copy):
     kiln's AMX tile kernel where K is a multiple of 32, else torch's oneDNN brgemm per panel, instead of kiln's
     panel kernels; 0: never (the default where the CPU has no AMX-BF16). Same numerics: exact products, fp32
-    sums."""
+    sums. int8 panels with bf16 x take the tile kernel from the same row count (K a multiple of 32): each panel
+    pair converted to bf16, exact for int8, and the per-output scale applied to the fp32 sums."""
     return _gemm_m("bf16")
 
 

@@ -209,6 +209,37 @@ def test_int8_panels_propagate_nan_and_inf(isa, rows):
     assert _rel(y[ok], ref[ok]) < 1e-4
 
 
+@pytest.mark.parametrize("shape", [(48, 96), (96, 1024), (32, 2816)])
+def test_int8_panels_bf16_x_on_amx(native, shape):
+    """int8 panels with bf16 x from bf16_gemm_m rows on AMX CPUs: each panel pair converted to bf16 (exact) for the
+    tile kernel, the per-output scale and the bias applied as it stores. Within bf16 rounding of the dequantized
+    reference and of the int8 kernels, at row counts with tails; NaN/inf in x propagate; fp32 x keeps the kernels."""
+    if not _has_amx_bf16():
+        pytest.skip("this CPU has no AMX-BF16: int8 panels keep the int8 kernels at every M")
+    n, k = shape
+    torch.manual_seed(n * k + 3)
+    q, s = fmt.quantize_int8(torch.randn(n, k))
+    b, p = torch.randn(n), fmt.pack_panels(q)
+    assert "AMX tiles" in native_lib.describe_kernel("int8_panel", 16, n)
+    assert "AMX" not in native_lib.describe_kernel("int8_panel", 15, n)
+    for m in (16, 33, 64, 200):
+        x = torch.randn(m, k).bfloat16()
+        for bias in (b, None):
+            ref = linear.weight_only_linear_reference(x, q, s, bias, 8, 0)
+            y = linear.weight_only_linear(x, p, s, bias, 8, 0)
+            assert y.dtype == torch.bfloat16 and _rel(y, ref) < 1e-2, m
+        old = linear.set_bf16_gemm_m(0)
+        try:
+            kernels = linear.weight_only_linear(x, p, s, b, 8, 0)
+        finally:
+            linear.set_bf16_gemm_m(old)
+        assert _rel(linear.weight_only_linear(x, p, s, b, 8, 0), kernels) < 1e-2, m
+    x = torch.randn(33, k).bfloat16()
+    x[1, 3], x[3, 7] = float("nan"), float("inf")
+    y, ref = linear.weight_only_linear(x, p, s, None, 8, 0), linear.weight_only_linear_reference(x, q, s, None, 8, 0)
+    assert torch.equal(torch.isnan(y), torch.isnan(ref)) and torch.equal(torch.isinf(y), torch.isinf(ref))
+
+
 def test_isa_choice_is_explicit(native):
     best = native_lib.set_panel_isa(0)
     assert best in (256, 512) and native_lib.panel_isa() == best

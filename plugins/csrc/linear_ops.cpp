@@ -82,19 +82,30 @@ constexpr int64_t BF16_GEMM_PB = 4;
 constexpr int64_t BF16_GEMM_MS = 256;
 
 namespace k512 {  // AVX-512 / AMX code, entered only where CPUID reports AMX-BF16 (bf16_gemm_available)
-// rows x cols fp32 accumulators (row stride ldc) + bias -> bf16 rows of y (row stride ldy), rounded to nearest
-// even as at::Tensor::to does; only called where the CPU has AMX-BF16, hence AVX512_BF16.
+// rows x cols fp32 accumulators (row stride ldc) x scale (per column, int8 weights; none for bf16) + bias -> bf16
+// rows of y (row stride ldy), rounded to nearest even as at::Tensor::to does; only called where the CPU has
+// AMX-BF16, hence AVX512_BF16.
 __attribute__((target("avx512f,avx512bf16,avx512vl")))
-void store_bf16_rows(const float* c, int64_t ldc, int64_t rows, int64_t cols, const float* bias,
+void store_bf16_rows(const float* c, int64_t ldc, int64_t rows, int64_t cols, const float* scale, const float* bias,
                      at::BFloat16* y, int64_t ldy) {
   for (int64_t r = 0; r < rows; ++r) {
     const float* cr = c + r * ldc;
     auto* yr = reinterpret_cast<uint16_t*>(y + r * ldy);
     for (int64_t j = 0; j < cols; j += 16) {  // cols is a multiple of KILN_PANEL (16)
       __m512 v = _mm512_loadu_ps(cr + j);
+      if (scale) v = _mm512_mul_ps(v, _mm512_loadu_ps(scale + j));
       if (bias) v = _mm512_add_ps(v, _mm512_loadu_ps(bias + j));
       _mm256_storeu_si256(reinterpret_cast<__m256i*>(yr + j), (__m256i)_mm512_cvtneps_pbh(v));
     }
+  }
+}
+
+// n int8 -> bf16 (exact: |q| <= 128 needs 8 significant bits, bf16 has 8); n a multiple of 16
+__attribute__((target("avx512f,avx512bf16,avx512vl")))
+void int8_to_bf16(const int8_t* q, int64_t n, at::BFloat16* out) {
+  for (int64_t i = 0; i < n; i += 16) {
+    const __m512 v = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q + i))));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + i), (__m256i)_mm512_cvtneps_pbh(v));
   }
 }
 
@@ -121,7 +132,7 @@ at::Tensor bf16_panel_gemm(const at::Tensor& x2, const at::Tensor& w, const floa
           for (int64_t j = 0; j < np; ++j)
             at::native::cpublas::brgemm(mc, KILN_PANEL, K, K, KILN_PANEL, ldc, false, xp + m0 * K,
                                         wp + (p0 + j) * K * KILN_PANEL, c + j * KILN_PANEL, true);
-          k512::store_bf16_rows(c, ldc, mc, ldc, bias ? bias + p0 * KILN_PANEL : nullptr, yp + m0 * N + p0 * KILN_PANEL, N);
+          k512::store_bf16_rows(c, ldc, mc, ldc, nullptr, bias ? bias + p0 * KILN_PANEL : nullptr, yp + m0 * N + p0 * KILN_PANEL, N);
         }
       }
     }
@@ -195,12 +206,17 @@ void amx_block(const at::BFloat16* a, int64_t lda, const at::BFloat16* b0, const
   }
 }
 
-at::Tensor bf16_panel_gemm_amx(const at::Tensor& x2, const at::Tensor& w, const float* bias, int64_t N, int64_t K) {
+// INT8: w holds int8 panels (the same [N/16, K/2, 16, 2] order) with one fp32 scale per output: each panel pair
+// is converted to bf16 (exactly) into a per-thread buffer once per sweep, and the scale applied as it is stored.
+template <bool INT8>
+at::Tensor panel_gemm_amx(const at::Tensor& x2, const at::Tensor& w, const float* scale, const float* bias, int64_t N,
+                          int64_t K) {
   const int64_t M = x2.size(0), P = N / KILN_PANEL, PP = (P + 1) / 2;
   const int64_t full = M / AMX_MR * AMX_MR;
   at::Tensor y = at::empty({M, N}, x2.options());
   const auto* xp = static_cast<const at::BFloat16*>(x2.const_data_ptr());
   const auto* wp = static_cast<const at::BFloat16*>(w.const_data_ptr());
+  const auto* qp = static_cast<const int8_t*>(w.const_data_ptr());
   auto* yp = static_cast<at::BFloat16*>(y.data_ptr());
   at::Tensor tail;  // the last M % 32 rows, zero-padded to 32
   if (full < M) {
@@ -210,6 +226,7 @@ at::Tensor bf16_panel_gemm_amx(const at::Tensor& x2, const at::Tensor& w, const 
   const auto* tp = tail.defined() ? static_cast<const at::BFloat16*>(tail.const_data_ptr()) : nullptr;
   at::parallel_for(0, PP, 1, [&](int64_t q0, int64_t q1) {
     alignas(64) float c[AMX_MR * 32];
+    std::vector<at::BFloat16> converted(INT8 ? 2 * K * KILN_PANEL : 0);
     // torch's brgemm caches which tile config it loaded last on this thread: drop that first, so that its next
     // call configures the tiles again instead of running on ours (or on none, after the release below)
     at::native::cpublas::brgemm_release(true);
@@ -219,11 +236,15 @@ at::Tensor bf16_panel_gemm_amx(const at::Tensor& x2, const at::Tensor& w, const 
       for (int64_t q = q0; q < q1; ++q) {
         const int64_t p = 2 * q, cols = (p + 1 < P ? 2 : 1) * KILN_PANEL;
         const at::BFloat16* b0 = wp + p * K * KILN_PANEL;
+        if (INT8) {
+          k512::int8_to_bf16(qp + p * K * KILN_PANEL, cols * K, converted.data());
+          b0 = converted.data();
+        }
         for (int64_t m0 = s0; m0 < s1; m0 += AMX_MR) {
           const at::BFloat16* a = m0 < full ? xp + m0 * K : tp;
           if (cols == 2 * KILN_PANEL) amx_block<true>(a, K, b0, b0 + K * KILN_PANEL, K, c);
           else amx_block<false>(a, K, b0, nullptr, K, c);
-          k512::store_bf16_rows(c, 32, std::min(AMX_MR, M - m0), cols, bias ? bias + p * KILN_PANEL : nullptr,
+          k512::store_bf16_rows(c, 32, std::min(AMX_MR, M - m0), cols, INT8 ? scale + p * KILN_PANEL : nullptr, bias ? bias + p * KILN_PANEL : nullptr,
                           yp + m0 * N + p * KILN_PANEL, N);
         }
       }
@@ -392,6 +413,23 @@ at::Tensor weight_only_linear_cpu(const at::Tensor& x, const at::Tensor& qweight
   const at::Tensor w = qweight.contiguous();
   const at::Tensor s = scales.contiguous();
   const float* sp = static_cast<const float*>(s.const_data_ptr());
+  if (wtype == KILN_W_INT8_PANEL && x.scalar_type() == at::kBFloat16 && K % AMX_KB == 0) {
+    // bf16 x on AMX: the same route and threshold as bf16 panels (x is already bf16, so nothing is rounded that
+    // the kernels would keep; the int8 values are exact in bf16)
+    const int64_t gemm_m = bf16_gemm_m();
+    if (gemm_m > 0 && x.numel() / K >= gemm_m && amx_tiles_permitted()) {
+      at::Tensor b;
+      if (bias.has_value() && bias->defined()) {
+        if (bias->dim() != 1 || bias->size(0) != N) return wol_py(x, qweight, scales, bias, bits, group_size, zeros);
+        b = bias->to(at::kFloat).contiguous();
+      }
+      at::Tensor y = panel_gemm_amx<true>(x.reshape({-1, K}).contiguous(), w, sp,
+                                          b.defined() ? static_cast<const float*>(b.const_data_ptr()) : nullptr, N, K);
+      std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
+      shape.back() = N;
+      return y.view(shape);
+    }
+  }
   at::Tensor y = run(wtype, x, w, sp, bias, wtype == KILN_W_INT4 ? group_size : 0, N, K);
   return y.defined() ? y : wol_py(x, qweight, scales, bias, bits, group_size, zeros);
 }
@@ -417,8 +455,14 @@ at::Tensor float_linear_cpu(const at::Tensor& x, const at::Tensor& weight, const
         if (bias->dim() != 1 || bias->size(0) != N) return float_linear_py<WTYPE>(x, weight, bias);
         b = bias->to(at::kFloat).contiguous();
       }
-      const auto gemm = K % AMX_KB == 0 && amx_tiles_permitted() ? bf16_panel_gemm_amx : bf16_panel_gemm;
-      at::Tensor y = gemm(x.reshape({-1, K}).contiguous(), w,
+      if (K % AMX_KB == 0 && amx_tiles_permitted()) {
+        at::Tensor y = panel_gemm_amx<false>(x.reshape({-1, K}).contiguous(), w, nullptr,
+                                             b.defined() ? static_cast<const float*>(b.const_data_ptr()) : nullptr, N, K);
+        std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
+        shape.back() = N;
+        return y.view(shape);
+      }
+      at::Tensor y = bf16_panel_gemm(x.reshape({-1, K}).contiguous(), w,
                                      b.defined() ? static_cast<const float*>(b.const_data_ptr()) : nullptr, N, K);
       std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
       shape.back() = N;
