@@ -76,10 +76,10 @@ int64_t bf16_gemm_m() {
 // Rows of x per brgemm call (measured: 64 beats 32 by 1.1-1.3x at M >= 128).
 constexpr int64_t BF16_GEMM_MB = 64;
 // Panels whose outputs one brgemm round fills before they are stored as bf16 (64 columns), and rows of x one
-// round of panel blocks sweeps (256 rows: 0.5-1.4 MB of x for the 246m's K, kept in L2 while a thread's
-// panels stream past it once per 256 rows instead of once per 64).
+// round of a thread's panels sweeps, on both AMX routes (256 rows: 0.5-1.4 MB of x for the 246m's K, kept in L2
+// while the panels stream past it once per 256 rows instead of once per block).
 constexpr int64_t BF16_GEMM_PB = 4;
-constexpr int64_t BF16_GEMM_MS = 256;
+constexpr int64_t GEMM_SWEEP_ROWS = 256;
 
 namespace k512 {  // AVX-512 / AMX code, entered only where CPUID reports AMX-BF16 (bf16_gemm_available)
 // rows x cols fp32 accumulators (row stride ldc) x scale (per column, int8 weights; none for bf16) + bias -> bf16
@@ -123,8 +123,8 @@ at::Tensor bf16_panel_gemm(const at::Tensor& x2, const at::Tensor& w, const floa
   auto* yp = static_cast<at::BFloat16*>(y.data_ptr());
   at::parallel_for(0, NB, 1, [&](int64_t b0, int64_t b1) {
     alignas(64) float c[BF16_GEMM_MB * BF16_GEMM_PB * KILN_PANEL];
-    for (int64_t s0 = 0; s0 < M; s0 += BF16_GEMM_MS) {
-      const int64_t s1 = std::min(M, s0 + BF16_GEMM_MS);
+    for (int64_t s0 = 0; s0 < M; s0 += GEMM_SWEEP_ROWS) {
+      const int64_t s1 = std::min(M, s0 + GEMM_SWEEP_ROWS);
       for (int64_t bb = b0; bb < b1; ++bb) {
         const int64_t p0 = bb * BF16_GEMM_PB, np = std::min(BF16_GEMM_PB, P - p0), ldc = np * KILN_PANEL;
         for (int64_t m0 = s0; m0 < s1; m0 += BF16_GEMM_MB) {
@@ -147,7 +147,6 @@ at::Tensor bf16_panel_gemm(const at::Tensor& x2, const at::Tensor& w, const floa
 // tile product against brgemm's ~1.25 at 16 columns a call; measured 1.3-1.6x brgemm's GFLOP/s on the 246m's
 // shapes (docs/benchmarks.md). Rows past the last full 32 are copied into a zero-padded block.
 constexpr int64_t AMX_MR = 32, AMX_KB = 32;
-constexpr int64_t AMX_MS = 256;  // rows of x one sweep of a thread's panel pairs covers (as BF16_GEMM_MS)
 
 // Linux gives a process AMX tile state only on request (arch_prctl ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA);
 // false where it refuses (then the brgemm path runs).
@@ -231,8 +230,8 @@ at::Tensor panel_gemm_amx(const at::Tensor& x2, const at::Tensor& w, const float
     // call configures the tiles again instead of running on ours (or on none, after the release below)
     at::native::cpublas::brgemm_release(true);
     amx_load_config();
-    for (int64_t s0 = 0; s0 < M; s0 += AMX_MS) {
-      const int64_t s1 = std::min(M, s0 + AMX_MS);
+    for (int64_t s0 = 0; s0 < M; s0 += GEMM_SWEEP_ROWS) {
+      const int64_t s1 = std::min(M, s0 + GEMM_SWEEP_ROWS);
       for (int64_t q = q0; q < q1; ++q) {
         const int64_t p = 2 * q, cols = (p + 1 < P ? 2 : 1) * KILN_PANEL;
         const at::BFloat16* b0 = wp + p * K * KILN_PANEL;
@@ -255,6 +254,44 @@ at::Tensor panel_gemm_amx(const at::Tensor& x2, const at::Tensor& w, const float
 }
 
 using OptT = std::optional<at::Tensor>;
+
+// A given bias as fp32 [N] (contiguous) in out, or undefined when none is given; false when it is not [N].
+bool fp32_bias(const OptT& bias, int64_t N, at::Tensor& out) {
+  if (!bias.has_value() || !bias->defined()) return true;
+  if (bias->dim() != 1 || bias->size(0) != N) return false;
+  out = bias->to(at::kFloat).contiguous();
+  return true;
+}
+
+const float* data_or_null(const at::Tensor& t) {
+  return t.defined() ? static_cast<const float*>(t.const_data_ptr()) : nullptr;
+}
+
+// y [M, N] shaped as x's leading dims + [N]
+at::Tensor with_out_features(const at::Tensor& y, const at::Tensor& x, int64_t N) {
+  std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
+  shape.back() = N;
+  return y.view(shape);
+}
+
+// The AMX route of a panel weight with bf16 x (bf16 panels, or int8 panels with their per-output scales) from
+// bf16_gemm_m rows: kiln's tile kernel where K is a multiple of 32 and the OS grants tile state, else (bf16 only)
+// torch's brgemm per panel. Undefined when it does not apply (the caller runs the panel kernels) or the bias is
+// not [N] (the caller's fallback says why).
+template <bool INT8>
+at::Tensor amx_route(const at::Tensor& x, const at::Tensor& w, const float* scale, const OptT& bias, int64_t N,
+                     int64_t K) {
+  const int64_t gemm_m = bf16_gemm_m();
+  if (x.scalar_type() != at::kBFloat16 || gemm_m <= 0 || x.numel() / K < gemm_m) return at::Tensor();
+  const bool tiles = K % AMX_KB == 0 && amx_tiles_permitted();
+  at::Tensor b;
+  if ((INT8 && !tiles) || !fp32_bias(bias, N, b)) return at::Tensor();
+  const at::Tensor x2 = x.reshape({-1, K}).contiguous();
+  const at::Tensor y = tiles ? panel_gemm_amx<INT8>(x2, w, scale, data_or_null(b), N, K)
+                             : bf16_panel_gemm(x2, w, data_or_null(b), N, K);
+  return with_out_features(y, x, N);
+}
+
 
 at::Tensor wol_py(const at::Tensor& x, const at::Tensor& qw, const at::Tensor& s, const OptT& bias,
                   int64_t bits, int64_t gs, const OptT& zeros) {
@@ -311,12 +348,8 @@ at::Tensor run(int wtype, const at::Tensor& x, const at::Tensor& w, const float*
   if (!bf16_io && x2.scalar_type() != at::kFloat) x2 = x2.to(at::kFloat);
   x2 = x2.contiguous();
   at::Tensor b;
-  const float* bp = nullptr;
-  if (bias.has_value() && bias->defined()) {
-    if (bias->dim() != 1 || bias->size(0) != N) return at::Tensor();
-    b = bias->to(at::kFloat).contiguous();
-    bp = static_cast<const float*>(b.const_data_ptr());
-  }
+  if (!fp32_bias(bias, N, b)) return at::Tensor();
+  const float* bp = data_or_null(b);
   at::Tensor y = at::empty({M, N}, x2.options());
   const char* xp = static_cast<const char*>(x2.const_data_ptr());
   char* yp = static_cast<char*>(y.data_ptr());
@@ -330,9 +363,7 @@ at::Tensor run(int wtype, const at::Tensor& x, const at::Tensor& w, const float*
       return at::Tensor();
   }
   if (y.scalar_type() != x.scalar_type()) y = y.to(x.scalar_type());
-  std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
-  shape.back() = N;
-  return y.view(shape);
+  return with_out_features(y, x, N);
 }
 
 // int4 panels (qweight uint8 [N/16, K/8, 64], scales fp16 [N/16, G, 16], zeros uint8 like scales or none): the
@@ -350,12 +381,8 @@ at::Tensor int4_panel(const at::Tensor& x, const at::Tensor& qw, const at::Tenso
   if (!bf16_io && x2.scalar_type() != at::kFloat) x2 = x2.to(at::kFloat);
   x2 = x2.contiguous();
   at::Tensor b;
-  const float* bp = nullptr;
-  if (bias.has_value() && bias->defined()) {
-    if (bias->dim() != 1 || bias->size(0) != N) return at::Tensor();
-    b = bias->to(at::kFloat).contiguous();
-    bp = static_cast<const float*>(b.const_data_ptr());
-  }
+  if (!fp32_bias(bias, N, b)) return at::Tensor();
+  const float* bp = data_or_null(b);
   const at::Tensor w = qw.contiguous(), s = scales.contiguous();
   at::Tensor z;
   if (hasz) z = zeros->contiguous();
@@ -368,10 +395,7 @@ at::Tensor int4_panel(const at::Tensor& x, const at::Tensor& qw, const at::Tenso
       return at::Tensor();
     at::Tensor y = at::mm(x2.to(at::kBFloat16), wb.t()).to(at::kFloat);
     if (bp) y.add_(b);
-    y = y.to(x.scalar_type());
-    std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
-    shape.back() = N;
-    return y.view(shape);
+    return with_out_features(y.to(x.scalar_type()), x, N);
   }
   at::Tensor y = at::empty({M, N}, x2.options());
   if (kiln_linear_int4_panel(w.const_data_ptr(), static_cast<const uint16_t*>(s.const_data_ptr()),
@@ -380,9 +404,7 @@ at::Tensor int4_panel(const at::Tensor& x, const at::Tensor& qw, const at::Tenso
                              bf16_io) != 0)
     return at::Tensor();
   if (y.scalar_type() != x.scalar_type()) y = y.to(x.scalar_type());
-  std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
-  shape.back() = N;
-  return y.view(shape);
+  return with_out_features(y, x, N);
 }
 
 at::Tensor weight_only_linear_cpu(const at::Tensor& x, const at::Tensor& qweight,
@@ -413,22 +435,9 @@ at::Tensor weight_only_linear_cpu(const at::Tensor& x, const at::Tensor& qweight
   const at::Tensor w = qweight.contiguous();
   const at::Tensor s = scales.contiguous();
   const float* sp = static_cast<const float*>(s.const_data_ptr());
-  if (wtype == KILN_W_INT8_PANEL && x.scalar_type() == at::kBFloat16 && K % AMX_KB == 0) {
-    // bf16 x on AMX: the same route and threshold as bf16 panels (x is already bf16, so nothing is rounded that
-    // the kernels would keep; the int8 values are exact in bf16)
-    const int64_t gemm_m = bf16_gemm_m();
-    if (gemm_m > 0 && x.numel() / K >= gemm_m && amx_tiles_permitted()) {
-      at::Tensor b;
-      if (bias.has_value() && bias->defined()) {
-        if (bias->dim() != 1 || bias->size(0) != N) return wol_py(x, qweight, scales, bias, bits, group_size, zeros);
-        b = bias->to(at::kFloat).contiguous();
-      }
-      at::Tensor y = panel_gemm_amx<true>(x.reshape({-1, K}).contiguous(), w, sp,
-                                          b.defined() ? static_cast<const float*>(b.const_data_ptr()) : nullptr, N, K);
-      std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
-      shape.back() = N;
-      return y.view(shape);
-    }
+  if (wtype == KILN_W_INT8_PANEL) {  // bf16 x on AMX: the int8 values are exact in bf16, x is already bf16
+    at::Tensor y = amx_route<true>(x, w, sp, bias, N, K);
+    if (y.defined()) return y;
   }
   at::Tensor y = run(wtype, x, w, sp, bias, wtype == KILN_W_INT4 ? group_size : 0, N, K);
   return y.defined() ? y : wol_py(x, qweight, scales, bias, bits, group_size, zeros);
@@ -447,27 +456,9 @@ at::Tensor float_linear_cpu(const at::Tensor& x, const at::Tensor& weight, const
   const auto [N, K] = weight_nk(weight);
   if (!act_ok(x, K)) return float_linear_py<WTYPE>(x, weight, bias);
   const at::Tensor w = weight.contiguous();
-  if (WTYPE == KILN_W_BF16 && panel && x.scalar_type() == at::kBFloat16) {
-    const int64_t gemm_m = bf16_gemm_m();
-    if (gemm_m > 0 && x.numel() / K >= gemm_m) {
-      at::Tensor b;
-      if (bias.has_value() && bias->defined()) {
-        if (bias->dim() != 1 || bias->size(0) != N) return float_linear_py<WTYPE>(x, weight, bias);
-        b = bias->to(at::kFloat).contiguous();
-      }
-      if (K % AMX_KB == 0 && amx_tiles_permitted()) {
-        at::Tensor y = panel_gemm_amx<false>(x.reshape({-1, K}).contiguous(), w, nullptr,
-                                             b.defined() ? static_cast<const float*>(b.const_data_ptr()) : nullptr, N, K);
-        std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
-        shape.back() = N;
-        return y.view(shape);
-      }
-      at::Tensor y = bf16_panel_gemm(x.reshape({-1, K}).contiguous(), w,
-                                     b.defined() ? static_cast<const float*>(b.const_data_ptr()) : nullptr, N, K);
-      std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
-      shape.back() = N;
-      return y.view(shape);
-    }
+  if (WTYPE == KILN_W_BF16 && panel) {
+    at::Tensor y = amx_route<false>(x, w, nullptr, bias, N, K);
+    if (y.defined()) return y;
   }
   const int wtype = panel ? (WTYPE == KILN_W_BF16 ? KILN_W_BF16_PANEL : KILN_W_FP32_PANEL)
                   : packed ? (WTYPE == KILN_W_BF16 ? KILN_W_BF16_PACKED : KILN_W_FP32_PACKED) : WTYPE;
