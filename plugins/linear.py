@@ -269,6 +269,12 @@ def _check_int4_panels(qweight, scales, zeros, group_size) -> None:
                          f"{list(zeros.shape)}")
 
 
+def _check_bias(op: str, bias, n: int) -> None:
+    """ValueError unless ``bias`` is None or one value per output feature (the kernels read n of them)."""
+    if bias is not None and tuple(bias.shape) != (n,):
+        raise ValueError(f"{op}: bias {tuple(bias.shape)} must be [{n}], one value per output feature")
+
+
 def _check_wol(x, qweight, scales, bias, bits, group_size, zeros=None):
     if zeros is not None and not (bits == 4 and is_int4_panel(qweight)):
         raise ValueError("zeros (zero points) are only taken by int4 panels (bits=4, qweight [out/16, in/8, 64])")
@@ -292,9 +298,10 @@ def _check_wol(x, qweight, scales, bias, bits, group_size, zeros=None):
             )
     else:
         raise ValueError(f"bits must be 4 or 8, got {bits}")
-    k = qweight_shape(qweight, bits)[1]
+    n, k = qweight_shape(qweight, bits)
     if x.shape[-1] != k:
         raise ValueError(f"x has {x.shape[-1]} input features, the weight expects {k}")
+    _check_bias("weight_only_linear", bias, n)
 
 
 def _weight_only_linear_py(x, qweight, scales, bias, bits, group_size, zeros=None):
@@ -319,6 +326,7 @@ def _float_linear_py(kind: str, x, weight, bias):
     if x.shape[-1] != k:
         raise ValueError(f"{kind}_linear: x {tuple(x.shape)} does not match weight {tuple(weight.shape)} "
                          f"({k} input features)")
+    _check_bias(f"{kind}_linear", bias, n)
     dtype = torch.float32 if kind == "fp32" else torch.bfloat16
     if is_panel(weight):  # the kernels read fp32 panels one k per step, bf16 panels in pairs of k
         wtype = f"{kind}_panel" if weight.dim() == (3 if kind == "fp32" else 4) else None

@@ -412,3 +412,23 @@ def test_aot_inductor_package_calls_the_ops(native, tmp_path):
         x = torch.randn(m, 128)
         ref = mod.reference(x)
         torch.testing.assert_close(runner(x), ref, **_tol(ref, torch.float32, int_act=True))
+
+
+@pytest.mark.parametrize("rows", [3, 33])  # the panel kernels, and the AMX route's row count on AMX CPUs
+def test_a_bias_of_the_wrong_length_is_refused(native, rows):
+    """Every layout and x dtype: a bias that is not one value per output feature is a clear error (the kernels
+    read N values from it; the fallback passed it on unchecked and read past its end)."""
+    w = torch.randn(32, 64)
+    q, s = fmt.quantize_int8(w)
+    p4 = fmt.quantize_int4_panels(w, 32)
+    bad = torch.randn(5)
+    for x in (torch.randn(rows, 64), torch.randn(rows, 64).bfloat16()):
+        calls = [lambda: ops.bf16_linear(x, fmt.pack_panels(w.bfloat16()), bad),
+                 lambda: ops.fp32_linear(x, fmt.pack_panels(w), bad),
+                 lambda: ops.fp32_linear(x, w, bad),
+                 lambda: ops.weight_only_linear(x, fmt.pack_panels(q), s, bad, 8, 0),
+                 lambda: ops.weight_only_linear(x, q, s, bad, 8, 0),
+                 lambda: ops.weight_only_linear(x, p4.qweight, p4.scales, bad, 4, 32)]
+        for call in calls:
+            with pytest.raises(ValueError, match=r"bias \(5,\) must be \[32\], one value per output feature"):
+                call()
