@@ -252,6 +252,10 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.kiln_dequant_int4_panel_bf16.argtypes = [ptr, ptr, ptr, i64, i64, i64, ptr, ctypes.c_int]
     lib.kiln_dequant_int4_panel_bf16.restype = ctypes.c_int
     lib.kiln_ops_set_max_m.argtypes = [ctypes.c_int, i64]
+    lib.kiln_block_cache_install.argtypes = [i64, i64]
+    lib.kiln_block_cache_install.restype = ctypes.c_int
+    lib.kiln_block_cache_stats.argtypes = [ptr]
+    lib.kiln_block_cache_stats.restype = ctypes.c_int
 
 
 def _load() -> ctypes.CDLL | None:
@@ -272,6 +276,7 @@ def _load() -> ctypes.CDLL | None:
             for opened in _opened:
                 opened.kiln_ops_set_enabled(int(_enabled))
             _apply_tuning(lib, key)
+            _install_block_cache(lib)
             _lib, _state = lib, "ok"
         except Exception as e:  # compile error, missing compiler, no AVX2 ...
             _state = "failed"
@@ -289,6 +294,16 @@ def _apply_tuning(lib: ctypes.CDLL, key: str) -> None:
     except Exception as e:  # a bad KILN_TUNING, an unwritable cache: the kernels still run, untuned
         _warn_once("tuning", f"kiln: kernel tuning not applied ({type(e).__name__}: {str(e)[:300]}); "
                              "using the per-CPU defaults")
+
+
+def _install_block_cache(lib: ctypes.CDLL) -> None:
+    """torch's CPU allocator keeps large freed blocks (kiln.plugins.block_cache); a bad setting keeps torch's."""
+    from kiln.plugins import block_cache
+
+    try:
+        block_cache.install(lib)
+    except ValueError as e:
+        _warn_once("block_cache", f"kiln: large-block reuse not installed ({e}); using torch's CPU allocator")
 
 
 def kernel_tuning() -> dict[str, int]:

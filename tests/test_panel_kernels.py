@@ -87,6 +87,21 @@ def test_fp32_and_bf16_panels(isa, shape, bf16_kernels_only):
         assert y.dtype == torch.bfloat16 and _rel(y, ref) < 1e-2, (m, "bf16 x")
 
 
+@pytest.mark.parametrize("k", [512, 1024, 1536])  # rows K * 4 bytes apart share L1 sets: prefill packs x per row block
+def test_prefill_packing_never_reuses_another_calls_x(isa, k):
+    """The packed row blocks are kept per thread between a GEMM's tiles: the next call (same shape, same x buffer
+    written in place, another weight type) must pack again."""
+    torch.manual_seed(k)
+    w = torch.randn(64, k) * 0.05
+    pf, pb = fmt.pack_panels(w), fmt.pack_panels(w.bfloat16())
+    x = torch.randn(100, k)
+    first = linear.fp32_linear(x, pf, None)
+    x.mul_(-2.0)  # same buffer, new values
+    assert _rel(linear.fp32_linear(x, pf, None), x @ w.t()) < 1e-5
+    assert _rel(linear.bf16_linear(x, pb, None), x @ w.bfloat16().float().t()) < 1e-5
+    assert _rel(first, (x / -2.0) @ w.t()) < 1e-5
+
+
 def _has_amx_bf16() -> bool:
     with open("/proc/cpuinfo") as f:
         return "amx_bf16" in f.read().split()

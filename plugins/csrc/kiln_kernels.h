@@ -111,4 +111,10 @@ void kiln_ops_set_int4_gemm_m(int64_t m);
 int64_t kiln_ops_bf16_gemm_m();
 int kiln_ops_set_bf16_gemm_m(int64_t m);
 
+// block_cache.cpp: torch's CPU allocator keeping freed blocks of >= min_bytes (up to cap_bytes in all) for reuse
+// (kiln.plugins.block_cache). install: 0, or 1 when an allocator of a higher priority holds the slot; stats:
+// out[6] = cap, min bytes, cached bytes, cached blocks, hits, misses (1: never installed).
+int kiln_block_cache_install(int64_t cap_bytes, int64_t min_bytes);
+int kiln_block_cache_stats(int64_t* out);
+
 }  // extern "C"

@@ -81,11 +81,12 @@ struct Epilogue {
 
 // PF: prefetch pf bytes ahead in each panel (the pass that streams a tile from memory: tuning().small_prefetch for a
 // batched decode, tuning().bf16_row_prefetch for a bf16 one-row decode).
-// KMAJOR (batched decode, 13..16 rows, AVX-512): all rows in one pass over the weights, so the FMAs overlap the
-// weight stream from memory instead of a second pass re-reading each tile from L2 while memory idles. x is then
-// packed k-major (pack_kmajor: x[k][MR], rows >= `rows` zero; ldx unused): the MR broadcasts of a step read one
-// cache line, where MR rows of x K * 4 bytes apart would share one L1 set (K = 1024: 16 rows, 12 ways); it
-// prefetches tuning().onepass_prefetch bytes ahead and stores the first `rows` rows.
+// KMAJOR: x packed k-major (x[k][MR], rows >= `rows` zero; ldx unused), so the MR broadcasts of a step read one
+// cache line, where MR rows of x K * 4 bytes apart share one L1 set when K is a multiple of 1024 (K = 1024: 12 or
+// 16 rows against 12 ways); it stores the first `rows` rows. Used by the batched decode's one pass of 13..16 rows
+// (AVX-512: all rows in one pass over the weights, so the FMAs overlap the weight stream from memory instead of a
+// second pass re-reading each tile from L2 while memory idles; PF with tuning().onepass_prefetch) and by prefill
+// tiles (tile_float_kmajor).
 template <class W, int MR, int NP, bool PF = false, bool KMAJOR = false>
 inline void panel_float(const typename W::T* w, int64_t pstride, const float* x, int64_t ldx, int64_t K,
                         const Epilogue& ep, int64_t m0, int64_t n0, int rows = MR, int64_t pf = 0) {
@@ -95,11 +96,10 @@ inline void panel_float(const typename W::T* w, int64_t pstride, const float* x,
     for (int p = 0; p < NP; ++p)
       for (int v = 0; v < VP; ++v) acc[i][p][v] = Isa::zero();
   const int64_t steps = K / W::S;
-  const int64_t pfd = KMAJOR ? tuning().onepass_prefetch : pf;
   for (int64_t t = 0; t < steps; ++t) {
     const typename W::T* q = w + t * W::STEP;
-    if constexpr (PF || KMAJOR)
-      for (int p = 0; p < NP; ++p) prefetch_line(reinterpret_cast<const char*>(q + p * pstride) + pfd);
+    if constexpr (PF)
+      for (int p = 0; p < NP; ++p) prefetch_line(reinterpret_cast<const char*>(q + p * pstride) + pf);
     for (int s = 0; s < W::S; ++s) {
       Isa::V wv[NP][VP];
       for (int p = 0; p < NP; ++p)
@@ -291,6 +291,53 @@ inline void tile_float(const typename W::T* w, int64_t K, const float* x, int64_
     else panel_float<W, R, NP>(wp, pstride, x + m * K, K, K, ep, m, n0);
   };
   for_row_blocks<MRB>(m0, m1, pass);
+}
+
+// Prefill tiles of the float path where rows of x K * 4 bytes apart share L1 sets: with K a multiple of 512 the MR
+// rows of a micro-kernel fall in at most 2 of the 64 sets (K = 1024: all in one, against 12 ways), and the weights
+// streaming past evict them. Such a tile reads x packed k-major in blocks of MR rows (pack_row_block: [MR blocks]
+// [K][MR], the last block's missing rows zero), so that panel_float's MR broadcasts of a step read one line
+// (KMAJOR). Each thread packs the row block of its tile once per call (call: the GEMM's sequence number) and keeps
+// it while its tiles share that block (for_tiles deals them row-block major). Where the sets do not collide
+// (K = 2816) the packing only costs (measured 5-10% slower there), so those tiles read x in place.
+inline bool rows_share_l1_sets(int64_t K) { return K % 512 == 0; }
+// Sequence numbers of the GEMMs that pack (one counter for every weight type: the packed blocks are shared).
+inline std::atomic<uint64_t> pack_calls{0};
+
+template <int MR>
+inline const float* pack_row_block(const float* x, int64_t K, int64_t m0, int64_t m1, uint64_t call) {
+  thread_local std::vector<float> buf;  // the largest row block this thread has packed: MC rows x K
+  thread_local uint64_t packed_call = 0;
+  thread_local int64_t packed_m0 = -1;
+  if (packed_call == call && packed_m0 == m0) return buf.data();
+  const int64_t blocks = (m1 - m0 + MR - 1) / MR;
+  buf.resize(size_t(blocks * K * MR));
+  for (int64_t b = 0; b < blocks; ++b) {
+    float* xp = buf.data() + b * K * MR;
+    const int64_t r0 = m0 + b * MR, rows = std::min<int64_t>(MR, m1 - r0);
+    for (int64_t k0 = 0; k0 < K; k0 += 64) {  // 64 k at a time: the block's lines of xp stay in L1
+      const int64_t k1 = std::min(K, k0 + 64);
+      for (int64_t i = 0; i < rows; ++i)
+        for (int64_t k = k0; k < k1; ++k) xp[k * MR + i] = x[(r0 + i) * K + k];
+      for (int64_t i = rows; i < MR; ++i)
+        for (int64_t k = k0; k < k1; ++k) xp[k * MR + i] = 0.0f;
+    }
+  }
+  packed_call = call;
+  packed_m0 = m0;
+  return buf.data();
+}
+
+// Rows m0..m1 of x (one row block) against panels g*NP .. g*NP+NP-1, from the packed row block.
+template <class W, int NP, int MR>
+inline void tile_float_kmajor(const typename W::T* w, int64_t K, const float* x, int64_t m0, int64_t m1, int64_t g,
+                              const Epilogue& ep, uint64_t call) {
+  const int64_t pstride = (K / W::S) * W::STEP;
+  const typename W::T* wp = w + g * NP * pstride;
+  const float* xp = pack_row_block<MR>(x, K, m0, m1, call);
+  for (int64_t m = m0; m < m1; m += MR)
+    panel_float<W, MR, NP, false, true>(wp, pstride, xp + (m - m0) * K, 0, K, ep, m, g * NP * 16,
+                                        int(std::min<int64_t>(MR, m1 - m)));
 }
 
 template <int NP, int MRB, bool PF = false>
@@ -637,13 +684,18 @@ void panel_gemm_float(const typename W::T* w, int64_t M, int64_t N, int64_t K, c
       const float* xp = pack_kmajor(x, M, K, Isa::MR_ONEPASS);
       const int64_t pstride = (K / W::S) * W::STEP;
       for_tiles(1, N / 16, 1, nthreads, [&](int64_t, int64_t, int64_t g) {
-        panel_float<W, Isa::MR_ONEPASS, 1, false, true>(w + g * pstride, pstride, xp, 0, K, ep, 0, g * 16,
-                                                         int(M));
+        panel_float<W, Isa::MR_ONEPASS, 1, true, true>(w + g * pstride, pstride, xp, 0, K, ep, 0, g * 16,
+                                                        int(M), tuning().onepass_prefetch);
       });
       return;
     }
   }
-  if ((N / 16) % Isa::NP_BIG == 0) {
+  if ((N / 16) % Isa::NP_BIG == 0 && M > SMALL_M && rows_share_l1_sets(K)) {  // prefill, x packed per row block
+    const uint64_t call = ++pack_calls;
+    for_tiles(M, N / (16 * Isa::NP_BIG), Isa::MC, nthreads, [&](int64_t m0, int64_t m1, int64_t g) {
+      tile_float_kmajor<W, Isa::NP_BIG, Isa::MR_BIG>(w, K, x, m0, m1, g, ep, call);
+    });
+  } else if ((N / 16) % Isa::NP_BIG == 0) {
     const bool pf = small_batch_prefetch(M);
     for_tiles(M, N / (16 * Isa::NP_BIG), Isa::MC, nthreads, [&](int64_t m0, int64_t m1, int64_t g) {
       if (pf) tile_float<W, Isa::NP_BIG, Isa::MR_BIG, PREFETCHING>(w, K, x, m0, m1, g, ep, tuning().small_prefetch);
