@@ -252,6 +252,10 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.kiln_dequant_int4_panel_bf16.argtypes = [ptr, ptr, ptr, i64, i64, i64, ptr, ctypes.c_int]
     lib.kiln_dequant_int4_panel_bf16.restype = ctypes.c_int
     lib.kiln_ops_set_max_m.argtypes = [ctypes.c_int, i64]
+    lib.kiln_causal_attention_available.restype = ctypes.c_int
+    lib.kiln_causal_attention_bf16.argtypes = [ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, ctypes.c_float,
+                                               ctypes.c_int]
+    lib.kiln_causal_attention_bf16.restype = ctypes.c_int
     lib.kiln_block_cache_install.argtypes = [i64, i64]
     lib.kiln_block_cache_install.restype = ctypes.c_int
     lib.kiln_block_cache_stats.argtypes = [ptr]

@@ -11,7 +11,8 @@ CPU kernel: C++ (``plugins/csrc/plugin_ops.cpp``, in the native library, see
 the decode sequences (one work item per sequence and kv head, the group's query heads sharing one
 pass over the context read through the block table, fp32 softmax; only slots inside each context
 are read, so garbage/NaN elsewhere in the pool cannot leak in), with no Python per call; context
-sequences go to ``_context_sequences`` below (SDPA, one call per sequence), except short ones (at most 16 new
+sequences go to ``_context_sequences`` below (one call per sequence: kiln's causal attention kernel where
+:mod:`kiln.plugins.attention` takes the case, else SDPA), except short ones (at most 16 new
 tokens: a speculative decoding verify), which run on the decode kernel, one row per token over its own causal
 prefix of the context. Other cases, and
 ``KILN_DISABLE_NATIVE_KERNELS=1``, run the plain-torch implementation ``_paged_attention_py``.
@@ -31,6 +32,7 @@ import torch
 import torch.nn.functional as F
 
 from kiln.contract import KV_SCALE_BYTES
+from kiln.plugins.attention import causal_attention
 from kiln.plugins.kv_quant import from_pool, is_quantized, to_pool, writable
 from kiln.plugins.native import define_native_op
 
@@ -152,6 +154,11 @@ def _context_one(
     nb = (context_len + block_size - 1) // block_size
     keys = _gather_context(k_pool, block_table[None], nb)[0, :context_len].transpose(0, 1)  # [H, ctx, D]
     values = _gather_context(v_pool, block_table[None], nb)[0, :context_len].transpose(0, 1)
+    if softcap <= 0 and (sliding_window <= 0 or context_len <= sliding_window):
+        out = causal_attention(q, from_pool(keys, q.dtype).transpose(0, 1), from_pool(values, q.dtype).transpose(0, 1),
+                               scale)
+        if out is not None:
+            return out
     if context_len == n and softcap <= 0 and (sliding_window <= 0 or context_len <= sliding_window):
         # A whole prompt (no cached prefix) is plain causal attention: SDPA's causal kernel skips the masked half
         # and builds no [n, n] mask (2.5x faster at 2k tokens than the masked call below).

@@ -111,6 +111,12 @@ void kiln_ops_set_int4_gemm_m(int64_t m);
 int64_t kiln_ops_bf16_gemm_m();
 int kiln_ops_set_bf16_gemm_m(int64_t m);
 
+// attention_kernels.cpp (no torch): causal attention of n new tokens at the end of a ctx-token context, bf16 q
+// [n][Hq][D], k and v [ctx][Hkv][D], out [n][Hq][D] (query i sees keys 0 .. ctx - n + i); needs AVX-512 BF16 and
+// D % 64 == 0, D <= 256. 0 on success, 1 without the ISA, 2 for a shape it does not take.
+int kiln_causal_attention_available();
+int kiln_causal_attention_bf16(const void* q, const void* k, const void* v, void* out, int64_t n, int64_t ctx,
+                               int64_t hq, int64_t hkv, int64_t D, float scale, int nthreads);
 // block_cache.cpp: torch's CPU allocator keeping freed blocks of >= min_bytes (up to cap_bytes in all) for reuse
 // (kiln.plugins.block_cache). install: 0, or 1 when an allocator of a higher priority holds the slot; stats:
 // out[6] = cap, min bytes, cached bytes, cached blocks, hits, misses (1: never installed).

@@ -1,0 +1,75 @@
+"""Causal attention of a prompt chunk over its cached context with kiln's kernel (``csrc/attention_kernels.cpp``).
+
+The context path of paged attention calls :func:`causal_attention` first and falls back to SDPA when it declines
+(None): the kernel takes bf16 q/k/v with head dim 64, 128 or 256, no soft-capping and no active sliding window
+(the caller checks those two), on CPUs with AVX-512 BF16. It is the default where the CPU has no AMX: there
+torch's flash attention runs 73-131 GFLOP/s against the GEMMs' ~700 (Zen 5, docs/benchmarks.md), while with AMX
+it runs 300-500 and stays. ``KILN_ATTENTION=kiln`` or ``=sdpa`` chooses either way on any CPU.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from kiln.plugins import native
+
+__all__ = ["causal_attention", "kernel_route", "set_kernel_route"]
+
+ROUTES = ("auto", "kiln", "sdpa")
+_route: str | None = None
+
+
+def _cpu_has_amx() -> bool:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return "amx_bf16" in line.split()
+    except OSError:
+        pass
+    return False
+
+
+def kernel_route() -> str:
+    """'kiln' when context attention runs kiln's kernel where it can, else 'sdpa' (``KILN_ATTENTION``, default
+    auto: kiln's kernel on CPUs with AVX-512 BF16 and no AMX)."""
+    global _route
+    if _route is None:
+        choice = os.environ.get("KILN_ATTENTION", "auto").strip().lower() or "auto"
+        if choice not in ROUTES:
+            raise ValueError(f"KILN_ATTENTION={choice!r}: choose one of {', '.join(ROUTES)}")
+        _route = ("sdpa" if _cpu_has_amx() else "kiln") if choice == "auto" else choice
+    return _route
+
+
+def set_kernel_route(route: str) -> str:
+    """Set the route ('auto', 'kiln' or 'sdpa'); returns the previous one (tests, benchmarks)."""
+    global _route
+    if route not in ROUTES:
+        raise ValueError(f"attention route {route!r}: choose one of {', '.join(ROUTES)}")
+    old = kernel_route()
+    _route = None if route == "auto" else route
+    if route == "auto":
+        os.environ.pop("KILN_ATTENTION", None)
+    return old
+
+
+def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor | None:
+    """q [n, Hq, D] (the last n tokens of the context), k/v [ctx, Hkv, D] -> [n, Hq, D]: query i attends keys
+    0 .. ctx - n + i. None where the kernel does not take the case (the caller runs SDPA)."""
+    if kernel_route() != "kiln" or q.dtype != torch.bfloat16 or k.dtype != torch.bfloat16 or q.device.type != "cpu":
+        return None
+    n, hq, d = q.shape
+    ctx, hkv, _ = k.shape
+    if d % 64 or d > 256 or hq % hkv or ctx < n or n < 1:
+        return None
+    lib = native.library()
+    if lib is None or not lib.kiln_causal_attention_available():
+        return None
+    q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+    out = torch.empty_like(q)
+    rc = lib.kiln_causal_attention_bf16(q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), n, ctx, hq, hkv, d,
+                                        float(scale), torch.get_num_threads())
+    return out if rc == 0 else None
