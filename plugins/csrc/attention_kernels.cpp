@@ -40,6 +40,9 @@ bool cpu_ok() {
 
 #define KILN_ATTN_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16")))
 
+// k512: the AVX-512 code, entered only where cpu_ok() (the library runs on AVX2-only CPUs too)
+namespace k512 {
+
 // 2^x for x <= 0 (scores minus their running max), relative error ~2e-7; 2^x for x <= -150 is 0.
 KILN_ATTN_TARGET inline __m512 exp2_neg(__m512 x) {
   x = _mm512_max_ps(x, _mm512_set1_ps(-150.0f));
@@ -54,6 +57,8 @@ KILN_ATTN_TARGET inline __m512 exp2_neg(__m512 x) {
   p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
   return _mm512_scalef_ps(p, n);
 }
+
+}  // namespace k512
 
 // k [ctx][Hkv][D] head h -> kp [ctx_pad/16][D/2][16] int32 words (bf16 pairs (d even, d odd) of 16 keys)
 void pack_k(const uint16_t* k, int64_t ctx, int64_t ctx_pad, int64_t hkv, int64_t h, int64_t D, uint32_t* kp) {
@@ -86,6 +91,8 @@ struct Rows {
   uint16_t* out[MR];      // where its output goes (nullptr: a padding row)
   int64_t limit[MR];      // last key the row sees
 };
+
+namespace k512 {
 
 // One micro-block of MR query rows against every key block up to their largest limit.
 KILN_ATTN_TARGET void attend_rows(const Rows& r, const uint32_t* kp, const uint32_t* vp, int64_t D, float scale_log2) {
@@ -176,6 +183,8 @@ KILN_ATTN_TARGET void attend_rows(const Rows& r, const uint32_t* kp, const uint3
   }
 }
 
+}  // namespace k512
+
 }  // namespace
 
 extern "C" {
@@ -220,7 +229,7 @@ int kiln_causal_attention_bf16(const void* q, const void* k, const void* v, void
         rb.out[i] = r0 + i < rows ? o16 + (pos * hq + head) * D : nullptr;
         rb.limit[i] = start + pos;
       }
-      attend_rows(rb, kh, vh, D, scale_log2);
+      k512::attend_rows(rb, kh, vh, D, scale_log2);
     }
   }
   return 0;
