@@ -15,7 +15,7 @@ import torch
 
 from kiln.plugins import native
 
-__all__ = ["causal_attention", "kernel_route", "set_kernel_route"]
+__all__ = ["causal_attention", "kernel_route", "set_kernel_route", "describe"]
 
 ROUTES = ("auto", "kiln", "sdpa")
 _route: str | None = None
@@ -73,3 +73,18 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: f
     rc = lib.kiln_causal_attention_bf16(q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), n, ctx, hq, hkv, d,
                                         float(scale), torch.get_num_threads())
     return out if rc == 0 else None
+
+
+def describe(dtype: str, head_dim: int, softcap: float = 0.0) -> str:
+    """Which attention an engine's context sequences run on this machine (kiln inspect --load)."""
+    if kernel_route() != "kiln":
+        why = "KILN_ATTENTION=sdpa" if os.environ.get("KILN_ATTENTION", "").strip().lower() == "sdpa" else \
+            "this CPU has AMX, where SDPA runs its AMX kernels"
+        return f"torch SDPA ({why})"
+    lib = native.library()
+    if lib is None or not lib.kiln_causal_attention_available():
+        return "torch SDPA (no native kernels or no AVX-512 BF16 on this CPU)"
+    if dtype != "bfloat16" or head_dim % 64 or head_dim > 256 or softcap > 0:
+        return f"torch SDPA (kiln's kernel takes bf16, head dim 64/128/256, no soft-capping; this engine: {dtype}, " \
+               f"head dim {head_dim}{', soft-capped' if softcap > 0 else ''})"
+    return "kiln causal attention kernel (AVX-512 BF16; sliding-window layers past their window: SDPA)"

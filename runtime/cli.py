@@ -67,6 +67,7 @@ def inspect(engine_dir: Path, as_json: bool, show_io: bool, load: bool) -> None:
             data["loaded_memory"] = memory.to_dict()
             data["kernel_tuning"] = native.kernel_tuning()
             data["kernels"] = linear_kernels(engine_dir, _kernel_rows(config))
+            data["context_attention"] = _context_attention(config)
         click.echo(json.dumps(data, indent=2))
         return
     report = read_build_report(engine_dir)
@@ -74,6 +75,7 @@ def inspect(engine_dir: Path, as_json: bool, show_io: bool, load: bool) -> None:
     if memory is not None:
         click.echo("loaded, largest step: " + memory.summary())
         _print_kernels(engine_dir, config)
+        click.echo(f"context attention: {_context_attention(config)}")
     if report and report.get("passes"):
         def stats(v) -> str:
             return "off" if v == "disabled" else ", ".join(f"{a}={b}" for a, b in v.items()
@@ -92,6 +94,13 @@ def inspect(engine_dir: Path, as_json: bool, show_io: bool, load: bool) -> None:
 def _kernel_rows(config) -> dict[str, int]:
     b = config.bounds
     return {"decode": 1, f"batch {b.max_batch_size}": b.max_batch_size, f"prefill {b.max_num_tokens}": b.max_num_tokens}
+
+
+def _context_attention(config) -> str:
+    from kiln.plugins import attention
+
+    m = config.model
+    return attention.describe(config.dtype, m.head_dim, m.attn_logit_softcapping)
 
 
 def _print_kernels(engine_dir: Path, config) -> None:

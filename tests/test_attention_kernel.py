@@ -132,3 +132,12 @@ def test_paged_attention_context_path_uses_it(kernel):
     ref = paged_attention_reference(q.float(), k.float(), v.float(), cache_ref.float(), 0, seq_lens, context_lens,
                                     block_tables, slots, 0.125, 0, 0.0)
     assert (out.float() - ref.float()).abs().max().item() < 0.02
+
+
+def test_describe_names_the_route_and_why(kernel):
+    assert attention.describe("bfloat16", 64).startswith("kiln causal attention kernel")
+    assert "this engine: float32, head dim 64" in attention.describe("float32", 64)
+    assert "head dim 80" in attention.describe("bfloat16", 80)
+    assert "soft-capped" in attention.describe("bfloat16", 256, softcap=50.0)
+    attention.set_kernel_route("sdpa")
+    assert attention.describe("bfloat16", 64).startswith("torch SDPA (")
