@@ -1,8 +1,9 @@
 """Causal attention of a prompt chunk over its cached context with kiln's kernel (``csrc/attention_kernels.cpp``).
 
 The context path of paged attention calls :func:`causal_attention` first and falls back to SDPA when it declines
-(None): the kernel takes bf16 q/k/v with head dim 64, 128 or 256, no soft-capping and no active sliding window
-(the caller checks those two), on CPUs with AVX-512 BF16. It is the default where the CPU has no AMX: there
+(None): the kernel takes bf16 or fp32 q/k/v (bf16: vdpbf16ps products, P rounded to bf16; fp32: FMA, nothing
+rounded below fp32) with head dim 64, 128 or 256, no soft-capping and no active sliding window (the caller checks
+those two), on CPUs with AVX-512 BF16. It is the default where the CPU has no AMX: there
 torch's flash attention runs 73-131 GFLOP/s against the GEMMs' ~700 (Zen 5, docs/benchmarks.md), while with AMX
 it runs 300-500 and stays. ``KILN_ATTENTION=kiln`` or ``=sdpa`` chooses either way on any CPU.
 """
@@ -59,7 +60,9 @@ def set_kernel_route(route: str) -> str:
 def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor | None:
     """q [n, Hq, D] (the last n tokens of the context), k/v [ctx, Hkv, D] -> [n, Hq, D]: query i attends keys
     0 .. ctx - n + i. None where the kernel does not take the case (the caller runs SDPA)."""
-    if kernel_route() != "kiln" or q.dtype != torch.bfloat16 or k.dtype != torch.bfloat16 or q.device.type != "cpu":
+    kernels = {torch.bfloat16: "kiln_causal_attention_bf16", torch.float32: "kiln_causal_attention_f32"}
+    if kernel_route() != "kiln" or q.dtype not in kernels or k.dtype != q.dtype or v.dtype != q.dtype or \
+            q.device.type != "cpu":
         return None
     n, hq, d = q.shape
     ctx, hkv, _ = k.shape
@@ -70,7 +73,7 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: f
         return None
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
     out = torch.empty_like(q)
-    rc = lib.kiln_causal_attention_bf16(q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), n, ctx, hq, hkv, d,
+    rc = getattr(lib, kernels[q.dtype])(q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), n, ctx, hq, hkv, d,
                                         float(scale), torch.get_num_threads())
     return out if rc == 0 else None
 
@@ -84,7 +87,8 @@ def describe(dtype: str, head_dim: int, softcap: float = 0.0) -> str:
     lib = native.library()
     if lib is None or not lib.kiln_causal_attention_available():
         return "torch SDPA (no native kernels or no AVX-512 BF16 on this CPU)"
-    if dtype != "bfloat16" or head_dim % 64 or head_dim > 256 or softcap > 0:
-        return f"torch SDPA (kiln's kernel takes bf16, head dim 64/128/256, no soft-capping; this engine: {dtype}, " \
-               f"head dim {head_dim}{', soft-capped' if softcap > 0 else ''})"
-    return "kiln causal attention kernel (AVX-512 BF16; sliding-window layers past their window: SDPA)"
+    if dtype not in ("bfloat16", "float32") or head_dim % 64 or head_dim > 256 or softcap > 0:
+        return f"torch SDPA (kiln's kernel takes bf16 or fp32, head dim 64/128/256, no soft-capping; this engine: " \
+               f"{dtype}, head dim {head_dim}{', soft-capped' if softcap > 0 else ''})"
+    how = "AVX-512 BF16 dot products" if dtype == "bfloat16" else "AVX-512 fp32 FMA"
+    return f"kiln causal attention kernel ({how}; sliding-window layers past their window: SDPA)"

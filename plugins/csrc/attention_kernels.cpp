@@ -1,4 +1,4 @@
-// Causal attention of a prompt chunk over its sequence's cached context (prefill), bf16, on AVX-512 BF16 (no torch).
+// Causal attention of a prompt chunk over its sequence's cached context (prefill), bf16 or fp32, on AVX-512 (no torch).
 //
 // Why: torch's CPU flash attention (F.scaled_dot_product_attention) runs 73-131 GFLOP/s on a 2-core Zen 5 without
 // AMX, against ~700 for the GEMMs around it, so half of a 1859-token prompt's step was attention
@@ -60,45 +60,83 @@ KILN_ATTN_TARGET inline __m512 exp2_neg(__m512 x) {
 
 }  // namespace k512
 
-// k [ctx][Hkv][D] head h -> kp [ctx_pad/16][D/2][16] int32 words (bf16 pairs (d even, d odd) of 16 keys)
-void pack_k(const uint16_t* k, int64_t ctx, int64_t ctx_pad, int64_t hkv, int64_t h, int64_t D, uint32_t* kp) {
-  const int64_t P = D / 2;
+// The two element types. Bf16: q, k and v bf16, the dot products vdpbf16ps on pairs (a q word is a pair of d; a
+// packed k word a pair of d of one key; a packed v word a pair of keys at one d; P is rounded to bf16 pairs). F32:
+// fp32 throughout, one FMA per d (q, k) or per key (P, v); nothing is rounded below fp32.
+struct Bf16 {
+  using E = uint16_t;   // an element of q, k, v and out
+  using W = uint32_t;   // a step's word: a bf16 pair
+  static constexpr int PACK = 2;
+};
+struct F32 {
+  using E = float;
+  using W = float;
+  static constexpr int PACK = 1;
+};
+
+// k [ctx][Hkv][D] head h -> kp [ctx_pad/16][D/PACK][16] words (16 keys per vector, one word of d per step)
+template <class T>
+void pack_k(const typename T::E* k, int64_t ctx, int64_t ctx_pad, int64_t hkv, int64_t h, int64_t D,
+            typename T::W* kp) {
+  const int64_t S = D / T::PACK;
   for (int64_t j0 = 0; j0 < ctx_pad; j0 += 16)
-    for (int64_t dp = 0; dp < P; ++dp)
+    for (int64_t st = 0; st < S; ++st)
       for (int64_t t = 0; t < 16; ++t) {
         const int64_t j = j0 + t;
-        uint32_t w = 0;
-        if (j < ctx) {
-          const uint16_t* row = k + (j * hkv + h) * D;
-          w = uint32_t(row[2 * dp]) | (uint32_t(row[2 * dp + 1]) << 16);
-        }
-        kp[(j0 / 16 * P + dp) * 16 + t] = w;
+        typename T::W w{};
+        if (j < ctx) std::memcpy(&w, k + (j * hkv + h) * D + st * T::PACK, sizeof(w));
+        kp[(j0 / 16 * S + st) * 16 + t] = w;
       }
 }
 
-// v [ctx][Hkv][D] head h -> vp [ctx_pad/2][D] int32 words (bf16 pairs (key even, key odd) per d)
-void pack_v(const uint16_t* v, int64_t ctx, int64_t ctx_pad, int64_t hkv, int64_t h, int64_t D, uint32_t* vp) {
-  for (int64_t j = 0; j < ctx_pad; j += 2)
+// v [ctx][Hkv][D] head h -> vp [ctx_pad/PACK][D] words (bf16: the pair (key even, key odd) per d; fp32: v's rows)
+template <class T>
+void pack_v(const typename T::E* v, int64_t ctx, int64_t ctx_pad, int64_t hkv, int64_t h, int64_t D,
+            typename T::W* vp) {
+  for (int64_t j = 0; j < ctx_pad; j += T::PACK)
     for (int64_t d = 0; d < D; ++d) {
-      const uint32_t lo = j < ctx ? v[(j * hkv + h) * D + d] : 0;
-      const uint32_t hi = j + 1 < ctx ? v[((j + 1) * hkv + h) * D + d] : 0;
-      vp[(j / 2) * D + d] = lo | (hi << 16);
+      if constexpr (T::PACK == 2) {
+        const uint32_t lo = j < ctx ? v[(j * hkv + h) * D + d] : 0;
+        const uint32_t hi = j + 1 < ctx ? v[((j + 1) * hkv + h) * D + d] : 0;
+        vp[(j / 2) * D + d] = lo | (hi << 16);
+      } else {
+        vp[j * D + d] = j < ctx ? v[(j * hkv + h) * D + d] : 0.0f;
+      }
     }
 }
 
+template <class T>
 struct Rows {
-  const uint32_t* q[MR];  // each row's query as D/2 bf16 pairs
-  uint16_t* out[MR];      // where its output goes (nullptr: a padding row)
-  int64_t limit[MR];      // last key the row sees
+  const typename T::W* q[MR];  // each row's query as D/PACK words
+  typename T::E* out[MR];      // where its output goes (nullptr: a padding row)
+  int64_t limit[MR];           // last key the row sees
 };
 
 namespace k512 {
 
+// acc + w * x: w 16 lanes of words (as loaded), x one word broadcast (bf16: a pair, both products summed)
+template <class T>
+KILN_ATTN_TARGET inline __m512 dot(__m512 acc, __m512 w, typename T::W x) {
+  if constexpr (T::PACK == 2) {
+    int32_t bits;
+    std::memcpy(&bits, &x, 4);
+    return _mm512_dpbf16_ps(acc, (__m512bh)w, (__m512bh)_mm512_set1_epi32(bits));
+  } else {
+    return _mm512_fmadd_ps(w, _mm512_set1_ps(x), acc);
+  }
+}
+
+template <class W>
+KILN_ATTN_TARGET inline __m512 load16(const W* p) { return _mm512_loadu_ps(reinterpret_cast<const float*>(p)); }
+
 // One micro-block of MR query rows against every key block up to their largest limit.
-KILN_ATTN_TARGET void attend_rows(const Rows& r, const uint32_t* kp, const uint32_t* vp, int64_t D, float scale_log2) {
-  const int64_t P = D / 2, DV = D / 16;
+template <class T>
+KILN_ATTN_TARGET void attend_rows(const Rows<T>& r, const typename T::W* kp, const typename T::W* vp, int64_t D,
+                                  float scale_log2) {
+  using W = typename T::W;
+  const int64_t S = D / T::PACK, DV = D / 16;
   alignas(64) float o[MR][256];  // D <= 256
-  alignas(64) uint16_t pbuf[MR][BK];
+  alignas(64) W pbuf[MR][BK / T::PACK];
   float m[MR], l[MR];
   for (int i = 0; i < MR; ++i) {
     m[i] = -INFINITY;
@@ -113,17 +151,16 @@ KILN_ATTN_TARGET void attend_rows(const Rows& r, const uint32_t* kp, const uint3
     __m512 s[MR][KV];
     for (int i = 0; i < MR; ++i)
       for (int t = 0; t < KV; ++t) s[i][t] = _mm512_setzero_ps();
-    const uint32_t* kb = kp + b * KV * P * 16;
-    for (int64_t dp = 0; dp < P; ++dp) {
-      __m512bh kk[KV];
-      for (int t = 0; t < KV; ++t)
-        kk[t] = (__m512bh)_mm512_loadu_si512(kb + (t * P + dp) * 16);
+    const W* kb = kp + b * KV * S * 16;
+    for (int64_t st = 0; st < S; ++st) {
+      __m512 kk[KV];
+      for (int t = 0; t < KV; ++t) kk[t] = load16(kb + (t * S + st) * 16);
       for (int i = 0; i < MR; ++i) {
-        const __m512bh qb = (__m512bh)_mm512_set1_epi32(int(r.q[i][dp]));
-        for (int t = 0; t < KV; ++t) s[i][t] = _mm512_dpbf16_ps(s[i][t], kk[t], qb);
+        const W x = r.q[i][st];
+        for (int t = 0; t < KV; ++t) s[i][t] = dot<T>(s[i][t], kk[t], x);
       }
     }
-    // online softmax per row; P rounded to bf16 for the P V products
+    // online softmax per row (P rounded to bf16 pairs for the bf16 P V products)
     float alpha[MR];
     for (int i = 0; i < MR; ++i) {
       const int64_t visible = r.limit[i] - b * BK + 1;  // keys of this block the row sees (may be <= 0 or > BK)
@@ -148,26 +185,26 @@ KILN_ATTN_TARGET void attend_rows(const Rows& r, const uint32_t* kp, const uint3
       for (int t = 0; t < KV; ++t) {
         const __m512 p = _mm512_maskz_mov_ps(keep[t], exp2_neg(_mm512_sub_ps(s[i][t], _mm512_set1_ps(mnew))));
         sum = _mm512_add_ps(sum, p);
-        _mm256_storeu_si256(reinterpret_cast<__m256i*>(pbuf[i] + 16 * t), (__m256i)_mm512_cvtneps_pbh(p));
+        if constexpr (T::PACK == 2)
+          _mm256_storeu_si256(reinterpret_cast<__m256i*>(pbuf[i] + 8 * t), (__m256i)_mm512_cvtneps_pbh(p));
+        else
+          _mm512_storeu_ps(pbuf[i] + 16 * t, p);
       }
       l[i] = l[i] * alpha[i] + _mm512_reduce_add_ps(sum);
     }
     // o[i] = o[i] * alpha[i] + sum_j p[i][j] v_j, 64 dims (4 vectors) at a time
-    const uint32_t* vb = vp + b * (BK / 2) * D;
+    const W* vb = vp + b * (BK / T::PACK) * D;
     for (int64_t c = 0; c < DV; c += 4) {
       __m512 acc[MR][4];
       for (int i = 0; i < MR; ++i)
         for (int u = 0; u < 4; ++u)
           acc[i][u] = _mm512_mul_ps(_mm512_loadu_ps(o[i] + (c + u) * 16), _mm512_set1_ps(alpha[i]));
-      for (int jp = 0; jp < BK / 2; ++jp) {
-        __m512bh vv[4];
-        for (int u = 0; u < 4; ++u)
-          vv[u] = (__m512bh)_mm512_loadu_si512(vb + jp * D + (c + u) * 16);
+      for (int js = 0; js < BK / T::PACK; ++js) {
+        __m512 vv[4];
+        for (int u = 0; u < 4; ++u) vv[u] = load16(vb + js * D + (c + u) * 16);
         for (int i = 0; i < MR; ++i) {
-          uint32_t pair;
-          std::memcpy(&pair, pbuf[i] + 2 * jp, 4);
-          const __m512bh pb = (__m512bh)_mm512_set1_epi32(int(pair));
-          for (int u = 0; u < 4; ++u) acc[i][u] = _mm512_dpbf16_ps(acc[i][u], vv[u], pb);
+          const W x = pbuf[i][js];
+          for (int u = 0; u < 4; ++u) acc[i][u] = dot<T>(acc[i][u], vv[u], x);
         }
       }
       for (int i = 0; i < MR; ++i)
@@ -177,37 +214,38 @@ KILN_ATTN_TARGET void attend_rows(const Rows& r, const uint32_t* kp, const uint3
   for (int i = 0; i < MR; ++i) {
     if (r.out[i] == nullptr) continue;
     const __m512 inv = _mm512_set1_ps(1.0f / l[i]);
-    for (int64_t c = 0; c < DV; ++c)
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(r.out[i] + c * 16),
-                          (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(_mm512_loadu_ps(o[i] + c * 16), inv)));
+    for (int64_t c = 0; c < DV; ++c) {
+      const __m512 y = _mm512_mul_ps(_mm512_loadu_ps(o[i] + c * 16), inv);
+      if constexpr (T::PACK == 2)
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(r.out[i] + c * 16), (__m256i)_mm512_cvtneps_pbh(y));
+      else
+        _mm512_storeu_ps(r.out[i] + c * 16, y);
+    }
   }
 }
 
 }  // namespace k512
 
-}  // namespace
-
-extern "C" {
-
-int kiln_causal_attention_available() { return cpu_ok() ? 1 : 0; }
-
-int kiln_causal_attention_bf16(const void* q, const void* k, const void* v, void* out, int64_t n, int64_t ctx,
-                               int64_t hq, int64_t hkv, int64_t D, float scale, int nthreads) {
+template <class T>
+int causal_attention(const void* q, const void* k, const void* v, void* out, int64_t n, int64_t ctx, int64_t hq,
+                     int64_t hkv, int64_t D, float scale, int nthreads) {
+  using E = typename T::E;
+  using W = typename T::W;
   if (!cpu_ok()) return 1;
   if (n <= 0 || ctx < n || hkv <= 0 || hq % hkv != 0 || D % 64 != 0 || D > 256) return 2;
-  const int64_t group = hq / hkv, P = D / 2;
+  const int64_t group = hq / hkv, S = D / T::PACK;
   const int64_t ctx_pad = (ctx + BK - 1) / BK * BK;
-  std::vector<uint32_t> kp(size_t(hkv * ctx_pad * P)), vp(size_t(hkv * ctx_pad / 2 * D));
-  const auto* k16 = static_cast<const uint16_t*>(k);
-  const auto* v16 = static_cast<const uint16_t*>(v);
+  std::vector<W> kp(size_t(hkv * ctx_pad * S)), vp(size_t(hkv * ctx_pad / T::PACK * D));
+  const auto* ke = static_cast<const E*>(k);
+  const auto* ve = static_cast<const E*>(v);
   const int nt = std::max(1, nthreads);
 #pragma omp parallel for num_threads(nt) schedule(static)
   for (int64_t h = 0; h < 2 * hkv; ++h) {
-    if (h < hkv) pack_k(k16, ctx, ctx_pad, hkv, h, D, kp.data() + h * ctx_pad * P);
-    else pack_v(v16, ctx, ctx_pad, hkv, h - hkv, D, vp.data() + (h - hkv) * ctx_pad / 2 * D);
+    if (h < hkv) pack_k<T>(ke, ctx, ctx_pad, hkv, h, D, kp.data() + h * ctx_pad * S);
+    else pack_v<T>(ve, ctx, ctx_pad, hkv, h - hkv, D, vp.data() + (h - hkv) * ctx_pad / T::PACK * D);
   }
-  const auto* q32 = static_cast<const uint32_t*>(q);
-  auto* o16 = static_cast<uint16_t*>(out);
+  const auto* qw = static_cast<const W*>(q);
+  auto* oe = static_cast<E*>(out);
   const int64_t start = ctx - n;                 // position of the first new token
   const int64_t qblocks = (n + BQ - 1) / BQ;
   const int64_t tasks = hkv * qblocks;
@@ -218,21 +256,37 @@ int kiln_causal_attention_bf16(const void* q, const void* k, const void* v, void
     const int64_t qb = qblocks - 1 - t / hkv, h = t % hkv;
     const int64_t i0 = qb * BQ, i1 = std::min(n, i0 + BQ);
     const int64_t rows = (i1 - i0) * group;      // row r: position i0 + r / group, head h * group + r % group
-    const uint32_t* kh = kp.data() + h * ctx_pad * P;
-    const uint32_t* vh = vp.data() + h * ctx_pad / 2 * D;
+    const W* kh = kp.data() + h * ctx_pad * S;
+    const W* vh = vp.data() + h * ctx_pad / T::PACK * D;
     for (int64_t r0 = 0; r0 < rows; r0 += MR) {
-      Rows rb;
+      Rows<T> rb;
       for (int i = 0; i < MR; ++i) {
         const int64_t r = std::min(r0 + i, rows - 1);  // padding rows repeat the last row, not stored
         const int64_t pos = i0 + r / group, head = h * group + r % group;
-        rb.q[i] = q32 + (pos * hq + head) * P;
-        rb.out[i] = r0 + i < rows ? o16 + (pos * hq + head) * D : nullptr;
+        rb.q[i] = qw + (pos * hq + head) * S;
+        rb.out[i] = r0 + i < rows ? oe + (pos * hq + head) * D : nullptr;
         rb.limit[i] = start + pos;
       }
-      k512::attend_rows(rb, kh, vh, D, scale_log2);
+      k512::attend_rows<T>(rb, kh, vh, D, scale_log2);
     }
   }
   return 0;
+}
+
+}  // namespace
+
+extern "C" {
+
+int kiln_causal_attention_available() { return cpu_ok() ? 1 : 0; }
+
+int kiln_causal_attention_bf16(const void* q, const void* k, const void* v, void* out, int64_t n, int64_t ctx,
+                               int64_t hq, int64_t hkv, int64_t D, float scale, int nthreads) {
+  return causal_attention<Bf16>(q, k, v, out, n, ctx, hq, hkv, D, scale, nthreads);
+}
+
+int kiln_causal_attention_f32(const void* q, const void* k, const void* v, void* out, int64_t n, int64_t ctx,
+                              int64_t hq, int64_t hkv, int64_t D, float scale, int nthreads) {
+  return causal_attention<F32>(q, k, v, out, n, ctx, hq, hkv, D, scale, nthreads);
 }
 
 }  // extern "C"

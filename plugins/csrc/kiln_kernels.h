@@ -117,6 +117,9 @@ int kiln_ops_set_bf16_gemm_m(int64_t m);
 int kiln_causal_attention_available();
 int kiln_causal_attention_bf16(const void* q, const void* k, const void* v, void* out, int64_t n, int64_t ctx,
                                int64_t hq, int64_t hkv, int64_t D, float scale, int nthreads);
+// The same in fp32 (q, k, v, out fp32; one FMA per d and per key, nothing rounded below fp32).
+int kiln_causal_attention_f32(const void* q, const void* k, const void* v, void* out, int64_t n, int64_t ctx,
+                              int64_t hq, int64_t hkv, int64_t D, float scale, int nthreads);
 // block_cache.cpp: torch's CPU allocator keeping freed blocks of >= min_bytes (up to cap_bytes in all) for reuse
 // (kiln.plugins.block_cache). install: 0, or 1 when an allocator of a higher priority holds the slot; stats:
 // out[6] = cap, min bytes, cached bytes, cached blocks, hits, misses (1: never installed).
