@@ -46,14 +46,13 @@ def kernel_route() -> str:
 
 
 def set_kernel_route(route: str) -> str:
-    """Set the route ('auto', 'kiln' or 'sdpa'); returns the previous one (tests, benchmarks)."""
+    """Set the route ('kiln', 'sdpa', or 'auto': chosen again from ``KILN_ATTENTION`` and the CPU); returns the
+    previous one (tests, benchmarks)."""
     global _route
     if route not in ROUTES:
         raise ValueError(f"attention route {route!r}: choose one of {', '.join(ROUTES)}")
     old = kernel_route()
     _route = None if route == "auto" else route
-    if route == "auto":
-        os.environ.pop("KILN_ATTENTION", None)
     return old
 
 

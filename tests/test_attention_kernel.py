@@ -105,10 +105,11 @@ def test_route_setting(native, monkeypatch):
         with pytest.raises(ValueError, match="choose one of auto, kiln, sdpa"):
             attention.set_kernel_route("fast")
         monkeypatch.setenv("KILN_ATTENTION", "turbo")
-        attention.set_kernel_route("auto")
-        monkeypatch.setenv("KILN_ATTENTION", "turbo")
+        attention.set_kernel_route("auto")  # chosen again, from the environment
         with pytest.raises(ValueError, match="KILN_ATTENTION='turbo'"):
             attention.kernel_route()
+        monkeypatch.setenv("KILN_ATTENTION", "sdpa")
+        assert attention.kernel_route() == "sdpa"
     finally:
         monkeypatch.delenv("KILN_ATTENTION", raising=False)
         attention.set_kernel_route(old)
