@@ -22,15 +22,12 @@ ROUTES = ("auto", "kiln", "sdpa")
 _route: str | None = None
 
 
-def _cpu_has_amx() -> bool:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("flags"):
-                    return "amx_bf16" in line.split()
-    except OSError:
-        pass
-    return False
+_KERNELS = {torch.bfloat16: "kiln_causal_attention_bf16", torch.float32: "kiln_causal_attention_f32"}
+
+
+def _takes(dtype: torch.dtype, head_dim: int) -> bool:
+    """The element types and head dims the kernel has (csrc/attention_kernels.cpp checks the same)."""
+    return dtype in _KERNELS and head_dim % 64 == 0 and head_dim <= 256
 
 
 def kernel_route() -> str:
@@ -41,7 +38,7 @@ def kernel_route() -> str:
         choice = os.environ.get("KILN_ATTENTION", "auto").strip().lower() or "auto"
         if choice not in ROUTES:
             raise ValueError(f"KILN_ATTENTION={choice!r}: choose one of {', '.join(ROUTES)}")
-        _route = ("sdpa" if _cpu_has_amx() else "kiln") if choice == "auto" else choice
+        _route = ("sdpa" if "amx_bf16" in native.cpu_flags() else "kiln") if choice == "auto" else choice
     return _route
 
 
@@ -59,20 +56,17 @@ def set_kernel_route(route: str) -> str:
 def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor | None:
     """q [n, Hq, D] (the last n tokens of the context), k/v [ctx, Hkv, D] -> [n, Hq, D]: query i attends keys
     0 .. ctx - n + i. None where the kernel does not take the case (the caller runs SDPA)."""
-    kernels = {torch.bfloat16: "kiln_causal_attention_bf16", torch.float32: "kiln_causal_attention_f32"}
-    if kernel_route() != "kiln" or q.dtype not in kernels or k.dtype != q.dtype or v.dtype != q.dtype or \
-            q.device.type != "cpu":
-        return None
     n, hq, d = q.shape
     ctx, hkv, _ = k.shape
-    if d % 64 or d > 256 or hq % hkv or ctx < n or n < 1:
+    if kernel_route() != "kiln" or not _takes(q.dtype, d) or k.dtype != q.dtype or v.dtype != q.dtype or \
+            q.device.type != "cpu" or hq % hkv or ctx < n or n < 1:
         return None
     lib = native.library()
     if lib is None or not lib.kiln_causal_attention_available():
         return None
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
     out = torch.empty_like(q)
-    rc = getattr(lib, kernels[q.dtype])(q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), n, ctx, hq, hkv, d,
+    rc = getattr(lib, _KERNELS[q.dtype])(q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), n, ctx, hq, hkv, d,
                                         float(scale), torch.get_num_threads())
     return out if rc == 0 else None
 
@@ -86,7 +80,7 @@ def describe(dtype: str, head_dim: int, softcap: float = 0.0) -> str:
     lib = native.library()
     if lib is None or not lib.kiln_causal_attention_available():
         return "torch SDPA (no native kernels or no AVX-512 BF16 on this CPU)"
-    if dtype not in ("bfloat16", "float32") or head_dim % 64 or head_dim > 256 or softcap > 0:
+    if not _takes(getattr(torch, dtype, None), head_dim) or softcap > 0:
         return f"torch SDPA (kiln's kernel takes bf16 or fp32, head dim 64/128/256, no soft-capping; this engine: " \
                f"{dtype}, head dim {head_dim}{', soft-capped' if softcap > 0 else ''})"
     how = "AVX-512 BF16 dot products" if dtype == "bfloat16" else "AVX-512 fp32 FMA"

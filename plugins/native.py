@@ -45,7 +45,7 @@ __all__ = [
     "ABI", "CSRC_DIR", "SOURCES", "HEADERS", "CFLAGS", "LDFLAGS", "LIBRARY_NAME", "PREBUILT",
     "build_key", "library", "native_kernels_available", "set_native_kernels_enabled",
     "native_kernels_disabled", "native_op_ready", "define_native_op", "panel_isa", "set_panel_isa",
-    "kernel_tuning", "describe_kernel",
+    "kernel_tuning", "describe_kernel", "cpu_flags",
 ]
 
 logger = logging.getLogger("kiln.plugins")
@@ -146,15 +146,30 @@ def _warn_once(key: str, msg: str) -> None:
         warnings.warn(msg, RuntimeWarning, stacklevel=4)
 
 
+def cpu_flags() -> frozenset[str]:
+    """The CPU's feature flags as /proc/cpuinfo lists them (empty where it cannot be read); read once."""
+    global _flags
+    if _flags is None:
+        found: frozenset[str] = frozenset()
+        try:
+            with open("/proc/cpuinfo") as f:
+                for line in f:
+                    if line.startswith("flags"):
+                        found = frozenset(line.split(":", 1)[1].split())
+                        break
+        except OSError:
+            pass
+        _flags = found
+    return _flags
+
+
+_flags: frozenset[str] | None = None
+
+
 def _cpu_has_avx2_fma() -> bool:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("flags"):
-                    flags = set(line.split(":", 1)[1].split())
-                    return {"avx2", "fma"} <= flags
-    except OSError:
-        pass
+    flags = cpu_flags()
+    if flags:
+        return {"avx2", "fma"} <= flags
     return torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512")
 
 

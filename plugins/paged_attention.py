@@ -154,12 +154,13 @@ def _context_one(
     nb = (context_len + block_size - 1) // block_size
     keys = _gather_context(k_pool, block_table[None], nb)[0, :context_len].transpose(0, 1)  # [H, ctx, D]
     values = _gather_context(v_pool, block_table[None], nb)[0, :context_len].transpose(0, 1)
-    if softcap <= 0 and (sliding_window <= 0 or context_len <= sliding_window):
+    plain_causal = softcap <= 0 and (sliding_window <= 0 or context_len <= sliding_window)
+    if plain_causal:
         out = causal_attention(q, from_pool(keys, q.dtype).transpose(0, 1), from_pool(values, q.dtype).transpose(0, 1),
                                scale)
         if out is not None:
             return out
-    if context_len == n and softcap <= 0 and (sliding_window <= 0 or context_len <= sliding_window):
+    if context_len == n and plain_causal:
         # A whole prompt (no cached prefix) is plain causal attention: SDPA's causal kernel skips the masked half
         # and builds no [n, n] mask (2.5x faster at 2k tokens than the masked call below).
         out = F.scaled_dot_product_attention(

@@ -117,19 +117,26 @@ inline void panel_float(const typename W::T* w, int64_t pstride, const float* x,
   for (int i = 0; i < rows; ++i) ep.store(m0 + i, n0, &acc[i][0][0], NP * VP, 1.0f);
 }
 
-// x [M][K] -> xp [K][MR] (M <= MR; rows M.. zero), in blocks of 64 k so that the rows are read in order and
-// the block's lines of xp stay in L1. T: float (fp32 x) or int32_t (pairs of bf16 x).
+// rows (<= MR) rows of x [rows][K] -> xp [K][MR] (rows rows.. zero), in blocks of 64 k so that the rows are read in
+// order and the block's lines of xp stay in L1. T: float (fp32 x) or int32_t (pairs of bf16 x).
+template <class T>
+inline void pack_block_kmajor(const T* x, int64_t rows, int64_t K, int MR, T* xp) {
+  for (int64_t k0 = 0; k0 < K; k0 += 64) {
+    const int64_t k1 = std::min(K, k0 + 64);
+    for (int64_t i = 0; i < rows; ++i)
+      for (int64_t k = k0; k < k1; ++k) xp[k * MR + i] = x[i * K + k];
+    for (int64_t i = rows; i < MR; ++i)
+      for (int64_t k = k0; k < k1; ++k) xp[k * MR + i] = T(0);
+  }
+}
+
+// x [M][K] (M <= MR) packed into this thread's buffer.
 template <class T>
 inline const T* pack_kmajor(const T* x, int64_t M, int64_t K, int MR) {
   thread_local std::vector<T> buf;
-  buf.assign(size_t(MR * K), T(0));
-  T* xp = buf.data();
-  for (int64_t k0 = 0; k0 < K; k0 += 64) {
-    const int64_t k1 = std::min(K, k0 + 64);
-    for (int64_t i = 0; i < M; ++i)
-      for (int64_t k = k0; k < k1; ++k) xp[k * MR + i] = x[i * K + k];
-  }
-  return xp;
+  buf.resize(size_t(MR * K));
+  pack_block_kmajor(x, M, K, MR, buf.data());
+  return buf.data();
 }
 
 // ---- int path (int8 weights) ---------------------------------------------------------------------------
@@ -313,15 +320,8 @@ inline const float* pack_row_block(const float* x, int64_t K, int64_t m0, int64_
   const int64_t blocks = (m1 - m0 + MR - 1) / MR;
   buf.resize(size_t(blocks * K * MR));
   for (int64_t b = 0; b < blocks; ++b) {
-    float* xp = buf.data() + b * K * MR;
-    const int64_t r0 = m0 + b * MR, rows = std::min<int64_t>(MR, m1 - r0);
-    for (int64_t k0 = 0; k0 < K; k0 += 64) {  // 64 k at a time: the block's lines of xp stay in L1
-      const int64_t k1 = std::min(K, k0 + 64);
-      for (int64_t i = 0; i < rows; ++i)
-        for (int64_t k = k0; k < k1; ++k) xp[k * MR + i] = x[(r0 + i) * K + k];
-      for (int64_t i = rows; i < MR; ++i)
-        for (int64_t k = k0; k < k1; ++k) xp[k * MR + i] = 0.0f;
-    }
+    const int64_t r0 = m0 + b * MR;
+    pack_block_kmajor(x + r0 * K, std::min<int64_t>(MR, m1 - r0), K, MR, buf.data() + b * K * MR);
   }
   packed_call = call;
   packed_m0 = m0;
