@@ -735,7 +735,8 @@ def test_launcher_tells_a_stalled_unload_from_streams_still_running(server, tmp_
     client = StreamClient(server.grpc)
     client.send("long", request(PROMPTS[0], LONG, stream=tensor(True, np.bool_), end_id=tensor(-1, np.int32)))
     try:
-        wait_for(lambda: watch.requests_in_flight() == 1, what="the stream counted in flight")
+        # the first step of a stream waits behind the other xdist worker on 2 cores: a wide timeout
+        wait_for(lambda: watch.requests_in_flight() == 1, timeout=60.0, what="the stream counted in flight")
         assert not watch.unload_stalled(0)   # the stream holds the model: Triton waits for it, rightly
     finally:
         client.close(cancel=True)

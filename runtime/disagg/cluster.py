@@ -245,13 +245,6 @@ class ClusterExecutor:
         d.send("import", rid, f.ids, f.params, f.priority, f.arrival, f.prompt, meta, w.uid, tag)
         w.send("send", rid, d.uid, tag)
 
-    def _on_sent(self, w: PoolWorker, rid: str, nbytes: int, seconds: float) -> None:
-        with self._lock:
-            self.transfer["transfers"] += 1
-            self.transfer["bytes"] += nbytes
-            self.transfer["seconds"] += seconds
-        self.metrics.observe("kv_transfer_time", seconds)
-
     def _on_send_failed(self, w: PoolWorker, rid: str, error: str) -> None:
         with self._lock:
             self.transfer["failed"] += 1
@@ -261,7 +254,14 @@ class ClusterExecutor:
             self._fail(f, f"the KV transfer from prefill worker {w.index} failed: {error}")
 
     def _on_received(self, w: PoolWorker, rid: str, nbytes: int, seconds: float) -> None:
-        pass   # the sender's side is the one counted (bytes and time of each transfer)
+        """A transfer landed: counted from the receiver's report, which reaches this frontend before the request's
+        outputs (one pipe, in order), so the stats after a request ends include its transfer. The time is the
+        decode side's wait for the blocks, from posting the receive to holding them."""
+        with self._lock:
+            self.transfer["transfers"] += 1
+            self.transfer["bytes"] += nbytes
+            self.transfer["seconds"] += seconds
+        self.metrics.observe("kv_transfer_time", seconds)
 
     def _on_ended(self, w: PoolWorker, rid: str, out: RequestOutput) -> None:
         f = self._flights.get(rid)

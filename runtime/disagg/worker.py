@@ -14,12 +14,13 @@ tag)``, ``("drop", rid)``, ``("abort", rid)``, ``("peer", uid)`` (build the KV p
 prefill -> frontend: ``("kv_events", [(cached, hash), ...])`` (what its prefix cache cached and evicted, in
 order: with the stats, and before each ``prefilled``; ``kiln.runtime.disagg.router``),
 ``("prefilled", rid, ImportMeta)`` (its first token is out, its blocks are held),
-``("sent", rid, nbytes, seconds)`` / ``("send_failed", rid, error)``, ``("ended", rid, RequestOutput)`` (ended
+``("send_failed", rid, error)``, ``("ended", rid, RequestOutput)`` (ended
 before its blocks were exported: aborted or failed), ``("rejected", rid, error)``.
 frontend -> decode: ``("import", rid, ids, params, priority, arrival, prompt, ImportMeta, prefill_uid, tag)``,
 ``("abort", rid)``, ``("peer", uid)``, ``("forget", uid)``, ``("stop",)``.
-decode -> frontend: ``("out", rid, RequestOutput)`` (every output, the final one included), ``("received", rid,
-nbytes, seconds)``, ``("rejected", rid, error)``.
+decode -> frontend: ``("received", rid, nbytes, seconds)`` (the transfer is in: on this pipe before any of the
+request's outputs, so a request's transfer is counted before its end is seen), ``("out", rid, RequestOutput)``
+(every output, the final one included), ``("rejected", rid, error)``.
 Both: ``("stats", dict)`` every STATS_INTERVAL_S (the frontend's liveness check too).
 
 The worker exits when the frontend is gone (the connection closes; or, when started by it, its pid changes).
@@ -146,10 +147,9 @@ class Worker:
         self._lane(decode_uid).put(rid, blocks, tag)
 
     def _sent(self, rid, result, seconds) -> None:
+        """(A success is the decode side's to report: its report comes before the request's outputs.)"""
         if isinstance(result, BaseException):
             self.chan.send("send_failed", rid, f"{type(result).__name__}: {result}")
-        else:
-            self.chan.send("sent", rid, result.nbytes, seconds)
 
     # ---- decode ---------------------------------------------------------------------------------------
     def import_(self, rid, ids, params, priority, arrival, prompt, meta, prefill_uid, tag) -> None:
