@@ -465,13 +465,20 @@ def _recommend_budget(st: dict, a: float, per_token: float, bounds, workload: Wo
     d = max(1, round(decodes))
     tb = recommend_token_budget(a, per_token, block=bounds.tokens_per_block, engine_max=bounds.max_num_tokens,
                                 decodes=d, prompt_p95=workload.prompt["p95"], slo_ttft_s=slo_ttft_p95,
-                                slo_tpot_s=slo_tpot_p95)
+                                slo_tpot_s=slo_tpot_p95, max_batch_size=st.get("max_batch_size", {}).get("value"))
     st["max_num_tokens"] = _v(tb.max_num_tokens, f"step time {a * 1e3:.1f} ms + {per_token * 1e3:.3f} ms/token: "
                                                  f"{tb.reason}; block-aligned, at most the engine's "
                                                  f"{bounds.max_num_tokens}", "tokens")
-    st["prefill_chunk"] = _v(tb.prefill_chunk, f"max_num_tokens less the {d} decodes running at {where} (Little's "
-                                               "law: rate x (output - 1) x t_step; decodes go first in a step)",
-                             "tokens")
+    if tb.decoding_max_num_tokens is not None:
+        st["decoding_max_num_tokens"] = _v(tb.decoding_max_num_tokens, f"the TPOT target {slo_tpot_p95 * 1e3:.0f} ms: a "
+                                           "step that carries decodes is at most this long; steps with none take "
+                                           "max_num_tokens", "tokens")
+    st["prefill_chunk"] = _v(tb.prefill_chunk, f"{'decoding_' if tb.decoding_max_num_tokens else ''}max_num_tokens "
+                                               f"less the {d} decodes running at {where} (Little's law: rate x "
+                                               "(output - 1) x t_step; decodes go first in a step)", "tokens")
+    if tb.short_prompt_lead_s is not None:
+        st["short_prompt_lead_s"] = _v(tb.short_prompt_lead_s, "the TTFT target: a longest prompt lets shorter ones "
+                                       "that arrive within it go first (shortest-first within that window)", "s")
 
 
 def format_plan(p: dict) -> str:

@@ -4,15 +4,21 @@ A step costs ``t(n) = a + b n`` (``a``: reading the weights once, ``b``: the com
 roofline or the fit ``kiln bench`` measures). The budget trades three things:
 
 * a step whose budget a prefill chunk fills delays every decode in it: ``a + b N`` is the longest step a decoding
-  request sees, so with a TPOT target ``N <= (TPOT - a) / b`` keeps even that step within it;
+  request sees, so with a TPOT target ``N <= (TPOT - a) / b`` keeps even that step within it. That bound is
+  ``decoding_max_num_tokens``, the budget of steps that carry decodes; a step with none keeps the full budget;
 * a prompt of ``P`` tokens takes ``ceil(P / C)`` steps with chunks of ``C = N - decodes`` tokens, each paying ``a``
   besides its ``b C``: with a TTFT target the chunks of the p95 prompt must fit it, ``P b + ceil(P / C) (a + b D) <=
   TTFT`` (``D`` decodes ride along in each chunk's step);
 * a step's fixed cost should stay a small share of a full step (``a <= 10% of a + b N``, ``N >= 9 a / b``) so that
   prefill runs near the machine's FLOP rate.
 
-The TPOT bound wins when they conflict (it holds for every request; the TTFT bound is the p95 prompt's), and the
-budget is block-aligned, at least one block plus one token per decoding sequence and at most the engine's bound.
+``max_num_tokens`` is the larger of the last two bounds, block-aligned, at least one block plus one token per
+decoding sequence and at most the engine's bound; ``decoding_max_num_tokens`` is the TPOT bound where it is
+smaller (block-aligned, at least ``max_batch_size - 1`` plus a block, what the executor accepts).
+
+The queue order: with a TTFT target, ``short_prompt_lead_s`` = that target, so a prompt of the engine's longest
+input lets shorter ones that arrive within one TTFT target after it go first (the short ones then meet the target
+instead of queueing behind long prefills; the long one is delayed by at most that much).
 """
 
 from __future__ import annotations
@@ -34,11 +40,13 @@ class TokenBudget:
     ttft_min: int | None
     tpot_max: int | None
     reason: str
+    decoding_max_num_tokens: int | None = None
+    short_prompt_lead_s: float | None = None
 
 
 def recommend_token_budget(step_fixed_s: float, per_token_s: float, *, block: int, engine_max: int, decodes: int,
                            prompt_p95: float, slo_ttft_s: float | None = None,
-                           slo_tpot_s: float | None = None) -> TokenBudget:
+                           slo_tpot_s: float | None = None, max_batch_size: int | None = None) -> TokenBudget:
     """The per-step token budget for a step time ``a + b n`` (see the module docstring)."""
     if step_fixed_s <= 0 or per_token_s <= 0:
         raise ValueError(f"the step-time fit needs a > 0 and b > 0 (got a={step_fixed_s}, b={per_token_s}); measure "
@@ -64,13 +72,23 @@ def recommend_token_budget(step_fixed_s: float, per_token_s: float, *, block: in
         tpot_max = max(0, math.floor((slo_tpot_s - a) / b))
         reasons.append(f"a full step stays within TPOT {slo_tpot_s * 1e3:.0f} ms up to {tpot_max} tokens")
     want = cdiv_block(max(amortized, ttft_min or 0), block)   # the lower bounds, rounded up to a block
-    if tpot_max is not None and want > tpot_max:
-        reasons.append("the TPOT bound wins")
-        want = tpot_max // block * block
     n = min(engine_max, max(floor, want))
     if n == engine_max and want > engine_max:
         reasons.append(f"capped at the engine's max_num_tokens {engine_max} (rebuild with a larger one to raise it)")
-    return TokenBudget(n, max(0, n - decodes), amortized, ttft_min, tpot_max, "; ".join(reasons))
+    decoding = None
+    if tpot_max is not None and tpot_max < n:
+        least = max(floor, (max_batch_size or decodes + 1) - 1 + block)
+        decoding = max(least, tpot_max // block * block)
+        if decoding < n:
+            raised = "" if decoding <= tpot_max else f", raised to the {least} a full batch of decodes needs"
+            reasons.append(f"steps that carry decodes take at most {decoding} tokens (decoding_max_num_tokens: the "
+                           f"TPOT bound{raised}); steps with none take {n}")
+        else:
+            reasons.append(f"a full batch of decodes needs {least} tokens beside a block of prefill, not below "
+                           f"{n}: steps with decodes keep max_num_tokens")
+            decoding = None
+    return TokenBudget(n, max(0, (decoding or n) - decodes), amortized, ttft_min, tpot_max, "; ".join(reasons),
+                       decoding, slo_ttft_s)
 
 
 def cdiv_block(n: int, block: int) -> int:

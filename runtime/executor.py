@@ -107,6 +107,14 @@ class ExecutorConfig:
         "help": "Most sequences per step; at most the engine's bound (default: the engine's)."})
     max_num_tokens: int | None = field(default=None, metadata={
         "help": "Most tokens per step; at most the engine's bound (default: the engine's)."})
+    decoding_max_num_tokens: int | None = field(default=None, metadata={
+        "help": "Most tokens per step while some sequence decodes (default: max_num_tokens): prefill chunks beside "
+                "decodes are capped so that the steps a decoding request waits through (its TPOT) stay short; a "
+                "step with no decode still takes max_num_tokens. At least max_batch_size - 1 + one KV block."})
+    short_prompt_lead_s: float = field(default=0.0, metadata={
+        "help": "Seconds of queue place a prompt of the engine's max_input_len gives up to shorter ones (linear "
+                "in its length): short prompts arriving up to that long after a long one go first, so their first "
+                "token waits for their own prefill, not every long one ahead (0: first come, first served)."})
     kv_cache_memory_fraction: float | None = field(default=0.9, metadata={
         "help": "Share of the memory available after the engine is loaded given to the KV pool."})
     max_kv_cache_tokens: int | None = field(default=None, metadata={
@@ -142,11 +150,12 @@ class ExecutorConfig:
 
     def __post_init__(self) -> None:
         c = FieldChecks()
-        for name in ("max_batch_size", "max_num_tokens", "max_kv_cache_tokens"):
+        for name in ("max_batch_size", "max_num_tokens", "decoding_max_num_tokens", "max_kv_cache_tokens"):
             setattr(self, name, c.integer(name, getattr(self, name), 1, optional=True))
         self.kv_cache_memory_fraction = c.number("kv_cache_memory_fraction", self.kv_cache_memory_fraction, 0, 1,
                                                  lo_open=True, optional=True)
         c.choice("capacity_policy", self.capacity_policy, CAPACITY_POLICIES)
+        self.short_prompt_lead_s = c.number("short_prompt_lead_s", self.short_prompt_lead_s, 0, 3600)
         self.batch_max_share = c.number("batch_max_share", self.batch_max_share, 0, 1, lo_open=True)
         self.batch_min_share = c.number("batch_min_share", self.batch_min_share, 0, 1, lo_open=True)
         shares = (self.batch_min_share, self.batch_max_share)
@@ -189,6 +198,7 @@ class ServingLimits:
     num_blocks: int
     kv_plan: str
     available_bytes: int | None
+    decoding_max_num_tokens: int | None = None
 
 
 @dataclass
@@ -218,6 +228,13 @@ def resolve_serving_limits(bounds: EngineBounds, kv_bytes_per_token: int, config
 
     max_batch_size = bound("max_batch_size", config.max_batch_size)
     max_num_tokens = bound("max_num_tokens", config.max_num_tokens)
+    decoding = config.decoding_max_num_tokens
+    if decoding is not None:
+        least = max_batch_size - 1 + bounds.tokens_per_block
+        if decoding < least:
+            raise ConfigError(f"decoding_max_num_tokens={decoding} leaves a step full of decodes no room for a prefill "
+                              f"chunk: give at least max_batch_size - 1 + tokens_per_block = {least}")
+        decoding = None if decoding >= max_num_tokens else decoding
     if config.kv_cache_memory_fraction is None:
         available_bytes = None
     elif available_bytes is None:
@@ -230,7 +247,7 @@ def resolve_serving_limits(bounds: EngineBounds, kv_bytes_per_token: int, config
     if bounds.max_num_blocks and num_blocks > bounds.max_num_blocks:
         num_blocks = bounds.max_num_blocks
         why += f"; capped at the engine's max_num_blocks={num_blocks} (rebuild with a larger one to raise it)"
-    return ServingLimits(max_batch_size, max_num_tokens, num_blocks, why, available_bytes)
+    return ServingLimits(max_batch_size, max_num_tokens, num_blocks, why, available_bytes, decoding)
 
 
 class Executor:
@@ -256,7 +273,7 @@ class Executor:
         self.limits = limits = resolve_serving_limits(b, kv_bytes, config, available)
         sched_config = SchedulerConfig(limits.max_batch_size, limits.max_num_tokens, b.max_seq_len, b.max_input_len,
                                        config.capacity_policy, config.batch_max_share, config.batch_min_share,
-                                       b.max_num_logits)
+                                       b.max_num_logits, limits.decoding_max_num_tokens, config.short_prompt_lead_s)
         num_blocks = limits.num_blocks
         logger.info(limits.kv_plan)
         self.kv_plan = limits.kv_plan

@@ -39,7 +39,7 @@ class Request:
 
     __slots__ = (
         "request_id", "prompt", "prompt_token_ids", "output_token_ids", "all_token_ids", "params", "priority",
-        "arrival_time", "seq", "status", "num_computed_tokens", "block_hashes", "max_tokens",
+        "arrival_time", "rank_time", "seq", "status", "num_computed_tokens", "block_hashes", "max_tokens",
         "metrics", "stop_reason", "logprobs", "generator", "num_prompt_tokens", "eos_token_ids", "grammar",
         "adapter", "cache_salt", "lora_slot", "spec_token_ids",
     )
@@ -57,6 +57,7 @@ class Request:
         self.max_tokens = max_tokens
         self.priority = priority
         self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
+        self.rank_time = self.arrival_time  # its place in the queue (the scheduler adds its prompt's lead)
         self.seq = seq                      # submission order, breaks ties between equal arrivals
         self.status = RequestStatus.WAITING
         self.num_computed_tokens = 0
@@ -87,8 +88,9 @@ class Request:
 
     @property
     def order_key(self) -> tuple:
-        """Scheduling order: higher priority first, then earlier arrival (FCFS)."""
-        return (-self.priority, self.arrival_time, self.seq)
+        """Scheduling order: higher priority first, then earlier ``rank_time`` (the arrival, FCFS, unless the
+        scheduler's short-prompt lead moves long prompts back)."""
+        return (-self.priority, self.rank_time, self.seq)
 
     def append_token(self, token: int) -> None:
         self.output_token_ids.append(token)

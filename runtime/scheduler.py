@@ -15,6 +15,16 @@ Per step, within ``max_batch_size`` sequences and ``max_num_tokens`` tokens:
 2. waiting requests in priority order (higher first, FCFS within a priority), admitted while budget,
    KV blocks and the capacity policy allow; the queue head blocks the rest (no overtaking).
 
+Two knobs shape steps under load (both off by default):
+
+* ``decoding_max_num_tokens``: the budget of a step while some running sequence decodes. A decoding request
+  waits through every step until its next token, so its TPOT is the length of the steps it rides in; prefill
+  chunks beside it are capped to keep them short, while a step with no decode still prefills at full size.
+* ``short_prompt_lead_s``: "arrival" in the order above is ``arrival + lead x prompt / max_input_len``: a prompt
+  of the engine's longest input lets shorter ones that arrived up to ``lead`` seconds after it go first. Short
+  requests then see their first token after their own short prefill, not after every long one queued before
+  them (shortest-first minimises the mean wait), and no long prompt waits more than ``lead`` for later ones.
+
 Chunks of a long prompt end on block boundaries, except the last one.
 
 Batch work (priority ``BATCH_PRIORITY``, the lowest) shares steps with online work by two shares of the token
@@ -75,6 +85,8 @@ class SchedulerConfig:
     batch_max_share: float = 1 / 16     # most of a step's token budget batch requests take with no online work
     batch_min_share: float = 1 / 128    # their credit per step (floor and ceiling) while online work is present
     max_num_logits: int | None = None   # logits rows per step (the engine's bound; speculation's proposals take rows)
+    decoding_max_num_tokens: int | None = None   # the step budget while a sequence decodes (None: max_num_tokens)
+    short_prompt_lead_s: float = 0.0    # seconds of queue place a longest prompt yields to shorter ones
 
 
 @dataclass
@@ -174,6 +186,9 @@ class Scheduler:
         if request.request_id in self.requests:
             raise InvalidRequestError(f"request id {request.request_id!r} is already in use")
         self.requests[request.request_id] = request
+        lead = self.config.short_prompt_lead_s
+        if lead:
+            request.rank_time = request.arrival_time + lead * request.num_prompt_tokens / self.config.max_input_len
         self._enqueue(request)
 
     def add_imported(self, request: Request) -> None:
@@ -273,7 +288,11 @@ class Scheduler:
     # ---- one step -------------------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
         c = self.config
-        step = _Step(c.max_num_tokens, c.max_batch_size, SchedulerOutput(), now=time.monotonic(),
+        budget = c.max_num_tokens
+        if c.decoding_max_num_tokens is not None and budget > c.decoding_max_num_tokens and any(
+                r.num_tokens - r.num_computed_tokens == 1 for r in self.running):
+            budget = c.decoding_max_num_tokens
+        step = _Step(budget, c.max_batch_size, SchedulerOutput(), now=time.monotonic(),
                      logits=c.max_num_logits or c.max_num_tokens)
         self._batch_allowance(step)
         first, later = self.running, []

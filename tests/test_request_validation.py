@@ -11,8 +11,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kiln.contract import ConfigError, InvalidRequestError, option_names, reject_unknown_options
+from kiln.contract import ConfigError, EngineBounds, InvalidRequestError, option_names, reject_unknown_options
 from kiln.runtime import LLM, ExecutorConfig, SamplingParams
+from kiln.runtime.executor import resolve_serving_limits
 from kiln.runtime.prompts import is_single_prompt, prompt_token_ids
 from kiln.runtime.stopping import StopHold, stop_hold
 
@@ -104,6 +105,8 @@ BAD_EXECUTOR = [
     ("seed", 2**64, "seed must be an integer in [0, 2**64)"),
     ("metrics_window", 0, "metrics_window must be an integer >= 1"),
     ("batch_min_share", 0, "batch_min_share must be a finite number in (0, 1]"),
+    ("decoding_max_num_tokens", 0, "decoding_max_num_tokens must be an integer >= 1 or None"),
+    ("short_prompt_lead_s", -1.0, "short_prompt_lead_s must be a finite number in [0, 3600]"),
 ]
 
 
@@ -117,6 +120,21 @@ def test_each_executor_option_is_checked(name, value, message):
 def test_batch_floor_above_its_ceiling_is_refused():
     with pytest.raises(ConfigError, match=r"batch_min_share 0.5 is above batch_max_share 0.25; lower the floor"):
         ExecutorConfig(batch_max_share=0.25, batch_min_share=0.5)
+
+
+def test_decoding_budget_must_leave_a_full_batch_of_decodes_room_for_a_chunk():
+    bounds = EngineBounds(max_batch_size=8, max_num_tokens=64, max_input_len=120, max_seq_len=128,
+                          tokens_per_block=16, max_num_logits=8, max_blocks_per_seq=8)
+    with pytest.raises(ConfigError, match=r"decoding_max_num_tokens=20 leaves .* at least max_batch_size - 1 \+ "
+                                          r"tokens_per_block = 23"):
+        resolve_serving_limits(bounds, 64, ExecutorConfig(decoding_max_num_tokens=20, kv_cache_memory_fraction=None,
+                                                          max_kv_cache_tokens=1024))
+    ok = resolve_serving_limits(bounds, 64, ExecutorConfig(decoding_max_num_tokens=23, kv_cache_memory_fraction=None,
+                                                           max_kv_cache_tokens=1024))
+    assert ok.decoding_max_num_tokens == 23
+    # at or above the step budget it changes nothing
+    assert resolve_serving_limits(bounds, 64, ExecutorConfig(decoding_max_num_tokens=64, kv_cache_memory_fraction=None,
+                                                             max_kv_cache_tokens=1024)).decoding_max_num_tokens is None
 
 
 # ---- prompts ---------------------------------------------------------------------------------------------

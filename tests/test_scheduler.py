@@ -313,3 +313,51 @@ def test_class_counts_follow_every_queue_move(policy):
     assert s.class_counts() == _scanned_counts(s) == dict.fromkeys(_scanned_counts(s), 0)
     if policy == "max_utilization":
         assert moves > 0   # the pool was small enough to exercise preemption
+
+
+def make_with(**knobs) -> Scheduler:
+    """A scheduler with block 4, batch 4, 16 tokens a step, max input 48, and the given SchedulerConfig knobs."""
+    return Scheduler(SchedulerConfig(4, 16, 64, 48, **knobs), KVCacheManager(64, 4, True))
+
+
+def test_decoding_budget_caps_steps_only_while_a_sequence_decodes():
+    s = make_with(decoding_max_num_tokens=8)
+    add(s, 3, 6, "a")
+    out, _ = step(s)
+    assert out.num_tokens == 3                    # a prefilled
+    b = add(s, 40, 2, "b")
+    out, _ = step(s)
+    # a decodes: the step holds 8 tokens, a's 1 + b's block-aligned 4 (not 16 - 1 -> 12)
+    assert [(x.request.request_id, x.num_new_tokens) for x in out.scheduled] == [("b", 4), ("a", 1)]
+    while s.requests.get("a") is not None:
+        out, _ = step(s)
+        assert out.num_tokens <= 8
+    before = b.num_computed_tokens
+    out, _ = step(s)                              # no sequence decodes: the full budget again
+    assert [(x.request.request_id, x.num_new_tokens) for x in out.scheduled] == [("b", 16)]
+    assert b.num_computed_tokens == before + 16
+    drain(s)
+    assert s.kv.num_used_blocks == 0
+
+
+def test_short_prompt_lead_lets_later_short_prompts_go_first_within_the_lead():
+    s = make_with(short_prompt_lead_s=4.0)
+    # a 48-token prompt (the longest input) yields 4 s, a 24-token one 2 s, a 6-token one 0.5 s
+    add(s, 48, 1, "long", arrival=10.0)
+    add(s, 24, 1, "mid", arrival=11.0)            # place 13.0: after "short" (12.5), before "late" (14.1)
+    add(s, 6, 1, "short", arrival=12.0)
+    add(s, 4, 1, "late", arrival=13.8)            # place 14.13: after long's 14.0 (beyond its 4 s lead)
+    assert [r.request_id for r in s.waiting] == ["short", "mid", "long", "late"]
+    assert [r.request_id for r in drain(s)] == ["short", "mid", "long", "late"]
+
+
+def test_short_prompt_lead_stays_under_priorities_and_off_by_default():
+    s = make_with(short_prompt_lead_s=100.0)
+    add(s, 48, 1, "long-hi", priority=5, arrival=1.0)
+    add(s, 4, 1, "short-lo", priority=0, arrival=0.0)
+    add(s, 40, 1, "long-lo", priority=0, arrival=0.5)
+    assert [r.request_id for r in s.waiting] == ["long-hi", "short-lo", "long-lo"]
+    s = make_with()
+    add(s, 48, 1, "long", arrival=1.0)
+    add(s, 4, 1, "short", arrival=2.0)
+    assert [r.request_id for r in s.waiting] == ["long", "short"]   # FCFS
