@@ -126,6 +126,31 @@ def test_chunked_prefill_keeps_outputs(engines):
         assert llm.stats()["counters"]["prefill_tokens_computed"] == sum(len(p) for p in prompts)
 
 
+def test_decoding_budget_and_short_prompt_lead_keep_outputs(engines):
+    """Both scheduling knobs on the real step loop: every step that carries a decode holds at most the decoding
+    budget, a step without one may hold more, and the outputs are transformers' whatever the order."""
+    ckpt, engine = engines["llama"]
+    bounds = engine.config.bounds
+    budget = bounds.max_batch_size - 1 + bounds.tokens_per_block
+    prompts, max_tokens, delays = workload(seed=6, min_len=10, max_len=90)
+    with LLM(engine, decoding_max_num_tokens=budget, short_prompt_lead_s=5.0, enable_prefix_reuse=False) as llm:
+        assert llm.executor.scheduler.config.decoding_max_num_tokens == budget
+        steps = []
+        schedule = llm.executor.scheduler.schedule
+
+        def spy():
+            out = schedule()
+            steps.append((out.num_tokens, out.num_decode_tokens > 0))
+            return out
+
+        llm.executor.scheduler.schedule = spy
+        outs = run_async(llm, prompts, [SamplingParams(temperature=0, max_tokens=m) for m in max_tokens], delays)
+        assert_matches_hf(ckpt, prompts, max_tokens, outs)
+        assert_no_leak(llm)
+    assert all(n <= budget for n, decodes in steps if decodes)
+    assert any(decodes for _, decodes in steps) and max(n for n, _ in steps) > budget
+
+
 def test_prefix_reuse_hits_and_outputs(engines):
     ckpt, engine = engines["llama"]
     rng = random.Random(5)
