@@ -477,8 +477,8 @@ def _recommend_budget(st: dict, a: float, per_token: float, bounds, workload: Wo
                                                f"less the {d} decodes running at {where} (Little's law: rate x "
                                                "(output - 1) x t_step; decodes go first in a step)", "tokens")
     if tb.short_prompt_lead_s is not None:
-        st["short_prompt_lead_s"] = _v(tb.short_prompt_lead_s, "the TTFT target: a longest prompt lets shorter ones "
-                                       "that arrive within it go first (shortest-first within that window)", "s")
+        st["short_prompt_lead_s"] = _v(tb.short_prompt_lead_s, "half the TTFT target: a longest prompt lets shorter "
+                                       "ones that arrive within it go first (shortest-first within that window)", "s")
 
 
 def format_plan(p: dict) -> str:

@@ -90,6 +90,6 @@ def test_kiln_plan_prints_the_budget_and_the_chunk(tmp_path):
     n, chunk = st["max_num_tokens"]["value"], st["prefill_chunk"]["value"]
     decoding = st["decoding_max_num_tokens"]["value"]
     assert 16 <= decoding < n <= 8192 and n % 16 == 0 and decoding % 16 == 0 and 0 < chunk < decoding
-    assert "TPOT" in st["decoding_max_num_tokens"]["source"] and st["short_prompt_lead_s"]["value"] == 2.0
+    assert "TPOT" in st["decoding_max_num_tokens"]["source"] and st["short_prompt_lead_s"]["value"] == 1.0
     for name in ("max_num_tokens", "decoding_max_num_tokens", "prefill_chunk", "short_prompt_lead_s"):
         assert name in r.output
