@@ -45,7 +45,7 @@ __all__ = [
     "ABI", "CSRC_DIR", "SOURCES", "HEADERS", "CFLAGS", "LDFLAGS", "LIBRARY_NAME", "PREBUILT",
     "build_key", "library", "native_kernels_available", "set_native_kernels_enabled",
     "native_kernels_disabled", "native_op_ready", "define_native_op", "panel_isa", "set_panel_isa",
-    "kernel_tuning", "describe_kernel", "cpu_flags",
+    "kernel_tuning", "describe_kernel", "cpu_flags", "cpu_info",
 ]
 
 logger = logging.getLogger("kiln.plugins")
@@ -146,24 +146,33 @@ def _warn_once(key: str, msg: str) -> None:
         warnings.warn(msg, RuntimeWarning, stacklevel=4)
 
 
-def cpu_flags() -> frozenset[str]:
-    """The CPU's feature flags as /proc/cpuinfo lists them (empty where it cannot be read); read once."""
-    global _flags
-    if _flags is None:
-        found: frozenset[str] = frozenset()
+def cpu_info() -> dict[str, str]:
+    """The first processor's ``vendor_id``, ``cpu family``, ``model`` and ``flags`` as /proc/cpuinfo gives them
+    (those it cannot read are absent); read once: the one reader of that file."""
+    global _info
+    if _info is None:
+        found: dict[str, str] = {}
         try:
             with open("/proc/cpuinfo") as f:
                 for line in f:
-                    if line.startswith("flags"):
-                        found = frozenset(line.split(":", 1)[1].split())
+                    key, _, value = line.partition(":")
+                    key = key.strip()
+                    if key in ("vendor_id", "cpu family", "model", "flags") and key not in found:
+                        found[key] = value.strip()
+                    if len(found) == 4:
                         break
         except OSError:
             pass
-        _flags = found
-    return _flags
+        _info = found
+    return _info
 
 
-_flags: frozenset[str] | None = None
+def cpu_flags() -> frozenset[str]:
+    """The CPU's feature flags as /proc/cpuinfo lists them (empty where it cannot be read)."""
+    return frozenset(cpu_info().get("flags", "").split())
+
+
+_info: dict[str, str] | None = None
 
 
 def _cpu_has_avx2_fma() -> bool:

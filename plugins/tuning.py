@@ -58,18 +58,9 @@ def current(lib) -> dict[str, int]:
 
 def cpu_signature() -> str:
     """vendor-family-model plus the vector extensions the kernels care about, e.g. ``AuthenticAMD-25-1-avx2``."""
-    info: dict[str, str] = {}
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                key, _, value = line.partition(":")
-                key = key.strip()
-                if key in ("vendor_id", "cpu family", "model", "flags") and key not in info:
-                    info[key] = value.strip()
-                if len(info) == 4:
-                    break
-    except OSError:
-        pass
+    from kiln.plugins.native import cpu_info
+
+    info = cpu_info()
     flags = set(info.get("flags", "").split())
     isa = "avx512vnni" if {"avx512f", "avx512bw", "avx512vl", "avx512_vnni"} <= flags else "avx2"
     return "-".join([info.get("vendor_id", "cpu"), info.get("cpu family", "0"), info.get("model", "0"), isa])

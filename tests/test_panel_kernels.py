@@ -103,8 +103,9 @@ def test_prefill_packing_never_reuses_another_calls_x(isa, k):
 
 
 def _has_amx_bf16() -> bool:
-    with open("/proc/cpuinfo") as f:
-        return "amx_bf16" in f.read().split()
+    from kiln.plugins.native import cpu_flags
+
+    return "amx_bf16" in cpu_flags()
 
 
 def test_bf16_gemm_path_refused_without_amx(native):
