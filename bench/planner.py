@@ -470,9 +470,9 @@ def _recommend_budget(st: dict, a: float, per_token: float, bounds, workload: Wo
                                                  f"{tb.reason}; block-aligned, at most the engine's "
                                                  f"{bounds.max_num_tokens}", "tokens")
     if tb.decoding_max_num_tokens is not None:
-        st["decoding_max_num_tokens"] = _v(tb.decoding_max_num_tokens, f"the TPOT target {slo_tpot_p95 * 1e3:.0f} ms: a "
-                                           "step that carries decodes is at most this long; steps with none take "
-                                           "max_num_tokens", "tokens")
+        why = (f"the TPOT target {slo_tpot_p95 * 1e3:.0f} ms: a step that carries decodes is at most this long; "
+               "steps with none take max_num_tokens")
+        st["decoding_max_num_tokens"] = _v(tb.decoding_max_num_tokens, why, "tokens")
     st["prefill_chunk"] = _v(tb.prefill_chunk, f"{'decoding_' if tb.decoding_max_num_tokens else ''}max_num_tokens "
                                                f"less the {d} decodes running at {where} (Little's law: rate x "
                                                "(output - 1) x t_step; decodes go first in a step)", "tokens")
