@@ -14,9 +14,10 @@ import time
 from collections import Counter
 
 from kiln.bench import disagg
-from kiln.bench.stats import SLO, fit_step_time, goodput, knee, saturation_rate, summary
+from kiln.bench.stats import SLO, goodput, knee, saturation_rate, summary
 from kiln.bench.targets import ABORTED, COMPLETED, FAILED, OUTCOMES, REJECTED, RequestRecord
 from kiln.bench.workload import PromptSynthesizer, Workload
+from kiln.runtime.step_time import fit_step_time
 
 # The client is "behind schedule" when its p99 send lag exceeds this (seconds).
 LAG_LIMIT_S = 0.010

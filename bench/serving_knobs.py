@@ -28,7 +28,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-AMORTIZED_SHARE = 0.10   # the fixed cost's most share of a full step
+from kiln.runtime.step_time import AMORTIZED_SHARE, amortized_budget
 
 
 @dataclass(frozen=True)
@@ -56,7 +56,7 @@ def recommend_token_budget(step_fixed_s: float, per_token_s: float, *, block: in
     a, b = step_fixed_s, per_token_s
     decodes = max(0, int(decodes))
     floor = min(engine_max, cdiv_block(block + decodes, block))
-    amortized = math.ceil((1 - AMORTIZED_SHARE) / AMORTIZED_SHARE * a / b)
+    amortized = amortized_budget(a, b)
     reasons = [f"a step's fixed cost {a * 1e3:.1f} ms is <= {AMORTIZED_SHARE:.0%} of a full step from {amortized} "
                f"tokens (b = {b * 1e3:.3f} ms/token)"]
     ttft_min = None

@@ -99,20 +99,3 @@ def histogram_quantile(buckets: list[tuple[float, float]], q: float) -> float | 
     return prev_le
 
 
-def fit_step_time(rows: list[tuple[float, float, float]]) -> dict | None:
-    """Least-squares fit of engine time = a x steps + b x tokens over (steps, tokens, seconds) rows.
-
-    a is the fixed cost of a step (reading the weights, launching the graph), b the cost of one token
-    (its FLOPs); a per-step record is the row (1, tokens, seconds). None if the rows cannot tell a from b.
-    """
-    if len(rows) < 2:
-        return None
-    x = np.array([[s, t] for s, t, _ in rows], dtype=float)
-    y = np.array([sec for _, _, sec in rows], dtype=float)
-    if np.linalg.matrix_rank(x) < 2:
-        return None
-    (a, b), *_ = np.linalg.lstsq(x, y, rcond=None)
-    pred = x @ np.array([a, b])
-    ss_tot = float(((y - y.mean()) ** 2).sum())
-    r2 = 1.0 - float(((y - pred) ** 2).sum()) / ss_tot if ss_tot > 0 else 1.0
-    return {"step_fixed_s": float(a), "per_token_s": float(b), "rows": len(rows), "r2": r2}

@@ -80,6 +80,7 @@ from kiln.runtime.sampler import Sampler, SamplerOutput
 from kiln.runtime.sampling_params import SamplingParams
 from kiln.runtime.scheduler import CAPACITY_POLICIES, Scheduler, SchedulerConfig, SchedulerOutput
 from kiln.runtime.speculative import NgramProposer, Position, Proposer, SpeculativeConfig
+from kiln.runtime.step_time import StepTimeKnobs
 from kiln.runtime.stopping import stop_by_token
 
 logger = logging.getLogger("kiln.runtime")
@@ -115,6 +116,11 @@ class ExecutorConfig:
         "help": "Seconds of queue place a prompt of the engine's max_input_len gives up to shorter ones (linear "
                 "in its length): short prompts arriving up to that long after a long one go first, so their first "
                 "token waits for their own prefill, not every long one ahead (0: first come, first served)."})
+    schedule_from_step_time: bool = field(default=False, metadata={
+        "help": "Set decoding_max_num_tokens and short_prompt_lead_s from this engine's own step time a + b x tokens, "
+                "fitted from the steps it runs and refitted as it serves: the smallest budget whose fixed cost a is "
+                "<= 10% of a step, and the longest prompt's prefill time (b x max_input_len). A knob given "
+                "explicitly (a lead other than 0) stays as given. stats()['config'] shows the fit and the knobs."})
     kv_cache_memory_fraction: float | None = field(default=0.9, metadata={
         "help": "Share of the memory available after the engine is loaded given to the KV pool."})
     max_kv_cache_tokens: int | None = field(default=None, metadata={
@@ -163,6 +169,7 @@ class ExecutorConfig:
             c.problems.append(f"batch_min_share {self.batch_min_share} is above batch_max_share "
                               f"{self.batch_max_share}; lower the floor or raise the ceiling")
         self.enable_prefix_reuse = c.flag("enable_prefix_reuse", self.enable_prefix_reuse)
+        self.schedule_from_step_time = c.flag("schedule_from_step_time", self.schedule_from_step_time)
         self.seed = c.integer("seed", self.seed, *SEED_RANGE, optional=True)
         self.metrics_window = c.integer("metrics_window", self.metrics_window, 1)
         self.grammar_cache_size = c.integer("grammar_cache_size", self.grammar_cache_size, 1)
@@ -294,6 +301,12 @@ class Executor:
             # not zeroed: a slot is read only by tokens of the adapter written into it (whole rows)
             self.adapter_pool = AdapterPool(engine.allocate_lora_pool(config.max_loras, zeroed=False))
         self.scheduler = Scheduler(sched_config, self.kv, self.adapter_pool)
+        given = {"decoding_max_num_tokens": config.decoding_max_num_tokens is not None,
+                 "short_prompt_lead_s": config.short_prompt_lead_s != 0}
+        self.step_knobs = None   # the knobs the engine's step time sets (schedule_from_step_time)
+        if config.schedule_from_step_time:
+            fixed = frozenset(name for name, yes in given.items() if yes)
+            self.step_knobs = StepTimeKnobs(sched_config, self.block_size, fixed)
         self.sampler = Sampler(self.vocab_size, config.seed)
         self.metrics = RuntimeMetrics(config.metrics_window)
         self.proposer = self._make_proposer(spec, draft)
@@ -552,7 +565,11 @@ class Executor:
             "capacity_policy": self.scheduler.config.capacity_policy,
             "enable_prefix_reuse": self.kv.enable_prefix_reuse,
             "tokens_per_block": self.block_size,
+            "decoding_max_num_tokens": self.scheduler.config.decoding_max_num_tokens,
+            "short_prompt_lead_s": self.scheduler.config.short_prompt_lead_s,
         }
+        if self.step_knobs is not None:
+            snap["config"]["step_time_fit"] = self.step_knobs.as_dict()
         if self.adapter_pool is not None:
             snap["lora"] = {"loaded": self.adapters.names(), **self.adapter_pool.stats()}
         if self.proposer is not None:
@@ -1073,3 +1090,5 @@ class Executor:
             num_waiting=self._num_waiting, num_preempted=len(out.preempted), batch_size=len(out.scheduled),
             prefill_tokens=out.num_prefill_tokens, decode_tokens=out.num_decode_tokens, sampled_tokens=sampled,
             kv_usage=self.kv.usage, prefix_hit_rate=self._kv_stats["hit_rate"]), self._kv_stats, sched.class_counts())
+        if self.step_knobs is not None:
+            self.step_knobs.observe(out.num_tokens, engine_time)

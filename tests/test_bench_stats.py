@@ -7,7 +7,8 @@ import math
 import numpy as np
 import pytest
 
-from kiln.bench.stats import SLO, fit_step_time, goodput, histogram_quantile, knee, saturation_rate, summary
+from kiln.bench.stats import SLO, goodput, histogram_quantile, knee, saturation_rate, summary
+from kiln.runtime.step_time import fit_step_time
 
 DATA = [0.12, 0.5, 0.07, 3.2, 0.9, 0.33, 0.41, 1.7, 0.05, 0.66, 2.4, 0.2]
 

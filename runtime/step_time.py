@@ -1,0 +1,96 @@
+"""This engine's step time ``a + b x tokens``, fitted from the steps it runs, and the scheduling knobs it sets.
+
+``a`` is what every step pays whatever its size (reading the weights, launching the graph), ``b`` the cost of
+one more token (its FLOPs). ``kiln bench`` fits the same line from the same step records, and ``kiln plan``
+turns it into recommendations; the executor, given ``schedule_from_step_time``, refits it as it serves and
+sets two knobs itself (an option the user gave explicitly is left alone):
+
+* ``decoding_max_num_tokens`` = the smallest block-aligned budget whose fixed cost is at most
+  ``AMORTIZED_SHARE`` of the step (``N >= 9 a / b``): steps that carry decodes stay as short as they can while
+  the prefill beside them still runs at >= 90% of the machine's rate. It is at least a full batch of decodes plus
+  a block, and none when that is the whole budget already.
+* ``short_prompt_lead_s`` = ``b x max_input_len``, the prefill time of the longest prompt: a long prompt yields
+  to shorter ones for at most as long as its own prefill takes.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+
+import numpy as np
+
+AMORTIZED_SHARE = 0.10   # the most share of a step its fixed cost may take, for the budget chosen from the fit
+
+
+def fit_step_time(rows: list[tuple[float, float, float]]) -> dict | None:
+    """Least-squares fit of engine time = a x steps + b x tokens over (steps, tokens, seconds) rows.
+
+    a is the fixed cost of a step (reading the weights, launching the graph), b the cost of one token
+    (its FLOPs); a per-step record is the row (1, tokens, seconds). None if the rows cannot tell a from b.
+    """
+    if len(rows) < 2:
+        return None
+    x = np.array([[s, t] for s, t, _ in rows], dtype=float)
+    y = np.array([sec for _, _, sec in rows], dtype=float)
+    if np.linalg.matrix_rank(x) < 2:
+        return None
+    (a, b), *_ = np.linalg.lstsq(x, y, rcond=None)
+    pred = x @ np.array([a, b])
+    ss_tot = float(((y - y.mean()) ** 2).sum())
+    r2 = 1.0 - float(((y - pred) ** 2).sum()) / ss_tot if ss_tot > 0 else 1.0
+    return {"step_fixed_s": float(a), "per_token_s": float(b), "rows": len(rows), "r2": r2}
+
+
+def amortized_budget(step_fixed_s: float, per_token_s: float) -> int:
+    """The fewest tokens a step needs for its fixed cost to be at most AMORTIZED_SHARE of it."""
+    return math.ceil((1 - AMORTIZED_SHARE) / AMORTIZED_SHARE * step_fixed_s / per_token_s)
+
+
+class StepTimeKnobs:
+    """Refits ``a + b x tokens`` over the last ``window`` steps every ``every`` steps and sets the scheduler's
+    knobs from it (see the module docstring). ``config`` is the SchedulerConfig the scheduler reads each step;
+    ``fixed`` names the knobs the user set, which stay as given."""
+
+    MIN_ROWS = 16        # steps before the first fit
+    MIN_SPREAD = 4.0     # the largest step must hold this many times the tokens of the smallest, or a, b are noise
+
+    def __init__(self, config, block: int, fixed: frozenset[str] = frozenset(), window: int = 512,
+                 every: int = 16):
+        self.config = config
+        self.block = block
+        self.fixed = fixed
+        self.every = every
+        self.rows: deque[tuple[int, float]] = deque(maxlen=window)
+        self.fit: dict | None = None
+        self._since = 0
+
+    def observe(self, tokens: int, seconds: float) -> None:
+        """One step's tokens and engine time; refits every ``every`` steps."""
+        if tokens <= 0:
+            return
+        self.rows.append((tokens, seconds))
+        self._since += 1
+        if self._since >= self.every and len(self.rows) >= self.MIN_ROWS:
+            self._since = 0
+            self._refit()
+
+    def _refit(self) -> None:
+        sizes = [t for t, _ in self.rows]
+        if max(sizes) < self.MIN_SPREAD * min(sizes) or max(sizes) - min(sizes) < 2 * self.block:
+            return   # all steps alike: the fixed cost cannot be told from the per-token one
+        fit = fit_step_time([(1.0, t, s) for t, s in self.rows])
+        if fit is None or fit["step_fixed_s"] <= 0 or fit["per_token_s"] <= 0:
+            return
+        self.fit = fit
+        c = self.config
+        if "decoding_max_num_tokens" not in self.fixed:
+            want = -(-amortized_budget(fit["step_fixed_s"], fit["per_token_s"]) // self.block) * self.block
+            n = max(want, c.max_batch_size - 1 + self.block)
+            c.decoding_max_num_tokens = n if n < c.max_num_tokens else None
+        if "short_prompt_lead_s" not in self.fixed:
+            c.short_prompt_lead_s = fit["per_token_s"] * c.max_input_len
+
+    def as_dict(self) -> dict | None:
+        """The fit now (None before the first), for stats()."""
+        return None if self.fit is None else dict(self.fit)

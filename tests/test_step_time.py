@@ -1,0 +1,80 @@
+"""The executor's own step-time fit (schedule_from_step_time): the knobs it sets from a + b x tokens, what it leaves
+alone, and that it runs on the real step loop."""
+
+from __future__ import annotations
+
+import random
+
+from kiln.runtime.scheduler import SchedulerConfig
+from kiln.runtime.step_time import StepTimeKnobs, amortized_budget
+
+
+def config(**kw) -> SchedulerConfig:
+    return SchedulerConfig(max_batch_size=64, max_num_tokens=2048, max_seq_len=2048, max_input_len=2047, **kw)
+
+
+def feed(knobs: StepTimeKnobs, a: float, b: float, sizes, noise: float = 0.0, seed: int = 0) -> None:
+    rng = random.Random(seed)
+    for n in sizes:
+        knobs.observe(n, (a + b * n) * (1 + rng.uniform(-noise, noise)))
+
+
+def test_the_fit_sets_the_decoding_budget_and_the_lead():
+    c = config()
+    knobs = StepTimeKnobs(c, block=16)
+    a, b = 0.012, 0.0005
+    sizes = [1, 3, 8, 2048, 5, 700, 12, 256] * 4
+    feed(knobs, a, b, sizes, noise=0.02)
+    fit = knobs.as_dict()
+    assert abs(fit["step_fixed_s"] - a) < 0.002 and abs(fit["per_token_s"] - b) < 2e-5
+    assert amortized_budget(a, b) == 216
+    assert c.decoding_max_num_tokens in (208, 224, 240)                 # 9 a / b, block-aligned, from a noisy fit
+    assert abs(c.short_prompt_lead_s - b * 2047) < 0.05                 # the longest prompt's prefill time
+
+
+def test_nothing_changes_before_the_steps_can_tell_a_from_b():
+    c = config()
+    knobs = StepTimeKnobs(c, block=16)
+    feed(knobs, 0.012, 0.0005, [8] * 64)                                # one size only: no fit
+    assert knobs.as_dict() is None and c.decoding_max_num_tokens is None and c.short_prompt_lead_s == 0.0
+    feed(knobs, 0.012, 0.0005, [1, 2048] * 4)                           # other sizes, but the refit is every 16 steps
+    assert knobs.as_dict() is None
+    feed(knobs, 0.012, 0.0005, [1, 2048] * 4)                           # the 16th: the window's sizes now differ
+    assert knobs.as_dict() is not None and c.decoding_max_num_tokens is not None
+
+
+def test_given_knobs_stay_and_a_budget_that_would_be_the_whole_step_is_none():
+    c = config(decoding_max_num_tokens=512, short_prompt_lead_s=3.0)
+    knobs = StepTimeKnobs(c, block=16, fixed=frozenset({"decoding_max_num_tokens", "short_prompt_lead_s"}))
+    feed(knobs, 0.012, 0.0005, [1, 2048, 8, 700] * 8)
+    assert knobs.as_dict() is not None
+    assert c.decoding_max_num_tokens == 512 and c.short_prompt_lead_s == 3.0
+    c = config()
+    knobs = StepTimeKnobs(c, block=16)
+    feed(knobs, 0.5, 0.0001, [1, 2048, 8, 700] * 8)                     # 9 a / b = 45000 > 2048: no cap
+    assert c.decoding_max_num_tokens is None and c.short_prompt_lead_s > 0
+    c = config()
+    knobs = StepTimeKnobs(c, block=16)
+    feed(knobs, 0.0001, 0.001, [1, 2048, 8, 700] * 8)                   # 9 a / b ~ 1: a full batch of decodes + a block
+    assert c.decoding_max_num_tokens == 64 - 1 + 16
+
+
+def test_the_executor_fits_its_own_steps(checkpoint_dir):
+    from kiln.runtime import LLM, SamplingParams
+    from runtime_support import get_engine
+
+    engine = get_engine(checkpoint_dir("llama"))
+    rng = random.Random(3)
+    prompts = [[rng.randrange(5, 500) for _ in range(rng.randrange(2, 90))] for _ in range(40)]
+    with LLM(engine, schedule_from_step_time=True) as llm:
+        outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
+        for p in prompts[:8]:   # more steps of other sizes, one prompt at a time
+            llm.generate([p], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
+        cfg = llm.stats()["config"]
+    assert all(len(o.token_ids) == 12 for o in outs)
+    fit = cfg["step_time_fit"]
+    assert fit is not None and fit["step_fixed_s"] > 0 and fit["per_token_s"] > 0
+    bounds = engine.config.bounds
+    assert abs(cfg["short_prompt_lead_s"] - fit["per_token_s"] * bounds.max_input_len) < 1e-9
+    d = cfg["decoding_max_num_tokens"]
+    assert d is None or bounds.max_batch_size - 1 + bounds.tokens_per_block <= d < bounds.max_num_tokens
