@@ -61,6 +61,7 @@ def test_given_knobs_stay_and_a_budget_that_would_be_the_whole_step_is_none():
 
 def test_the_executor_fits_its_own_steps(checkpoint_dir):
     from kiln.runtime import LLM, SamplingParams
+
     from runtime_support import get_engine
 
     engine = get_engine(checkpoint_dir("llama"))
