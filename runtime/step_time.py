@@ -52,11 +52,11 @@ class StepTimeKnobs:
     knobs from it (see the module docstring). ``config`` is the SchedulerConfig the scheduler reads each step;
     ``fixed`` names the knobs the user set, which stay as given."""
 
-    MIN_ROWS = 16        # steps before the first fit
+    MIN_ROWS = 8         # steps before the first fit (a server's first burst should not wait long for it)
     MIN_SPREAD = 4.0     # the largest step must hold this many times the tokens of the smallest, or a, b are noise
 
     def __init__(self, config, block: int, fixed: frozenset[str] = frozenset(), window: int = 512,
-                 every: int = 16):
+                 every: int = 4):
         self.config = config
         self.block = block
         self.fixed = fixed

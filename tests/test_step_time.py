@@ -35,11 +35,14 @@ def test_the_fit_sets_the_decoding_budget_and_the_lead():
 def test_nothing_changes_before_the_steps_can_tell_a_from_b():
     c = config()
     knobs = StepTimeKnobs(c, block=16)
+    feed(knobs, 0.012, 0.0005, [1, 2048, 1])                            # fewer than MIN_ROWS steps: no fit yet
+    assert knobs.as_dict() is None
+    knobs = StepTimeKnobs(c, block=16)
     feed(knobs, 0.012, 0.0005, [8] * 64)                                # one size only: no fit
     assert knobs.as_dict() is None and c.decoding_max_num_tokens is None and c.short_prompt_lead_s == 0.0
-    feed(knobs, 0.012, 0.0005, [1, 2048] * 4)                           # other sizes, but the refit is every 16 steps
+    feed(knobs, 0.012, 0.0005, [1, 2048, 1])                            # other sizes, but the refit is every 4 steps
     assert knobs.as_dict() is None
-    feed(knobs, 0.012, 0.0005, [1, 2048] * 4)                           # the 16th: the window's sizes now differ
+    feed(knobs, 0.012, 0.0005, [2048])                                  # the 4th: the window's sizes now differ
     assert knobs.as_dict() is not None and c.decoding_max_num_tokens is not None
 
 
