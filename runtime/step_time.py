@@ -15,11 +15,13 @@ sets two knobs itself (an option the user gave explicitly is left alone):
 
 from __future__ import annotations
 
+import logging
 import math
 from collections import deque
 
 import numpy as np
 
+logger = logging.getLogger("kiln.runtime")
 AMORTIZED_SHARE = 0.10   # the most share of a step its fixed cost may take, for the budget chosen from the fit
 
 
@@ -63,6 +65,7 @@ class StepTimeKnobs:
         self.every = every
         self.rows: deque[tuple[int, float]] = deque(maxlen=window)
         self.fit: dict | None = None
+        self.fits = 0        # refits so far (the first is logged at INFO, the rest at DEBUG)
         self._since = 0
 
     def observe(self, tokens: int, seconds: float) -> None:
@@ -90,6 +93,11 @@ class StepTimeKnobs:
             c.decoding_max_num_tokens = n if n < c.max_num_tokens else None
         if "short_prompt_lead_s" not in self.fixed:
             c.short_prompt_lead_s = fit["per_token_s"] * c.max_input_len
+        first, self.fits = self.fits == 0, self.fits + 1
+        (logger.info if first else logger.debug)(
+            "step time %.1f ms + %.3f ms/token (%d steps, R^2 %.2f): decoding_max_num_tokens %s, short_prompt_lead_s "
+            "%.2f", fit["step_fixed_s"] * 1e3, fit["per_token_s"] * 1e3, fit["rows"], fit["r2"],
+            c.decoding_max_num_tokens, c.short_prompt_lead_s)
 
     def as_dict(self) -> dict | None:
         """The fit now (None before the first), for stats()."""
