@@ -2,11 +2,12 @@
 // it inside namespace k256 (AVX2) and k512 (AVX-512, its own target), each with its `Isa` traits (V: the
 // float vector of L lanes; widen(p): L numbers of a pool row as floats in the pool's unit; reduce8: the sums
 // of eight vectors as one __m256) and, from plugin_ops.cpp, Pool, row_scale, num, exp8, hsum, prefetch_row,
-// Item, Geometry, Scratch and pool_row in scope.
-// Why tiles: each pool row is widened to fp32 ONCE into a small buffer (L1) and the group's query heads then
-// read floats, so an 8-bit row costs one conversion however many query heads share it (before, every head
-// converted every row again, and e4m3's five-instruction widening made fp8 slower than bf16's two).
-// Rows are padded with zeros to a multiple of L (q too), so any head_dim runs the same vector loops.
+// Item, Geometry, Scratch and row_offsets in scope.
+// Rows: an fp32 pool row whose head_dim is a multiple of L is read in place; any other row is widened to fp32
+// ONCE into a small buffer (L1) and the group's query heads then read floats, so an 8-bit row costs one
+// conversion however many query heads share it. Widened rows are padded with zeros to a multiple of L (q too),
+// so any head_dim runs the same vector loops. Where each position's row lies comes from row_offsets (one pass
+// over the block table, no division per row).
 
 // d numbers of a pool row as floats (the pool's unit) into dst[0, dp), zeros after d
 template <typename KV>
@@ -17,10 +18,19 @@ inline void widen_row(const KV* row, float* dst, int64_t d, int64_t dp) {
   for (; j < dp; ++j) dst[j] = 0.0f;
 }
 
-// acc[c * L ..] += sum over the tile's positions p of w[p] * vb[p][c * L ..] for the NV vectors starting at
-// column c0: even and odd positions in separate registers (2 * NV independent chains)
+// The row at pool + off as dp floats: in place (an fp32 pool, d == dp), else widened into buf.
+template <typename KV>
+inline const float* row_floats(const KV* pool, int64_t off, float* buf, int64_t d, int64_t dp) {
+  if constexpr (std::is_same_v<KV, float>)
+    if (d == dp) return pool + off;
+  widen_row(pool + off, buf, d, dp);
+  return buf;
+}
+
+// acc[c * L ..] += sum over the rows u < n of w[u] * rows[u][c * L ..] for the NV vectors starting at column c0:
+// even and odd rows in separate registers (2 * NV independent chains)
 template <int NV>
-inline void accumulate(float* acc, const float* vb, const float* w, int64_t n, int64_t dp, int64_t c0) {
+inline void accumulate(float* acc, const float* const* rows, const float* w, int64_t n, int64_t c0) {
   typename Isa::V e[NV], o[NV];
   for (int i = 0; i < NV; ++i) {
     e[i] = Isa::load(acc + c0 + i * Isa::L);
@@ -29,8 +39,8 @@ inline void accumulate(float* acc, const float* vb, const float* w, int64_t n, i
   int64_t p = 0;
   for (; p + 2 <= n; p += 2) {
     const typename Isa::V w0 = Isa::set1(w[p]), w1 = Isa::set1(w[p + 1]);
-    const float* r0 = vb + p * dp + c0;
-    const float* r1 = r0 + dp;
+    const float* r0 = rows[p] + c0;
+    const float* r1 = rows[p + 1] + c0;
     for (int i = 0; i < NV; ++i) {
       e[i] = Isa::fma(w0, Isa::load(r0 + i * Isa::L), e[i]);
       o[i] = Isa::fma(w1, Isa::load(r1 + i * Isa::L), o[i]);
@@ -38,7 +48,7 @@ inline void accumulate(float* acc, const float* vb, const float* w, int64_t n, i
   }
   if (p < n) {
     const typename Isa::V w0 = Isa::set1(w[p]);
-    for (int i = 0; i < NV; ++i) e[i] = Isa::fma(w0, Isa::load(vb + p * dp + c0 + i * Isa::L), e[i]);
+    for (int i = 0; i < NV; ++i) e[i] = Isa::fma(w0, Isa::load(rows[p] + c0 + i * Isa::L), e[i]);
   }
   for (int i = 0; i < NV; ++i) Isa::store(acc + c0 + i * Isa::L, Isa::add(e[i], o[i]));
 }
@@ -53,26 +63,26 @@ void attend_item(const Q* q, const KV* kpool, const KV* vpool, Q* out, const Ite
   s.qf.assign(group * dp, 0.0f);
   s.acc.assign(group * dp, 0.0f);
   s.scores.resize(group * len);
-  s.tile.resize(std::max<int64_t>(8, ptile) * dp);
+  s.tile.resize(ptile * dp);
   s.weights.resize(group * ptile);
   s.vscale.resize(ptile);
+  s.rows.resize(ptile);
+  const int64_t* off = row_offsets(it, g, s);
   for (int64_t gi = 0; gi < group; ++gi)
     for (int64_t j = 0; j < d; ++j) s.qf[gi * dp + j] = to_f(q[(it.row * g.hq + g.h * group + gi) * d + j]) * scale;
-  float* kb = s.tile.data();
-  // scores[gi * len + p] = q_gi . k_{lo+p}: eight positions per tile (rows past len stay zero: score 0,
+  const float** rows = s.rows.data();
+  // scores[gi * len + p] = q_gi . k_{lo+p}: eight positions per tile (rows past len are zeros: score 0,
   // not stored), one transpose-reduce instead of eight horizontal sums
+  s.zeros.assign(dp, 0.0f);
   for (int64_t p0 = 0; p0 < len; p0 += 8) {
     const int64_t n = std::min<int64_t>(8, len - p0);
     alignas(32) float ks[8] = {1, 1, 1, 1, 1, 1, 1, 1};
     for (int64_t u = 0; u < n; ++u) {
-      const int64_t pos = it.lo + p0 + u;
-      if (p0 + u + KV_AHEAD < len)  // scattered blocks defeat the hardware prefetcher
-        prefetch_row(pool_row(kpool, it, g, pos + KV_AHEAD), g.kvrow);
-      const KV* kr = pool_row(kpool, it, g, pos);
-      widen_row(kr, kb + u * dp, d, dp);
-      ks[u] = row_scale(kr, d);
+      if (p0 + u + KV_AHEAD < len) prefetch_row(kpool + off[p0 + u + KV_AHEAD], g.kvrow);  // scattered blocks
+      rows[u] = row_floats(kpool, off[p0 + u], s.tile.data() + u * dp, d, dp);
+      ks[u] = row_scale(kpool + off[p0 + u], d);
     }
-    for (int64_t u = n; u < 8; ++u) std::fill(kb + u * dp, kb + (u + 1) * dp, 0.0f);
+    for (int64_t u = n; u < 8; ++u) rows[u] = s.zeros.data();
     const __m256 ksv = _mm256_load_ps(ks);
     for (int64_t gi = 0; gi < group; ++gi) {
       const float* qg = s.qf.data() + gi * dp;
@@ -80,7 +90,7 @@ void attend_item(const Q* q, const KV* kpool, const KV* vpool, Q* out, const Ite
       for (int u = 0; u < 8; ++u) a[u] = Isa::zero();
       for (int64_t j = 0; j < dp; j += L) {
         const typename Isa::V qv = Isa::load(qg + j);
-        for (int u = 0; u < 8; ++u) a[u] = Isa::fma(qv, Isa::load(kb + u * dp + j), a[u]);
+        for (int u = 0; u < 8; ++u) a[u] = Isa::fma(qv, Isa::load(rows[u] + j), a[u]);
       }
       __m256 sc8 = Isa::reduce8(a);
       if constexpr (Pool<KV>::quantized) sc8 = _mm256_mul_ps(sc8, ksv);
@@ -95,12 +105,16 @@ void attend_item(const Q* q, const KV* kpool, const KV* vpool, Q* out, const Ite
   // exact softmax per query head (max, exp, sum)
   for (int64_t gi = 0; gi < group; ++gi) {
     float* sg = s.scores.data() + gi * len;
-    float mx = -std::numeric_limits<float>::infinity();
-    for (int64_t p = 0; p < len; ++p) mx = std::max(mx, sg[p]);
+    __m256 vm = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
+    int64_t p = 0;
+    for (; p + 8 <= len; p += 8) vm = _mm256_max_ps(vm, _mm256_loadu_ps(sg + p));
+    alignas(32) float m8[8];
+    _mm256_store_ps(m8, vm);
+    float mx = *std::max_element(m8, m8 + 8);
+    for (; p < len; ++p) mx = std::max(mx, sg[p]);
     const __m256 vmx = _mm256_set1_ps(mx);
     __m256 vs = _mm256_setzero_ps();
-    int64_t p = 0;
-    for (; p + 8 <= len; p += 8) {
+    for (p = 0; p + 8 <= len; p += 8) {
       const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(sg + p), vmx));
       _mm256_storeu_ps(sg + p, e);
       vs = _mm256_add_ps(vs, e);
@@ -110,19 +124,17 @@ void attend_item(const Q* q, const KV* kpool, const KV* vpool, Q* out, const Ite
       sg[p] = std::exp(sg[p] - mx);
       sum += sg[p];
     }
-    const float inv = 1.0f / sum;
-    for (p = 0; p < len; ++p) sg[p] *= inv;
+    const __m256 inv = _mm256_set1_ps(1.0f / sum);
+    for (p = 0; p + 8 <= len; p += 8) _mm256_storeu_ps(sg + p, _mm256_mul_ps(_mm256_loadu_ps(sg + p), inv));
+    for (; p < len; ++p) sg[p] *= 1.0f / sum;
   }
   // weighted sum of the values, ptile rows at a time (an 8-bit row's weight carries its scale)
-  float* vb = s.tile.data();
   for (int64_t p0 = 0; p0 < len; p0 += ptile) {
     const int64_t n = std::min<int64_t>(ptile, len - p0);
     for (int64_t u = 0; u < n; ++u) {
-      const int64_t pos = it.lo + p0 + u;
-      if (p0 + u + KV_AHEAD < len) prefetch_row(pool_row(vpool, it, g, pos + KV_AHEAD), g.kvrow);
-      const KV* vr = pool_row(vpool, it, g, pos);
-      widen_row(vr, vb + u * dp, d, dp);
-      s.vscale[u] = row_scale(vr, d);
+      if (p0 + u + KV_AHEAD < len) prefetch_row(vpool + off[p0 + u + KV_AHEAD], g.kvrow);
+      rows[u] = row_floats(vpool, off[p0 + u], s.tile.data() + u * dp, d, dp);
+      s.vscale[u] = row_scale(vpool + off[p0 + u], d);
     }
     for (int64_t gi = 0; gi < group; ++gi) {
       float* w = s.weights.data() + gi * ptile;
@@ -130,8 +142,8 @@ void attend_item(const Q* q, const KV* kpool, const KV* vpool, Q* out, const Ite
       for (int64_t u = 0; u < n; ++u) w[u] = Pool<KV>::quantized ? sg[u] * s.vscale[u] : sg[u];
       float* ag = s.acc.data() + gi * dp;
       int64_t c = 0;
-      for (; c + 4 * L <= dp; c += 4 * L) accumulate<4>(ag, vb, w, n, dp, c);
-      for (; c < dp; c += L) accumulate<1>(ag, vb, w, n, dp, c);
+      for (; c + 4 * L <= dp; c += 4 * L) accumulate<4>(ag, rows, w, n, c);
+      for (; c < dp; c += L) accumulate<1>(ag, rows, w, n, c);
     }
   }
   for (int64_t gi = 0; gi < group; ++gi)

@@ -514,15 +514,28 @@ struct Geometry {
   int64_t block_size, slot_stride, block_stride, kvrow, h, d, group, hq;
 };
 
-template <typename KV>
-inline const KV* pool_row(const KV* pool, const Item& it, const Geometry& g, int64_t pos) {
-  return pool + it.table[pos / g.block_size] * g.block_stride + (pos % g.block_size) * g.slot_stride + g.h * g.kvrow;
-}
-
-// Buffers of one thread, reused across its items.
+// Buffers of one thread, reused across its items and calls.
 struct Scratch {
-  std::vector<float> qf, acc, scores, tile, weights, vscale;
+  std::vector<float> qf, acc, scores, tile, weights, vscale, zeros;
+  std::vector<const float*> rows;
+  std::vector<int64_t> offs;
 };
+
+// offs[p]: where the row of position it.lo + p (this item's kv head) starts in a layer's K or V pool, for p < len:
+// the block table read once per block, no division per row.
+inline const int64_t* row_offsets(const Item& it, const Geometry& g, Scratch& s) {
+  s.offs.resize(it.len);
+  int64_t blk = it.lo / g.block_size, o = it.lo % g.block_size;
+  int64_t base = it.table[blk] * g.block_stride + g.h * g.kvrow;
+  for (int64_t p = 0; p < it.len; ++p) {
+    s.offs[p] = base + o * g.slot_stride;
+    if (++o == g.block_size && p + 1 < it.len) {
+      o = 0;
+      base = it.table[++blk] * g.block_stride + g.h * g.kvrow;
+    }
+  }
+  return s.offs.data();
+}
 
 // The vector ISAs of decode attention (decode_attention.h, once per ISA): AVX2 + FMA + F16C everywhere,
 // AVX-512 where kiln_panel_isa() says 512 (the CPU has it and KILN_PANEL_ISA=256 does not force AVX2).
@@ -605,15 +618,17 @@ void decode_attention(const Q* q, const KV* kpool, const KV* vpool, Q* out, cons
   const int64_t items = static_cast<int64_t>(rows.size()) * hkv;
   const int64_t kvrow = d + Pool<KV>::extra;  // one token of one kv head (8-bit: + its scale)
   const int64_t slot_stride = hkv * kvrow;    // one token of one pool (all kv heads)
-  // Threads only when there is enough work: a parallel region costs more than a small decode
-  // (batch 1, short contexts), and much more when the cores are shared.
+  // Threads only when there is enough work: a parallel region costs more than a tiny decode (batch 1, a few dozen
+  // positions). Past that, both cores pay: a decode step's weight stream has evicted the context, so one thread
+  // alone waits on memory (batch 1, context 128, 16 layers: 2^18 -> 2^14 took attention from ~0.9 to ~0.5 ms a step
+  // on Zen 4).
   int64_t work = 0;
   for (size_t n = 0; n < rows.size(); ++n) work += (window > 0 ? std::min<int64_t>(row_ctx[n], window) : row_ctx[n]);
   work *= hkv * (group + 1) * d;
-  const int64_t grain = work < (int64_t(1) << 18) ? std::max<int64_t>(items, 1) : 1;
+  const int64_t grain = work < (int64_t(1) << 14) ? std::max<int64_t>(items, 1) : 1;
   const bool wide = kiln_panel_isa() == 512;
   at::parallel_for(0, items, grain, [&](int64_t i0, int64_t i1) {
-    Scratch scratch;
+    thread_local Scratch scratch;
     for (int64_t i = i0; i < i1; ++i) {
       const int64_t n = i / hkv, h = i % hkv;
       const int64_t s = seqs[n], c = row_ctx[n];  // the positions this query row attends to: [0, c)
