@@ -172,15 +172,18 @@ def test_weight_only_quant(llama, mode, bits):
     assert qshapes == [4 if bits == 8 else 3] * len(qshapes)
     assert len(targets(new, op)) == count_gemms(gm) and len(targets(new, torch.ops.aten.linear.default)) == 0
     assert all(n.args[4] == bits for n in targets(new, op))
-    # the embedding table: int8 rows + a scale per row, gathered and dequantized
+    # the embedding table, gathered and dequantized: int8 rows + a scale per row, or int4 rows (two per byte) + a
+    # scale per group of the engine's group size
     assert stats["quantized_embeddings"] == 1
     tables = [attr(new, n.args[0].target) for n in targets(new, torch.ops.aten.embedding.default)]
-    assert {t.dtype for t in tables} == {torch.int8, torch.float32} and len(tables) == 2
+    assert {t.dtype for t in tables} == {torch.int8 if bits == 8 else torch.uint8, torch.float32} and len(tables) == 2
     assert all(t.shape[0] == cfg.vocab_size for t in tables)
+    widths = sorted(t.shape[1] for t in tables)
+    assert widths == ([1, cfg.hidden_size] if bits == 8 else [cfg.hidden_size // 32, cfg.hidden_size // 2])
     assert stats["weights_bytes_after"] < stats["weights_bytes_before"]
     got, ref = run_steps(new, cfg), run_steps(gm, cfg)
     rel = (got - ref).abs().max() / ref.abs().max()
-    assert rel < (0.05 if bits == 8 else 0.3), rel
+    assert rel < (0.05 if bits == 8 else 0.4), rel   # int4 g32 weights and token table on a tiny random model
     assert (got.argmax(-1) == ref.argmax(-1)).float().mean() >= (0.9 if bits == 8 else 0.5)
 
 
@@ -240,3 +243,21 @@ def test_inline_plugins(llama):
     assert "kiln.paged_attention.default" in targets_after
     assert not any(t.startswith("kiln.") and "paged_attention" not in t for t in targets_after)
     assert "skipped" in inline_plugins.run(copy.deepcopy(gm), PassContext(build=BUILD, model={}))
+
+
+@pytest.mark.parametrize("width, group", [(1024, 128), (160, 32), (96, 32), (32, 32)])
+def test_int4_token_table_dequantizes_exactly(width, group):
+    """The graph ops that dequantize gathered int4 table rows give quantize_int4's reconstruction bit for bit, for
+    widths with whole 64-blocks, a tail, or only a tail."""
+    from torch import fx
+
+    from kiln.builder.passes.weight_only_quant import _dequantize_int4_rows
+    from kiln.plugins import weight_format as fmt
+
+    w = torch.randn(50, width, generator=torch.Generator().manual_seed(width))
+    q, scales = fmt.quantize_int4(w, group)
+    want = (fmt.unpack_int4(q).float().reshape(50, -1, group) * scales[..., None]).reshape(50, width)
+    graph = fx.Graph()
+    graph.output(_dequantize_int4_rows(graph, graph.placeholder("rows"), graph.placeholder("scales"), width, group))
+    got = fx.GraphModule(torch.nn.Module(), graph)(q, scales)
+    assert torch.equal(got, want)

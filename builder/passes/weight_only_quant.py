@@ -9,12 +9,15 @@ line, fp16 group scales), else kiln's plain int4 layout. The experts of ``kiln.m
 way, expert by expert (int4 in the plain layout; the router is not quantized: it stays a float GEMM inside the op).
 
 The token embedding table (decode gathers one row of it per token; 131 MB in fp32 for a 32000 x 1024 table) is
-stored as int8 rows with one fp32 scale per row (``quantize_int8``'s scheme, error <= max|row| / 254) and
-dequantized after the gather: int8 and int4 engines then hold the table in a quarter of the bytes.
+stored quantized and dequantized after the gather. int8 engines: int8 rows with one fp32 scale per row
+(``quantize_int8``'s scheme, error <= max|row| / 254), a quarter of the fp32 bytes. int4 engines: the table in
+``quantize_int4``'s scheme and layout with the engine's group size (as llama.cpp's Q4_0 files hold their token
+table), an eighth of the bytes plus the group scales; a width the group does not divide keeps int8 rows.
 """
 
 from __future__ import annotations
 
+import torch
 from torch import fx
 
 from kiln.builder.passes.common import (
@@ -45,7 +48,6 @@ def run(gm: fx.GraphModule, ctx) -> dict:
     mode = ctx.build.quantization if ctx is not None else "none"
     if mode == "none":
         return {"skipped": "quantization=none"}
-    import torch
 
     fmt = _plugin()
     bits = 8 if mode == "int8_weight_only" else 4
@@ -83,21 +85,20 @@ def run(gm: fx.GraphModule, ctx) -> dict:
         gm.graph.erase_node(node)
         count += 1
     moe_layers = _quantize_experts(gm, fmt, bits, group)
-    embeddings = _quantize_embeddings(gm, fmt)
+    embeddings = _quantize_embeddings(gm, fmt, bits, group)
     prune_unused_attrs(gm)
     return {"quantized_gemms": count, "packed": packed, "quantized_moe_layers": moe_layers, "bits": bits,
             "group_size": group, "quantized_embeddings": embeddings,
             "weights_bytes_before": before_bytes, "weights_bytes_after": weights_bytes(gm)}
 
 
-def _quantize_embeddings(gm: fx.GraphModule, fmt) -> int:
-    """``aten.embedding(table, ids)`` on a float table -> int8 rows gathered, times their gathered scales, in the
-    table's dtype. Returns how many tables were quantized."""
-    import torch
-
+def _quantize_embeddings(gm: fx.GraphModule, fmt, bits: int, group: int) -> int:
+    """``aten.embedding(table, ids)`` on a float table -> quantized rows gathered and dequantized in graph ops, in
+    the table's dtype (int4 where ``bits`` is 4 and ``group`` divides the width, else int8). Returns how many
+    tables were quantized."""
     aten = torch.ops.aten
     done = 0
-    tables: dict[str, tuple[fx.Node, fx.Node]] = {}
+    tables: dict[str, tuple[fx.Node, fx.Node, int]] = {}
     for node in list(gm.graph.nodes):
         if node.op != "call_function" or node.target is not aten.embedding.default:
             continue
@@ -108,16 +109,25 @@ def _quantize_embeddings(gm: fx.GraphModule, fmt) -> int:
         if not w.is_floating_point() or w.dim() != 2:
             continue
         if table.target not in tables:
-            q, scales = fmt.quantize_int8(w.float())
             base = table.target.removesuffix(".weight").removesuffix("_weight")
-            tables[table.target] = (add_weight(gm, f"{base}_q8", q, node),
-                                    add_weight(gm, f"{base}_row_scales", scales[:, None].contiguous(), node))
-        q_node, s_node = tables[table.target]
+            gs = group if bits == 4 and w.shape[1] % group == 0 else 0
+            if gs:
+                q, scales = fmt.quantize_int4(w.float(), gs)
+                q_name, s_name = f"{base}_q4", f"{base}_group_scales"
+            else:
+                q, scales = fmt.quantize_int8(w.float())
+                q_name, s_name, scales = f"{base}_q8", f"{base}_row_scales", scales[:, None].contiguous()
+            tables[table.target] = (add_weight(gm, q_name, q, node), add_weight(gm, s_name, scales, node), gs)
+        q_node, s_node, gs = tables[table.target]
+        ids = node.args[1]
         with gm.graph.inserting_before(node):
-            rows = gm.graph.call_function(aten.embedding.default, (q_node, *node.args[1:]))
-            rows = gm.graph.call_function(aten._to_copy.default, (rows,), {"dtype": torch.float32})
-            scale = gm.graph.call_function(aten.embedding.default, (s_node, *node.args[1:]))
-            out = gm.graph.call_function(aten.mul.Tensor, (rows, scale))
+            rows = gm.graph.call_function(aten.embedding.default, (q_node, ids))
+            scale = gm.graph.call_function(aten.embedding.default, (s_node, ids))
+            if gs:
+                out = _dequantize_int4_rows(gm.graph, rows, scale, w.shape[1], gs)
+            else:
+                rows = gm.graph.call_function(aten._to_copy.default, (rows,), {"dtype": torch.float32})
+                out = gm.graph.call_function(aten.mul.Tensor, (rows, scale))
             if w.dtype != torch.float32:
                 out = gm.graph.call_function(aten._to_copy.default, (out,), {"dtype": w.dtype})
         out.meta.update(node.meta)
@@ -125,6 +135,33 @@ def _quantize_embeddings(gm: fx.GraphModule, fmt) -> int:
         gm.graph.erase_node(node)
         done += 1
     return done
+
+
+def _dequantize_int4_rows(graph: fx.Graph, rows: fx.Node, scales: fx.Node, width: int, gs: int) -> fx.Node:
+    """Graph ops: gathered rows [T, width/2] uint8 in ``quantize_int4``'s layout and their group scales [T, width/gs]
+    -> [T, width] fp32 (``weight_format.unpack_int4`` in ops that every backend lowers: AND, shift, reshape)."""
+    aten = torch.ops.aten
+    call = graph.call_function
+    rows = call(aten._to_copy.default, (rows,), {"dtype": torch.int32})   # ONNX's bitwise ops keep one int type
+    lo = call(aten.bitwise_and.Scalar, (rows, 15))
+    hi = call(aten.bitwise_right_shift.Tensor_Scalar, (rows, 4))
+    nib = call(aten.stack.default, ([lo, hi], -1))                  # [T, width/2, 2]: byte b's low, then high nibble
+    blocks = (width // 64) * 64
+    parts = []
+    if blocks:   # a 64-block's byte 2l + jh holds j = 2jh (low) and 2jh + 1 (high) of elements j * 16 + l
+        head = call(aten.slice.Tensor, (nib, 1, 0, blocks // 2))
+        head = call(aten.reshape.default, (head, [-1, blocks // 64, 16, 4]))
+        head = call(aten.transpose.int, (head, 2, 3))
+        parts.append(call(aten.reshape.default, (head, [-1, blocks])))
+    if width > blocks:   # the tail: plain pairs
+        tail = call(aten.slice.Tensor, (nib, 1, blocks // 2, width // 2))
+        parts.append(call(aten.reshape.default, (tail, [-1, width - blocks])))
+    u = parts[0] if len(parts) == 1 else call(aten.cat.default, (parts, 1))
+    u = call(aten._to_copy.default, (u,), {"dtype": torch.float32})
+    signed = call(aten.sub.Tensor, (u, call(aten.mul.Tensor, (call(aten.ge.Scalar, (u, 8)), 16))))   # 8..15 -> -8..-1
+    grouped = call(aten.reshape.default, (signed, [-1, width // gs, gs]))
+    out = call(aten.mul.Tensor, (grouped, call(aten.unsqueeze.default, (scales, -1))))
+    return call(aten.reshape.default, (out, [-1, width]))
 
 
 def _quantize_experts(gm: fx.GraphModule, fmt, bits: int, group: int) -> int:
