@@ -6,6 +6,7 @@ one native library (:mod:`kiln.plugins.native`); each op also has a plain-torch 
 """
 
 from kiln.plugins.activations import gelu, silu_mul
+from kiln.plugins.argmax import argmax_rows
 from kiln.plugins.collectives import all_gather, all_reduce
 from kiln.plugins.linear import bf16_linear, fp32_linear, weight_only_linear
 from kiln.plugins.lora import lora
@@ -17,6 +18,6 @@ from kiln.plugins.rotary import rotary_embedding
 
 __all__ = [
     "paged_attention", "rms_norm", "fused_add_rms_norm", "rotary_embedding", "silu_mul", "gelu",
-    "weight_only_linear", "bf16_linear", "fp32_linear", "lora", "moe", "all_reduce", "all_gather",
+    "weight_only_linear", "bf16_linear", "fp32_linear", "lora", "moe", "all_reduce", "all_gather", "argmax_rows",
     "native_kernels_available", "native_kernels_disabled", "set_native_kernels_enabled",
 ]

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
+from kiln.plugins.argmax import argmax_rows
 from kiln.runtime.request import Request
 
 
@@ -183,7 +184,7 @@ class Sampler:
         assert B == len(reqs)
         logits, mask_time = self._processed(logits, reqs)
         temps = [r.params.temperature for r in reqs]
-        tokens = logits.argmax(dim=1)
+        tokens = argmax_rows(logits)
         rand_rows = [i for i, t in enumerate(temps) if t > 0]
         if rand_rows:
             rr = reqs if len(rand_rows) == B else [reqs[i] for i in rand_rows]

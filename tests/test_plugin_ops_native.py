@@ -19,7 +19,7 @@ from kiln.plugins.rotary import cos_sin_table, rope_inv_freq, rotary_embedding_r
 
 ops = torch.ops.kiln
 pa = importlib.import_module("kiln.plugins.paged_attention")
-OPS = ["rms_norm", "fused_add_rms_norm", "rotary_embedding", "silu_mul", "gelu", "paged_attention"]
+OPS = ["rms_norm", "fused_add_rms_norm", "rotary_embedding", "silu_mul", "gelu", "paged_attention", "argmax_rows"]
 EXACT = dict(rtol=0, atol=0)
 CLOSE = {torch.float32: dict(atol=1e-5, rtol=1e-5), torch.bfloat16: dict(atol=1e-2, rtol=1e-2)}
 
@@ -207,3 +207,28 @@ def test_native_and_torch_paths_agree():
         torch_out = ops.paged_attention(**{**case, "kv_cache": c2})
     torch.testing.assert_close(native, torch_out, **TOL[torch.float32])
     torch.testing.assert_close(c1, c2, rtol=0, atol=0, equal_nan=True)
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(rows=st.integers(1, 5), width=st.sampled_from([1, 7, 8, 100, 4095, 4097, 9000, 32000]),
+       special=st.sampled_from(["none", "ties", "nan", "neg_inf", "pos_inf"]), seed=st.integers(0, 1000))
+def test_argmax_rows_is_torch_argmax(mode, rows, width, special, seed):
+    """The greedy token of each row, as torch.argmax(dim=1) gives it: the first of equal maxima, the first NaN of a
+    row that has one, index 0 of a row of -inf; across the pieces the kernel splits a row into."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(rows, width, generator=g)
+    picks = torch.randint(0, width, (rows, 3), generator=g)
+    for r in range(rows):
+        if special == "ties":
+            x[r, picks[r]] = x[r].max() + 1
+        elif special == "nan":
+            x[r, picks[r, :2]] = float("nan")
+        elif special == "neg_inf":
+            x[r] = float("-inf")
+        elif special == "pos_inf":
+            x[r, picks[r]] = float("inf")
+    assert torch.equal(ops.argmax_rows(x), x.argmax(dim=1))
+    # a strided view and a bf16 row (the torch path) answer the same
+    wide = torch.randn(rows, 2 * width, generator=g)
+    assert torch.equal(ops.argmax_rows(wide[:, ::2]), wide[:, ::2].argmax(dim=1))
+    assert torch.equal(ops.argmax_rows(x.bfloat16()), x.bfloat16().argmax(dim=1))

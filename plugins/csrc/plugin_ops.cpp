@@ -75,6 +75,13 @@ Tensor silu_mul_py(const Tensor& g, const Tensor& u) {
   return op.call(g, u);
 }
 
+Tensor argmax_rows_py(const Tensor& x) {
+  static auto op = c10::Dispatcher::singleton()
+                       .findSchemaOrThrow("kiln::_argmax_rows_py", "")
+                       .typed<Tensor(const Tensor&)>();
+  return op.call(x);
+}
+
 Tensor gelu_py(const Tensor& x, c10::string_view a) {
   static auto op = c10::Dispatcher::singleton()
                        .findSchemaOrThrow("kiln::_gelu_py", "")
@@ -345,6 +352,79 @@ __attribute__((optimize("fp-contract=off"))) void silu_mul_row(const T* g, const
     const T silu = from_f<T>(x / (1.0f + std::exp(-x)));
     y[j] = from_f<T>(to_f(silu) * to_f(u[j]));
   }
+}
+
+// argmax_rows: [rows, n] fp32 -> int64 [rows], torch.argmax(dim=1)'s answer (the first of equal maxima, the first
+// NaN of a row that has one). A row is split into pieces of at least ARGMAX_PIECE values so that a batch of fewer
+// rows than threads still uses them all (each thread then reads what it wrote as its half of the LM head).
+constexpr int64_t ARGMAX_PIECE = 4096;
+
+struct ArgmaxPiece {
+  float value;
+  int64_t index;
+  bool nan;
+};
+
+// [lo, hi) of p: one pass for the max (and whether a NaN is there), one for the first index that holds it.
+ArgmaxPiece argmax_piece(const float* p, int64_t lo, int64_t hi) {
+  __m256 m = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
+  __m256 unord = _mm256_setzero_ps();
+  int64_t j = lo;
+  for (; j + 8 <= hi; j += 8) {
+    const __m256 v = _mm256_loadu_ps(p + j);
+    m = _mm256_max_ps(m, v);
+    unord = _mm256_or_ps(unord, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+  }
+  alignas(32) float lanes[8];
+  _mm256_store_ps(lanes, m);
+  float mx = *std::max_element(lanes, lanes + 8);
+  bool nan = _mm256_movemask_ps(unord) != 0;
+  for (; j < hi; ++j) {
+    nan |= std::isnan(p[j]);
+    mx = std::max(mx, p[j]);
+  }
+  if (nan) {
+    for (j = lo; j < hi; ++j)
+      if (std::isnan(p[j])) return {p[j], j, true};
+  }
+  const __m256 target = _mm256_set1_ps(mx);
+  for (j = lo; j + 8 <= hi; j += 8) {
+    const int hit = _mm256_movemask_ps(_mm256_cmp_ps(_mm256_loadu_ps(p + j), target, _CMP_EQ_OQ));
+    if (hit) return {mx, j + __builtin_ctz(static_cast<unsigned>(hit)), false};
+  }
+  for (; j < hi; ++j)
+    if (p[j] == mx) return {mx, j, false};
+  return {mx, lo, false};  // every value -inf
+}
+
+Tensor argmax_rows_cpu(const Tensor& x) {
+  if (!enabled() || x.dim() != 2 || x.scalar_type() != at::kFloat || x.size(0) == 0 || x.size(1) == 0)
+    return argmax_rows_py(x);
+  const Tensor xc = x.contiguous();
+  const int64_t rows = xc.size(0), n = xc.size(1);
+  const int64_t threads = at::get_num_threads();
+  const int64_t parts = std::max<int64_t>(1, std::min<int64_t>((threads + rows - 1) / rows, n / ARGMAX_PIECE));
+  const int64_t len = (n + parts - 1) / parts;
+  std::vector<ArgmaxPiece> pieces(rows * parts);
+  const float* p = xc.const_data_ptr<float>();
+  at::parallel_for(0, rows * parts, 1, [&](int64_t i0, int64_t i1) {
+    for (int64_t i = i0; i < i1; ++i) {
+      const int64_t r = i / parts, lo = (i % parts) * len, hi = std::min(n, lo + len);
+      ArgmaxPiece a = argmax_piece(p + r * n, lo, hi);
+      pieces[i] = a;
+    }
+  });
+  Tensor out = at::empty({rows}, x.options().dtype(at::kLong));
+  int64_t* o = out.data_ptr<int64_t>();
+  for (int64_t r = 0; r < rows; ++r) {
+    ArgmaxPiece best = pieces[r * parts];
+    for (int64_t c = 1; c < parts && !best.nan; ++c) {
+      const ArgmaxPiece& a = pieces[r * parts + c];
+      if (a.nan || a.value > best.value) best = a;
+    }
+    o[r] = best.index;
+  }
+  return out;
 }
 
 Tensor silu_mul_cpu(const Tensor& gate, const Tensor& up) {
@@ -763,4 +843,5 @@ TORCH_LIBRARY_IMPL(kiln, CPU, m) {
   m.impl("silu_mul", &silu_mul_cpu);
   m.impl("gelu", &gelu_cpu);
   m.impl("paged_attention", &paged_attention_cpu);
+  m.impl("argmax_rows", &argmax_rows_cpu);
 }
