@@ -1,13 +1,13 @@
-// Decode attention of one (sequence, KV head) work item, written once for a vector ISA: plugin_ops.cpp includes
-// it inside namespace k256 (AVX2) and k512 (AVX-512, its own target), each with its `Isa` traits (V: the
-// float vector of L lanes; widen(p): L numbers of a pool row as floats in the pool's unit; reduce8: the sums
-// of eight vectors as one __m256) and, from plugin_ops.cpp, Pool, row_scale, num, exp8, hsum, prefetch_row,
-// Item, Geometry, Scratch and row_offsets in scope.
+// Decode attention of one work item (a query row's group of query heads over their KV head), written once for a
+// vector ISA:
+// plugin_ops.cpp includes it inside namespace k256 (AVX2) and k512 (AVX-512, its own target), each with its `Isa`
+// traits (V: the float vector of L lanes; widen(p): L numbers of a pool row as floats in the pool's unit; reduce8:
+// the sums of eight vectors as one __m256) and, from plugin_ops.cpp, Pool, row_scale, num, exp8, hsum,
+// prefetch_row, Item, Geometry, Scratch and row_offsets in scope.
 // Rows: an fp32 pool row whose head_dim is a multiple of L is read in place; any other row is widened to fp32
 // ONCE into a small buffer (L1) and the group's query heads then read floats, so an 8-bit row costs one
 // conversion however many query heads share it. Widened rows are padded with zeros to a multiple of L (q too),
-// so any head_dim runs the same vector loops. Where each position's row lies comes from row_offsets (one pass
-// over the block table, no division per row).
+// so any head_dim runs the same vector loops.
 
 // d numbers of a pool row as floats (the pool's unit) into dst[0, dp), zeros after d
 template <typename KV>
@@ -53,6 +53,33 @@ inline void accumulate(float* acc, const float* const* rows, const float* w, int
   for (int i = 0; i < NV; ++i) Isa::store(acc + c0 + i * Isa::L, Isa::add(e[i], o[i]));
 }
 
+// sg[0, len) -> softmax(sg) in place (max, exp, sum, normalize; fp32)
+inline void softmax_row(float* sg, int64_t len) {
+  __m256 vm = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
+  int64_t p = 0;
+  for (; p + 8 <= len; p += 8) vm = _mm256_max_ps(vm, _mm256_loadu_ps(sg + p));
+  alignas(32) float m8[8];
+  _mm256_store_ps(m8, vm);
+  float mx = *std::max_element(m8, m8 + 8);
+  for (; p < len; ++p) mx = std::max(mx, sg[p]);
+  const __m256 vmx = _mm256_set1_ps(mx);
+  __m256 vs = _mm256_setzero_ps();
+  for (p = 0; p + 8 <= len; p += 8) {
+    const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(sg + p), vmx));
+    _mm256_storeu_ps(sg + p, e);
+    vs = _mm256_add_ps(vs, e);
+  }
+  float sum = hsum(vs);
+  for (; p < len; ++p) {
+    sg[p] = std::exp(sg[p] - mx);
+    sum += sg[p];
+  }
+  const float inv = 1.0f / sum;
+  const __m256 vinv = _mm256_set1_ps(inv);
+  for (p = 0; p + 8 <= len; p += 8) _mm256_storeu_ps(sg + p, _mm256_mul_ps(_mm256_loadu_ps(sg + p), vinv));
+  for (; p < len; ++p) sg[p] *= inv;
+}
+
 template <typename Q, typename KV>
 void attend_item(const Q* q, const KV* kpool, const KV* vpool, Q* out, const Item& it, const Geometry& g,
                  float scale, float softcap, Scratch& s) {
@@ -64,21 +91,22 @@ void attend_item(const Q* q, const KV* kpool, const KV* vpool, Q* out, const Ite
   s.acc.assign(group * dp, 0.0f);
   s.scores.resize(group * len);
   s.tile.resize(ptile * dp);
-  s.weights.resize(group * ptile);
+  s.weights.resize(ptile);
   s.vscale.resize(ptile);
   s.rows.resize(ptile);
-  const int64_t* off = row_offsets(it, g, s);
-  for (int64_t gi = 0; gi < group; ++gi)
-    for (int64_t j = 0; j < d; ++j) s.qf[gi * dp + j] = to_f(q[(it.row * g.hq + g.h * group + gi) * d + j]) * scale;
-  const float** rows = s.rows.data();
-  // scores[gi * len + p] = q_gi . k_{lo+p}: eight positions per tile (rows past len are zeros: score 0,
-  // not stored), one transpose-reduce instead of eight horizontal sums
   s.zeros.assign(dp, 0.0f);
+  const int64_t* off = row_offsets(it, g, s);
+  const int64_t q0 = it.row * g.hq + it.h * group;  // the group's first query head
+  for (int64_t gi = 0; gi < group; ++gi)
+    for (int64_t j = 0; j < d; ++j) s.qf[gi * dp + j] = to_f(q[(q0 + gi) * d + j]) * scale;
+  const float** rows = s.rows.data();
+  // scores[gi * len + p] = q_gi . k_{lo+p}: eight positions per tile (rows past len are zeros: score 0, not
+  // stored), one transpose-reduce instead of eight horizontal sums
   for (int64_t p0 = 0; p0 < len; p0 += 8) {
     const int64_t n = std::min<int64_t>(8, len - p0);
     alignas(32) float ks[8] = {1, 1, 1, 1, 1, 1, 1, 1};
     for (int64_t u = 0; u < n; ++u) {
-      if (p0 + u + KV_AHEAD < len) prefetch_row(kpool + off[p0 + u + KV_AHEAD], g.kvrow);  // scattered blocks
+      if (p0 + u + KV_AHEAD < len) prefetch_row(kpool + off[p0 + u + KV_AHEAD], g.kvrow);
       rows[u] = row_floats(kpool, off[p0 + u], s.tile.data() + u * dp, d, dp);
       ks[u] = row_scale(kpool + off[p0 + u], d);
     }
@@ -94,40 +122,20 @@ void attend_item(const Q* q, const KV* kpool, const KV* vpool, Q* out, const Ite
       }
       __m256 sc8 = Isa::reduce8(a);
       if constexpr (Pool<KV>::quantized) sc8 = _mm256_mul_ps(sc8, ksv);
-      alignas(32) float tmp[8];
-      _mm256_store_ps(tmp, sc8);
-      std::copy(tmp, tmp + n, s.scores.data() + gi * len + p0);
+      float* dst = s.scores.data() + gi * len + p0;
+      if (n == 8) {
+        _mm256_storeu_ps(dst, sc8);
+      } else {
+        alignas(32) float tmp[8];
+        _mm256_store_ps(tmp, sc8);
+        for (int64_t u = 0; u < n; ++u) dst[u] = tmp[u];
+      }
     }
   }
   // soft-capping (Gemma 2): cap * tanh(score / cap), before the softmax
   if (softcap > 0.0f)
     for (int64_t i = 0; i < group * len; ++i) s.scores[i] = softcap * std::tanh(s.scores[i] / softcap);
-  // exact softmax per query head (max, exp, sum)
-  for (int64_t gi = 0; gi < group; ++gi) {
-    float* sg = s.scores.data() + gi * len;
-    __m256 vm = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
-    int64_t p = 0;
-    for (; p + 8 <= len; p += 8) vm = _mm256_max_ps(vm, _mm256_loadu_ps(sg + p));
-    alignas(32) float m8[8];
-    _mm256_store_ps(m8, vm);
-    float mx = *std::max_element(m8, m8 + 8);
-    for (; p < len; ++p) mx = std::max(mx, sg[p]);
-    const __m256 vmx = _mm256_set1_ps(mx);
-    __m256 vs = _mm256_setzero_ps();
-    for (p = 0; p + 8 <= len; p += 8) {
-      const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(sg + p), vmx));
-      _mm256_storeu_ps(sg + p, e);
-      vs = _mm256_add_ps(vs, e);
-    }
-    float sum = hsum(vs);
-    for (; p < len; ++p) {
-      sg[p] = std::exp(sg[p] - mx);
-      sum += sg[p];
-    }
-    const __m256 inv = _mm256_set1_ps(1.0f / sum);
-    for (p = 0; p + 8 <= len; p += 8) _mm256_storeu_ps(sg + p, _mm256_mul_ps(_mm256_loadu_ps(sg + p), inv));
-    for (; p < len; ++p) sg[p] *= 1.0f / sum;
-  }
+  for (int64_t gi = 0; gi < group; ++gi) softmax_row(s.scores.data() + gi * len, len);
   // weighted sum of the values, ptile rows at a time (an 8-bit row's weight carries its scale)
   for (int64_t p0 = 0; p0 < len; p0 += ptile) {
     const int64_t n = std::min<int64_t>(ptile, len - p0);
@@ -137,9 +145,11 @@ void attend_item(const Q* q, const KV* kpool, const KV* vpool, Q* out, const Ite
       s.vscale[u] = row_scale(vpool + off[p0 + u], d);
     }
     for (int64_t gi = 0; gi < group; ++gi) {
-      float* w = s.weights.data() + gi * ptile;
-      const float* sg = s.scores.data() + gi * len + p0;
-      for (int64_t u = 0; u < n; ++u) w[u] = Pool<KV>::quantized ? sg[u] * s.vscale[u] : sg[u];
+      const float* w = s.scores.data() + gi * len + p0;
+      if constexpr (Pool<KV>::quantized) {
+        for (int64_t u = 0; u < n; ++u) s.weights[u] = w[u] * s.vscale[u];
+        w = s.weights.data();
+      }
       float* ag = s.acc.data() + gi * dp;
       int64_t c = 0;
       for (; c + 4 * L <= dp; c += 4 * L) accumulate<4>(ag, rows, w, n, c);
@@ -147,5 +157,5 @@ void attend_item(const Q* q, const KV* kpool, const KV* vpool, Q* out, const Ite
     }
   }
   for (int64_t gi = 0; gi < group; ++gi)
-    for (int64_t j = 0; j < d; ++j) out[(it.row * g.hq + g.h * group + gi) * d + j] = from_f<Q>(s.acc[gi * dp + j]);
+    for (int64_t j = 0; j < d; ++j) out[(q0 + gi) * d + j] = from_f<Q>(s.acc[gi * dp + j]);
 }

@@ -570,12 +570,14 @@ void write_kv_typed(const Tensor& src, Tensor& kv, int64_t offset, const int64_t
   }
 }
 
-// Software prefetch of the KV rows KV_AHEAD positions ahead in decode attention: every cache line of the n
-// elements at p (a row of an 8-bit pool is not line-aligned).
+// Software prefetch of the KV rows KV_AHEAD positions ahead in decode attention (the blocks of a sequence are
+// scattered, which the hardware prefetchers do not follow).
 constexpr int64_t KV_AHEAD = 16;
 // Sequences of at most this many new tokens (speculative verifies) run on the decode kernel, one row per token;
 // longer ones (prefill chunks) on SDPA, where one GEMM over the context serves all their rows.
 constexpr int64_t SHORT_SEQ_TOKENS = 16;
+
+// every cache line of the n elements at p (a row of an 8-bit pool is not line-aligned)
 template <typename T>
 inline void prefetch_row(const T* p, int64_t n) {
   const char* c = reinterpret_cast<const char*>(p);
@@ -584,14 +586,16 @@ inline void prefetch_row(const T* p, int64_t n) {
   _mm_prefetch(c + bytes - 1, _MM_HINT_T0);
 }
 
-// One decode work item, what it reads, and the buffers of one thread (decode_attention.h).
+// One decode work item (a query row over kv head h), what it reads, and the buffers of one thread
+// (decode_attention.h).
 struct Item {
   int64_t row, ctx, lo, len;  // q/out row, context length, first position read, positions read
+  int64_t h;                  // the kv head (its group's query heads) this item computes
   const int32_t* table;       // the sequence's block table
 };
 
 struct Geometry {
-  int64_t block_size, slot_stride, block_stride, kvrow, h, d, group, hq;
+  int64_t block_size, slot_stride, block_stride, kvrow, d, group, hq;
 };
 
 // Buffers of one thread, reused across its items and calls.
@@ -601,17 +605,18 @@ struct Scratch {
   std::vector<int64_t> offs;
 };
 
-// offs[p]: where the row of position it.lo + p (this item's kv head) starts in a layer's K or V pool, for p < len:
-// the block table read once per block, no division per row.
+// offs[p]: where the row of position it.lo + p (kv head it.h) starts in a layer's K or V pool, for p < len: the
+// block table read once per block, no division per row.
 inline const int64_t* row_offsets(const Item& it, const Geometry& g, Scratch& s) {
   s.offs.resize(it.len);
   int64_t blk = it.lo / g.block_size, o = it.lo % g.block_size;
-  int64_t base = it.table[blk] * g.block_stride + g.h * g.kvrow;
+  const int64_t head = it.h * g.kvrow;
+  int64_t base = it.table[blk] * g.block_stride + head;
   for (int64_t p = 0; p < it.len; ++p) {
     s.offs[p] = base + o * g.slot_stride;
     if (++o == g.block_size && p + 1 < it.len) {
       o = 0;
-      base = it.table[++blk] * g.block_stride + g.h * g.kvrow;
+      base = it.table[++blk] * g.block_stride + head;
     }
   }
   return s.offs.data();
@@ -688,39 +693,45 @@ struct Isa {
 }  // namespace k512
 #pragma GCC pop_options
 
-// Every decode sequence's attention: one work item per (sequence, kv head); the group's query heads share one
-// pass over the keys and values (decode_attention.h), with the ISA the panel kernels use.
+// Every decode sequence's attention (decode_attention.h, with the ISA the panel kernels use): one work item per
+// (query row, kv head), the group's query heads sharing one pass over that head's keys and values (items over all
+// of a row's heads, reading each slot as one span, measured no faster on Zen 4 and balance worse across threads).
+// Items go to the threads as they free up (rows of different lengths).
+// Threads only when there is enough work: a parallel region costs more than a tiny decode (batch 1, a few dozen
+// positions). Past that, both cores pay: a decode step's weight stream has evicted the context, so one thread
+// alone waits on memory (batch 1, context 128, 16 layers: ~0.9 -> ~0.5 ms a step on Zen 4).
 template <typename Q, typename KV>
 void decode_attention(const Q* q, const KV* kpool, const KV* vpool, Q* out, const std::vector<int64_t>& rows,
                       const std::vector<int64_t>& seqs, const int32_t* row_ctx, const int32_t* tables,
                       int64_t max_blocks, int64_t block_size, int64_t hkv, int64_t group, int64_t d,
                       float scale, int64_t window, float softcap) {
-  const int64_t items = static_cast<int64_t>(rows.size()) * hkv;
+  const int64_t nrows = static_cast<int64_t>(rows.size());
+  const int64_t threads = at::get_num_threads(), items = nrows * hkv;
   const int64_t kvrow = d + Pool<KV>::extra;  // one token of one kv head (8-bit: + its scale)
   const int64_t slot_stride = hkv * kvrow;    // one token of one pool (all kv heads)
-  // Threads only when there is enough work: a parallel region costs more than a tiny decode (batch 1, a few dozen
-  // positions). Past that, both cores pay: a decode step's weight stream has evicted the context, so one thread
-  // alone waits on memory (batch 1, context 128, 16 layers: 2^18 -> 2^14 took attention from ~0.9 to ~0.5 ms a step
-  // on Zen 4).
+  const Geometry geo{block_size, slot_stride, block_size * slot_stride, kvrow, d, group, hkv * group};
   int64_t work = 0;
-  for (size_t n = 0; n < rows.size(); ++n) work += (window > 0 ? std::min<int64_t>(row_ctx[n], window) : row_ctx[n]);
+  for (int64_t n = 0; n < nrows; ++n) work += (window > 0 ? std::min<int64_t>(row_ctx[n], window) : row_ctx[n]);
   work *= hkv * (group + 1) * d;
-  const int64_t grain = work < (int64_t(1) << 14) ? std::max<int64_t>(items, 1) : 1;
   const bool wide = kiln_panel_isa() == 512;
-  at::parallel_for(0, items, grain, [&](int64_t i0, int64_t i1) {
-    thread_local Scratch scratch;
-    for (int64_t i = i0; i < i1; ++i) {
-      const int64_t n = i / hkv, h = i % hkv;
-      const int64_t s = seqs[n], c = row_ctx[n];  // the positions this query row attends to: [0, c)
-      const int64_t lo = window > 0 ? std::max<int64_t>(0, c - window) : 0;
-      const Geometry geo{block_size, slot_stride, block_size * slot_stride, kvrow, h, d, group, hkv * group};
-      const Item it{rows[n], c, lo, c - lo, tables + s * max_blocks};
-      if (wide)
-        k512::attend_item<Q, KV>(q, kpool, vpool, out, it, geo, scale, softcap, scratch);
-      else
-        k256::attend_item<Q, KV>(q, kpool, vpool, out, it, geo, scale, softcap, scratch);
-    }
-  });
+  const auto run = [&](int64_t i, Scratch& scratch) {
+    const int64_t n = i / hkv, h = i % hkv;
+    const int64_t s = seqs[n], c = row_ctx[n];  // the positions this query row attends to: [0, c)
+    const int64_t lo = window > 0 ? std::max<int64_t>(0, c - window) : 0;
+    const Item it{rows[n], c, lo, c - lo, h, tables + s * max_blocks};
+    if (wide)
+      k512::attend_item<Q, KV>(q, kpool, vpool, out, it, geo, scale, softcap, scratch);
+    else
+      k256::attend_item<Q, KV>(q, kpool, vpool, out, it, geo, scale, softcap, scratch);
+  };
+  thread_local Scratch scratch;
+  if (work < (int64_t(1) << 14) || threads == 1 || items == 1) {
+    for (int64_t i = 0; i < items; ++i) run(i, scratch);
+    return;
+  }
+  // rows of different lengths: items handed out as threads free up
+#pragma omp parallel for num_threads(int(std::min(threads, items))) schedule(dynamic, 1)
+  for (int64_t i = 0; i < items; ++i) run(i, scratch);
 }
 
 template <typename Q>
