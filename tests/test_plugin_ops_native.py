@@ -232,3 +232,29 @@ def test_argmax_rows_is_torch_argmax(mode, rows, width, special, seed):
     wide = torch.randn(rows, 2 * width, generator=g)
     assert torch.equal(ops.argmax_rows(wide[:, ::2]), wide[:, ::2].argmax(dim=1))
     assert torch.equal(ops.argmax_rows(x.bfloat16()), x.bfloat16().argmax(dim=1))
+
+
+@pytest.mark.parametrize("isa", [256, 512])
+@pytest.mark.parametrize("head_dim, group", [(64, 4), (128, 2), (96, 3), (32, 8), (256, 1)])
+def test_paged_decode_bf16_on_both_vector_paths(isa, head_dim, group):
+    """bf16 queries over a bf16 pool: on AVX-512 BF16 CPUs the dot products run on vdpbf16ps (keys transposed in
+    registers, weights rounded to bf16), elsewhere (and with the panel ISA forced to AVX2) every row is widened to
+    fp32; both against the reference, over contexts that end inside a 16-position tile and cross blocks, with NaN in
+    every slot no sequence wrote, and a sliding window."""
+    from kiln.plugins import native
+
+    if not native_op_ready("paged_attention"):
+        pytest.skip("native kernels unavailable")
+    if isa == 512 and native.set_panel_isa(0) != 512:
+        pytest.skip("this CPU has no AVX-512")
+    assert native.set_panel_isa(isa) == isa
+    try:
+        for window in (0, 37):
+            case = build_case(16, head_dim, 2, group, [(c, 1) for c in (1, 15, 16, 17, 200, 333)], window,
+                              torch.bfloat16, 1, 2, seed=head_dim + group + window, nan_garbage=True)
+            out, ref, kc, rc = run_both(case)
+            assert not out.isnan().any()
+            torch.testing.assert_close(out, ref, **TOL[torch.bfloat16])
+            assert_same_pool(kc, rc)
+    finally:
+        native.set_panel_isa(0)

@@ -601,6 +601,7 @@ struct Geometry {
 // Buffers of one thread, reused across its items and calls.
 struct Scratch {
   std::vector<float> qf, acc, scores, tile, weights, vscale, zeros;
+  std::vector<uint16_t> wbf;  // the softmax weights as bf16 (kbf16)
   std::vector<const float*> rows;
   std::vector<int64_t> offs;
 };
@@ -693,6 +694,140 @@ struct Isa {
 }  // namespace k512
 #pragma GCC pop_options
 
+// Decode attention of a bf16 pool with bf16 queries on AVX-512 BF16 (Zen 4 / Zen 5 / Sapphire Rapids): the
+// products on vdpbf16ps (bf16 pairs, fp32 sums) instead of widening every row to fp32. Scores: 16 positions' key
+// rows (one vector per 32 dims) transposed in registers so that each vector holds one pair of dims for the 16
+// positions; each query head then takes one dot product per pair (its pair broadcast) into a vector of 16
+// scores: no horizontal sums. Values: two positions' rows interleaved (unpacklo/hi_epi16: lane pairs
+// (v_p[j], v_p+1[j])) times the broadcast pair of their weights, rounded to bf16 as flash attention kernels round P.
+// The fp32 softmax between the two passes is the one the float path uses. Same item as decode_attention.h's
+// (a query row's group over its kv head); head_dim a multiple of 32, at most 256.
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,avx2,fma,f16c")
+namespace kbf16 {
+
+bool usable(int64_t d) {
+  static const bool cpu = __builtin_cpu_supports("avx512bf16");
+  return cpu && kiln_panel_isa() == 512 && d % 32 == 0 && d <= 256;
+}
+
+// r[i] (row i: 16 dwords) -> r[c]: column c of the 16 rows (dword i = row i's dword c)
+inline void transpose16(__m512i r[16]) {
+  __m512i t[16];
+  for (int i = 0; i < 16; i += 2) {
+    t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
+    t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
+  }
+  __m512i u[16];  // u[4g + c]: lane L = column 4L + c of rows 4g .. 4g + 3
+  for (int g = 0; g < 4; ++g) {
+    u[4 * g] = _mm512_unpacklo_epi64(t[4 * g], t[4 * g + 2]);
+    u[4 * g + 1] = _mm512_unpackhi_epi64(t[4 * g], t[4 * g + 2]);
+    u[4 * g + 2] = _mm512_unpacklo_epi64(t[4 * g + 1], t[4 * g + 3]);
+    u[4 * g + 3] = _mm512_unpackhi_epi64(t[4 * g + 1], t[4 * g + 3]);
+  }
+  for (int c = 0; c < 4; ++c) {  // the 4 x 4 transpose of 128-bit lanes of u[c], u[4 + c], u[8 + c], u[12 + c]
+    const __m512i x0 = _mm512_shuffle_i32x4(u[c], u[4 + c], 0x44), x1 = _mm512_shuffle_i32x4(u[c], u[4 + c], 0xEE);
+    const __m512i x2 = _mm512_shuffle_i32x4(u[8 + c], u[12 + c], 0x44);
+    const __m512i x3 = _mm512_shuffle_i32x4(u[8 + c], u[12 + c], 0xEE);
+    r[c] = _mm512_shuffle_i32x4(x0, x2, 0x88);
+    r[4 + c] = _mm512_shuffle_i32x4(x0, x2, 0xDD);
+    r[8 + c] = _mm512_shuffle_i32x4(x1, x3, 0x88);
+    r[12 + c] = _mm512_shuffle_i32x4(x1, x3, 0xDD);
+  }
+}
+
+inline __m512 dot(__m512 acc, __m512i a, uint32_t pair) {
+  return _mm512_dpbf16_ps(acc, (__m512bh)a, (__m512bh)_mm512_set1_epi32(int32_t(pair)));
+}
+
+void attend_item(const BF* q, const BF* kpool, const BF* vpool, BF* out, const Item& it, const Geometry& g,
+                 float scale, float softcap, Scratch& s) {
+  const int64_t d = g.d, group = g.group, len = it.len, chunks = d / 32, vecs = d / 16;
+  const int64_t lenp = (len + 1) / 2 * 2;
+  s.scores.resize(group * len);
+  s.wbf.resize(group * lenp);
+  const int64_t* off = row_offsets(it, g, s);
+  const uint16_t* kp = reinterpret_cast<const uint16_t*>(kpool);
+  const uint16_t* vp = reinterpret_cast<const uint16_t*>(vpool);
+  const int64_t q0 = it.row * g.hq + it.h * group;
+  const uint32_t* qw = reinterpret_cast<const uint32_t*>(q) + q0 * d / 2;  // query head gi's pair j: qw[gi*d/2 + j]
+  // scores, 16 positions at a time, in blocks of up to 8 query heads (their 8 score vectors stay in registers)
+  for (int64_t p0 = 0; p0 < len; p0 += 16) {
+    const int64_t n = std::min<int64_t>(16, len - p0);
+    const __mmask16 keep = n == 16 ? __mmask16(0xFFFF) : __mmask16((1u << n) - 1u);
+    for (int64_t u = 0; u < n; ++u)
+      if (p0 + u + KV_AHEAD < len) prefetch_row(kp + off[p0 + u + KV_AHEAD], d);
+    for (int64_t gb = 0; gb < group; gb += 8) {
+      const int64_t gn = std::min<int64_t>(8, group - gb);
+      __m512 acc[8];
+      for (int i = 0; i < 8; ++i) acc[i] = _mm512_setzero_ps();
+      for (int64_t c = 0; c < chunks; ++c) {
+        __m512i r[16];
+        for (int64_t u = 0; u < 16; ++u)
+          r[u] = u < n ? _mm512_loadu_si512(kp + off[p0 + u] + 32 * c) : _mm512_setzero_si512();
+        transpose16(r);  // r[j]: dims (32c + 2j, 32c + 2j + 1) of the 16 positions
+        for (int64_t i = 0; i < gn; ++i) {
+          const uint32_t* qh = qw + (gb + i) * d / 2 + 16 * c;
+          for (int j = 0; j < 16; ++j) acc[i] = dot(acc[i], r[j], qh[j]);
+        }
+      }
+      for (int64_t i = 0; i < gn; ++i)
+        _mm512_mask_storeu_ps(s.scores.data() + (gb + i) * len + p0, keep, _mm512_mul_ps(acc[i], _mm512_set1_ps(scale)));
+    }
+  }
+  if (softcap > 0.0f)
+    for (int64_t i = 0; i < group * len; ++i) s.scores[i] = softcap * std::tanh(s.scores[i] / softcap);
+  // softmax per query head, then its weights as bf16 (a zero after an odd length: the pair of the last position)
+  for (int64_t gi = 0; gi < group; ++gi) {
+    float* sg = s.scores.data() + gi * len;
+    k512::softmax_row(sg, len);
+    uint16_t* wb = s.wbf.data() + gi * lenp;
+    int64_t p = 0;
+    for (; p + 16 <= len; p += 16)
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(wb + p), (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(sg + p)));
+    for (; p < lenp; ++p) wb[p] = p < len ? BF(sg[p]).x : uint16_t(0);
+  }
+  // values: o[gi] += w_p v_p + w_p+1 v_p+1 per pair of positions, in blocks of query heads whose accumulators fit
+  // 16 registers; vector 2c holds dims 32c + 8L + (0..3) in lane L (4 dwords), vector 2c + 1 dims 32c + 8L + (4..7)
+  const int64_t gblock = std::max<int64_t>(1, 16 / vecs);
+  alignas(64) float o[16][16];
+  for (int64_t gb = 0; gb < group; gb += gblock) {
+    const int64_t gn = std::min<int64_t>(gblock, group - gb);
+    __m512 acc[16];
+    for (int i = 0; i < 16; ++i) acc[i] = _mm512_setzero_ps();
+    for (int64_t p = 0; p < len; p += 2) {
+      if (p + KV_AHEAD < len) {
+        prefetch_row(vp + off[p + KV_AHEAD], d);
+        if (p + 1 + KV_AHEAD < len) prefetch_row(vp + off[p + 1 + KV_AHEAD], d);
+      }
+      const uint16_t* va = vp + off[p];
+      const bool two = p + 1 < len;
+      for (int64_t c = 0; c < chunks; ++c) {
+        const __m512i a = _mm512_loadu_si512(va + 32 * c);
+        const __m512i b = two ? _mm512_loadu_si512(vp + off[p + 1] + 32 * c) : _mm512_setzero_si512();
+        const __m512i lo = _mm512_unpacklo_epi16(a, b), hi = _mm512_unpackhi_epi16(a, b);
+        for (int64_t i = 0; i < gn; ++i) {
+          uint32_t pair;
+          std::memcpy(&pair, s.wbf.data() + (gb + i) * lenp + p, 4);
+          acc[i * vecs + 2 * c] = dot(acc[i * vecs + 2 * c], lo, pair);
+          acc[i * vecs + 2 * c + 1] = dot(acc[i * vecs + 2 * c + 1], hi, pair);
+        }
+      }
+    }
+    for (int64_t i = 0; i < gn; ++i) {
+      for (int64_t v = 0; v < vecs; ++v) _mm512_store_ps(o[v], acc[i * vecs + v]);
+      BF* dst = out + (q0 + gb + i) * d;
+      for (int64_t c = 0; c < chunks; ++c)
+        for (int L = 0; L < 4; ++L)
+          for (int k = 0; k < 8; ++k)
+            dst[32 * c + 8 * L + k] = BF(o[2 * c + (k >= 4)][4 * L + (k & 3)]);
+    }
+  }
+}
+
+}  // namespace kbf16
+#pragma GCC pop_options
+
 // Every decode sequence's attention (decode_attention.h, with the ISA the panel kernels use): one work item per
 // (query row, kv head), the group's query heads sharing one pass over that head's keys and values (items over all
 // of a row's heads, reading each slot as one span, measured no faster on Zen 4 and balance worse across threads).
@@ -714,11 +849,14 @@ void decode_attention(const Q* q, const KV* kpool, const KV* vpool, Q* out, cons
   for (int64_t n = 0; n < nrows; ++n) work += (window > 0 ? std::min<int64_t>(row_ctx[n], window) : row_ctx[n]);
   work *= hkv * (group + 1) * d;
   const bool wide = kiln_panel_isa() == 512;
+  const bool bf16_dots = std::is_same_v<Q, BF> && std::is_same_v<KV, BF> && kbf16::usable(d);
   const auto run = [&](int64_t i, Scratch& scratch) {
     const int64_t n = i / hkv, h = i % hkv;
     const int64_t s = seqs[n], c = row_ctx[n];  // the positions this query row attends to: [0, c)
     const int64_t lo = window > 0 ? std::max<int64_t>(0, c - window) : 0;
     const Item it{rows[n], c, lo, c - lo, h, tables + s * max_blocks};
+    if constexpr (std::is_same_v<Q, BF> && std::is_same_v<KV, BF>)
+      if (bf16_dots) return kbf16::attend_item(q, kpool, vpool, out, it, geo, scale, softcap, scratch);
     if (wide)
       k512::attend_item<Q, KV>(q, kpool, vpool, out, it, geo, scale, softcap, scratch);
     else
