@@ -28,6 +28,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from kiln.runtime.scheduler import least_decoding_budget
 from kiln.runtime.step_time import AMORTIZED_SHARE, amortized_budget
 
 
@@ -79,7 +80,7 @@ def recommend_token_budget(step_fixed_s: float, per_token_s: float, *, block: in
         reasons.append(f"capped at the engine's max_num_tokens {engine_max} (rebuild with a larger one to raise it)")
     decoding = None
     if tpot_max is not None and tpot_max < n:
-        least = max(floor, (max_batch_size or decodes + 1) - 1 + block)
+        least = max(floor, least_decoding_budget(max_batch_size or decodes + 1, block))
         decoding = max(least, tpot_max // block * block)
         if decoding < n:
             raised = "" if decoding <= tpot_max else f", raised to the {least} a full batch of decodes needs"

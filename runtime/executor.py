@@ -78,7 +78,13 @@ from kiln.runtime.rejection import verify_drafted
 from kiln.runtime.request import Request, RequestStatus
 from kiln.runtime.sampler import Sampler, SamplerOutput
 from kiln.runtime.sampling_params import SamplingParams
-from kiln.runtime.scheduler import CAPACITY_POLICIES, Scheduler, SchedulerConfig, SchedulerOutput
+from kiln.runtime.scheduler import (
+    CAPACITY_POLICIES,
+    Scheduler,
+    SchedulerConfig,
+    SchedulerOutput,
+    least_decoding_budget,
+)
 from kiln.runtime.speculative import NgramProposer, Position, Proposer, SpeculativeConfig
 from kiln.runtime.step_time import StepTimeKnobs
 from kiln.runtime.stopping import stop_by_token
@@ -237,7 +243,7 @@ def resolve_serving_limits(bounds: EngineBounds, kv_bytes_per_token: int, config
     max_num_tokens = bound("max_num_tokens", config.max_num_tokens)
     decoding = config.decoding_max_num_tokens
     if decoding is not None:
-        least = max_batch_size - 1 + bounds.tokens_per_block
+        least = least_decoding_budget(max_batch_size, bounds.tokens_per_block)
         if decoding < least:
             raise ConfigError(f"decoding_max_num_tokens={decoding} leaves a step full of decodes no room for a prefill "
                               f"chunk: give at least max_batch_size - 1 + tokens_per_block = {least}")

@@ -73,6 +73,12 @@ logger = logging.getLogger("kiln.runtime")
 CAPACITY_POLICIES = ("guaranteed_no_evict", "max_utilization")
 
 
+def least_decoding_budget(max_batch_size: int, tokens_per_block: int) -> int:
+    """The smallest ``decoding_max_num_tokens``: a step full of decodes (all but one sequence decoding) still has
+    room for a block of the last one's prefill."""
+    return max_batch_size - 1 + tokens_per_block
+
+
 @dataclass
 class SchedulerConfig:
     """Per-step budgets and sequence bounds, already checked against the engine (ExecutorConfig)."""

@@ -82,3 +82,24 @@ def test_the_executor_fits_its_own_steps(checkpoint_dir):
     assert abs(cfg["short_prompt_lead_s"] - fit["per_token_s"] * bounds.max_input_len) < 1e-9
     d = cfg["decoding_max_num_tokens"]
     assert d is None or bounds.max_batch_size - 1 + bounds.tokens_per_block <= d < bounds.max_num_tokens
+
+
+def test_refits_every_few_steps_until_fitted_then_seldom():
+    """Until the first fit every 4 steps (a server's first burst gets its knobs soon), then every 64: a refit reads
+    the whole window, which every 4 steps cost the step loop ~40 us a step."""
+    c = config()
+    knobs = StepTimeKnobs(c, block=16)
+    fits = []
+    real = knobs._refit
+
+    def counted():
+        fits.append(len(knobs.rows))
+        real()
+
+    knobs._refit = counted
+    feed(knobs, 0.012, 0.0005, [1, 2048, 8, 700] * 2)       # 8 steps: the first refit comes with MIN_ROWS
+    assert fits == [8] and knobs.as_dict() is not None
+    feed(knobs, 0.012, 0.0005, [1, 2048, 8, 700] * 15)      # 60 more: not yet
+    assert len(fits) == 1
+    feed(knobs, 0.012, 0.0005, [1, 2048, 8, 700])           # the 64th step since the fit
+    assert len(fits) == 2
