@@ -2,6 +2,7 @@
 ops, and the decode step time of an engine, now vs a baseline.
 
     .venv/bin/python scripts/bench_ops.py [--baseline REV] [--variants fp32,bf16] [--steps 30] [--threads 2]
+                                          [--context 128]
 
 Columns:
   native    the ops as they are (C++ CPU kernels, plugins/csrc/plugin_ops.cpp)
@@ -10,7 +11,7 @@ Columns:
   baseline  the plugins package of git revision REV (e.g. the custom_op version), loaded in a
             subprocess from ``git archive REV plugins`` in place of kiln.plugins
 Shapes are the ~300M Llama's (hidden 1024, 16 heads / 4 kv heads of 64, MLP 2816) at decode, batch 1
-and 16, each sequence with 128 tokens of context. The engine part runs decode steps of
+and 16, each sequence with ``--context`` tokens of context (128 by default). The engine part runs decode steps of
 ``work/bench/engine-builder-<variant>`` (built by scripts/bench_build.py; built here if missing).
 Timings on a shared 2-core machine are noisy: compare the columns of one run.
 """
@@ -28,7 +29,6 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-CONTEXT = 128
 
 
 def load_plugins_from(rev: str, tmp: Path) -> None:
@@ -58,7 +58,7 @@ def per_call_us(fn, calls: int = 100, repeats: int = 3) -> float:
     return best * 1e6
 
 
-def op_cases(batch: int, dtype):
+def op_cases(batch: int, dtype, context: int = 128):
     import torch
 
     from kiln.plugins.rotary import cos_sin_table, rope_inv_freq
@@ -71,13 +71,13 @@ def op_cases(batch: int, dtype):
     k = torch.randn(batch, kv_heads, head_dim).to(dtype)
     v = torch.randn(batch, kv_heads, head_dim).to(dtype)
     table = cos_sin_table(2048, rope_inv_freq(head_dim, 10000.0, None))
-    pos = torch.full((batch,), CONTEXT, dtype=torch.int64)
+    pos = torch.full((batch,), context, dtype=torch.int64)
     g, u = torch.randn(batch, inter).to(dtype), torch.randn(batch, inter).to(dtype)
-    per_seq = (CONTEXT + 1 + block - 1) // block
+    per_seq = (context + 1 + block - 1) // block
     kv = torch.randn(2, 2, per_seq * batch, block, kv_heads, head_dim).to(dtype)
     tables = torch.arange(per_seq * batch, dtype=torch.int32).view(batch, per_seq)
-    slots = tables[:, CONTEXT // block].long() * block + CONTEXT % block
-    lens, ctx = torch.ones(batch, dtype=torch.int32), torch.full((batch,), CONTEXT + 1, dtype=torch.int32)
+    slots = tables[:, context // block].long() * block + context % block
+    lens, ctx = torch.ones(batch, dtype=torch.int32), torch.full((batch,), context + 1, dtype=torch.int32)
     return {
         "rms_norm": lambda: ops.rms_norm(x, w, 1e-6),
         "fused_add_rms_norm": lambda: ops.fused_add_rms_norm(x, x, w, 1e-6),
@@ -128,7 +128,7 @@ def measure(args, modes: list[str]) -> dict:
         r = {"ops": {}, "engine": {}}
         for dtype in (torch.float32, torch.bfloat16):
             for batch in (1, 16):
-                for name, fn in op_cases(batch, dtype).items():
+                for name, fn in op_cases(batch, dtype, args.context).items():
                     r["ops"][f"{name} b{batch} {str(dtype)[6:]}"] = per_call_us(fn)
         if ctx is not None:
             ctx.__exit__(None, None, None)
@@ -146,6 +146,7 @@ def main() -> None:
     ap.add_argument("--variants", default="fp32,bf16", help="engines to time ('' for none)")
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--context", type=int, default=128, help="tokens of context of each sequence in the op cases")
     ap.add_argument("--_child", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args._child:  # baseline run in a subprocess: print the JSON only
@@ -157,13 +158,13 @@ def main() -> None:
     res = {}
     if args.baseline:
         cmd = [sys.executable, __file__, "--_child", args.baseline, "--variants", args.variants,
-               "--steps", str(args.steps), "--threads", str(args.threads)]
+               "--steps", str(args.steps), "--threads", str(args.threads), "--context", str(args.context)]
         out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
         res.update(json.loads(out.strip().splitlines()[-1]))
     res.update(measure(args, ["native", "torch"]))
     modes = [m for m in ("baseline", "torch", "native") if m in res]
     baseline = f"; baseline = plugins/ of {args.baseline}" if args.baseline else ""
-    print(f"per-call time (us), {args.threads} threads{baseline}")
+    print(f"per-call time (us), {args.threads} threads, context {args.context}{baseline}")
     print(f"{'op':<34}" + "".join(f"{m:>10}" for m in modes) + (f"{'speedup':>9}" if "baseline" in res else ""))
     for key in res["native"]["ops"]:
         row = f"{key:<34}" + "".join(f"{res[m]['ops'][key]:>10.1f}" for m in modes)
@@ -173,7 +174,7 @@ def main() -> None:
     if res["native"]["engine"]:
         emodes = [m for m in ("baseline", "native") if res[m]["engine"]]
         print()
-        print(f"engine decode step, median of {args.steps} (ms), context {CONTEXT}")
+        print(f"engine decode step, median of {args.steps} (ms), context 128")
         print(f"{'engine':<34}" + "".join(f"{m:>10}" for m in emodes))
         for key in res["native"]["engine"]:
             print(f"{key:<34}" + "".join(f"{res[m]['engine'][key]:>10.2f}" for m in emodes))
