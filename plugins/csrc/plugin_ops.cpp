@@ -601,7 +601,7 @@ struct Geometry {
 // Buffers of one thread, reused across its items and calls.
 struct Scratch {
   std::vector<float> qf, acc, scores, tile, weights, vscale, zeros;
-  std::vector<uint16_t> wbf;  // the softmax weights as bf16 (kbf16)
+  std::vector<uint16_t> wbf;  // the softmax weights as bf16 (k512::bf16dot)
   std::vector<const float*> rows;
   std::vector<int64_t> offs;
 };
@@ -702,14 +702,15 @@ struct Isa {
 // (v_p[j], v_p+1[j])) times the broadcast pair of their weights, rounded to bf16 as flash attention kernels round P.
 // The fp32 softmax between the two passes is the one the float path uses. Same item as decode_attention.h's
 // (a query row's group over its kv head); head_dim a multiple of 32, at most 256.
-#pragma GCC push_options
-#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,avx2,fma,f16c")
-namespace kbf16 {
-
-bool usable(int64_t d) {
+// whether k512::bf16dot runs a head_dim of d here (checked outside the AVX-512 code: it runs on any CPU)
+bool bf16dot_usable(int64_t d) {
   static const bool cpu = __builtin_cpu_supports("avx512bf16");
   return cpu && kiln_panel_isa() == 512 && d % 32 == 0 && d <= 256;
 }
+
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,avx2,fma,f16c")
+namespace k512::bf16dot {   // k512: the library's rule for AVX-512 code (test_panel_kernels checks it)
 
 // r[i] (row i: 16 dwords) -> r[c]: column c of the 16 rows (dword i = row i's dword c)
 inline void transpose16(__m512i r[16]) {
@@ -825,7 +826,7 @@ void attend_item(const BF* q, const BF* kpool, const BF* vpool, BF* out, const I
   }
 }
 
-}  // namespace kbf16
+}  // namespace k512::bf16dot
 #pragma GCC pop_options
 
 // Every decode sequence's attention (decode_attention.h, with the ISA the panel kernels use): one work item per
@@ -849,14 +850,14 @@ void decode_attention(const Q* q, const KV* kpool, const KV* vpool, Q* out, cons
   for (int64_t n = 0; n < nrows; ++n) work += (window > 0 ? std::min<int64_t>(row_ctx[n], window) : row_ctx[n]);
   work *= hkv * (group + 1) * d;
   const bool wide = kiln_panel_isa() == 512;
-  const bool bf16_dots = std::is_same_v<Q, BF> && std::is_same_v<KV, BF> && kbf16::usable(d);
+  const bool bf16_dots = std::is_same_v<Q, BF> && std::is_same_v<KV, BF> && bf16dot_usable(d);
   const auto run = [&](int64_t i, Scratch& scratch) {
     const int64_t n = i / hkv, h = i % hkv;
     const int64_t s = seqs[n], c = row_ctx[n];  // the positions this query row attends to: [0, c)
     const int64_t lo = window > 0 ? std::max<int64_t>(0, c - window) : 0;
     const Item it{rows[n], c, lo, c - lo, h, tables + s * max_blocks};
     if constexpr (std::is_same_v<Q, BF> && std::is_same_v<KV, BF>)
-      if (bf16_dots) return kbf16::attend_item(q, kpool, vpool, out, it, geo, scale, softcap, scratch);
+      if (bf16_dots) return k512::bf16dot::attend_item(q, kpool, vpool, out, it, geo, scale, softcap, scratch);
     if (wide)
       k512::attend_item<Q, KV>(q, kpool, vpool, out, it, geo, scale, softcap, scratch);
     else
