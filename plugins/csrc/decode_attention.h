@@ -1,8 +1,7 @@
 // Decode attention of one work item (a query row's group of query heads over their KV head), written once for a
-// vector ISA:
-// plugin_ops.cpp includes it inside namespace k256 (AVX2) and k512 (AVX-512, its own target), each with its `Isa`
-// traits (V: the float vector of L lanes; widen(p): L numbers of a pool row as floats in the pool's unit; reduce8:
-// the sums of eight vectors as one __m256) and, from plugin_ops.cpp, Pool, row_scale, num, exp8, hsum,
+// vector ISA: plugin_ops.cpp includes it inside namespace k256 (AVX2) and k512 (AVX-512, its own target), each with
+// its `Isa` traits (V: the float vector of L lanes; widen(p): L numbers of a pool row as floats in the pool's unit;
+// reduce8: the sums of eight vectors as one __m256) and, from plugin_ops.cpp, Pool, row_scale, num, softmax_rows,
 // prefetch_row, Item, Geometry, Scratch and row_offsets in scope.
 // Rows: an fp32 pool row whose head_dim is a multiple of L is read in place; any other row is widened to fp32
 // ONCE into a small buffer (L1) and the group's query heads then read floats, so an 8-bit row costs one
@@ -51,33 +50,6 @@ inline void accumulate(float* acc, const float* const* rows, const float* w, int
     for (int i = 0; i < NV; ++i) e[i] = Isa::fma(w0, Isa::load(rows[p] + c0 + i * Isa::L), e[i]);
   }
   for (int i = 0; i < NV; ++i) Isa::store(acc + c0 + i * Isa::L, Isa::add(e[i], o[i]));
-}
-
-// sg[0, len) -> softmax(sg) in place (max, exp, sum, normalize; fp32)
-inline void softmax_row(float* sg, int64_t len) {
-  __m256 vm = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
-  int64_t p = 0;
-  for (; p + 8 <= len; p += 8) vm = _mm256_max_ps(vm, _mm256_loadu_ps(sg + p));
-  alignas(32) float m8[8];
-  _mm256_store_ps(m8, vm);
-  float mx = *std::max_element(m8, m8 + 8);
-  for (; p < len; ++p) mx = std::max(mx, sg[p]);
-  const __m256 vmx = _mm256_set1_ps(mx);
-  __m256 vs = _mm256_setzero_ps();
-  for (p = 0; p + 8 <= len; p += 8) {
-    const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(sg + p), vmx));
-    _mm256_storeu_ps(sg + p, e);
-    vs = _mm256_add_ps(vs, e);
-  }
-  float sum = hsum(vs);
-  for (; p < len; ++p) {
-    sg[p] = std::exp(sg[p] - mx);
-    sum += sg[p];
-  }
-  const float inv = 1.0f / sum;
-  const __m256 vinv = _mm256_set1_ps(inv);
-  for (p = 0; p + 8 <= len; p += 8) _mm256_storeu_ps(sg + p, _mm256_mul_ps(_mm256_loadu_ps(sg + p), vinv));
-  for (; p < len; ++p) sg[p] *= inv;
 }
 
 template <typename Q, typename KV>
@@ -132,10 +104,7 @@ void attend_item(const Q* q, const KV* kpool, const KV* vpool, Q* out, const Ite
       }
     }
   }
-  // soft-capping (Gemma 2): cap * tanh(score / cap), before the softmax
-  if (softcap > 0.0f)
-    for (int64_t i = 0; i < group * len; ++i) s.scores[i] = softcap * std::tanh(s.scores[i] / softcap);
-  for (int64_t gi = 0; gi < group; ++gi) softmax_row(s.scores.data() + gi * len, len);
+  softmax_rows(s.scores.data(), group, len, softcap);
   // weighted sum of the values, ptile rows at a time (an 8-bit row's weight carries its scale)
   for (int64_t p0 = 0; p0 < len; p0 += ptile) {
     const int64_t n = std::min<int64_t>(ptile, len - p0);

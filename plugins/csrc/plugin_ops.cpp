@@ -409,9 +409,8 @@ Tensor argmax_rows_cpu(const Tensor& x) {
   const float* p = xc.const_data_ptr<float>();
   at::parallel_for(0, rows * parts, 1, [&](int64_t i0, int64_t i1) {
     for (int64_t i = i0; i < i1; ++i) {
-      const int64_t r = i / parts, lo = (i % parts) * len, hi = std::min(n, lo + len);
-      ArgmaxPiece a = argmax_piece(p + r * n, lo, hi);
-      pieces[i] = a;
+      const int64_t r = i / parts, lo = (i % parts) * len;
+      pieces[i] = argmax_piece(p + r * n, lo, std::min(n, lo + len));
     }
   });
   Tensor out = at::empty({rows}, x.options().dtype(at::kLong));
@@ -623,6 +622,39 @@ inline const int64_t* row_offsets(const Item& it, const Geometry& g, Scratch& s)
   return s.offs.data();
 }
 
+// scores [rows][len] -> each row's softmax in place (fp32; AVX2, which every path of the library has), after
+// soft-capping (Gemma 2: cap * tanh(score / cap)) where softcap > 0: the one softmax of every decode kernel.
+inline void softmax_rows(float* scores, int64_t rows, int64_t len, float softcap) {
+  if (softcap > 0.0f)
+    for (int64_t i = 0; i < rows * len; ++i) scores[i] = softcap * std::tanh(scores[i] / softcap);
+  for (int64_t r = 0; r < rows; ++r) {
+    float* sg = scores + r * len;
+    __m256 vm = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
+    int64_t p = 0;
+    for (; p + 8 <= len; p += 8) vm = _mm256_max_ps(vm, _mm256_loadu_ps(sg + p));
+    alignas(32) float m8[8];
+    _mm256_store_ps(m8, vm);
+    float mx = *std::max_element(m8, m8 + 8);
+    for (; p < len; ++p) mx = std::max(mx, sg[p]);
+    const __m256 vmx = _mm256_set1_ps(mx);
+    __m256 vs = _mm256_setzero_ps();
+    for (p = 0; p + 8 <= len; p += 8) {
+      const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(sg + p), vmx));
+      _mm256_storeu_ps(sg + p, e);
+      vs = _mm256_add_ps(vs, e);
+    }
+    float sum = hsum(vs);
+    for (; p < len; ++p) {
+      sg[p] = std::exp(sg[p] - mx);
+      sum += sg[p];
+    }
+    const float inv = 1.0f / sum;
+    const __m256 vinv = _mm256_set1_ps(inv);
+    for (p = 0; p + 8 <= len; p += 8) _mm256_storeu_ps(sg + p, _mm256_mul_ps(_mm256_loadu_ps(sg + p), vinv));
+    for (; p < len; ++p) sg[p] *= inv;
+  }
+}
+
 // The vector ISAs of decode attention (decode_attention.h, once per ISA): AVX2 + FMA + F16C everywhere,
 // AVX-512 where kiln_panel_isa() says 512 (the CPU has it and KILN_PANEL_ISA=256 does not force AVX2).
 // widen(p): L numbers of a pool row in the pool's unit; e4m3 -> the fp16 with the same bits moved (sign to bit
@@ -700,8 +732,9 @@ struct Isa {
 // positions; each query head then takes one dot product per pair (its pair broadcast) into a vector of 16
 // scores: no horizontal sums. Values: two positions' rows interleaved (unpacklo/hi_epi16: lane pairs
 // (v_p[j], v_p+1[j])) times the broadcast pair of their weights, rounded to bf16 as flash attention kernels round P.
-// The fp32 softmax between the two passes is the one the float path uses. Same item as decode_attention.h's
+// The fp32 softmax between the two passes is softmax_rows, as on the float path. Same item as decode_attention.h's
 // (a query row's group over its kv head); head_dim a multiple of 32, at most 256.
+
 // whether k512::bf16dot runs a head_dim of d here (checked outside the AVX-512 code: it runs on any CPU)
 bool bf16dot_usable(int64_t d) {
   static const bool cpu = __builtin_cpu_supports("avx512bf16");
@@ -776,12 +809,10 @@ void attend_item(const BF* q, const BF* kpool, const BF* vpool, BF* out, const I
         _mm512_mask_storeu_ps(s.scores.data() + (gb + i) * len + p0, keep, _mm512_mul_ps(acc[i], _mm512_set1_ps(scale)));
     }
   }
-  if (softcap > 0.0f)
-    for (int64_t i = 0; i < group * len; ++i) s.scores[i] = softcap * std::tanh(s.scores[i] / softcap);
-  // softmax per query head, then its weights as bf16 (a zero after an odd length: the pair of the last position)
+  softmax_rows(s.scores.data(), group, len, softcap);
+  // each query head's weights as bf16 (a zero after an odd length: the pair of the last position)
   for (int64_t gi = 0; gi < group; ++gi) {
-    float* sg = s.scores.data() + gi * len;
-    k512::softmax_row(sg, len);
+    const float* sg = s.scores.data() + gi * len;
     uint16_t* wb = s.wbf.data() + gi * lenp;
     int64_t p = 0;
     for (; p + 16 <= len; p += 16)
@@ -803,15 +834,15 @@ void attend_item(const BF* q, const BF* kpool, const BF* vpool, BF* out, const I
       }
       const uint16_t* va = vp + off[p];
       const bool two = p + 1 < len;
+      uint32_t pair[16];   // each query head's weights of positions p, p + 1
+      for (int64_t i = 0; i < gn; ++i) std::memcpy(&pair[i], s.wbf.data() + (gb + i) * lenp + p, 4);
       for (int64_t c = 0; c < chunks; ++c) {
         const __m512i a = _mm512_loadu_si512(va + 32 * c);
         const __m512i b = two ? _mm512_loadu_si512(vp + off[p + 1] + 32 * c) : _mm512_setzero_si512();
         const __m512i lo = _mm512_unpacklo_epi16(a, b), hi = _mm512_unpackhi_epi16(a, b);
         for (int64_t i = 0; i < gn; ++i) {
-          uint32_t pair;
-          std::memcpy(&pair, s.wbf.data() + (gb + i) * lenp + p, 4);
-          acc[i * vecs + 2 * c] = dot(acc[i * vecs + 2 * c], lo, pair);
-          acc[i * vecs + 2 * c + 1] = dot(acc[i * vecs + 2 * c + 1], hi, pair);
+          acc[i * vecs + 2 * c] = dot(acc[i * vecs + 2 * c], lo, pair[i]);
+          acc[i * vecs + 2 * c + 1] = dot(acc[i * vecs + 2 * c + 1], hi, pair[i]);
         }
       }
     }
