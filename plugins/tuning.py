@@ -8,7 +8,12 @@ decode, M <= 32: the first pass over each tile), ``onepass_prefetch`` (AVX-512 o
 streams), and how
 many panels an int4 / int8 one-row decode reads at once per thread (``row_panels`` / ``int8_row_panels``: 1 = one
 sequential stream; where the hardware prefetcher follows one stream per page, several interleaved ones keep more
-lines in flight). The
+lines in flight), and ``row_nta``: whether those one-row decode streams prefetch non-temporally (1, the default: a
+decode step reads each weight once, and ~100 MB of them passing through L2/L3 push out what the step reuses, the KV
+context and the step loop's own objects). ``row_nta`` is not measured here: a kernel timed alone cannot see what
+its stream evicts; it is a setting to compare in a whole decode (``scripts/bench_decode.py --variants``). With it
+on, the one-row prefetch distances are chosen among non-zero candidates (no prefetch would leave the stream to the
+hardware prefetcher, which fills every level). The
 library starts with per-microarchitecture defaults (``default_tuning`` in ``csrc/linear_kernels.cpp``); then
 :func:`apply` loads this machine's measured choice from the cache, or measures it (:func:`autotune`, ~0.5-2 s:
 the int4 and int8 decode kernels streaming weights from memory at each candidate) and caches it, a JSON file
@@ -31,8 +36,9 @@ __all__ = ["TUNABLES", "get", "set_value", "current", "cpu_signature", "cache_pa
            "describe_kernel"]
 
 TUNABLES = ("row_prefetch", "small_prefetch", "onepass_prefetch", "row_panels", "int8_row_panels", "bf16_row_prefetch",
-            "int8_row_prefetch")
+            "int8_row_prefetch", "row_nta")
 CANDIDATES = (0, 512, 1024, 2048, 4096, 8192)
+NTA_CANDIDATES = (256, 512, 1024, 2048, 4096, 8192)
 ROUNDS = 5
 
 
@@ -49,7 +55,7 @@ def set_value(lib, name: str, value: int) -> None:
         raise ValueError(f"unknown kernel tunable {name!r}; the tunables are {list(TUNABLES)}")
     if rc == 2:
         raise ValueError(f"kernel tunable {name}={value} is out of range (prefetch distances 0..65536 bytes, "
-                         "row_panels 1, 2 or 4, int8_row_panels the same)")
+                         "row_panels 1, 2 or 4, int8_row_panels the same, row_nta 0 or 1)")
 
 
 def current(lib) -> dict[str, int]:
@@ -107,9 +113,12 @@ def autotune(lib, nthreads: int, budget_s: float = 6.0) -> dict[str, int]:
                     for _ in range(copies // 4)]
     bf16_panel = _panel_type("bf16_panel")
     chosen = current(lib)
-    for name, rows, candidates in (("row_panels", 1, (1, 2, 4)), ("row_prefetch", 1, CANDIDATES),
+    # a non-temporal one-row stream needs its software prefetch (row_nta): no zero distance for it, and shorter ones
+    # (in whole decodes on Zen 4, 256-512 B beat 1-8 KiB)
+    row_candidates = NTA_CANDIDATES if chosen["row_nta"] else CANDIDATES
+    for name, rows, candidates in (("row_panels", 1, (1, 2, 4)), ("row_prefetch", 1, row_candidates),
                                    ("small_prefetch", 8, CANDIDATES), ("int8_row_panels", 1, (1, 2, 4)),
-                                   ("int8_row_prefetch", 1, CANDIDATES), ("bf16_row_prefetch", 1, CANDIDATES)):
+                                   ("int8_row_prefetch", 1, row_candidates), ("bf16_row_prefetch", 1, CANDIDATES)):
         x = torch.randn(rows, k)
         y = torch.empty(rows, n)
         idx = [0]

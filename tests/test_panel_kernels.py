@@ -539,7 +539,9 @@ def test_tuning_is_measured_once_cached_and_overridable(native, tmp_path, monkey
         path = tuning.cache_path("ktest")
         assert path.is_file() and tuning.cpu_signature() in path.name
         cached = json.loads(path.read_text())["tuning"]
-        assert cached == {k: measured[k] for k in cached} and cached["row_prefetch"] in tuning.CANDIDATES
+        assert cached == {k: measured[k] for k in cached}
+        # a non-temporal one-row stream (row_nta, the default) takes a non-zero distance
+        assert cached["row_prefetch"] in (tuning.NTA_CANDIDATES if measured["row_nta"] else tuning.CANDIDATES)
         path.write_text(json.dumps({"tuning": {**cached, "row_prefetch": 1536}}))   # read, not re-measured
         assert tuning.apply(lib, "ktest")["row_prefetch"] == 1536
         monkeypatch.setenv("KILN_TUNING", "small_prefetch=640")
@@ -581,6 +583,42 @@ def test_int4_decode_over_several_panels_is_bitwise_the_one_stream_kernel(isa, r
             tuning.set_value(lib, "row_panels", 3)
     finally:
         tuning.set_value(lib, "row_panels", old)
+
+
+def test_non_temporal_decode_streams_change_no_result(isa, x_bits):
+    """row_nta (a tunable) only changes the cache hint of the one-row decode streams' prefetches: int4 (one stream
+    and several panels a thread) and int8 give the same bits either way, and kiln inspect --load says which."""
+    from kiln.plugins import tuning
+
+    lib = native_lib.library()
+    g = torch.Generator().manual_seed(13)
+    p = _int4(128, 1024, 64, True, 6)
+    q, s = fmt.quantize_int8(torch.randn(192, 1000, generator=g))
+    qp = fmt.pack_panels(q)
+    x4, x8 = torch.randn(1, 1024, generator=g), torch.randn(1, 1000, generator=g)
+    old = tuning.current(lib)
+
+    def outputs() -> list[torch.Tensor]:
+        out = [linear.weight_only_linear(x8, qp, s, None, 8, 0)]
+        for panels in (1, 4):
+            tuning.set_value(lib, "row_panels", panels)
+            out.append(linear.weight_only_linear(x4, p.qweight, p.scales, None, 4, 64, p.zeros))
+        return out
+
+    try:
+        tuning.set_value(lib, "row_prefetch", 512)
+        tuning.set_value(lib, "row_nta", 0)
+        plain = outputs()
+        assert "non-temporal" not in native_lib.describe_kernel("int8_panel", 1, 192)
+        tuning.set_value(lib, "row_nta", 1)
+        assert all(torch.equal(a, b) for a, b in zip(outputs(), plain))
+        assert "prefetch 512 B non-temporal" in native_lib.describe_kernel("int4_panel", 1, 128)
+        assert "non-temporal" not in native_lib.describe_kernel("int4_panel", 16, 128)   # batches reuse a tile
+        with pytest.raises(ValueError, match="row_nta 0 or 1"):
+            tuning.set_value(lib, "row_nta", 2)
+    finally:
+        for name, value in old.items():
+            tuning.set_value(lib, name, value)
 
 
 @pytest.mark.parametrize("xdtype", [torch.float32, torch.bfloat16])

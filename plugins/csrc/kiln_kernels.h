@@ -79,7 +79,8 @@ int kiln_set_int4_x_bits(int bits);
 // even: 0, or 2 when the shape does not fit the layout.
 int kiln_dequant_int4_panel_bf16(const void* w, const uint16_t* scales, const uint8_t* zeros, int64_t group_size,
                                  int64_t N, int64_t K, uint16_t* out, int nthreads);
-// The panel kernels' tunables by name (row_prefetch, small_prefetch, onepass_prefetch: bytes ahead; 0 = off):
+// The panel kernels' tunables by name (prefetch distances in bytes ahead, 0 = off; panels per decode stream; row_nta
+// 0/1: the one-row decode streams prefetch non-temporally; the list: kiln/plugins/tuning.py TUNABLES):
 // 0, or 1 for an unknown name (2: a value out of range).
 int kiln_get_tuning(const char* name, int64_t* value);
 // The kernel a panel-layout weight of type wtype runs at M rows of x, with its tuning, as text into buf.

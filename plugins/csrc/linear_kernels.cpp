@@ -685,6 +685,15 @@ bool int4_supported(int64_t K, int64_t group_size) {
 
 // The same instruction for every vector width (panel_kernels.h names no intrinsic itself).
 inline void prefetch_line(const void* p) { _mm_prefetch(static_cast<const char*>(p), _MM_HINT_T0); }
+// A line of a one-row decode's weight stream, read once per step: with `nta` (tuning().row_nta) prefetched
+// non-temporally, so that the step's ~100 MB of weights do not push out of L2/L3 what the step reuses (the KV
+// context, the activations, the step loop's own objects). Zen 4, 246M int4 engine, alternated in the same runs
+// (scripts/bench_decode.py): 11 of 11 rounds faster, single-stream 196 -> 232 tok/s, and the step loop's Python
+// parts 25-30% shorter.
+inline void prefetch_row(const void* p, bool nta) {
+  if (nta) _mm_prefetch(static_cast<const char*>(p), _MM_HINT_NTA);
+  else _mm_prefetch(static_cast<const char*>(p), _MM_HINT_T0);
+}
 
 // The tunables of the panel kernels: software prefetch distances (bytes ahead in a weight stream). Defaults per
 // microarchitecture (default_tuning); kiln.plugins.tuning measures them once per machine at first load and sets
@@ -697,6 +706,7 @@ struct Tuning {
   int64_t int8_row_panels;   // int8 one-row decode: the same choice
   int64_t bf16_row_prefetch; // bf16-panel decode (M < 4, either x): each panel's stream
   int64_t int8_row_prefetch; // int8 one-row decode over int8_row_panels > 1 streams: each panel's stream
+  int64_t row_nta;           // one-row int8/int4 decode: prefetch non-temporally (1) or into every level (0)
 };
 
 // CPU family / model (AMD: Zen 3 = family 25 models 0x00-0x0f, 0x20-0x5f; Zen 4 = 25, 0x10-0x1f, 0x60-0xaf;
@@ -709,11 +719,11 @@ Tuning default_tuning() {
   const unsigned family = ((eax >> 8) & 0xf) + (((eax >> 8) & 0xf) == 0xf ? (eax >> 20) & 0xff : 0);
   const unsigned model = ((eax >> 4) & 0xf) | (((eax >> 16) & 0xf) << 4);
   const bool zen3 = family == 25 && (model < 0x10 || (model >= 0x20 && model < 0x60));
-  if (zen3) return {4096, 0, 0, 1, 1, 0, 0};
+  if (zen3) return {4096, 0, 0, 1, 1, 0, 0, 1};
   unsigned vb = 0, vc = 0, vd = 0, va = 0;
   __asm__("cpuid" : "=a"(va), "=b"(vb), "=c"(vc), "=d"(vd) : "a"(0), "c"(0));
   const bool intel = vb == 0x756e6547u && vd == 0x49656e69u && vc == 0x6c65746eu;   // "GenuineIntel"
-  return {2048, 4096, 8192, 1, 1, intel ? 1024 : 0, intel ? 2048 : 4096};
+  return {2048, 4096, 8192, 1, 1, intel ? 1024 : 0, intel ? 2048 : 4096, 1};
 }
 
 Tuning& tuning() {
@@ -916,6 +926,7 @@ std::string describe_panel(int wtype, int64_t M, int64_t N) {
            (pfm ? ", prefetch " + std::to_string(t.small_prefetch) + " B (first pass)" : "");
   };
   const int kind = kiln_weight_kind(wtype);
+  const std::string nta = t.row_nta ? " non-temporal" : "";
   std::string what;
   if (wtype == KILN_W_BF16_PANEL) {
     const int64_t gemm_m = kiln_ops_bf16_gemm_m();
@@ -928,16 +939,16 @@ std::string describe_panel(int wtype, int64_t M, int64_t N) {
     if (gemm_m > 0 && M >= gemm_m) return "int4 panels -> bf16 once per call, oneDNN bf16 GEMM (from M " +
                                           std::to_string(gemm_m) + ")";
     if (M == 1 && t.row_panels > 1 && panels % t.row_panels == 0)
-      what = "one row x " + std::to_string(t.row_panels) + " panels, prefetch " + std::to_string(t.row_prefetch) + " B";
-    else if (M == 1) what = "one-row stream, 4 chains, prefetch " + std::to_string(t.row_prefetch) + " B";
+      what = "one row x " + std::to_string(t.row_panels) + " panels, prefetch " + std::to_string(t.row_prefetch) + " B" + nta;
+    else if (M == 1) what = "one-row stream, 4 chains, prefetch " + std::to_string(t.row_prefetch) + " B" + nta;
     else what = tiles(Isa::MR_INT4, Isa::NP_INT4);
     return "int4 panels, " + isa + (Isa::L == 16 ? " vnni" : "") + (int4_x_bits() == 8 ? ", x int8 per group" : "") +
            ", " + what;
   }
   if (kind == KILN_W_INT8) {
     if (M == 1 && t.int8_row_panels > 1 && panels % t.int8_row_panels == 0)
-      what = "one row x " + std::to_string(t.int8_row_panels) + " panels, prefetch " + std::to_string(t.int8_row_prefetch) + " B";
-    else if (M == 1) what = "one-row stream, 4 chains, prefetch " + std::to_string(t.row_prefetch) + " B";
+      what = "one row x " + std::to_string(t.int8_row_panels) + " panels, prefetch " + std::to_string(t.int8_row_prefetch) + " B" + nta;
+    else if (M == 1) what = "one-row stream, 4 chains, prefetch " + std::to_string(t.row_prefetch) + " B" + nta;
     else if (M < 4 && panels % 4 == 0) what = "2x4 tiles";
     else what = tiles(Isa::MR_INT, Isa::NP_INT);
     const int64_t gemm_m = kiln_ops_bf16_gemm_m();
@@ -1337,6 +1348,7 @@ int kiln_get_tuning(const char* name, int64_t* value) {
   else if (n == "int8_row_panels") *value = t.int8_row_panels;
   else if (n == "bf16_row_prefetch") *value = t.bf16_row_prefetch;
   else if (n == "int8_row_prefetch") *value = t.int8_row_prefetch;
+  else if (n == "row_nta") *value = t.row_nta;
   else return 1;
   return 0;
 }
@@ -1356,6 +1368,9 @@ int kiln_set_tuning(const char* name, int64_t value) {
   } else if (n == "int8_row_panels") {
     if (value != 1 && value != 2 && value != 4) return 2;
     t.int8_row_panels = value;
+  } else if (n == "row_nta") {
+    if (value > 1) return 2;
+    t.row_nta = value;
   } else return 1;
   return 0;
 }
