@@ -1,0 +1,89 @@
+"""Kernel tunables against each other in whole single-stream requests, in one process (not a test).
+
+    .venv/bin/python scripts/bench_tunables.py ENGINE_DIR "label:name=value,...;label:name=value,..." [--rounds 16]
+
+Each variant sets kernel tunables (``kiln.plugins.tuning``: prefetch distances, panels per decode stream,
+``row_nta``) on top of the machine's tuning; the first is the reference. Every round runs one request per variant
+(order reversed every other round) in the same ``LLM``: a 32-token prompt, 64 new tokens, greedy, EOS ignored, as
+``../shared/peers/bench_kiln.py single``; decode tok/s = 63 / (time of the request - time of a 1-token request).
+
+Why in one process: separate processes (``bench_decode.py --variants``) also differ in where their weights and
+pool landed in memory, and this VM's read rate drifts by 15-25% from minute to minute; alternating variants in one
+process request by request puts both on every variant alike, so the paired ratios of a few rounds are stable where
+process-per-run medians are not. A tunable whose effect is on the rest of the step (``row_nta``: what a weight
+stream evicts) shows only here, never in a kernel timed alone.
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import statistics
+import time
+
+
+def parse_variants(text: str) -> dict[str, dict[str, int]]:
+    variants: dict[str, dict[str, int]] = {}
+    for spec in filter(None, (s.strip() for s in text.split(";"))):
+        label, _, values = spec.partition(":")
+        settings = {}
+        for item in filter(None, (v.strip() for v in values.split(","))):
+            name, _, value = item.partition("=")
+            settings[name.strip()] = int(value)
+        variants[label.strip()] = settings
+    if not variants:
+        raise SystemExit("give at least one variant, e.g. 'nta:row_nta=1;t0:row_nta=0'")
+    return variants
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("engine")
+    ap.add_argument("variants", help="semicolon-separated label:name=value,... (the first is the reference)")
+    ap.add_argument("--rounds", type=int, default=16)
+    ap.add_argument("--tokens", type=int, default=64)
+    args = ap.parse_args()
+
+    from kiln.plugins import native, tuning
+    from kiln.runtime import LLM, SamplingParams
+
+    variants = parse_variants(args.variants)
+    lib = native.library()
+    if lib is None:
+        raise SystemExit("the native kernel library is not available here: no tunables to compare")
+    base = tuning.current(lib)
+    llm = LLM(args.engine, max_batch_size=16, max_kv_cache_tokens=256, enable_prefix_reuse=False)
+    vocab = llm.executor.engine.config.model.vocab_size
+    prompt = [random.Random(0).randrange(3, vocab) for _ in range(32)]
+
+    def request(n: int) -> float:
+        t0 = time.perf_counter()
+        llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True))
+        return time.perf_counter() - t0
+
+    request(8)
+    info = native.cpu_info()
+    print(f"cpu family {info.get('cpu family', '?')} model {info.get('model', '?')}; machine tuning {base}", flush=True)
+    tok_s: dict[str, list[float]] = {label: [] for label in variants}
+    try:
+        for r in range(args.rounds):
+            for label in (list(variants) if r % 2 == 0 else list(reversed(variants))):
+                for name, value in {**base, **variants[label]}.items():
+                    tuning.set_value(lib, name, value)
+                first = min(request(1), request(1))
+                tok_s[label].append((args.tokens - 1) / (request(args.tokens) - first))
+            print(f"round {r + 1}: " + "  ".join(f"{k} {v[-1]:.1f}" for k, v in tok_s.items()), flush=True)
+    finally:
+        for name, value in base.items():
+            tuning.set_value(lib, name, value)
+        llm.executor.close()
+    ref = next(iter(variants))
+    print(f"\nmedians over {args.rounds} rounds; paired = variant / {ref} in the same round")
+    for label, values in tok_s.items():
+        ratios = [a / b for a, b in zip(values, tok_s[ref])]
+        print(f"{label:12s} {statistics.median(values):8.1f} tok/s   paired x{statistics.median(ratios):.3f} "
+              f"({min(ratios):.2f}-{max(ratios):.2f}), faster in {sum(x > 1 for x in ratios)}/{len(ratios)} rounds")
+
+
+if __name__ == "__main__":
+    main()
