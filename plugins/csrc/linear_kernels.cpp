@@ -687,9 +687,8 @@ bool int4_supported(int64_t K, int64_t group_size) {
 inline void prefetch_line(const void* p) { _mm_prefetch(static_cast<const char*>(p), _MM_HINT_T0); }
 // A line of a one-row decode's weight stream, read once per step: with `nta` (tuning().row_nta) prefetched
 // non-temporally, so that the step's ~100 MB of weights do not push out of L2/L3 what the step reuses (the KV
-// context, the activations, the step loop's own objects). Zen 4, 246M int4 engine, alternated in the same runs
-// (scripts/bench_decode.py): 11 of 11 rounds faster, single-stream 196 -> 232 tok/s, and the step loop's Python
-// parts 25-30% shorter.
+// context, the activations, the step loop's own objects): the whole decode is faster, not the kernel timed alone
+// (docs/benchmarks.md, "Non-temporal decode streams"; scripts/bench_tunables.py).
 inline void prefetch_row(const void* p, bool nta) {
   if (nta) _mm_prefetch(static_cast<const char*>(p), _MM_HINT_NTA);
   else _mm_prefetch(static_cast<const char*>(p), _MM_HINT_T0);
