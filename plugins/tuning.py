@@ -39,9 +39,9 @@ TUNABLES = ("row_prefetch", "small_prefetch", "onepass_prefetch", "row_panels", 
             "int8_row_prefetch", "row_nta")
 CANDIDATES = (0, 512, 1024, 2048, 4096, 8192)
 NTA_CANDIDATES = (256, 512, 1024, 2048, 4096, 8192)
-# A candidate must beat the shortest one by more than this to be chosen: on a shared 2-core VM the best of 5
-# interleaved rounds still moves by 5-10% between loads, and with a 3% margin the same Zen 4 machine cached every
-# row_prefetch candidate from 0 to 8192 across builds of the library.
+# The shortest candidate within this factor of the fastest one wins: on a shared 2-core VM the best of 5 interleaved
+# rounds still moves by 5-10% between loads, and with a 3% margin the same Zen 4 machine cached every row_prefetch
+# candidate from 0 to 8192 across builds of the library.
 TIE = 1.08
 ROUNDS = 5
 
