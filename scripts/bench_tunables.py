@@ -5,7 +5,7 @@
 Each variant sets kernel tunables (``kiln.plugins.tuning``: prefetch distances, panels per decode stream,
 ``row_nta``) on top of the machine's tuning; the first is the reference. Every round runs one request per variant
 (order reversed every other round) in the same ``LLM``: a 32-token prompt, 64 new tokens, greedy, EOS ignored, as
-``../shared/peers/bench_kiln.py single``; decode tok/s = 63 / (time of the request - time of a 1-token request).
+``../shared/peers/bench_kiln.py single``; decode tok/s as ``bench_decode.py`` counts it (``single_request``).
 
 Why in one process: separate processes (``bench_decode.py --variants``) also differ in where their weights and
 pool landed in memory, and this VM's read rate drifts by 15-25% from minute to minute; alternating variants in one
@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import random
 import statistics
-import time
 
 
 def parse_variants(text: str) -> dict[str, dict[str, int]]:
@@ -44,8 +43,10 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=64)
     args = ap.parse_args()
 
+    from bench_decode import single_request
+
     from kiln.plugins import native, tuning
-    from kiln.runtime import LLM, SamplingParams
+    from kiln.runtime import LLM
 
     variants = parse_variants(args.variants)
     lib = native.library()
@@ -56,12 +57,7 @@ def main() -> None:
     vocab = llm.executor.engine.config.model.vocab_size
     prompt = [random.Random(0).randrange(3, vocab) for _ in range(32)]
 
-    def request(n: int) -> float:
-        t0 = time.perf_counter()
-        llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True))
-        return time.perf_counter() - t0
-
-    request(8)
+    single_request(llm, prompt, 8)   # warm-up
     info = native.cpu_info()
     print(f"cpu family {info.get('cpu family', '?')} model {info.get('model', '?')}; machine tuning {base}", flush=True)
     tok_s: dict[str, list[float]] = {label: [] for label in variants}
@@ -70,8 +66,8 @@ def main() -> None:
             for label in (list(variants) if r % 2 == 0 else list(reversed(variants))):
                 for name, value in {**base, **variants[label]}.items():
                     tuning.set_value(lib, name, value)
-                first = min(request(1), request(1))
-                tok_s[label].append((args.tokens - 1) / (request(args.tokens) - first))
+                first, total = single_request(llm, prompt, args.tokens)
+                tok_s[label].append((args.tokens - 1) / (total - first))
             print(f"round {r + 1}: " + "  ".join(f"{k} {v[-1]:.1f}" for k, v in tok_s.items()), flush=True)
     finally:
         for name, value in base.items():

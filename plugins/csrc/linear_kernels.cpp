@@ -689,7 +689,7 @@ inline void prefetch_line(const void* p) { _mm_prefetch(static_cast<const char*>
 // non-temporally, so that the step's ~100 MB of weights do not push out of L2/L3 what the step reuses (the KV
 // context, the activations, the step loop's own objects): the whole decode is faster, not the kernel timed alone
 // (docs/benchmarks.md, "Non-temporal decode streams"; scripts/bench_tunables.py).
-inline void prefetch_row(const void* p, bool nta) {
+inline void prefetch_once(const void* p, bool nta) {
   if (nta) _mm_prefetch(static_cast<const char*>(p), _MM_HINT_NTA);
   else _mm_prefetch(static_cast<const char*>(p), _MM_HINT_T0);
 }

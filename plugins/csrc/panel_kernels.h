@@ -161,7 +161,7 @@ inline void panel_int8(const int8_t* w, int64_t pstride, const int32_t* xq, int6
     for (int64_t t = t0; t < t1; ++t) {
       if constexpr (PF)
         if ((t & 1) == 0)  // a step is 32 bytes: one prefetch per 64-byte line
-          for (int p = 0; p < NP; ++p) prefetch_row(w + p * pstride + t * 32 + pfd, nta);
+          for (int p = 0; p < NP; ++p) prefetch_once(w + p * pstride + t * 32 + pfd, nta);
       Isa::VI wv[NP][VP];
       for (int p = 0; p < NP; ++p)
         for (int v = 0; v < VP; ++v) wv[p][v] = Isa::i16_pairs(w + p * pstride + t * 32 + v * 2 * Isa::L);
@@ -202,8 +202,8 @@ inline void panel_int8_row(const int8_t* w, const int32_t* xq, float sx, int64_t
     int64_t t = t0;
     for (; t + ROW_CHAINS <= t1; t += ROW_CHAINS) {
       // the ROW_CHAINS steps' two 64-byte lines, pf bytes ahead (into the next panel at the end)
-      prefetch_row(w + t * 32 + pf, nta);
-      prefetch_row(w + t * 32 + 64 + pf, nta);
+      prefetch_once(w + t * 32 + pf, nta);
+      prefetch_once(w + t * 32 + 64 + pf, nta);
       for (int c = 0; c < ROW_CHAINS; ++c) {
         const Isa::VI xb = Isa::iset1(xq[t + c]);
         for (int v = 0; v < VP; ++v)
@@ -441,7 +441,7 @@ inline void panel_int4_row(const Int4W& W, int64_t p, const int32_t* xq, float s
       }
       for (int64_t b = b0; b < b1; ++b) {
         const uint8_t* q = w + b * 64;
-        prefetch_row(q + pf, nta);
+        prefetch_once(q + pf, nta);
         const Isa::VI x0 = Isa::iset1(xq[4 * b]), x1 = Isa::iset1(xq[4 * b + 1]);
         const Isa::VI x2 = Isa::iset1(xq[4 * b + 2]), x3 = Isa::iset1(xq[4 * b + 3]);
         for (int v = 0; v < VP; ++v) {
@@ -487,7 +487,7 @@ inline void panel_int4(const Int4W& W, int64_t p0, const int32_t* xq, int64_t ld
       for (int64_t b = b0; b < b1; ++b) {
         Isa::VI wv[NP][VP];
         for (int p = 0; p < NP; ++p) {
-          if constexpr (PF) prefetch_row(w + p * pb + b * 64 + pf, nta);
+          if constexpr (PF) prefetch_once(w + p * pb + b * 64 + pf, nta);
           for (int v = 0; v < VP; ++v) wv[p][v] = Isa::iload(w + p * pb + b * 64 + v * 4 * Isa::L);
         }
         const auto step = [&](auto cc) {
@@ -559,7 +559,7 @@ inline void panel_int4_row_x8(const Int4W& W, int64_t p, const int32_t* xq, cons
     }
     const auto block = [&](int64_t b, int c) {
       const uint8_t* q = w + b * 64;
-      prefetch_row(q + pf, nta);
+      prefetch_once(q + pf, nta);
       const Isa::VI xl = Isa::iset1(xq[2 * b]), xh = Isa::iset1(xq[2 * b + 1]);
       for (int v = 0; v < VP; ++v) {
         const Isa::VI wv = Isa::iload(q + v * 4 * Isa::L);
@@ -606,7 +606,7 @@ inline void panel_int4_x8(const Int4W& W, int64_t p0, const Int4X& X, int64_t ld
     for (int64_t b = g * gblocks; b < (g + 1) * gblocks; ++b) {
       Isa::VI lo[NP][VP], hi[NP][VP];
       for (int p = 0; p < NP; ++p) {
-        if constexpr (PF) prefetch_row(w + p * pb + b * 64 + pf, nta);
+        if constexpr (PF) prefetch_once(w + p * pb + b * 64 + pf, nta);
         for (int v = 0; v < VP; ++v) {
           const Isa::VI wv = Isa::iload(w + p * pb + b * 64 + v * 4 * Isa::L);
           lo[p][v] = Isa::iand(wv, lo4);
