@@ -554,6 +554,23 @@ def test_tuning_is_measured_once_cached_and_overridable(native, tmp_path, monkey
             tuning.set_value(lib, name, value)
 
 
+def test_autotuning_leaves_the_loading_thread_without_an_openmp_team(native, tmp_path):
+    """The first load of a library build measures its tunables with OpenMP kernels; run on the loading thread they
+    would leave it a thread team for the life of the process, and two teams on the machine's cores make every
+    parallel region of the step loop sleep and wake (that process decoded at 40% of the next one's speed). The
+    measuring thread's team must go with it: as many threads after the first load as before."""
+    code = ("import os, torch; before = len(os.listdir('/proc/self/task')); "
+            "from kiln.plugins import native; assert native.library() is not None; "
+            "print(before, len(os.listdir('/proc/self/task')), len(os.listdir(os.environ['KILN_TUNING_DIR'])))")
+    env = {k: v for k, v in os.environ.items() if k not in ("KILN_AUTOTUNE", "KILN_TUNING")}
+    env["KILN_TUNING_DIR"] = str(tmp_path)
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    before, after, cached = map(int, out.stdout.split()[-3:])
+    assert after == before, f"{after - before} thread(s) left behind by the load-time autotune"
+    assert cached in (0, 1)   # 0: a machine too busy to measure in the budget (nothing cached, defaults kept)
+
+
 def test_autotuning_past_its_budget_keeps_the_defaults(native):
     from kiln.plugins import tuning
 
