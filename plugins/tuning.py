@@ -27,7 +27,6 @@ import ctypes
 import json
 import logging
 import os
-import threading
 import time
 from pathlib import Path
 
@@ -182,33 +181,13 @@ def _cached(path: Path) -> dict[str, int] | None:
         return None
 
 
-def _in_own_thread(fn, *args):
-    """fn(*args) on a thread that ends with it. The autotune's kernels and torch ops are OpenMP loops: run on the
-    loading thread (the main one), they would leave it an OpenMP team of its own for the life of the process, and
-    with two teams on these cores libgomp stops spinning between parallel regions, so every region of the step
-    loop's thread then pays a sleep and a wake-up (Zen 4, int4 246M: 84 tok/s single stream in the process that
-    measured, 202 in the next). A thread's team goes with the thread."""
-    box: dict = {}
-
-    def run() -> None:
-        try:
-            box["value"] = fn(*args)
-        except BaseException as exc:  # re-raised on the caller's thread
-            box["error"] = exc
-
-    worker = threading.Thread(target=run, name="kiln-autotune")
-    worker.start()
-    worker.join()
-    if "error" in box:
-        raise box["error"]
-    return box["value"]
-
-
 def _measure_and_cache(lib, path: Path) -> None:
     import torch
 
-    try:
-        values = _in_own_thread(autotune, lib, torch.get_num_threads())
+    from kiln.plugins.openmp_teams import on_own_thread
+
+    try:   # the measuring thread's OpenMP team ends with it (kiln.plugins.openmp_teams)
+        values = on_own_thread(autotune, lib, torch.get_num_threads(), name="kiln-autotune")
     except TuningAborted as exc:   # nothing cached: measured again at the next load
         logger.info("kiln: %s", exc)
         return

@@ -41,6 +41,23 @@ out = llm.generate([json.loads(sys.argv[3])], kiln.SamplingParams(temperature=0,
 print("TOKENS", json.dumps(out[0].token_ids), "ENGINE", llm.engine.directory, flush=True)
 """
 
+# threads of this process that are not Python threads (OpenMP workers among them) before and after a build
+NATIVE_THREADS_AROUND_BUILD = """
+import json, os, sys, threading, time
+import torch
+from kiln.ondemand import resolve_engine
+
+def native_threads():
+    return len(set(map(int, os.listdir("/proc/self/task"))) - {t.native_id for t in threading.enumerate()})
+
+before = native_threads()
+engine = resolve_engine(sys.argv[1], json.loads(sys.argv[2]))
+deadline = time.monotonic() + 10   # a thread's OpenMP workers exit in its destructors, just after it ends
+while native_threads() > before and time.monotonic() < deadline:
+    time.sleep(0.05)
+print("THREADS", before, native_threads(), engine)
+"""
+
 
 @pytest.fixture(scope="module")
 def cache(tmp_path_factory) -> Path:
@@ -79,6 +96,21 @@ def test_llm_builds_a_checkpoint_once_then_loads_it_from_the_cache(checkpoint_di
     assert "building" not in log2 and "trace" not in log2
     assert (engine / "config.json").stat().st_mtime_ns == built_at
     assert sorted(p.name for p in cache.iterdir() if p.is_dir()) == [engine.name]
+
+
+def test_building_into_the_cache_leaves_the_calling_thread_without_an_openmp_team(checkpoint_dir, tmp_path):
+    """The build runs torch's and kiln's parallel kernels; on the calling thread (which then serves the engine)
+    they would leave it an OpenMP team for the process's life, and a second team makes every parallel region of
+    the step loop sleep and wake (`kiln serve CHECKPOINT` decoded at half the speed of a server whose engine came
+    from the cache). The build's thread and its team end with the build: as many threads after it as before."""
+    res = subprocess.run([sys.executable, "-c", NATIVE_THREADS_AROUND_BUILD, str(checkpoint_dir("llama")),
+                          json.dumps(BUILD)], capture_output=True, text=True, timeout=600, env=_env(tmp_path / "cache"),
+                         cwd=tmp_path)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    (line,) = [x for x in res.stdout.splitlines() if x.startswith("THREADS")]
+    before, after, engine = line.split()[1:]
+    assert Path(engine).parent == tmp_path / "cache"   # built now, not found in a cache
+    assert int(after) == int(before), f"{int(after) - int(before)} native thread(s) left behind by the build"
 
 
 def test_kiln_serve_a_checkpoint_with_build_flags(checkpoint_dir, cache, tmp_path):

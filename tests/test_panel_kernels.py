@@ -559,9 +559,10 @@ def test_autotuning_leaves_the_loading_thread_without_an_openmp_team(native, tmp
     would leave it a thread team for the life of the process, and two teams on the machine's cores make every
     parallel region of the step loop sleep and wake (that process decoded at 40% of the next one's speed). The
     measuring thread's team must go with it: as many threads after the first load as before."""
-    code = ("import os, torch; before = len(os.listdir('/proc/self/task')); "
-            "from kiln.plugins import native; assert native.library() is not None; "
-            "print(before, len(os.listdir('/proc/self/task')), len(os.listdir(os.environ['KILN_TUNING_DIR'])))")
+    code = ("import os, time, torch; threads = lambda: len(os.listdir('/proc/self/task')); before = threads(); "
+            "from kiln.plugins import native; assert native.library() is not None; deadline = time.monotonic() + 10\n"
+            "while threads() > before and time.monotonic() < deadline: time.sleep(0.05)\n"   # workers exit just after
+            "print(before, threads(), len(os.listdir(os.environ['KILN_TUNING_DIR'])))")
     env = {k: v for k, v in os.environ.items() if k not in ("KILN_AUTOTUNE", "KILN_TUNING")}
     env["KILN_TUNING_DIR"] = str(tmp_path)
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)

@@ -132,6 +132,7 @@ def cached_engine(checkpoint: Path, build, progress: Callable[[str, str], None] 
     """The engine directory of ``checkpoint`` built with ``build`` (a BuildConfig): from the cache, or built into
     it now (``progress(stage, message)`` as build_engine calls it). Logs which of the two happened."""
     from kiln.builder import build_engine
+    from kiln.plugins.openmp_teams import on_own_thread
 
     build = build.resolved()
     root = cache_dir()
@@ -148,6 +149,8 @@ def cached_engine(checkpoint: Path, build, progress: Callable[[str, str], None] 
                     "this checkpoint and build config loads it without building", checkpoint, out, build.backend,
                     build.dtype, build.max_seq_len)
         t0 = time.perf_counter()
-        build_engine(checkpoint, out, build, progress=progress)
+        # on a thread that ends with the build: its parallel kernels leave no OpenMP team on this thread, which
+        # may go on to serve the engine (kiln.plugins.openmp_teams)
+        on_own_thread(build_engine, checkpoint, out, build, progress=progress, name="kiln-build")
         logger.info("engine built in %.1f s: %s", time.perf_counter() - t0, out)
     return out
