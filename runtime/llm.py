@@ -43,6 +43,7 @@ from kiln.contract import (
     check_option_names,
     option_names,
 )
+from kiln.plugins.openmp_teams import on_own_thread
 from kiln.runtime.detokenizer import load_tokenizer
 from kiln.runtime.executor import Executor, ExecutorConfig
 from kiln.runtime.memory import release_free_heap
@@ -127,9 +128,11 @@ class LLM:
         return self.executor.adapters
 
     def load_lora(self, name: str, path: str | Path) -> None:
-        """Read the PEFT adapter directory ``path`` (in this thread: the step loop serves on) and serve it as
-        ``name``; AdapterLoadError names what the engine cannot serve (rank, modules, shapes, files)."""
-        self._adapters().load(name, path)
+        """Read the PEFT adapter directory ``path`` (off the step loop, which serves on) and serve it as ``name``;
+        AdapterLoadError names what the engine cannot serve (rank, modules, shapes, files). The conversion's torch
+        ops run on a thread that ends with them (kiln.plugins.openmp_teams): on the caller's thread (the server's
+        worker threads live on) a real model's adapter would leave an OpenMP team behind."""
+        on_own_thread(self._adapters().load, name, path, name="kiln-lora-load")
 
     def unload_lora(self, name: str) -> None:
         """Stop serving ``name``: new requests naming it are refused; those already running finish with it."""
