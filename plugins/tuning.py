@@ -3,22 +3,25 @@
 The kernels pick their instruction set from CPUID (AVX-512 with VNNI where present, else AVX2 + FMA); what
 depends on the microarchitecture's caches and memory system beyond that are the software prefetch distances
 (bytes ahead in a weight stream): ``row_prefetch`` (one-row decode, int8/int4), ``small_prefetch`` (batched
-decode, M <= 32: the first pass over each tile), ``onepass_prefetch`` (AVX-512 one-pass 13..16 rows) and
+decode, M <= 32: the first pass over each tile), ``onepass_prefetch`` (AVX-512 one-pass 13..16 rows),
 ``bf16_row_prefetch`` (bf16-panel decode, M < 4) and ``int8_row_prefetch`` (int8 one-row decode over several
-streams), and how
-many panels an int4 / int8 one-row decode reads at once per thread (``row_panels`` / ``int8_row_panels``: 1 = one
-sequential stream; where the hardware prefetcher follows one stream per page, several interleaved ones keep more
-lines in flight), and ``row_nta``: whether those one-row decode streams prefetch non-temporally (1, the default: a
-decode step reads each weight once, and ~100 MB of them passing through L2/L3 push out what the step reuses, the KV
-context and the step loop's own objects). ``row_nta`` is not measured here: a kernel timed alone cannot see what
-its stream evicts; it is a setting to compare in whole decodes (``scripts/bench_tunables.py``). With it
-on, the one-row prefetch distances are chosen among non-zero candidates (no prefetch would leave the stream to the
-hardware prefetcher, which fills every level). The
-library starts with per-microarchitecture defaults (``default_tuning`` in ``csrc/linear_kernels.cpp``); then
+streams); how many panels a decode thread reads at once (``row_panels`` / ``int8_row_panels``, int4 / int8 one
+row: 1 = one sequential stream; where the hardware prefetcher follows one stream per page, several interleaved ones
+keep more lines in flight; ``bf16_row_panels``: the panels of a bf16 decode tile with bf16 x, 2 to 16); and
+``row_nta``: whether the int8/int4 one-row streams prefetch non-temporally (1, the default: a decode step reads each
+weight once, and ~100 MB of them passing through L2/L3 push out what the step reuses, the KV context and the step
+loop's own objects).
+
+The library starts with per-microarchitecture defaults (``default_tuning`` in ``csrc/linear_kernels.cpp``); then
 :func:`apply` loads this machine's measured choice from the cache, or measures it (:func:`autotune`, ~0.5-2 s:
 the int4 and int8 decode kernels streaming weights from memory at each candidate) and caches it, a JSON file
 named by the library's build key and the CPU (:func:`cache_path`, beside the kernel cache in
 TORCH_EXTENSIONS_DIR). ``KILN_AUTOTUNE=0`` keeps the defaults; ``KILN_TUNING=name=value,...`` sets values.
+Not measured here, because a kernel timed alone does not show them: ``row_nta`` (what a stream evicts from the
+rest of the step), ``bf16_row_panels`` and ``bf16_row_prefetch`` (on Zen 4 alike alone, 5-9% apart in whole
+decodes): their defaults come from whole single-stream decodes (``scripts/bench_tunables.py``). With ``row_nta`` on,
+the one-row prefetch distances are chosen among non-zero candidates (no prefetch would leave the stream to the
+hardware prefetcher, which fills every level).
 """
 
 from __future__ import annotations
@@ -36,7 +39,7 @@ __all__ = ["TUNABLES", "get", "set_value", "current", "cpu_signature", "cache_pa
            "describe_kernel"]
 
 TUNABLES = ("row_prefetch", "small_prefetch", "onepass_prefetch", "row_panels", "int8_row_panels", "bf16_row_prefetch",
-            "int8_row_prefetch", "row_nta")
+            "int8_row_prefetch", "row_nta", "bf16_row_panels")
 CANDIDATES = (0, 512, 1024, 2048, 4096, 8192)
 NTA_CANDIDATES = (256, 512, 1024, 2048, 4096, 8192)
 # The shortest candidate within this factor of the fastest one wins: on a shared 2-core VM the best of 5 interleaved
@@ -59,7 +62,8 @@ def set_value(lib, name: str, value: int) -> None:
         raise ValueError(f"unknown kernel tunable {name!r}; the tunables are {list(TUNABLES)}")
     if rc == 2:
         raise ValueError(f"kernel tunable {name}={value} is out of range (prefetch distances 0..65536 bytes, "
-                         "row_panels 1, 2 or 4, int8_row_panels the same, row_nta 0 or 1)")
+                         "row_panels 1, 2 or 4, int8_row_panels the same, bf16_row_panels 2, 4, 8 or 16, "
+                         "row_nta 0 or 1)")
 
 
 def current(lib) -> dict[str, int]:
@@ -105,41 +109,29 @@ def autotune(lib, nthreads: int, budget_s: float = 6.0) -> dict[str, int]:
     n, k, gs = 4096, 1024, 128
     copies = 48
     g = torch.Generator().manual_seed(0)
-    # One 96 MiB buffer of random bytes serves every format in turn (three of their own would add 288 MiB to the
-    # peak RSS of the process that loads the library first); each int16's high byte is kept below 64, so that read
-    # as bf16 the weights are finite.
+    # One 96 MiB buffer of random bytes serves both formats in turn (two of their own would add 192 MiB to the
+    # peak RSS of the process that loads the library first).
     raw = torch.randint(0, 256, (copies * (n // 16) * (k // 8) * 64,), dtype=torch.uint8, generator=g)
-    raw.view(-1, 2)[:, 1] &= 63
     weights = list(raw.view(copies, n // 16, k // 8, 64))   # int4 panels, 2 MiB each
     scales = torch.full((n // 16, k // gs, 16), 0.01, dtype=torch.float16)
     # int8 panels of the same shape (4 MiB each), half as many copies
     int8_weights = list(raw.view(torch.int8).view(copies // 2, n // 16, k // 2, 16, 2))
     int8_scales = torch.full((n,), 0.01)
     int8_panel = _panel_type("int8_panel")
-    # bf16 panels (8 MiB each), a quarter as many; decoded with bf16 x as a bf16 engine runs them
-    bf16_weights = list(raw.view(torch.int16).view(copies // 4, n // 16, k // 2, 16, 2))
-    bf16_panel = _panel_type("bf16_panel")
     chosen = current(lib)
     # a non-temporal one-row stream needs its software prefetch (row_nta): no zero distance for it, and shorter ones
     # (in whole decodes on Zen 4, 256-512 B beat 1-8 KiB)
     row_candidates = NTA_CANDIDATES if chosen["row_nta"] else CANDIDATES
     for name, rows, candidates in (("row_panels", 1, (1, 2, 4)), ("row_prefetch", 1, row_candidates),
                                    ("small_prefetch", 8, CANDIDATES), ("int8_row_panels", 1, (1, 2, 4)),
-                                   ("int8_row_prefetch", 1, row_candidates), ("bf16_row_prefetch", 1, CANDIDATES)):
+                                   ("int8_row_prefetch", 1, row_candidates)):
         x = torch.randn(rows, k)
         y = torch.empty(rows, n)
         idx = [0]
-        if name == "bf16_row_prefetch":
-            x, y = x.bfloat16(), y.bfloat16()
 
         def call():
             i = idx[0]
             idx[0] += 1
-            if name == "bf16_row_prefetch":
-                w = bf16_weights[i % len(bf16_weights)]
-                lib.kiln_linear(bf16_panel, w.data_ptr(), None, 0, x.data_ptr(), rows, n, k, None, y.data_ptr(),
-                                nthreads, 1)
-                return
             if name in ("int8_row_panels", "int8_row_prefetch"):
                 w = int8_weights[i % len(int8_weights)]
                 lib.kiln_linear(int8_panel, w.data_ptr(), int8_scales.data_ptr(), 0, x.data_ptr(), rows, n, k, None,

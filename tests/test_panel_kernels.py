@@ -640,26 +640,37 @@ def test_non_temporal_decode_streams_change_no_result(isa, x_bits):
 
 
 @pytest.mark.parametrize("xdtype", [torch.float32, torch.bfloat16])
-def test_bf16_decode_prefetch_changes_no_result(isa, xdtype):
-    """bf16_row_prefetch (a tunable) only asks for cache lines early: both decode paths of bf16 panels (fp32 x:
-    the float path; bf16 x: the bf16 dot product where the CPU has it) give the same bits at any distance."""
+def test_bf16_decode_prefetch_and_panels_change_no_result(isa, xdtype):
+    """bf16_row_prefetch and bf16_row_panels (tunables) only ask for cache lines early and change how many panels a
+    decode tile reads at once: both decode paths of bf16 panels (fp32 x: the float path, always 4 panels a tile;
+    bf16 x: the bf16 dot product where the CPU has it) give the same bits at any distance and panel count."""
     from kiln.plugins import tuning
 
     lib = native_lib.library()
     g = torch.Generator().manual_seed(12)
     w = fmt.pack_panels((torch.randn(256, 1024, generator=g) * 0.02).bfloat16())
-    x = torch.randn(2, 1024, generator=g).to(xdtype)
-    old = tuning.get(lib, "bf16_row_prefetch")
+    x = torch.randn(3, 1024, generator=g).to(xdtype)
+    old = tuning.current(lib)
+    dot_cpu = isa == 512 and "avx512_bf16" in native_lib.cpu_info().get("flags", "").split()   # what describe says
     try:
         tuning.set_value(lib, "bf16_row_prefetch", 0)
-        plain = [linear.bf16_linear(x[:m], w) for m in (1, 2)]
+        tuning.set_value(lib, "bf16_row_panels", 4)
+        plain = [linear.bf16_linear(x[:m], w) for m in (1, 2, 3)]
         assert "prefetch" not in native_lib.describe_kernel("bf16_panel", 1, 256)
-        for dist in (512, 4096):
-            tuning.set_value(lib, "bf16_row_prefetch", dist)
-            assert f"2x4 tiles, prefetch {dist} B" in native_lib.describe_kernel("bf16_panel", 1, 256)
-            assert all(torch.equal(linear.bf16_linear(x[:m], w), y) for m, y in zip((1, 2), plain))
+        for panels in (2, 4, 8, 16):
+            tuning.set_value(lib, "bf16_row_panels", panels)
+            for dist in (0, 512, 4096):
+                tuning.set_value(lib, "bf16_row_prefetch", dist)
+                tiles = f"2x{panels if dot_cpu else 4} tiles"
+                assert tiles + (f", prefetch {dist} B" if dist else "") in \
+                    native_lib.describe_kernel("bf16_panel", 1, 256)
+                got = [linear.bf16_linear(x[:m], w) for m in (1, 2, 3)]
+                assert all(torch.equal(a, b) for a, b in zip(got, plain)), (panels, dist)
+        with pytest.raises(ValueError, match="bf16_row_panels 2, 4, 8 or 16"):
+            tuning.set_value(lib, "bf16_row_panels", 3)
     finally:
-        tuning.set_value(lib, "bf16_row_prefetch", old)
+        for name, value in old.items():
+            tuning.set_value(lib, name, value)
 
 
 @pytest.mark.parametrize("int8_row_panels", [2, 4])

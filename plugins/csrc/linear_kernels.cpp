@@ -706,23 +706,28 @@ struct Tuning {
   int64_t bf16_row_prefetch; // bf16-panel decode (M < 4, either x): each panel's stream
   int64_t int8_row_prefetch; // int8 one-row decode over int8_row_panels > 1 streams: each panel's stream
   int64_t row_nta;           // one-row int8/int4 decode: prefetch non-temporally (1) or into every level (0)
+  int64_t bf16_row_panels;   // bf16-panel decode with bf16 x (M < 4): panels a tile reads at once (2, 4, 8, 16)
 };
 
 // CPU family / model (AMD: Zen 3 = family 25 models 0x00-0x0f, 0x20-0x5f; Zen 4 = 25, 0x10-0x1f, 0x60-0xaf;
 // Zen 5 = 26) -> the distances measured there; anything else gets Zen 5's (the most measured), and Intel CPUs the
 // bf16 and int8 decode prefetches measured on Sapphire Rapids (bf16 1024 B: single-stream decode 53 -> 60 tok/s
-// there; int8 over several streams 2048 B).
+// there; int8 over several streams 2048 B). Zen 4's bf16 decode reads 8 panels a tile with a 256 B prefetch
+// (whole single-stream decodes, scripts/bench_tunables.py: x1.05-1.09 against 4 panels without, faster in 11-12 of
+// 12 rounds; 2 and 16 panels slower).
 Tuning default_tuning() {
   unsigned eax = 0, ebx = 0, ecx = 0, edx = 0;
   __asm__("cpuid" : "=a"(eax), "=b"(ebx), "=c"(ecx), "=d"(edx) : "a"(1), "c"(0));
   const unsigned family = ((eax >> 8) & 0xf) + (((eax >> 8) & 0xf) == 0xf ? (eax >> 20) & 0xff : 0);
   const unsigned model = ((eax >> 4) & 0xf) | (((eax >> 16) & 0xf) << 4);
   const bool zen3 = family == 25 && (model < 0x10 || (model >= 0x20 && model < 0x60));
-  if (zen3) return {4096, 0, 0, 1, 1, 0, 0, 1};
+  if (zen3) return {4096, 0, 0, 1, 1, 0, 0, 1, 4};
+  const bool zen4 = family == 25 && ((model >= 0x10 && model < 0x20) || (model >= 0x60 && model < 0xb0));
+  if (zen4) return {2048, 4096, 8192, 1, 1, 256, 4096, 1, 8};
   unsigned vb = 0, vc = 0, vd = 0, va = 0;
   __asm__("cpuid" : "=a"(va), "=b"(vb), "=c"(vc), "=d"(vd) : "a"(0), "c"(0));
   const bool intel = vb == 0x756e6547u && vd == 0x49656e69u && vc == 0x6c65746eu;   // "GenuineIntel"
-  return {2048, 4096, 8192, 1, 1, intel ? 1024 : 0, intel ? 2048 : 4096, 1};
+  return {2048, 4096, 8192, 1, 1, intel ? 1024 : 0, intel ? 2048 : 4096, 1, 4};
 }
 
 Tuning& tuning() {
@@ -958,8 +963,11 @@ std::string describe_panel(int wtype, int64_t M, int64_t N) {
   }
   const std::string name = kind == KILN_W_BF16 ? "bf16 panels" : "fp32 panels";
   if (M < 4) {
-    what = panels % 4 == 0 ? "2x4 tiles" : "2x1 tiles";
-    if (kind == KILN_W_BF16 && panels % 4 == 0 && t.bf16_row_prefetch > 0)
+    // bf16 weights read with bf16 x (a bf16 engine on an AVX512_BF16 CPU) take bf16_row_panels a tile
+    const bool dot = kind == KILN_W_BF16 && Isa::L == 16 && cpu_has_avx512_bf16();
+    const int64_t np = dot ? t.bf16_row_panels : 4;
+    what = panels % np == 0 ? "2x" + std::to_string(np) + " tiles" : "2x1 tiles";
+    if (kind == KILN_W_BF16 && panels % np == 0 && t.bf16_row_prefetch > 0)
       what += ", prefetch " + std::to_string(t.bf16_row_prefetch) + " B";
   } else if (Isa::MR_ONEPASS > 0 && M > Isa::MR_BIG && M <= Isa::MR_ONEPASS)
     what = "one pass of " + std::to_string(Isa::MR_ONEPASS) + " rows, prefetch " + std::to_string(t.onepass_prefetch) + " B";
@@ -1348,6 +1356,7 @@ int kiln_get_tuning(const char* name, int64_t* value) {
   else if (n == "bf16_row_prefetch") *value = t.bf16_row_prefetch;
   else if (n == "int8_row_prefetch") *value = t.int8_row_prefetch;
   else if (n == "row_nta") *value = t.row_nta;
+  else if (n == "bf16_row_panels") *value = t.bf16_row_panels;
   else return 1;
   return 0;
 }
@@ -1370,6 +1379,9 @@ int kiln_set_tuning(const char* name, int64_t value) {
   } else if (n == "row_nta") {
     if (value > 1) return 2;
     t.row_nta = value;
+  } else if (n == "bf16_row_panels") {
+    if (value != 2 && value != 4 && value != 8 && value != 16) return 2;
+    t.bf16_row_panels = value;
   } else return 1;
   return 0;
 }

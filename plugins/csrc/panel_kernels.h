@@ -769,11 +769,16 @@ inline void panel_gemm_bf16dot(const uint16_t* w, int64_t M, int64_t N, int64_t 
       return;
     }
   }
-  if (M < 4 && (N / 16) % 4 == 0) {
+  const int64_t bnp = tuning().bf16_row_panels;
+  if (M < 4 && (N / 16) % bnp == 0) {
     const int64_t pf = tuning().bf16_row_prefetch;
-    for_tiles(M, N / 64, M, nthreads, [&](int64_t m0, int64_t m1, int64_t g) {
-      if (pf > 0) tile_bf16dot<4, 2, PREFETCHING>(w, K, xp, m0, m1, g, ep, pf);
-      else tile_bf16dot<4, 2>(w, K, xp, m0, m1, g, ep);
+    for_tiles(M, N / (16 * bnp), M, nthreads, [&](int64_t m0, int64_t m1, int64_t g) {
+      switch (bnp) {
+        case 2: if (pf > 0) tile_bf16dot<2, 2, PREFETCHING>(w, K, xp, m0, m1, g, ep, pf); else tile_bf16dot<2, 2>(w, K, xp, m0, m1, g, ep); break;
+        case 8: if (pf > 0) tile_bf16dot<8, 2, PREFETCHING>(w, K, xp, m0, m1, g, ep, pf); else tile_bf16dot<8, 2>(w, K, xp, m0, m1, g, ep); break;
+        case 16: if (pf > 0) tile_bf16dot<16, 1, PREFETCHING>(w, K, xp, m0, m1, g, ep, pf); else tile_bf16dot<16, 1>(w, K, xp, m0, m1, g, ep); break;
+        default: if (pf > 0) tile_bf16dot<4, 2, PREFETCHING>(w, K, xp, m0, m1, g, ep, pf); else tile_bf16dot<4, 2>(w, K, xp, m0, m1, g, ep);
+      }
     });
   } else if ((N / 16) % Isa::NP_BIG == 0) {
     const bool pf = small_batch_prefetch(M);
