@@ -639,6 +639,38 @@ def test_non_temporal_decode_streams_change_no_result(isa, x_bits):
             tuning.set_value(lib, name, value)
 
 
+def test_decode_start_burst_changes_no_result(isa, x_bits):
+    """row_burst (a tunable) only asks for the first bytes of each thread's run at once: int4 and int8 one-row
+    decodes give the same bits with and without it, at a burst past a thread's whole run too."""
+    from kiln.plugins import tuning
+
+    lib = native_lib.library()
+    g = torch.Generator().manual_seed(14)
+    p = _int4(128, 1024, 64, True, 7)
+    q, s = fmt.quantize_int8(torch.randn(192, 1000, generator=g))
+    qp = fmt.pack_panels(q)
+    x4, x8 = torch.randn(1, 1024, generator=g), torch.randn(1, 1000, generator=g)
+    old = tuning.current(lib)
+
+    def outputs() -> list[torch.Tensor]:
+        return [linear.weight_only_linear(x8, qp, s, None, 8, 0),
+                linear.weight_only_linear(x4, p.qweight, p.scales, None, 4, 64, p.zeros)]
+
+    try:
+        tuning.set_value(lib, "row_panels", 1)
+        tuning.set_value(lib, "int8_row_panels", 1)
+        tuning.set_value(lib, "row_burst", 0)
+        plain = outputs()
+        assert "at the start" not in native_lib.describe_kernel("int4_panel", 1, 128)
+        for burst in (4096, 1 << 16):
+            tuning.set_value(lib, "row_burst", burst)
+            assert all(torch.equal(a, b) for a, b in zip(outputs(), plain)), burst
+            assert f"{burst} B at the start" in native_lib.describe_kernel("int8_panel", 1, 192)
+    finally:
+        for name, value in old.items():
+            tuning.set_value(lib, name, value)
+
+
 @pytest.mark.parametrize("xdtype", [torch.float32, torch.bfloat16])
 def test_bf16_decode_prefetch_and_panels_change_no_result(isa, xdtype):
     """bf16_row_prefetch and bf16_row_panels (tunables) only ask for cache lines early and change how many panels a

@@ -729,13 +729,22 @@ inline void panel_gemm_int8(const int8_t* w, int64_t M, int64_t N, int64_t K, co
     return;
   }
   if (M == 1) {
-    // decode: panels in contiguous runs, one per thread (static schedule), so each thread streams one
-    // sequential run of memory
+    // decode: panels in contiguous runs, one per thread, so each thread streams one sequential run of memory,
+    // whose first tuning().row_burst bytes it asks for at once
     const int64_t panels = N / 16, pstride = K * 16;
     const int nt = int(std::max<int64_t>(1, std::min<int64_t>(nthreads, panels)));
-    const int64_t pf = tuning().row_prefetch;
-#pragma omp parallel for num_threads(nt) schedule(static)
-    for (int64_t p = 0; p < panels; ++p) panel_int8_row(w + p * pstride, xq, sx[0], K, ep, p * 16, pf);
+    const int64_t pf = tuning().row_prefetch, burst = tuning().row_burst;
+#pragma omp parallel num_threads(nt)
+    {
+      const int t = omp_get_thread_num(), n = omp_get_num_threads();
+      const int64_t p0 = panels * t / n, p1 = panels * (t + 1) / n;
+      if (burst > 0 && p1 > p0) {
+        const int8_t* b0 = w + p0 * pstride;
+        const int64_t len = std::min<int64_t>(burst, (p1 - p0) * pstride);
+        for (int64_t o = 0; o < len; o += 64) prefetch_once(b0 + o, tuning().row_nta);
+      }
+      for (int64_t p = p0; p < p1; ++p) panel_int8_row(w + p * pstride, xq, sx[0], K, ep, p * 16, pf);
+    }
     return;
   }
   if (M < 4 && (N / 16) % 4 == 0) {
@@ -832,11 +841,21 @@ inline void panel_gemm_int4(const Int4W& W, int64_t M, int64_t N, const Int4X& X
   const int64_t panels = N / 16;
   const Tuning& tu = tuning();
   if (M == 1 && (tu.row_panels == 1 || panels % tu.row_panels != 0)) {
-    // decode: each thread one contiguous run of panels (one sequential stream)
+    // decode: each thread one contiguous run of panels (one sequential stream), whose first tuning().row_burst
+    // bytes it asks for at once (else a short GEMV's stream starts from the few lines its prefetch distance covers)
     const int nt = int(std::max<int64_t>(1, std::min<int64_t>(nthreads, panels)));
-    const int64_t pf = tu.row_prefetch;
-#pragma omp parallel for num_threads(nt) schedule(static)
-    for (int64_t p = 0; p < panels; ++p) Kern::row(W, p, X, ep, pf);
+    const int64_t pf = tu.row_prefetch, burst = tu.row_burst;
+#pragma omp parallel num_threads(nt)
+    {
+      const int t = omp_get_thread_num(), n = omp_get_num_threads();
+      const int64_t p0 = panels * t / n, p1 = panels * (t + 1) / n;
+      if (burst > 0 && p1 > p0) {
+        const uint8_t* b0 = W.panel(p0);
+        const int64_t len = std::min<int64_t>(burst, (p1 - p0) * W.pbytes());
+        for (int64_t o = 0; o < len; o += 64) prefetch_once(b0 + o, tu.row_nta);
+      }
+      for (int64_t p = p0; p < p1; ++p) Kern::row(W, p, X, ep, pf);
+    }
     return;
   }
   if (M == 1) {  // decode over row_panels interleaved streams per thread (CPUs whose prefetchers want several)
