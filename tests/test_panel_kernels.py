@@ -693,7 +693,7 @@ def test_bf16_decode_prefetch_and_panels_change_no_result(isa, xdtype):
             tuning.set_value(lib, "bf16_row_panels", panels)
             for dist in (0, 512, 4096):
                 tuning.set_value(lib, "bf16_row_prefetch", dist)
-                tiles = f"2x{panels if dot_cpu else 4} tiles"
+                tiles = ("1x16" if panels == 16 else f"2x{panels}") + " tiles" if dot_cpu else "2x4 tiles"
                 assert tiles + (f", prefetch {dist} B" if dist else "") in \
                     native_lib.describe_kernel("bf16_panel", 1, 256)
                 got = [linear.bf16_linear(x[:m], w) for m in (1, 2, 3)]

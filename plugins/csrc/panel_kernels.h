@@ -658,6 +658,25 @@ inline void for_tiles(int64_t M, int64_t groups, int64_t MC, int nthreads, F&& f
   }
 }
 
+// One-row decode: panels 0..panels-1 (pbytes bytes each from base) in contiguous runs, one per thread, so that each
+// thread streams one sequential run of memory; each thread first asks for the first tuning().row_burst bytes of its
+// run at once (else a short GEMV's stream starts from the few lines its prefetch distance covers). f(panel).
+template <class F>
+inline void for_panel_runs(int64_t panels, int nthreads, const void* base, int64_t pbytes, F&& f) {
+  const int nt = int(std::max<int64_t>(1, std::min<int64_t>(nthreads, panels)));
+  const int64_t burst = tuning().row_burst;
+  const bool nta = tuning().row_nta;
+#pragma omp parallel num_threads(nt)
+  {
+    const int t = omp_get_thread_num(), n = omp_get_num_threads();
+    const int64_t p0 = panels * t / n, p1 = panels * (t + 1) / n;
+    const char* run = static_cast<const char*>(base) + p0 * pbytes;
+    const int64_t len = std::min<int64_t>(burst, (p1 - p0) * pbytes);
+    for (int64_t o = 0; o < len; o += 64) prefetch_once(run + o, nta);
+    for (int64_t p = p0; p < p1; ++p) f(p);
+  }
+}
+
 // Software prefetch distance for the GEMMs of a batched decode step (up to SMALL_M rows: one row block, each
 // tile's weights streamed from memory once); prefill's row blocks are compute-bound and run without.
 constexpr int64_t SMALL_M = 32;
@@ -729,22 +748,10 @@ inline void panel_gemm_int8(const int8_t* w, int64_t M, int64_t N, int64_t K, co
     return;
   }
   if (M == 1) {
-    // decode: panels in contiguous runs, one per thread, so each thread streams one sequential run of memory,
-    // whose first tuning().row_burst bytes it asks for at once
-    const int64_t panels = N / 16, pstride = K * 16;
-    const int nt = int(std::max<int64_t>(1, std::min<int64_t>(nthreads, panels)));
-    const int64_t pf = tuning().row_prefetch, burst = tuning().row_burst;
-#pragma omp parallel num_threads(nt)
-    {
-      const int t = omp_get_thread_num(), n = omp_get_num_threads();
-      const int64_t p0 = panels * t / n, p1 = panels * (t + 1) / n;
-      if (burst > 0 && p1 > p0) {
-        const int8_t* b0 = w + p0 * pstride;
-        const int64_t len = std::min<int64_t>(burst, (p1 - p0) * pstride);
-        for (int64_t o = 0; o < len; o += 64) prefetch_once(b0 + o, tuning().row_nta);
-      }
-      for (int64_t p = p0; p < p1; ++p) panel_int8_row(w + p * pstride, xq, sx[0], K, ep, p * 16, pf);
-    }
+    // decode: a contiguous run of panels per thread
+    const int64_t pstride = K * 16, pf = tuning().row_prefetch;
+    for_panel_runs(N / 16, nthreads, w, pstride,
+                   [&](int64_t p) { panel_int8_row(w + p * pstride, xq, sx[0], K, ep, p * 16, pf); });
     return;
   }
   if (M < 4 && (N / 16) % 4 == 0) {
@@ -781,12 +788,18 @@ inline void panel_gemm_bf16dot(const uint16_t* w, int64_t M, int64_t N, int64_t 
   const int64_t bnp = tuning().bf16_row_panels;
   if (M < 4 && (N / 16) % bnp == 0) {
     const int64_t pf = tuning().bf16_row_prefetch;
+    // tiles of bnp panels (tuning().bf16_row_panels), rows two at a time (16 panels: one, within 32 registers)
+    const auto tile = [&](auto np, int64_t m0, int64_t m1, int64_t g) {
+      constexpr int NP = decltype(np)::value, MRB = NP == 16 ? 1 : 2;
+      if (pf > 0) tile_bf16dot<NP, MRB, PREFETCHING>(w, K, xp, m0, m1, g, ep, pf);
+      else tile_bf16dot<NP, MRB>(w, K, xp, m0, m1, g, ep);
+    };
     for_tiles(M, N / (16 * bnp), M, nthreads, [&](int64_t m0, int64_t m1, int64_t g) {
       switch (bnp) {
-        case 2: if (pf > 0) tile_bf16dot<2, 2, PREFETCHING>(w, K, xp, m0, m1, g, ep, pf); else tile_bf16dot<2, 2>(w, K, xp, m0, m1, g, ep); break;
-        case 8: if (pf > 0) tile_bf16dot<8, 2, PREFETCHING>(w, K, xp, m0, m1, g, ep, pf); else tile_bf16dot<8, 2>(w, K, xp, m0, m1, g, ep); break;
-        case 16: if (pf > 0) tile_bf16dot<16, 1, PREFETCHING>(w, K, xp, m0, m1, g, ep, pf); else tile_bf16dot<16, 1>(w, K, xp, m0, m1, g, ep); break;
-        default: if (pf > 0) tile_bf16dot<4, 2, PREFETCHING>(w, K, xp, m0, m1, g, ep, pf); else tile_bf16dot<4, 2>(w, K, xp, m0, m1, g, ep);
+        case 2: tile(std::integral_constant<int, 2>{}, m0, m1, g); break;
+        case 8: tile(std::integral_constant<int, 8>{}, m0, m1, g); break;
+        case 16: tile(std::integral_constant<int, 16>{}, m0, m1, g); break;
+        default: tile(std::integral_constant<int, 4>{}, m0, m1, g);
       }
     });
   } else if ((N / 16) % Isa::NP_BIG == 0) {
@@ -841,21 +854,9 @@ inline void panel_gemm_int4(const Int4W& W, int64_t M, int64_t N, const Int4X& X
   const int64_t panels = N / 16;
   const Tuning& tu = tuning();
   if (M == 1 && (tu.row_panels == 1 || panels % tu.row_panels != 0)) {
-    // decode: each thread one contiguous run of panels (one sequential stream), whose first tuning().row_burst
-    // bytes it asks for at once (else a short GEMV's stream starts from the few lines its prefetch distance covers)
-    const int nt = int(std::max<int64_t>(1, std::min<int64_t>(nthreads, panels)));
-    const int64_t pf = tu.row_prefetch, burst = tu.row_burst;
-#pragma omp parallel num_threads(nt)
-    {
-      const int t = omp_get_thread_num(), n = omp_get_num_threads();
-      const int64_t p0 = panels * t / n, p1 = panels * (t + 1) / n;
-      if (burst > 0 && p1 > p0) {
-        const uint8_t* b0 = W.panel(p0);
-        const int64_t len = std::min<int64_t>(burst, (p1 - p0) * W.pbytes());
-        for (int64_t o = 0; o < len; o += 64) prefetch_once(b0 + o, tu.row_nta);
-      }
-      for (int64_t p = p0; p < p1; ++p) Kern::row(W, p, X, ep, pf);
-    }
+    // decode: a contiguous run of panels per thread
+    const int64_t pf = tu.row_prefetch;
+    for_panel_runs(panels, nthreads, W.w, W.pbytes(), [&](int64_t p) { Kern::row(W, p, X, ep, pf); });
     return;
   }
   if (M == 1) {  // decode over row_panels interleaved streams per thread (CPUs whose prefetchers want several)
