@@ -12,26 +12,15 @@ its thread, so such work runs here.
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 __all__ = ["on_own_thread"]
 
 
 def on_own_thread(fn: Callable[..., Any], *args: Any, name: str = "kiln-work", **kwargs: Any) -> Any:
-    """fn(*args, **kwargs) on a new thread, joined; its result, or its exception raised here."""
-    box: dict[str, Any] = {}
-
-    def run() -> None:
-        try:
-            box["value"] = fn(*args, **kwargs)
-        except BaseException as exc:  # re-raised on the caller's thread
-            box["error"] = exc
-
-    worker = threading.Thread(target=run, name=name)
-    worker.start()
-    worker.join()
-    if "error" in box:
-        raise box["error"]
-    return box.get("value")
+    """fn(*args, **kwargs) on a new thread, joined (the pool's shutdown ends it); its result, or its exception
+    raised here."""
+    with ThreadPoolExecutor(max_workers=1, thread_name_prefix=name) as pool:
+        return pool.submit(fn, *args, **kwargs).result()

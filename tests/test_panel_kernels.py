@@ -603,106 +603,107 @@ def test_int4_decode_over_several_panels_is_bitwise_the_one_stream_kernel(isa, r
         tuning.set_value(lib, "row_panels", old)
 
 
-def test_non_temporal_decode_streams_change_no_result(isa, x_bits):
-    """row_nta (a tunable) only changes the cache hint of the one-row decode streams' prefetches: int4 (one stream
-    and several panels a thread) and int8 give the same bits either way, and kiln inspect --load says which."""
+@pytest.fixture
+def tunables(native):
+    """The native library; every kernel tunable the test sets is put back after it."""
     from kiln.plugins import tuning
 
     lib = native_lib.library()
-    g = torch.Generator().manual_seed(13)
-    p = _int4(128, 1024, 64, True, 6)
+    old = tuning.current(lib)
+    yield lib
+    for name, value in old.items():
+        tuning.set_value(lib, name, value)
+
+
+def _one_row_decodes(seed: int, int4_panels: tuple[int, ...] = (1,)):
+    """outputs() of one-row int8 and int4 decodes of fixed random weights and x: the int8 one, then the int4 one at
+    each row_panels of ``int4_panels`` (the thread layouts the one-row tunables act on)."""
+    from kiln.plugins import tuning
+
+    lib = native_lib.library()
+    g = torch.Generator().manual_seed(seed)
+    p = _int4(128, 1024, 64, True, seed - 7)
     q, s = fmt.quantize_int8(torch.randn(192, 1000, generator=g))
     qp = fmt.pack_panels(q)
     x4, x8 = torch.randn(1, 1024, generator=g), torch.randn(1, 1000, generator=g)
-    old = tuning.current(lib)
 
     def outputs() -> list[torch.Tensor]:
         out = [linear.weight_only_linear(x8, qp, s, None, 8, 0)]
-        for panels in (1, 4):
+        for panels in int4_panels:
             tuning.set_value(lib, "row_panels", panels)
             out.append(linear.weight_only_linear(x4, p.qweight, p.scales, None, 4, 64, p.zeros))
         return out
 
-    try:
-        tuning.set_value(lib, "row_prefetch", 512)
-        tuning.set_value(lib, "row_nta", 0)
-        plain = outputs()
-        assert "non-temporal" not in native_lib.describe_kernel("int8_panel", 1, 192)
-        tuning.set_value(lib, "row_nta", 1)
-        assert all(torch.equal(a, b) for a, b in zip(outputs(), plain))
-        assert "prefetch 512 B non-temporal" in native_lib.describe_kernel("int4_panel", 1, 128)
-        assert "non-temporal" not in native_lib.describe_kernel("int4_panel", 16, 128)   # batches reuse a tile
-        with pytest.raises(ValueError, match="row_nta 0 or 1"):
-            tuning.set_value(lib, "row_nta", 2)
-    finally:
-        for name, value in old.items():
-            tuning.set_value(lib, name, value)
+    return outputs
 
 
-def test_decode_start_burst_changes_no_result(isa, x_bits):
+def test_non_temporal_decode_streams_change_no_result(isa, x_bits, tunables):
+    """row_nta (a tunable) only changes the cache hint of the one-row decode streams' prefetches: int4 (one stream
+    and several panels a thread) and int8 give the same bits either way, and kiln inspect --load says which."""
+    from kiln.plugins import tuning
+
+    outputs = _one_row_decodes(13, int4_panels=(1, 4))
+    tuning.set_value(tunables, "row_prefetch", 512)
+    tuning.set_value(tunables, "row_nta", 0)
+    plain = outputs()
+    assert "non-temporal" not in native_lib.describe_kernel("int8_panel", 1, 192)
+    tuning.set_value(tunables, "row_nta", 1)
+    assert all(torch.equal(a, b) for a, b in zip(outputs(), plain))
+    assert "prefetch 512 B non-temporal" in native_lib.describe_kernel("int4_panel", 1, 128)
+    assert "non-temporal" not in native_lib.describe_kernel("int4_panel", 16, 128)   # batches reuse a tile
+    with pytest.raises(ValueError, match="row_nta 0 or 1"):
+        tuning.set_value(tunables, "row_nta", 2)
+
+
+def test_decode_start_burst_changes_no_result(isa, x_bits, tunables):
     """row_burst (a tunable) only asks for the first bytes of each thread's run at once: int4 and int8 one-row
     decodes give the same bits with and without it, at a burst past a thread's whole run too."""
     from kiln.plugins import tuning
 
-    lib = native_lib.library()
-    g = torch.Generator().manual_seed(14)
-    p = _int4(128, 1024, 64, True, 7)
-    q, s = fmt.quantize_int8(torch.randn(192, 1000, generator=g))
-    qp = fmt.pack_panels(q)
-    x4, x8 = torch.randn(1, 1024, generator=g), torch.randn(1, 1000, generator=g)
-    old = tuning.current(lib)
-
-    def outputs() -> list[torch.Tensor]:
-        return [linear.weight_only_linear(x8, qp, s, None, 8, 0),
-                linear.weight_only_linear(x4, p.qweight, p.scales, None, 4, 64, p.zeros)]
-
-    try:
-        tuning.set_value(lib, "row_panels", 1)
-        tuning.set_value(lib, "int8_row_panels", 1)
-        tuning.set_value(lib, "row_burst", 0)
-        plain = outputs()
-        assert "at the start" not in native_lib.describe_kernel("int4_panel", 1, 128)
-        for burst in (4096, 1 << 16):
-            tuning.set_value(lib, "row_burst", burst)
-            assert all(torch.equal(a, b) for a, b in zip(outputs(), plain)), burst
-            assert f"{burst} B at the start" in native_lib.describe_kernel("int8_panel", 1, 192)
-    finally:
-        for name, value in old.items():
-            tuning.set_value(lib, name, value)
+    outputs = _one_row_decodes(14)
+    tuning.set_value(tunables, "int8_row_panels", 1)
+    tuning.set_value(tunables, "row_burst", 0)
+    plain = outputs()
+    assert "at the start" not in native_lib.describe_kernel("int4_panel", 1, 128)
+    for burst in (4096, 1 << 16):
+        tuning.set_value(tunables, "row_burst", burst)
+        assert all(torch.equal(a, b) for a, b in zip(outputs(), plain)), burst
+        assert f"{burst} B at the start" in native_lib.describe_kernel("int8_panel", 1, 192)
 
 
 @pytest.mark.parametrize("xdtype", [torch.float32, torch.bfloat16])
-def test_bf16_decode_prefetch_and_panels_change_no_result(isa, xdtype):
+def test_bf16_decode_prefetch_and_panels_change_no_result(isa, xdtype, tunables):
     """bf16_row_prefetch and bf16_row_panels (tunables) only ask for cache lines early and change how many panels a
     decode tile reads at once: both decode paths of bf16 panels (fp32 x: the float path, always 4 panels a tile;
     bf16 x: the bf16 dot product where the CPU has it) give the same bits at any distance and panel count."""
     from kiln.plugins import tuning
 
-    lib = native_lib.library()
     g = torch.Generator().manual_seed(12)
     w = fmt.pack_panels((torch.randn(256, 1024, generator=g) * 0.02).bfloat16())
     x = torch.randn(3, 1024, generator=g).to(xdtype)
-    old = tuning.current(lib)
     dot_cpu = isa == 512 and "avx512_bf16" in native_lib.cpu_info().get("flags", "").split()   # what describe says
-    try:
-        tuning.set_value(lib, "bf16_row_prefetch", 0)
-        tuning.set_value(lib, "bf16_row_panels", 4)
-        plain = [linear.bf16_linear(x[:m], w) for m in (1, 2, 3)]
-        assert "prefetch" not in native_lib.describe_kernel("bf16_panel", 1, 256)
-        for panels in (2, 4, 8, 16):
-            tuning.set_value(lib, "bf16_row_panels", panels)
-            for dist in (0, 512, 4096):
-                tuning.set_value(lib, "bf16_row_prefetch", dist)
-                tiles = ("1x16" if panels == 16 else f"2x{panels}") + " tiles" if dot_cpu else "2x4 tiles"
-                assert tiles + (f", prefetch {dist} B" if dist else "") in \
-                    native_lib.describe_kernel("bf16_panel", 1, 256)
-                got = [linear.bf16_linear(x[:m], w) for m in (1, 2, 3)]
-                assert all(torch.equal(a, b) for a, b in zip(got, plain)), (panels, dist)
-        with pytest.raises(ValueError, match="bf16_row_panels 2, 4, 8 or 16"):
-            tuning.set_value(lib, "bf16_row_panels", 3)
-    finally:
-        for name, value in old.items():
-            tuning.set_value(lib, name, value)
+    tuning.set_value(tunables, "bf16_row_prefetch", 0)
+    tuning.set_value(tunables, "bf16_row_panels", 4)
+    plain = [linear.bf16_linear(x[:m], w) for m in (1, 2, 3)]
+    assert "prefetch" not in native_lib.describe_kernel("bf16_panel", 1, 256)
+    for panels in (2, 4, 8, 16):
+        tuning.set_value(tunables, "bf16_row_panels", panels)
+        for dist in (0, 512, 4096):
+            tuning.set_value(tunables, "bf16_row_prefetch", dist)
+            tiles = ("1x16" if panels == 16 else f"2x{panels}") + " tiles" if dot_cpu else "2x4 tiles"
+            assert tiles + (f", prefetch {dist} B" if dist else "") in native_lib.describe_kernel("bf16_panel", 1, 256)
+            got = [linear.bf16_linear(x[:m], w) for m in (1, 2, 3)]
+            assert all(torch.equal(a, b) for a, b in zip(got, plain)), (panels, dist)
+    # 12 panels (N = 192) do not divide into 8: the 4-panel tiles, not the batched tiles
+    tuning.set_value(tunables, "bf16_row_panels", 8)
+    assert "2x4 tiles" in native_lib.describe_kernel("bf16_panel", 1, 192)
+    w12 = fmt.pack_panels((torch.randn(192, 1024, generator=g) * 0.02).bfloat16())
+    tuning.set_value(tunables, "bf16_row_panels", 4)
+    four = linear.bf16_linear(x[:1], w12)
+    tuning.set_value(tunables, "bf16_row_panels", 8)
+    assert torch.equal(linear.bf16_linear(x[:1], w12), four)
+    with pytest.raises(ValueError, match="bf16_row_panels 2, 4, 8 or 16"):
+        tuning.set_value(tunables, "bf16_row_panels", 3)
 
 
 @pytest.mark.parametrize("int8_row_panels", [2, 4])

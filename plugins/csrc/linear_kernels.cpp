@@ -969,7 +969,7 @@ std::string describe_panel(int wtype, int64_t M, int64_t N) {
   if (M < 4) {
     // bf16 weights read with bf16 x (a bf16 engine on an AVX512_BF16 CPU) take bf16_row_panels a tile
     const bool dot = kind == KILN_W_BF16 && Isa::L == 16 && cpu_has_avx512_bf16();
-    const int64_t np = dot ? t.bf16_row_panels : 4;
+    const int64_t np = dot && panels % t.bf16_row_panels == 0 ? t.bf16_row_panels : 4;
     what = panels % np == 0 ? (np == 16 ? "1x16 tiles" : "2x" + std::to_string(np) + " tiles") : "2x1 tiles";
     if (kind == KILN_W_BF16 && panels % np == 0 && t.bf16_row_prefetch > 0)
       what += ", prefetch " + std::to_string(t.bf16_row_prefetch) + " B";

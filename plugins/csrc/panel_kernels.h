@@ -785,7 +785,8 @@ inline void panel_gemm_bf16dot(const uint16_t* w, int64_t M, int64_t N, int64_t 
       return;
     }
   }
-  const int64_t bnp = tuning().bf16_row_panels;
+  // tuning().bf16_row_panels panels a decode tile where they divide the panels, else the 4 of before
+  const int64_t bnp = (N / 16) % tuning().bf16_row_panels == 0 ? tuning().bf16_row_panels : 4;
   if (M < 4 && (N / 16) % bnp == 0) {
     const int64_t pf = tuning().bf16_row_prefetch;
     // tiles of bnp panels (tuning().bf16_row_panels), rows two at a time (16 panels: one, within 32 registers)
