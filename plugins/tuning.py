@@ -11,7 +11,9 @@ keep more lines in flight; ``bf16_row_panels``: the panels of a bf16 decode tile
 ``row_nta``: whether the int8/int4 one-row streams prefetch non-temporally (1, the default: a decode step reads each
 weight once, and ~100 MB of them passing through L2/L3 push out what the step reuses, the KV context and the step
 loop's own objects); ``row_burst``: how many bytes each thread of an int8/int4 one-row decode asks for at once at the
-start of its run (0: none).
+start of its run (0: none); ``attn_span_context``: from how many context positions a decode row's attention reads
+every KV head of a position at once, in position order (split across the threads when there are fewer rows than
+threads), instead of one KV head per work item (0: never).
 
 The library starts with per-microarchitecture defaults (``default_tuning`` in ``csrc/linear_kernels.cpp``); then
 :func:`apply` loads this machine's measured choice from the cache, or measures it (:func:`autotune`, ~0.5-2 s:
@@ -19,8 +21,9 @@ the int4 and int8 decode kernels streaming weights from memory at each candidate
 named by the library's build key and the CPU (:func:`cache_path`, beside the kernel cache in
 TORCH_EXTENSIONS_DIR). ``KILN_AUTOTUNE=0`` keeps the defaults; ``KILN_TUNING=name=value,...`` sets values.
 Not measured here, because a kernel timed alone does not show them: ``row_nta`` (what a stream evicts from the
-rest of the step), ``row_burst``, ``bf16_row_panels`` and ``bf16_row_prefetch`` (on Zen 4 alike alone, 3-9% apart in
-whole decodes): their defaults come from whole single-stream decodes (``scripts/bench_tunables.py``). With
+rest of the step), ``row_burst``, ``bf16_row_panels`` and ``bf16_row_prefetch`` (on Zen 4 alike alone, 3-9% apart
+in whole decodes): their defaults come from whole single-stream decodes (``scripts/bench_tunables.py``); nor
+``attn_span_context`` (attention's, not a linear kernel's: ``scripts/bench_decode_attention.py --spans``). With
 ``row_nta`` on, the one-row prefetch distances are chosen among non-zero candidates (no prefetch would leave the
 stream to the hardware prefetcher, which fills every level).
 """
@@ -40,7 +43,7 @@ __all__ = ["TUNABLES", "get", "set_value", "current", "cpu_signature", "cache_pa
            "describe_kernel"]
 
 TUNABLES = ("row_prefetch", "small_prefetch", "onepass_prefetch", "row_panels", "int8_row_panels", "bf16_row_prefetch",
-            "int8_row_prefetch", "row_nta", "bf16_row_panels", "row_burst")
+            "int8_row_prefetch", "row_nta", "bf16_row_panels", "row_burst", "attn_span_context")
 CANDIDATES = (0, 512, 1024, 2048, 4096, 8192)
 NTA_CANDIDATES = (256, 512, 1024, 2048, 4096, 8192)
 # The shortest candidate within this factor of the fastest one wins: on a shared 2-core VM the best of 5 interleaved

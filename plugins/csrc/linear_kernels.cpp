@@ -708,6 +708,8 @@ struct Tuning {
   int64_t row_nta;           // one-row int8/int4 decode: prefetch non-temporally (1) or into every level (0)
   int64_t bf16_row_panels;   // bf16-panel decode with bf16 x (M < 4): panels a tile reads at once (2, 4, 8, 16)
   int64_t row_burst;         // one-row int8/int4 decode: bytes each thread prefetches at the start of its run
+  int64_t attn_span_context; // decode attention: rows of at least this many positions are read whole slots at a
+                             // time (every kv head of a position, in position order), 0: one kv head per work item
 };
 
 // CPU family / model (AMD: Zen 3 = family 25 models 0x00-0x0f, 0x20-0x5f; Zen 4 = 25, 0x10-0x1f, 0x60-0xaf;
@@ -724,13 +726,13 @@ Tuning default_tuning() {
   const unsigned family = ((eax >> 8) & 0xf) + (((eax >> 8) & 0xf) == 0xf ? (eax >> 20) & 0xff : 0);
   const unsigned model = ((eax >> 4) & 0xf) | (((eax >> 16) & 0xf) << 4);
   const bool zen3 = family == 25 && (model < 0x10 || (model >= 0x20 && model < 0x60));
-  if (zen3) return {4096, 0, 0, 1, 1, 0, 0, 1, 4, 0};
+  if (zen3) return {4096, 0, 0, 1, 1, 0, 0, 1, 4, 0, 256};
   const bool zen4 = family == 25 && ((model >= 0x10 && model < 0x20) || (model >= 0x60 && model < 0xb0));
-  if (zen4) return {2048, 4096, 8192, 1, 1, 256, 4096, 1, 8, 8192};
+  if (zen4) return {2048, 4096, 8192, 1, 1, 256, 4096, 1, 8, 8192, 256};
   unsigned vb = 0, vc = 0, vd = 0, va = 0;
   __asm__("cpuid" : "=a"(va), "=b"(vb), "=c"(vc), "=d"(vd) : "a"(0), "c"(0));
   const bool intel = vb == 0x756e6547u && vd == 0x49656e69u && vc == 0x6c65746eu;   // "GenuineIntel"
-  return {2048, 4096, 8192, 1, 1, intel ? 1024 : 0, intel ? 2048 : 4096, 1, 4, 0};
+  return {2048, 4096, 8192, 1, 1, intel ? 1024 : 0, intel ? 2048 : 4096, 1, 4, 0, 256};
 }
 
 Tuning& tuning() {
@@ -1292,6 +1294,8 @@ int kiln_linear(int wtype, const void* w, const float* scales, int64_t group_siz
 // Zen 1 one stream per core reaches less than half the bandwidth.
 int kiln_panel_isa() { return panel_isa(); }
 
+int64_t kiln_attn_span_context() { return tuning().attn_span_context; }
+
 int kiln_set_panel_isa(int bits) {
   if (bits == 0) bits = best_panel_isa();
   if (bits == 256 || (bits == 512 && best_panel_isa() == 512)) g_panel_isa.store(bits);
@@ -1362,6 +1366,7 @@ int kiln_get_tuning(const char* name, int64_t* value) {
   else if (n == "row_nta") *value = t.row_nta;
   else if (n == "bf16_row_panels") *value = t.bf16_row_panels;
   else if (n == "row_burst") *value = t.row_burst;
+  else if (n == "attn_span_context") *value = t.attn_span_context;
   else return 1;
   return 0;
 }
@@ -1385,6 +1390,7 @@ int kiln_set_tuning(const char* name, int64_t value) {
     if (value > 1) return 2;
     t.row_nta = value;
   } else if (n == "row_burst") t.row_burst = value;
+  else if (n == "attn_span_context") t.attn_span_context = value;
   else if (n == "bf16_row_panels") {
     if (value != 2 && value != 4 && value != 8 && value != 16) return 2;
     t.bf16_row_panels = value;

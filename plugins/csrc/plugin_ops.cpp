@@ -32,6 +32,8 @@
 #include <immintrin.h>
 #include <torch/library.h>
 
+#include <algorithm>
+#include <array>
 #include <atomic>
 #include <cmath>
 #include <cstring>
@@ -589,7 +591,7 @@ inline void prefetch_row(const T* p, int64_t n) {
 // (decode_attention.h).
 struct Item {
   int64_t row, ctx, lo, len;  // q/out row, context length, first position read, positions read
-  int64_t h;                  // the kv head (its group's query heads) this item computes
+  int64_t h, nh;              // the kv heads [h, h + nh) (their groups' query heads) this item computes
   const int32_t* table;       // the sequence's block table
 };
 
@@ -599,7 +601,7 @@ struct Geometry {
 
 // Buffers of one thread, reused across its items and calls.
 struct Scratch {
-  std::vector<float> qf, acc, scores, tile, weights, vscale, zeros;
+  std::vector<float> qf, acc, scores, tile, weights, vscale, zeros, ml;
   std::vector<uint16_t> wbf;  // the softmax weights as bf16 (k512::bf16dot)
   std::vector<const float*> rows;
   std::vector<int64_t> offs;
@@ -624,7 +626,8 @@ inline const int64_t* row_offsets(const Item& it, const Geometry& g, Scratch& s)
 
 // scores [rows][len] -> each row's softmax in place (fp32; AVX2, which every path of the library has), after
 // soft-capping (Gemma 2: cap * tanh(score / cap)) where softcap > 0: the one softmax of every decode kernel.
-inline void softmax_rows(float* scores, int64_t rows, int64_t len, float softcap) {
+// ml != nullptr (a part of a split context): exp(score - max) left unnormalized, each row's max and sum in ml.
+inline void softmax_rows(float* scores, int64_t rows, int64_t len, float softcap, float* ml = nullptr) {
   if (softcap > 0.0f)
     for (int64_t i = 0; i < rows * len; ++i) scores[i] = softcap * std::tanh(scores[i] / softcap);
   for (int64_t r = 0; r < rows; ++r) {
@@ -647,6 +650,11 @@ inline void softmax_rows(float* scores, int64_t rows, int64_t len, float softcap
     for (; p < len; ++p) {
       sg[p] = std::exp(sg[p] - mx);
       sum += sg[p];
+    }
+    if (ml != nullptr) {
+      ml[2 * r] = mx;
+      ml[2 * r + 1] = sum;
+      continue;
     }
     const float inv = 1.0f / sum;
     const __m256 vinv = _mm256_set1_ps(inv);
@@ -860,10 +868,15 @@ void attend_item(const BF* q, const BF* kpool, const BF* vpool, BF* out, const I
 }  // namespace k512::bf16dot
 #pragma GCC pop_options
 
-// Every decode sequence's attention (decode_attention.h, with the ISA the panel kernels use): one work item per
-// (query row, kv head), the group's query heads sharing one pass over that head's keys and values (items over all
-// of a row's heads, reading each slot as one span, measured no faster on Zen 4 and balance worse across threads).
-// Items go to the threads as they free up (rows of different lengths).
+// Every decode sequence's attention (decode_attention.h, with the ISA the panel kernels use). A short row (under
+// tuning().attn_span_context positions, 256) is one work item per kv head, the group's query heads sharing one pass
+// over that head's keys and values (reading its slots whole measured no faster there on Zen 4, and balances worse
+// across threads). A longer row is read by items of every kv head, each slot whole in position
+// order: one head's rows are a quarter of each slot, and such strided reads stream at ~16 GB/s on Zen 4 where
+// whole slots in order stream at ~28 (a read-pattern test); with the kernel's arithmetic the step's attention at
+// 1000-1900 positions gains x1.1 (docs/benchmarks.md). A lone long row with spare threads is split into one part
+// per thread, the parts' softmax sums merged at the end (flash-decoding). Items go to the threads as they free up
+// (rows of different lengths).
 // Threads only when there is enough work: a parallel region costs more than a tiny decode (batch 1, a few dozen
 // positions). Past that, both cores pay: a decode step's weight stream has evicted the context, so one thread
 // alone waits on memory (batch 1, context 128, 16 layers: ~0.9 -> ~0.5 ms a step on Zen 4).
@@ -873,35 +886,86 @@ void decode_attention(const Q* q, const KV* kpool, const KV* vpool, Q* out, cons
                       int64_t max_blocks, int64_t block_size, int64_t hkv, int64_t group, int64_t d,
                       float scale, int64_t window, float softcap) {
   const int64_t nrows = static_cast<int64_t>(rows.size());
-  const int64_t threads = at::get_num_threads(), items = nrows * hkv;
+  const int64_t threads = at::get_num_threads();
   const int64_t kvrow = d + Pool<KV>::extra;  // one token of one kv head (8-bit: + its scale)
   const int64_t slot_stride = hkv * kvrow;    // one token of one pool (all kv heads)
   const Geometry geo{block_size, slot_stride, block_size * slot_stride, kvrow, d, group, hkv * group};
-  int64_t work = 0;
-  for (int64_t n = 0; n < nrows; ++n) work += (window > 0 ? std::min<int64_t>(row_ctx[n], window) : row_ctx[n]);
-  work *= hkv * (group + 1) * d;
   const bool wide = kiln_panel_isa() == 512;
   const bool bf16_dots = std::is_same_v<Q, BF> && std::is_same_v<KV, BF> && bf16dot_usable(d);
-  const auto run = [&](int64_t i, Scratch& scratch) {
-    const int64_t n = i / hkv, h = i % hkv;
+  // work items: short rows (and the bf16 dot path) one per kv head; long rows one per part, every kv head
+  std::vector<Item> items;
+  std::vector<int64_t> part_of;   // per item: its slot in the parts buffer, or -1
+  std::vector<std::array<int64_t, 3>> split_rows;   // (row index n, first item, parts) of each split row
+  const int64_t splits = std::max<int64_t>(1, threads / std::max<int64_t>(1, nrows));
+  const int64_t span_context = kiln_attn_span_context();
+  int64_t work = 0, parts = 0;
+  for (int64_t n = 0; n < nrows; ++n) {
     const int64_t s = seqs[n], c = row_ctx[n];  // the positions this query row attends to: [0, c)
-    const int64_t lo = window > 0 ? std::max<int64_t>(0, c - window) : 0;
-    const Item it{rows[n], c, lo, c - lo, h, tables + s * max_blocks};
+    const int64_t lo = window > 0 ? std::max<int64_t>(0, c - window) : 0, len = c - lo;
+    const int32_t* table = tables + s * max_blocks;
+    work += len;
+    if (bf16_dots || span_context == 0 || len < span_context) {
+      for (int64_t h = 0; h < hkv; ++h) {
+        items.push_back(Item{rows[n], c, lo, len, h, 1, table});
+        part_of.push_back(-1);
+      }
+      continue;
+    }
+    const int64_t k = std::min(splits, len / std::max<int64_t>(1, span_context / 2));
+    if (k <= 1) {
+      items.push_back(Item{rows[n], c, lo, len, 0, hkv, table});
+      part_of.push_back(-1);
+      continue;
+    }
+    split_rows.push_back({n, static_cast<int64_t>(items.size()), k});
+    for (int64_t i = 0; i < k; ++i) {
+      const int64_t a = lo + len * i / k, b = lo + len * (i + 1) / k;
+      items.push_back(Item{rows[n], c, a, b - a, 0, hkv, table});
+      part_of.push_back(parts++);
+    }
+  }
+  work *= hkv * (group + 1) * d;
+  const int64_t heads = hkv * group, part_size = heads * (d + 2);   // a part: per query head max, sum, d sums
+  thread_local std::vector<float> part_buf;   // the calling thread's (a thread_local is per thread: use its pointer)
+  part_buf.resize(parts * part_size);
+  float* const part_data = part_buf.data();
+  const auto run = [&](int64_t i, Scratch& scratch) {
+    const Item& it = items[i];
+    float* part = part_of[i] < 0 ? nullptr : part_data + part_of[i] * part_size;
     if constexpr (std::is_same_v<Q, BF> && std::is_same_v<KV, BF>)
       if (bf16_dots) return k512::bf16dot::attend_item(q, kpool, vpool, out, it, geo, scale, softcap, scratch);
     if (wide)
-      k512::attend_item<Q, KV>(q, kpool, vpool, out, it, geo, scale, softcap, scratch);
+      k512::attend_item<Q, KV>(q, kpool, vpool, out, part, it, geo, scale, softcap, scratch);
     else
-      k256::attend_item<Q, KV>(q, kpool, vpool, out, it, geo, scale, softcap, scratch);
+      k256::attend_item<Q, KV>(q, kpool, vpool, out, part, it, geo, scale, softcap, scratch);
   };
   thread_local Scratch scratch;
-  if (work < (int64_t(1) << 14) || threads == 1 || items == 1) {
-    for (int64_t i = 0; i < items; ++i) run(i, scratch);
-    return;
+  const int64_t count = static_cast<int64_t>(items.size());
+  if (work < (int64_t(1) << 14) || threads == 1 || count == 1) {
+    for (int64_t i = 0; i < count; ++i) run(i, scratch);
+  } else {
+    // rows of different lengths: items handed out as threads free up
+#pragma omp parallel for num_threads(int(std::min(threads, count))) schedule(dynamic, 1)
+    for (int64_t i = 0; i < count; ++i) run(i, scratch);
   }
-  // rows of different lengths: items handed out as threads free up
-#pragma omp parallel for num_threads(int(std::min(threads, items))) schedule(dynamic, 1)
-  for (int64_t i = 0; i < items; ++i) run(i, scratch);
+  // a split row: out = sum_i e^(m_i - M) acc_i / sum_i e^(m_i - M) l_i over its parts i (M: their largest max)
+  std::vector<float> y(d);
+  for (const auto& [n, first, k] : split_rows) {
+    for (int64_t gi = 0; gi < heads; ++gi) {
+      float mx = -std::numeric_limits<float>::infinity();
+      for (int64_t i = 0; i < k; ++i) mx = std::max(mx, part_data[part_of[first + i] * part_size + gi * (d + 2)]);
+      float sum = 0.0f;
+      std::fill(y.begin(), y.end(), 0.0f);
+      for (int64_t i = 0; i < k; ++i) {
+        const float* pg = part_data + part_of[first + i] * part_size + gi * (d + 2);
+        const float w = std::exp(pg[0] - mx);
+        sum += w * pg[1];
+        for (int64_t j = 0; j < d; ++j) y[j] += w * pg[2 + j];
+      }
+      const float inv = 1.0f / sum;
+      for (int64_t j = 0; j < d; ++j) out[(rows[n] * heads + gi) * d + j] = from_f<Q>(y[j] * inv);
+    }
+  }
 }
 
 template <typename Q>
