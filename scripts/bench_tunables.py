@@ -4,8 +4,9 @@
 
 Each variant sets kernel tunables (``kiln.plugins.tuning``: prefetch distances, panels per decode stream,
 ``row_nta``) on top of the machine's tuning; the first is the reference. Every round runs one request per variant
-(order reversed every other round) in the same ``LLM``: a 32-token prompt, 64 new tokens, greedy, EOS ignored, as
-``../shared/peers/bench_kiln.py single``; decode tok/s as ``bench_decode.py`` counts it (``single_request``).
+(order reversed every other round) in the same ``LLM``: a 32-token prompt (``--prompt``: longer contexts, for
+``attn_span_context``), 64 new tokens, greedy, EOS ignored, as ``../shared/peers/bench_kiln.py single``; decode
+tok/s as ``bench_decode.py`` counts it (``single_request``).
 
 Why in one process: separate processes (``bench_decode.py --variants``) also differ in where their weights and
 pool landed in memory, and this VM's read rate drifts by 15-25% from minute to minute; alternating variants in one
@@ -41,6 +42,7 @@ def main() -> None:
     ap.add_argument("variants", help="semicolon-separated label:name=value,... (the first is the reference)")
     ap.add_argument("--rounds", type=int, default=16)
     ap.add_argument("--tokens", type=int, default=64)
+    ap.add_argument("--prompt", type=int, default=32, help="prompt tokens (random ids)")
     args = ap.parse_args()
 
     from bench_decode import single_request
@@ -53,9 +55,10 @@ def main() -> None:
     if lib is None:
         raise SystemExit("the native kernel library is not available here: no tunables to compare")
     base = tuning.current(lib)
-    llm = LLM(args.engine, max_batch_size=16, max_kv_cache_tokens=256, enable_prefix_reuse=False)
+    llm = LLM(args.engine, max_batch_size=16, max_kv_cache_tokens=max(256, args.prompt + args.tokens + 16),
+              enable_prefix_reuse=False)
     vocab = llm.executor.engine.config.model.vocab_size
-    prompt = [random.Random(0).randrange(3, vocab) for _ in range(32)]
+    prompt = [random.Random(0).randrange(3, vocab) for _ in range(args.prompt)]
 
     single_request(llm, prompt, 8)   # warm-up
     info = native.cpu_info()
