@@ -261,14 +261,17 @@ def test_paged_decode_bf16_on_both_vector_paths(isa, head_dim, group):
 
 
 @pytest.mark.parametrize("isa", [256, 512])
-@pytest.mark.parametrize("pool_dtype", [torch.float32, torch.bfloat16, torch.int8, torch.float8_e4m3fn])
+@pytest.mark.parametrize("dtype, pool_dtype", [(torch.float32, torch.float32), (torch.float32, torch.bfloat16),
+                                               (torch.float32, torch.int8), (torch.float32, torch.float8_e4m3fn),
+                                               (torch.bfloat16, torch.bfloat16), (torch.bfloat16, torch.int8)])
 @pytest.mark.parametrize("contexts, window, softcap", [((300,), 0, 0.0), ((700,), 333, 0.0), ((1000,), 0, 30.0),
                                                         ((255, 600, 20), 0, 0.0), ((256, 1000), 77, 0.0)])
-def test_paged_decode_long_contexts_read_by_spans(isa, pool_dtype, contexts, window, softcap):
+def test_paged_decode_long_contexts_read_by_spans(isa, dtype, pool_dtype, contexts, window, softcap):
     """Decode rows of at least attn_span_context (256) positions are read a whole slot (every kv head) at a time,
     and a lone row with spare threads is split into one part per thread whose softmax parts are merged: against the
-    reference with one thread (no split), two (split) and the tunable off, fp32 queries over every pool dtype, NaN
-    in every slot no sequence wrote."""
+    reference with one thread (no split), two (split) and the tunable off, fp32 queries over every pool dtype and
+    bf16 ones over bf16 (on AVX-512 BF16: the dot-product path) and int8 pools, NaN in every slot no sequence
+    wrote."""
     from kiln.plugins import native
 
     if not native_op_ready("paged_attention"):
@@ -286,14 +289,15 @@ def test_paged_decode_long_contexts_read_by_spans(isa, pool_dtype, contexts, win
         for n, span_context in ((1, 256), (2, 256), (2, 0)):   # 0: one kv head per work item, as short rows
             torch.set_num_threads(n)
             tuning.set_value(lib, "attn_span_context", span_context)
-            case = build_case(16, 64, 4, 4, [(c, 1) for c in contexts], window, torch.float32, 1, 2,
+            case = build_case(16, 64, 4, 4, [(c, 1) for c in contexts], window, dtype, 1, 2,
                               seed=len(contexts) + n, nan_garbage=True, softcap=softcap,
                               pool_dtype=pool_dtype if quantized else None)
             if not quantized:
                 case["kv_cache"] = case["kv_cache"].to(pool_dtype)
             out, ref, kc, rc = run_both(case)
             assert not out.isnan().any()
-            torch.testing.assert_close(out, ref, **TOL[torch.float32])
+            torch.testing.assert_close(out, ref, **TOL[torch.bfloat16 if torch.bfloat16 in (dtype, pool_dtype)
+                                                       else torch.float32])
             assert_same_pool(kc, rc)
     finally:
         torch.set_num_threads(threads)

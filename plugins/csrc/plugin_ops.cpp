@@ -782,44 +782,53 @@ inline __m512 dot(__m512 acc, __m512i a, uint32_t pair) {
   return _mm512_dpbf16_ps(acc, (__m512bh)a, (__m512bh)_mm512_set1_epi32(int32_t(pair)));
 }
 
-void attend_item(const BF* q, const BF* kpool, const BF* vpool, BF* out, const Item& it, const Geometry& g,
-                 float scale, float softcap, Scratch& s) {
+// As decode_attention.h's attend_item: kv heads [it.h, it.h + it.nh), output written (part == nullptr) or the
+// parts of a split row (per query head max, sum, d fp32 sums) left for decode_attention to merge.
+void attend_item(const BF* q, const BF* kpool, const BF* vpool, BF* out, float* part, const Item& it,
+                 const Geometry& g, float scale, float softcap, Scratch& s) {
   const int64_t d = g.d, group = g.group, len = it.len, chunks = d / 32, vecs = d / 16;
-  const int64_t lenp = (len + 1) / 2 * 2;
-  s.scores.resize(group * len);
-  s.wbf.resize(group * lenp);
-  const int64_t* off = row_offsets(it, g, s);
+  const int64_t heads = it.nh * group, lenp = (len + 1) / 2 * 2;
+  s.scores.resize(heads * len);
+  s.wbf.resize(heads * lenp);
+  s.ml.resize(2 * heads);
+  const int64_t* off = row_offsets(it, g, s);   // kv head it.h's rows; head it.h + h's are h * kvrow further
+  const int64_t span = it.nh * g.kvrow;         // what one position of the item reads, prefetched as one
   const uint16_t* kp = reinterpret_cast<const uint16_t*>(kpool);
   const uint16_t* vp = reinterpret_cast<const uint16_t*>(vpool);
   const int64_t q0 = it.row * g.hq + it.h * group;
   const uint32_t* qw = reinterpret_cast<const uint32_t*>(q) + q0 * d / 2;  // query head gi's pair j: qw[gi*d/2 + j]
-  // scores, 16 positions at a time, in blocks of up to 8 query heads (their 8 score vectors stay in registers)
+  // scores, 16 positions at a time, per kv head in blocks of up to 8 of its query heads (their 8 score vectors
+  // stay in registers)
   for (int64_t p0 = 0; p0 < len; p0 += 16) {
     const int64_t n = std::min<int64_t>(16, len - p0);
     const __mmask16 keep = n == 16 ? __mmask16(0xFFFF) : __mmask16((1u << n) - 1u);
     for (int64_t u = 0; u < n; ++u)
-      if (p0 + u + KV_AHEAD < len) prefetch_row(kp + off[p0 + u + KV_AHEAD], d);
-    for (int64_t gb = 0; gb < group; gb += 8) {
-      const int64_t gn = std::min<int64_t>(8, group - gb);
-      __m512 acc[8];
-      for (int i = 0; i < 8; ++i) acc[i] = _mm512_setzero_ps();
-      for (int64_t c = 0; c < chunks; ++c) {
-        __m512i r[16];
-        for (int64_t u = 0; u < 16; ++u)
-          r[u] = u < n ? _mm512_loadu_si512(kp + off[p0 + u] + 32 * c) : _mm512_setzero_si512();
-        transpose16(r);  // r[j]: dims (32c + 2j, 32c + 2j + 1) of the 16 positions
-        for (int64_t i = 0; i < gn; ++i) {
-          const uint32_t* qh = qw + (gb + i) * d / 2 + 16 * c;
-          for (int j = 0; j < 16; ++j) acc[i] = dot(acc[i], r[j], qh[j]);
+      if (p0 + u + KV_AHEAD < len) prefetch_row(kp + off[p0 + u + KV_AHEAD], span);
+    for (int64_t h = 0; h < it.nh; ++h) {
+      const uint16_t* kh = kp + h * g.kvrow;
+      for (int64_t gb = h * group; gb < (h + 1) * group; gb += 8) {
+        const int64_t gn = std::min<int64_t>(8, (h + 1) * group - gb);
+        __m512 acc[8];
+        for (int i = 0; i < 8; ++i) acc[i] = _mm512_setzero_ps();
+        for (int64_t c = 0; c < chunks; ++c) {
+          __m512i r[16];
+          for (int64_t u = 0; u < 16; ++u)
+            r[u] = u < n ? _mm512_loadu_si512(kh + off[p0 + u] + 32 * c) : _mm512_setzero_si512();
+          transpose16(r);  // r[j]: dims (32c + 2j, 32c + 2j + 1) of the 16 positions
+          for (int64_t i = 0; i < gn; ++i) {
+            const uint32_t* qh = qw + (gb + i) * d / 2 + 16 * c;
+            for (int j = 0; j < 16; ++j) acc[i] = dot(acc[i], r[j], qh[j]);
+          }
         }
+        for (int64_t i = 0; i < gn; ++i)
+          _mm512_mask_storeu_ps(s.scores.data() + (gb + i) * len + p0, keep,
+                                _mm512_mul_ps(acc[i], _mm512_set1_ps(scale)));
       }
-      for (int64_t i = 0; i < gn; ++i)
-        _mm512_mask_storeu_ps(s.scores.data() + (gb + i) * len + p0, keep, _mm512_mul_ps(acc[i], _mm512_set1_ps(scale)));
     }
   }
-  softmax_rows(s.scores.data(), group, len, softcap);
+  softmax_rows(s.scores.data(), heads, len, softcap, part ? s.ml.data() : nullptr);
   // each query head's weights as bf16 (a zero after an odd length: the pair of the last position)
-  for (int64_t gi = 0; gi < group; ++gi) {
+  for (int64_t gi = 0; gi < heads; ++gi) {
     const float* sg = s.scores.data() + gi * len;
     uint16_t* wb = s.wbf.data() + gi * lenp;
     int64_t p = 0;
@@ -828,40 +837,61 @@ void attend_item(const BF* q, const BF* kpool, const BF* vpool, BF* out, const I
     for (; p < lenp; ++p) wb[p] = p < len ? BF(sg[p]).x : uint16_t(0);
   }
   // values: o[gi] += w_p v_p + w_p+1 v_p+1 per pair of positions, in blocks of query heads whose accumulators fit
-  // 16 registers; vector 2c holds dims 32c + 8L + (0..3) in lane L (4 dwords), vector 2c + 1 dims 32c + 8L + (4..7)
-  const int64_t gblock = std::max<int64_t>(1, 16 / vecs);
-  alignas(64) float o[16][16];
-  for (int64_t gb = 0; gb < group; gb += gblock) {
-    const int64_t gn = std::min<int64_t>(gblock, group - gb);
-    __m512 acc[16];
-    for (int i = 0; i < 16; ++i) acc[i] = _mm512_setzero_ps();
-    for (int64_t p = 0; p < len; p += 2) {
-      if (p + KV_AHEAD < len) {
-        prefetch_row(vp + off[p + KV_AHEAD], d);
-        if (p + 1 + KV_AHEAD < len) prefetch_row(vp + off[p + 1 + KV_AHEAD], d);
-      }
-      const uint16_t* va = vp + off[p];
-      const bool two = p + 1 < len;
-      uint32_t pair[16];   // each query head's weights of positions p, p + 1
-      for (int64_t i = 0; i < gn; ++i) std::memcpy(&pair[i], s.wbf.data() + (gb + i) * lenp + p, 4);
-      for (int64_t c = 0; c < chunks; ++c) {
-        const __m512i a = _mm512_loadu_si512(va + 32 * c);
-        const __m512i b = two ? _mm512_loadu_si512(vp + off[p + 1] + 32 * c) : _mm512_setzero_si512();
-        const __m512i lo = _mm512_unpacklo_epi16(a, b), hi = _mm512_unpackhi_epi16(a, b);
-        for (int64_t i = 0; i < gn; ++i) {
-          acc[i * vecs + 2 * c] = dot(acc[i * vecs + 2 * c], lo, pair[i]);
-          acc[i * vecs + 2 * c + 1] = dot(acc[i * vecs + 2 * c + 1], hi, pair[i]);
+  // 16 registers; vector 2c holds dims 32c + 8L + (0..3) in lane L (4 dwords), vector 2c + 1 dims 32c + 8L + (4..7).
+  // One kv head: every position with the block's accumulators in registers. Several (a span): PTILE positions at a
+  // time, every kv head of them, the accumulators kept in s.acc (in that lane order) between tiles.
+  constexpr int64_t PTILE = 32;
+  const int64_t gblock = std::max<int64_t>(1, std::min<int64_t>(group, 16 / vecs));
+  const int64_t tile = it.nh > 1 ? PTILE : lenp;
+  s.acc.assign(heads * vecs * 16, 0.0f);
+  for (int64_t t0 = 0; t0 < len; t0 += tile) {
+    const int64_t t1 = std::min(len, t0 + tile);
+    for (int64_t h = 0; h < it.nh; ++h) {
+      const uint16_t* vh = vp + h * g.kvrow;
+      for (int64_t gb = h * group; gb < (h + 1) * group; gb += gblock) {
+        const int64_t gn = std::min<int64_t>(gblock, (h + 1) * group - gb);
+        __m512 acc[16];
+        for (int64_t i = 0; i < 16; ++i)
+          acc[i] = i < gn * vecs ? _mm512_loadu_ps(s.acc.data() + (gb * vecs + i) * 16) : _mm512_setzero_ps();
+        for (int64_t p = t0; p < t1; p += 2) {
+          if ((it.nh == 1 || (h == 0 && gb == 0)) && p + KV_AHEAD < len) {   // a span: its first pass
+            prefetch_row(vp + off[p + KV_AHEAD], span);
+            if (p + 1 + KV_AHEAD < len) prefetch_row(vp + off[p + 1 + KV_AHEAD], span);
+          }
+          const uint16_t* va = vh + off[p];
+          const bool two = p + 1 < len;
+          uint32_t pair[16];   // each query head's weights of positions p, p + 1
+          for (int64_t i = 0; i < gn; ++i) std::memcpy(&pair[i], s.wbf.data() + (gb + i) * lenp + p, 4);
+          for (int64_t c = 0; c < chunks; ++c) {
+            const __m512i a = _mm512_loadu_si512(va + 32 * c);
+            const __m512i b = two ? _mm512_loadu_si512(vh + off[p + 1] + 32 * c) : _mm512_setzero_si512();
+            const __m512i lo = _mm512_unpacklo_epi16(a, b), hi = _mm512_unpackhi_epi16(a, b);
+            for (int64_t i = 0; i < gn; ++i) {
+              acc[i * vecs + 2 * c] = dot(acc[i * vecs + 2 * c], lo, pair[i]);
+              acc[i * vecs + 2 * c + 1] = dot(acc[i * vecs + 2 * c + 1], hi, pair[i]);
+            }
+          }
         }
+        for (int64_t i = 0; i < gn * vecs; ++i) _mm512_storeu_ps(s.acc.data() + (gb * vecs + i) * 16, acc[i]);
       }
     }
-    for (int64_t i = 0; i < gn; ++i) {
-      for (int64_t v = 0; v < vecs; ++v) _mm512_store_ps(o[v], acc[i * vecs + v]);
-      BF* dst = out + (q0 + gb + i) * d;
-      for (int64_t c = 0; c < chunks; ++c)
-        for (int L = 0; L < 4; ++L)
-          for (int k = 0; k < 8; ++k)
-            dst[32 * c + 8 * L + k] = BF(o[2 * c + (k >= 4)][4 * L + (k & 3)]);
+  }
+  alignas(64) float o[16][16];
+  for (int64_t gi = 0; gi < heads; ++gi) {
+    for (int64_t v = 0; v < vecs; ++v) std::memcpy(o[v], s.acc.data() + (gi * vecs + v) * 16, 64);
+    float* pg = part ? part + gi * (d + 2) : nullptr;
+    if (pg) {
+      pg[0] = s.ml[2 * gi];
+      pg[1] = s.ml[2 * gi + 1];
     }
+    BF* dst = out + (q0 + gi) * d;
+    for (int64_t c = 0; c < chunks; ++c)
+      for (int L = 0; L < 4; ++L)
+        for (int k = 0; k < 8; ++k) {
+          const float y = o[2 * c + (k >= 4)][4 * L + (k & 3)];
+          if (pg) pg[2 + 32 * c + 8 * L + k] = y;
+          else dst[32 * c + 8 * L + k] = BF(y);
+        }
   }
 }
 
@@ -892,7 +922,7 @@ void decode_attention(const Q* q, const KV* kpool, const KV* vpool, Q* out, cons
   const Geometry geo{block_size, slot_stride, block_size * slot_stride, kvrow, d, group, hkv * group};
   const bool wide = kiln_panel_isa() == 512;
   const bool bf16_dots = std::is_same_v<Q, BF> && std::is_same_v<KV, BF> && bf16dot_usable(d);
-  // work items: short rows (and the bf16 dot path) one per kv head; long rows one per part, every kv head
+  // work items: short rows one per kv head; long rows one per part, every kv head
   std::vector<Item> items;
   std::vector<int64_t> part_of;   // per item: its slot in the parts buffer, or -1
   std::vector<std::array<int64_t, 3>> split_rows;   // (row index n, first item, parts) of each split row
@@ -904,7 +934,7 @@ void decode_attention(const Q* q, const KV* kpool, const KV* vpool, Q* out, cons
     const int64_t lo = window > 0 ? std::max<int64_t>(0, c - window) : 0, len = c - lo;
     const int32_t* table = tables + s * max_blocks;
     work += len;
-    if (bf16_dots || span_context == 0 || len < span_context) {
+    if (span_context == 0 || len < span_context) {
       for (int64_t h = 0; h < hkv; ++h) {
         items.push_back(Item{rows[n], c, lo, len, h, 1, table});
         part_of.push_back(-1);
@@ -933,7 +963,7 @@ void decode_attention(const Q* q, const KV* kpool, const KV* vpool, Q* out, cons
     const Item& it = items[i];
     float* part = part_of[i] < 0 ? nullptr : part_data + part_of[i] * part_size;
     if constexpr (std::is_same_v<Q, BF> && std::is_same_v<KV, BF>)
-      if (bf16_dots) return k512::bf16dot::attend_item(q, kpool, vpool, out, it, geo, scale, softcap, scratch);
+      if (bf16_dots) return k512::bf16dot::attend_item(q, kpool, vpool, out, part, it, geo, scale, softcap, scratch);
     if (wide)
       k512::attend_item<Q, KV>(q, kpool, vpool, out, part, it, geo, scale, softcap, scratch);
     else
