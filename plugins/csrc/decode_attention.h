@@ -1,4 +1,4 @@
-// Decode attention of one work item (a query row's group of query heads over their KV head), written once for a
+// Decode attention of one work item (a query row's query heads over some of its KV heads), written once for a
 // vector ISA: plugin_ops.cpp includes it inside namespace k256 (AVX2) and k512 (AVX-512, its own target), each with
 // its `Isa` traits (V: the float vector of L lanes; widen(p): L numbers of a pool row as floats in the pool's unit;
 // reduce8: the sums of eight vectors as one __m256) and, from plugin_ops.cpp, Pool, row_scale, num, softmax_rows,
@@ -56,7 +56,7 @@ inline void accumulate(float* acc, const float* const* rows, const float* w, int
 // part == nullptr: the item covers the row's whole context; its softmax is normalized and the output written.
 // Otherwise (a split row): exp(score - max) unnormalized, and per query head max, sum and the weighted sum of the
 // values go to part ([heads][d + 2]) for decode_attention to merge. A span of every kv head reads each slot (all
-// heads of a position) whole, in position order: the order the memory system streams at the read rate.
+// heads of a position) whole, in position order, which the memory system streams faster than one head's rows.
 template <typename Q, typename KV>
 void attend_item(const Q* q, const KV* kpool, const KV* vpool, Q* out, float* part, const Item& it,
                  const Geometry& g, float scale, float softcap, Scratch& s) {
