@@ -267,9 +267,10 @@ def test_paged_decode_bf16_on_both_vector_paths(isa, head_dim, group):
 @pytest.mark.parametrize("contexts, window, softcap", [((300,), 0, 0.0), ((700,), 333, 0.0), ((1000,), 0, 30.0),
                                                         ((255, 600, 20), 0, 0.0), ((256, 1000), 77, 0.0)])
 def test_paged_decode_long_contexts_read_by_spans(isa, dtype, pool_dtype, contexts, window, softcap):
-    """Decode rows of at least attn_span_context (256) positions are read a whole slot (every kv head) at a time,
-    and a lone row with spare threads is split into one part per thread whose softmax parts are merged: against the
-    reference with one thread (no split), two (split) and the tunable off, fp32 queries over every pool dtype and
+    """Decode rows are read a whole slot (every kv head) at a time when there are as many rows as threads, and a
+    lone row of at least attn_span_context (256) positions with spare threads is split into one part per thread
+    whose softmax parts are merged: against the reference with one thread (no split), two (split) and the tunable
+    off, fp32 queries over every pool dtype and
     bf16 ones over bf16 (on AVX-512 BF16: the dot-product path) and int8 pools, NaN in every slot no sequence
     wrote."""
     from kiln.plugins import native

@@ -898,15 +898,15 @@ void attend_item(const BF* q, const BF* kpool, const BF* vpool, BF* out, float* 
 }  // namespace k512::bf16dot
 #pragma GCC pop_options
 
-// Every decode sequence's attention (decode_attention.h, with the ISA the panel kernels use). A short row (under
-// tuning().attn_span_context positions, 256) is one work item per kv head, the group's query heads sharing one pass
-// over that head's keys and values (reading its slots whole measured no faster there on Zen 4, and balances worse
-// across threads). A longer row is read by items of every kv head, each slot whole in position
-// order: one head's rows are a quarter of each slot, and such strided reads stream at ~16 GB/s on Zen 4 where
-// whole slots in order stream at ~28 (a read-pattern test); with the kernel's arithmetic the step's attention at
-// 1000-1900 positions gains x1.1 (docs/benchmarks.md). A lone long row with spare threads is split into one part
-// per thread, the parts' softmax sums merged at the end (flash-decoding). Items go to the threads as they free up
-// (rows of different lengths).
+// Every decode sequence's attention (decode_attention.h, with the ISA the panel kernels use). Work items read
+// every kv head of a row at once, each slot (all heads of a position) whole and in position order: one head's rows
+// are a quarter of each slot, and such strided reads stream at ~16 GB/s on Zen 4 where whole slots in order stream
+// at ~28 (a read-pattern test); measured x1.03-1.38 on the step's attention of 2-16 rows at 32-600 positions
+// (docs/benchmarks.md). With fewer rows than threads, a row of at least tuning().attn_span_context positions (256)
+// is split into one part per thread, the parts' softmax sums merged at the end (flash-decoding), and a shorter one
+// is one item per kv head, the group's query heads sharing one pass over that head's keys and values (at batch 1
+// and 64-200 positions that is as fast as split parts). attn_span_context 0: one item per kv head always.
+// Items go to the threads as they free up (rows of different lengths).
 // Threads only when there is enough work: a parallel region costs more than a tiny decode (batch 1, a few dozen
 // positions). Past that, both cores pay: a decode step's weight stream has evicted the context, so one thread
 // alone waits on memory (batch 1, context 128, 16 layers: ~0.9 -> ~0.5 ms a step on Zen 4).
@@ -922,7 +922,8 @@ void decode_attention(const Q* q, const KV* kpool, const KV* vpool, Q* out, cons
   const Geometry geo{block_size, slot_stride, block_size * slot_stride, kvrow, d, group, hkv * group};
   const bool wide = kiln_panel_isa() == 512;
   const bool bf16_dots = std::is_same_v<Q, BF> && std::is_same_v<KV, BF> && bf16dot_usable(d);
-  // work items: short rows one per kv head; long rows one per part, every kv head
+  // work items: with as many rows as threads, one per row (every kv head); with fewer, a short row one per kv head
+  // and a long one one per part (every kv head)
   std::vector<Item> items;
   std::vector<int64_t> part_of;   // per item: its slot in the parts buffer, or -1
   std::vector<std::array<int64_t, 3>> split_rows;   // (row index n, first item, parts) of each split row
@@ -934,14 +935,14 @@ void decode_attention(const Q* q, const KV* kpool, const KV* vpool, Q* out, cons
     const int64_t lo = window > 0 ? std::max<int64_t>(0, c - window) : 0, len = c - lo;
     const int32_t* table = tables + s * max_blocks;
     work += len;
-    if (span_context == 0 || len < span_context) {
+    if (span_context == 0 || (nrows < threads && len < span_context)) {
       for (int64_t h = 0; h < hkv; ++h) {
         items.push_back(Item{rows[n], c, lo, len, h, 1, table});
         part_of.push_back(-1);
       }
       continue;
     }
-    const int64_t k = std::min(splits, len / std::max<int64_t>(1, span_context / 2));
+    const int64_t k = nrows < threads ? std::min(splits, len / std::max<int64_t>(1, span_context / 2)) : 1;
     if (k <= 1) {
       items.push_back(Item{rows[n], c, lo, len, 0, hkv, table});
       part_of.push_back(-1);
