@@ -11,9 +11,9 @@ keep more lines in flight; ``bf16_row_panels``: the panels of a bf16 decode tile
 ``row_nta``: whether the int8/int4 one-row streams prefetch non-temporally (1, the default: a decode step reads each
 weight once, and ~100 MB of them passing through L2/L3 push out what the step reuses, the KV context and the step
 loop's own objects); ``row_burst``: how many bytes each thread of an int8/int4 one-row decode asks for at once at the
-start of its run (0: none); ``attn_span_context``: from how many context positions a decode row's attention reads
-every KV head of a position at once, in position order (split across the threads when there are fewer rows than
-threads), instead of one KV head per work item (0: never).
+start of its run (0: none); ``attn_span_context``: decode attention reads every KV head of a position at once, in
+position order (one work item per row when there are as many rows as threads), and with fewer rows than threads
+splits a row of at least this many positions across them; shorter ones run one KV head per work item (0: always).
 
 The library starts with per-microarchitecture defaults (``default_tuning`` in ``csrc/linear_kernels.cpp``); then
 :func:`apply` loads this machine's measured choice from the cache, or measures it (:func:`autotune`, ~0.5-2 s:

@@ -13,10 +13,11 @@ decode row over all layers' pools (batch 1, the layer loop of a step) two ways, 
 
 and prints the median ms per step, the KV bytes read per step, the GB/s that implies and that as a share of the
 2-thread streaming read rate measured around each run. ``--spans 0,256`` also alternates values of the
-``attn_span_context`` tunable within each round (0: one KV head per work item; N: rows of >= N positions read
-every KV head of a position at once, split across the threads), for a paired ratio per case. Cases: fp32 (fp32 q
-and pool: fp32 engines, int8/int4 weight-only engines), bf16 (bf16 q and pool: bf16 engines), fp32+bf16 (fp32 q
-over a bf16 pool: ``--kv-cache-dtype bfloat16`` on an fp32 engine), int8 (fp32 q over an 8-bit pool).
+``attn_span_context`` tunable within each round (0: one KV head per work item; N: this one row, from N
+positions, read every KV head of a position at once and split across the threads), for a paired ratio per case.
+Cases: fp32 (fp32 q and pool: fp32 engines, int8/int4 weight-only engines), bf16 (bf16 q and pool: bf16 engines),
+fp32+bf16 (fp32 q over a bf16 pool: ``--kv-cache-dtype bfloat16`` on an fp32 engine), int8 (fp32 q over an 8-bit
+pool).
 """
 
 from __future__ import annotations

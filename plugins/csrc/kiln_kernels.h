@@ -93,8 +93,8 @@ int kiln_dequant_rows(int wtype, const void* w, const float* scales, int64_t gro
 // (AVX2 + FMA). kiln_set_panel_isa(0) picks the best the CPU has, 256 forces AVX2 (tests compare both);
 // a width the CPU lacks is refused (returns the width in use).
 int kiln_panel_isa();
-// decode attention: rows of at least this many positions are read whole slots at a time (tunable
-// attn_span_context; 0: never)
+// decode attention: with fewer rows than threads, rows of at least this many positions are split across the
+// threads and read whole slots at a time (tunable attn_span_context; 0: one kv head per work item always)
 int64_t kiln_attn_span_context();
 int kiln_set_panel_isa(int bits);
 // Sum of n floats read with nthreads threads: the streaming read the benchmarks compare the GEMVs with.

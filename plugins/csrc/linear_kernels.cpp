@@ -708,8 +708,10 @@ struct Tuning {
   int64_t row_nta;           // one-row int8/int4 decode: prefetch non-temporally (1) or into every level (0)
   int64_t bf16_row_panels;   // bf16-panel decode with bf16 x (M < 4): panels a tile reads at once (2, 4, 8, 16)
   int64_t row_burst;         // one-row int8/int4 decode: bytes each thread prefetches at the start of its run
-  int64_t attn_span_context; // decode attention: rows of at least this many positions are read whole slots at a
-                             // time (every kv head of a position, in position order), 0: one kv head per work item
+  int64_t attn_span_context; // decode attention with fewer rows than threads: rows of at least this many positions
+                             // are split across them, each part reading whole slots (every kv head of a position,
+                             // in position order; with as many rows as threads every row does), 0: one kv head
+                             // per work item always
 };
 
 // CPU family / model (AMD: Zen 3 = family 25 models 0x00-0x0f, 0x20-0x5f; Zen 4 = 25, 0x10-0x1f, 0x60-0xaf;
