@@ -40,19 +40,17 @@ CASES = {  # name -> (q dtype, pool dtype)
 
 def make_case(case: str, ctx: int, layers: int, hq: int, hkv: int, d: int, block: int = 16) -> tuple:
     """(one call's arguments but the layer, the pool's bytes per step) for one decode row at ``ctx`` positions."""
+    from kiln.contract import SeqChunk, pack_inputs
+    from kiln.plugins.kv_quant import to_pool
+
     qd, pd = CASES[case]
     blocks = ctx // block + 2
-    row = d + 2 if pd == torch.int8 else d   # an 8-bit row carries its scale (bf16 bits) after the numbers
-    if pd == torch.int8:
-        kv = torch.randint(-100, 100, (layers, 2, blocks, block, hkv, row), dtype=torch.int8)
-        kv[..., d] = -128   # scale 2^-8: bf16 0x3b80, little-endian bytes 0x80, 0x3b
-        kv[..., d + 1] = 0x3B
-    else:
-        kv = (torch.randn(layers, 2, blocks, block, hkv, row) * 0.5).to(pd)
+    kv = to_pool((torch.randn(layers, 2, blocks, block, hkv, d) * 0.5).to(torch.bfloat16 if pd != torch.float32
+                                                                           else torch.float32), pd)
     q, k, v = (torch.randn(1, h, d).to(qd) for h in (hq, hkv, hkv))
-    args = (q, k, v, kv, torch.tensor([1], dtype=torch.int32), torch.tensor([ctx], dtype=torch.int32),
-            torch.arange(blocks, dtype=torch.int32)[None], torch.tensor([ctx - 1], dtype=torch.int64))
-    return args, layers * 2 * ctx * hkv * row * kv.element_size()
+    inputs = pack_inputs([SeqChunk([7], ctx - 1, range(blocks))], kv, block)
+    args = (q, k, v, kv, *(inputs[n] for n in ("seq_lens", "context_lens", "block_tables", "slot_mapping")))
+    return args, layers * 2 * ctx * hkv * kv.shape[-1] * kv.element_size()
 
 
 def step_ms(args: tuple, layers: int, scale: float, from_memory: bool, evict: torch.Tensor) -> float:

@@ -593,6 +593,7 @@ struct Item {
   int64_t row, ctx, lo, len;  // q/out row, context length, first position read, positions read
   int64_t h, nh;              // the kv heads [h, h + nh) (their groups' query heads) this item computes
   const int32_t* table;       // the sequence's block table
+  int64_t part = -1;          // a part of a split row: its index in decode_attention's parts buffer
 };
 
 struct Geometry {
@@ -924,9 +925,9 @@ void decode_attention(const Q* q, const KV* kpool, const KV* vpool, Q* out, cons
   const bool bf16_dots = std::is_same_v<Q, BF> && std::is_same_v<KV, BF> && bf16dot_usable(d);
   // work items: with as many rows as threads, one per row (every kv head); with fewer, a short row one per kv head
   // and a long one one per part (every kv head)
-  std::vector<Item> items;
-  std::vector<int64_t> part_of;   // per item: its slot in the parts buffer, or -1
-  std::vector<std::array<int64_t, 3>> split_rows;   // (row index n, first item, parts) of each split row
+  thread_local std::vector<Item> items;   // the calling thread's: its capacity kept across calls
+  items.clear();
+  std::vector<std::array<int64_t, 3>> split_rows;   // (row index n, first part, parts) of each split row
   const int64_t splits = std::max<int64_t>(1, threads / std::max<int64_t>(1, nrows));
   const int64_t span_context = kiln_attn_span_context();
   int64_t work = 0, parts = 0;
@@ -936,33 +937,30 @@ void decode_attention(const Q* q, const KV* kpool, const KV* vpool, Q* out, cons
     const int32_t* table = tables + s * max_blocks;
     work += len;
     if (span_context == 0 || (nrows < threads && len < span_context)) {
-      for (int64_t h = 0; h < hkv; ++h) {
-        items.push_back(Item{rows[n], c, lo, len, h, 1, table});
-        part_of.push_back(-1);
-      }
+      for (int64_t h = 0; h < hkv; ++h) items.push_back(Item{rows[n], c, lo, len, h, 1, table});
       continue;
     }
     const int64_t k = nrows < threads ? std::min(splits, len / std::max<int64_t>(1, span_context / 2)) : 1;
     if (k <= 1) {
       items.push_back(Item{rows[n], c, lo, len, 0, hkv, table});
-      part_of.push_back(-1);
       continue;
     }
-    split_rows.push_back({n, static_cast<int64_t>(items.size()), k});
+    split_rows.push_back({n, parts, k});
     for (int64_t i = 0; i < k; ++i) {
       const int64_t a = lo + len * i / k, b = lo + len * (i + 1) / k;
-      items.push_back(Item{rows[n], c, a, b - a, 0, hkv, table});
-      part_of.push_back(parts++);
+      items.push_back(Item{rows[n], c, a, b - a, 0, hkv, table, parts++});
     }
   }
   work *= hkv * (group + 1) * d;
   const int64_t heads = hkv * group, part_size = heads * (d + 2);   // a part: per query head max, sum, d sums
-  thread_local std::vector<float> part_buf;   // the calling thread's (a thread_local is per thread: use its pointer)
+  thread_local std::vector<float> part_buf;
   part_buf.resize(parts * part_size);
+  // the parallel region's workers name their own thread_locals: they get these pointers
   float* const part_data = part_buf.data();
+  const Item* const item_data = items.data();
   const auto run = [&](int64_t i, Scratch& scratch) {
-    const Item& it = items[i];
-    float* part = part_of[i] < 0 ? nullptr : part_data + part_of[i] * part_size;
+    const Item& it = item_data[i];
+    float* part = it.part < 0 ? nullptr : part_data + it.part * part_size;
     if constexpr (std::is_same_v<Q, BF> && std::is_same_v<KV, BF>)
       if (bf16_dots) return k512::bf16dot::attend_item(q, kpool, vpool, out, part, it, geo, scale, softcap, scratch);
     if (wide)
@@ -980,15 +978,15 @@ void decode_attention(const Q* q, const KV* kpool, const KV* vpool, Q* out, cons
     for (int64_t i = 0; i < count; ++i) run(i, scratch);
   }
   // a split row: out = sum_i e^(m_i - M) acc_i / sum_i e^(m_i - M) l_i over its parts i (M: their largest max)
-  std::vector<float> y(d);
+  std::vector<float> y(split_rows.empty() ? 0 : d);
   for (const auto& [n, first, k] : split_rows) {
     for (int64_t gi = 0; gi < heads; ++gi) {
       float mx = -std::numeric_limits<float>::infinity();
-      for (int64_t i = 0; i < k; ++i) mx = std::max(mx, part_data[part_of[first + i] * part_size + gi * (d + 2)]);
+      for (int64_t i = first; i < first + k; ++i) mx = std::max(mx, part_data[i * part_size + gi * (d + 2)]);
       float sum = 0.0f;
       std::fill(y.begin(), y.end(), 0.0f);
-      for (int64_t i = 0; i < k; ++i) {
-        const float* pg = part_data + part_of[first + i] * part_size + gi * (d + 2);
+      for (int64_t i = first; i < first + k; ++i) {
+        const float* pg = part_data + i * part_size + gi * (d + 2);
         const float w = std::exp(pg[0] - mx);
         sum += w * pg[1];
         for (int64_t j = 0; j < d; ++j) y[j] += w * pg[2 + j];
