@@ -270,9 +270,8 @@ def test_paged_decode_long_contexts_read_by_spans(isa, dtype, pool_dtype, contex
     """Decode rows are read a whole slot (every kv head) at a time when there are as many rows as threads, and a
     lone row of at least attn_span_context (256) positions with spare threads is split into one part per thread
     whose softmax parts are merged: against the reference with one thread (no split), two (split) and the tunable
-    off, fp32 queries over every pool dtype and
-    bf16 ones over bf16 (on AVX-512 BF16: the dot-product path) and int8 pools, NaN in every slot no sequence
-    wrote."""
+    off, fp32 queries over every pool dtype and bf16 ones over bf16 (on AVX-512 BF16: the dot-product path) and
+    int8 pools, NaN in every slot no sequence wrote."""
     from kiln.plugins import native
 
     if not native_op_ready("paged_attention"):
