@@ -591,7 +591,9 @@ def stream_in_thread(url: str, body: dict, results: list, started: threading.Eve
 def test_sigterm_drains_in_flight_requests_then_exits_0(engine, ref, tmp_path):
     srv = start_server(engine.directory, tmp_path / "server.log")
     try:
-        prompts = random_prompts(12, VOCAB, 8, 20, seed=30)
+        # enough work that the drain outlasts the checks below: with 12 requests a faster decode step finished
+        # them, and the server exited, between /health's 503 and the refused request (connection refused)
+        prompts = random_prompts(32, VOCAB, 8, 20, seed=30)
         wants = ref.generate(prompts, SamplingParams(temperature=0, max_tokens=100, ignore_eos=True))
         results, threads, events = [], [], []
         for p in prompts:
