@@ -11,15 +11,21 @@ stop strings). The KV cache manager holds the blocks.
 
 Per step, within ``max_batch_size`` sequences and ``max_num_tokens`` tokens:
 
-1. running requests, decodes first (then unfinished prefills), higher priority / earlier arrival first;
-2. waiting requests in priority order (higher first, FCFS within a priority), admitted while budget,
-   KV blocks and the capacity policy allow; the queue head blocks the rest (no overtaking).
+1. running requests' decodes, higher priority / earlier arrival first;
+2. prefills: running requests' unfinished prompts and waiting requests in one order (higher priority first,
+   then earlier arrival), waiting ones admitted while budget, KV blocks and the capacity policy allow; the
+   queue head blocks the rest of the queue (no overtaking). A waiting request that ranks before a running
+   prompt (a higher priority, a short prompt within its lead) so takes the budget before that prompt's next
+   chunk.
 
 Two knobs shape steps under load (both off by default):
 
 * ``decoding_max_num_tokens``: the budget of a step while some running sequence decodes. A decoding request
   waits through every step until its next token, so its TPOT is the length of the steps it rides in; prefill
-  chunks beside it are capped to keep them short, while a step with no decode still prefills at full size.
+  chunks beside it are capped to keep them short. A step with no decode gives its first prefill up to
+  ``max_num_tokens``, and the prompts after it only what keeps the step within this budget: a prompt whose
+  first token would otherwise wait for every prompt packed behind it into one long step gets it after its
+  own prefill (a first token ends a request's TTFT; the step that computes it ends for all its prompts at once).
 * ``short_prompt_lead_s``: "arrival" in the order above is ``arrival + lead x prompt / max_input_len``: a prompt
   of the engine's longest input lets shorter ones that arrived up to ``lead`` seconds after it go first. Short
   requests then see their first token after their own short prefill, not after every long one queued before
@@ -129,6 +135,7 @@ class _Step:
     """What is left of one step's budget while it is being filled."""
 
     tokens: int
+    budget: int
     seats: int
     out: SchedulerOutput
     batch_tokens: int = 0          # what is left of the batch class's share
@@ -298,7 +305,7 @@ class Scheduler:
         if c.decoding_max_num_tokens is not None and budget > c.decoding_max_num_tokens and any(
                 r.num_tokens - r.num_computed_tokens == 1 for r in self.running):
             budget = c.decoding_max_num_tokens
-        step = _Step(budget, c.max_batch_size, SchedulerOutput(), now=time.monotonic(),
+        step = _Step(budget, budget, c.max_batch_size, SchedulerOutput(), now=time.monotonic(),
                      logits=c.max_num_logits or c.max_num_tokens)
         self._batch_allowance(step)
         first, later = self.running, []
@@ -306,9 +313,8 @@ class Scheduler:
             head = self.waiting[0].priority   # lower-priority running requests come after the waiting head
             first = [r for r in self.running if r.priority >= head]
             later = [r for r in self.running if r.priority < head]
-        self._schedule_running(first, step)
-        if not step.out.preempted:
-            self._admit_waiting(step)
+        self._schedule_running([r for r in first if r.num_tokens - r.num_computed_tokens == 1], step)
+        self._schedule_prefills([r for r in first if r.num_tokens - r.num_computed_tokens > 1], step)
         self._schedule_running(later, step)
         if step.batch_reserve > 0:
             self._admit_waiting(step, floor_only=True)
@@ -361,11 +367,41 @@ class Scheduler:
             else:
                 self._take(req, req.num_computed_tokens, n, step)
 
-    def _admit_waiting(self, step: _Step, floor_only: bool = False) -> None:
-        """Admit from the head of the queue; ``floor_only``: admit batch requests past a blocked online head,
-        within what is left of the batch floor (the one exception to "no overtaking")."""
+    def _schedule_prefills(self, requests: list[Request], step: _Step) -> None:
+        """Running prefills and waiting requests in one order (``order_key``): a waiting request that ranks
+        before a running request's unfinished prefill (a short prompt within its lead, a higher priority) takes
+        the budget first instead of waiting for that prompt's last chunk. The queue head still blocks the rest
+        of the queue, and a step that preempted admits no one."""
+        pending = sorted(requests, key=lambda r: r.order_key)
+        admit, by_admission = True, 0   # a step that preempted for a running request admits no one
+        # a step without decodes gives its first prefill the whole budget, and the prompts after it only what
+        # keeps the step within decoding_max_num_tokens: each first token then waits for its own prefill (and the
+        # few tokens amortizing the step), not for the prompts packed behind it into one long step
+        c = self.config
+        fill = c.decoding_max_num_tokens if c.decoding_max_num_tokens and step.budget > c.decoding_max_num_tokens \
+            else None
+        while step.tokens > 0 and step.seats > 0:
+            head = self.waiting[0] if admit and len(step.out.preempted) == by_admission and self.waiting else None
+            before = (len(step.out.scheduled), len(step.out.preempted))
+            if head is not None and (not pending or head.order_key < pending[0].order_key):
+                admit = self._admit_waiting(step, limit=1) == 1
+                by_admission += len(step.out.preempted) - before[1]
+            elif pending:
+                self._schedule_running([pending.pop(0)], step)
+            else:
+                return
+            if fill is not None and len(step.out.scheduled) > before[0]:
+                used = step.budget - step.tokens
+                step.tokens = min(step.tokens, max(step.batch_reserve, fill - used))   # the batch floor stays
+                fill = None
+
+    def _admit_waiting(self, step: _Step, floor_only: bool = False, limit: int | None = None) -> int:
+        """Admit from the head of the queue (at most ``limit`` requests); ``floor_only``: admit batch requests
+        past a blocked online head, within what is left of the batch floor (the one exception to "no
+        overtaking"). Returns how many were admitted."""
         c, kv, bs = self.config, self.kv, self.block_size
-        while self.waiting and step.tokens > 0:
+        admitted = 0
+        while self.waiting and step.tokens > 0 and (limit is None or admitted < limit):
             req = self.waiting[0]
             budget = self._budget(req, step)
             if floor_only:
@@ -404,6 +440,8 @@ class Scheduler:
             self.running.append(req)
             self._join("running", req)
             self._take(req, start, n, step)
+            admitted += 1
+        return admitted
 
     def _batch_allowance(self, step: _Step) -> None:
         """Set this step's batch share (``batch_tokens``) and floor (``batch_reserve``), see the module docstring."""

@@ -361,3 +361,59 @@ def test_short_prompt_lead_stays_under_priorities_and_off_by_default():
     add(s, 48, 1, "long", arrival=1.0)
     add(s, 4, 1, "short", arrival=2.0)
     assert [r.request_id for r in s.waiting] == ["long", "short"]   # FCFS
+
+
+def test_a_waiting_prompt_that_ranks_first_takes_the_budget_before_a_running_prefill():
+    s = make_with(short_prompt_lead_s=4.0)
+    long = add(s, 48, 1, "long", arrival=10.0)          # place 14.0
+    out, _ = step(s)
+    assert [(x.request.request_id, x.num_new_tokens) for x in out.scheduled] == [("long", 16)]
+    add(s, 4, 1, "short", arrival=11.0, first=300)   # place 11.33: before long's, which is already running
+    out, finished = step(s)
+    # short's whole prompt first, long's next chunk from what is left (block-aligned 12)
+    assert [(x.request.request_id, x.num_new_tokens) for x in out.scheduled] == [("short", 4), ("long", 12)]
+    assert [r.request_id for r in finished] == ["short"]
+    assert long.num_computed_tokens == 28
+    drain(s)
+    assert s.kv.num_used_blocks == 0
+    # first come, first served (no lead): the running prompt keeps the budget, the later one waits for it
+    s = make_with()
+    add(s, 48, 1, "long", arrival=10.0)
+    step(s)
+    add(s, 4, 1, "short", arrival=11.0, first=300)
+    out, _ = step(s)
+    assert [(x.request.request_id, x.num_new_tokens) for x in out.scheduled] == [("long", 16)]
+
+
+def test_a_higher_priority_arrival_takes_the_budget_before_a_running_prefill():
+    s = make_with()
+    add(s, 48, 1, "low", priority=0, arrival=1.0)
+    step(s)
+    add(s, 8, 1, "high", priority=3, arrival=2.0, first=200)   # no prefix shared with "low"
+    out, _ = step(s)
+    assert [(x.request.request_id, x.num_new_tokens) for x in out.scheduled] == [("high", 8), ("low", 8)]
+
+
+def test_a_step_without_decodes_adds_prompts_after_its_first_only_up_to_the_decoding_budget():
+    s = make_with(decoding_max_num_tokens=8)
+    add(s, 10, 2, "a", arrival=1.0)
+    add(s, 10, 2, "b", arrival=2.0, first=100)
+    out, _ = step(s)
+    # a's whole prompt; b would make the step 16 tokens long and a's first token wait for it
+    assert [(x.request.request_id, x.num_new_tokens) for x in out.scheduled] == [("a", 10)]
+    out, _ = step(s)                               # a decodes: the decoding budget
+    assert [(x.request.request_id, x.num_new_tokens) for x in out.scheduled] == [("b", 4), ("a", 1)]
+    drain(s)
+    # a short first prompt: the next one fills the step up to the decoding budget (block-aligned)
+    add(s, 2, 2, "c", arrival=3.0, first=400)
+    add(s, 20, 2, "d", arrival=4.0, first=200)
+    out, _ = step(s)
+    assert [(x.request.request_id, x.num_new_tokens) for x in out.scheduled] == [("c", 2), ("d", 4)]
+    drain(s)
+    assert s.kv.num_used_blocks == 0
+    # without a decoding budget a step packs prompts up to max_num_tokens, as before
+    s = make_with()
+    add(s, 10, 2, "a", arrival=1.0)
+    add(s, 10, 2, "b", arrival=2.0, first=100)
+    out, _ = step(s)
+    assert [(x.request.request_id, x.num_new_tokens) for x in out.scheduled] == [("a", 10), ("b", 4)]
