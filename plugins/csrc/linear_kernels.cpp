@@ -752,6 +752,9 @@ struct Isa {
   // no one-pass small-batch kernel (16 accumulators would take every register)
   static constexpr int MR_ONEPASS = 0;
   static constexpr int64_t MC = 96;
+  // prefill tiles that read x in place: the float path's
+  static constexpr int MR_WIDE = MR_BIG;
+  static constexpr int64_t MC_WIDE = MC;
   static inline V zero() { return _mm256_setzero_ps(); }
   static inline V set1(float v) { return _mm256_set1_ps(v); }
   static inline V load(const float* p) { return _mm256_loadu_ps(p); }
@@ -823,6 +826,11 @@ struct Isa {
   // 13..16 rows (batched decode): one pass of 16 rows x 1 panel over the weights (panel_float with KMAJOR)
   static constexpr int MR_ONEPASS = 16;
   static constexpr int64_t MC = 96;
+  // prefill tiles that read x in place (the bf16 dot path; the float path where K does not pack): 14 rows x 2
+  // panels, 28 accumulators + 2 weight vectors + the broadcast, row blocks of 6 x 14; faster than 12 x 2 there
+  // (benchmarks.md, "Prefill tiles of 14 rows"). Packed x keeps 12 x 2: a 14-row block pads more rows.
+  static constexpr int MR_WIDE = 14;
+  static constexpr int64_t MC_WIDE = 84;
   static inline V zero() { return _mm512_setzero_ps(); }
   static inline V set1(float v) { return _mm512_set1_ps(v); }
   static inline V load(const float* p) { return _mm512_loadu_ps(p); }
@@ -979,6 +987,11 @@ std::string describe_panel(int wtype, int64_t M, int64_t N) {
       what += ", prefetch " + std::to_string(t.bf16_row_prefetch) + " B";
   } else if (Isa::MR_ONEPASS > 0 && M > Isa::MR_BIG && M <= Isa::MR_ONEPASS)
     what = "one pass of " + std::to_string(Isa::MR_ONEPASS) + " rows, prefetch " + std::to_string(t.onepass_prefetch) + " B";
+  else if (M > 32 && Isa::MR_WIDE != Isa::MR_BIG && panels % Isa::NP_BIG == 0)
+    // prefill: bf16 x reads x in place with the wide kernel; the float path packs x where K % 512 == 0
+    what = kind == KILN_W_BF16 && Isa::L == 16 && cpu_has_avx512_bf16()
+               ? tiles(Isa::MR_WIDE, Isa::NP_BIG)
+               : tiles(Isa::MR_BIG, Isa::NP_BIG) + " (x packed) where K % 512 == 0, else " + tiles(Isa::MR_WIDE, Isa::NP_BIG);
   else what = tiles(Isa::MR_BIG, Isa::NP_BIG);
   return name + ", " + isa + ", " + what;
 }

@@ -720,6 +720,10 @@ void panel_gemm_float(const typename W::T* w, int64_t M, int64_t N, int64_t K, c
     for_tiles(M, N / (16 * Isa::NP_BIG), Isa::MC, nthreads, [&](int64_t m0, int64_t m1, int64_t g) {
       tile_float_kmajor<W, Isa::NP_BIG, Isa::MR_BIG>(w, K, x, m0, m1, g, ep, call);
     });
+  } else if ((N / 16) % Isa::NP_BIG == 0 && M > SMALL_M) {  // prefill, x in place: the wide micro-kernel
+    for_tiles(M, N / (16 * Isa::NP_BIG), Isa::MC_WIDE, nthreads, [&](int64_t m0, int64_t m1, int64_t g) {
+      tile_float<W, Isa::NP_BIG, Isa::MR_WIDE>(w, K, x, m0, m1, g, ep);
+    });
   } else if ((N / 16) % Isa::NP_BIG == 0) {
     const bool pf = small_batch_prefetch(M);
     for_tiles(M, N / (16 * Isa::NP_BIG), Isa::MC, nthreads, [&](int64_t m0, int64_t m1, int64_t g) {
@@ -802,6 +806,10 @@ inline void panel_gemm_bf16dot(const uint16_t* w, int64_t M, int64_t N, int64_t 
         case 16: tile(std::integral_constant<int, 16>{}, m0, m1, g); break;
         default: tile(std::integral_constant<int, 4>{}, m0, m1, g);
       }
+    });
+  } else if ((N / 16) % Isa::NP_BIG == 0 && M > SMALL_M) {  // prefill: the wide micro-kernel
+    for_tiles(M, N / (16 * Isa::NP_BIG), Isa::MC_WIDE, nthreads, [&](int64_t m0, int64_t m1, int64_t g) {
+      tile_bf16dot<Isa::NP_BIG, Isa::MR_WIDE>(w, K, xp, m0, m1, g, ep);
     });
   } else if ((N / 16) % Isa::NP_BIG == 0) {
     const bool pf = small_batch_prefetch(M);
