@@ -721,7 +721,9 @@ struct Tuning {
 // (whole single-stream decodes, scripts/bench_tunables.py: x1.05-1.09 against 4 panels without, faster in 11-12 of
 // 12 rounds; 2 and 16 panels slower), and its one-row int8/int4 decode threads prefetch the first 8 KiB of their run
 // at once (the stream of a 0.5-3 MB int4 GEMV otherwise starts from a few lines in flight: x1.03-1.07 int4, x1.03
-// int8, faster in 55-67% of 12-30 rounds).
+// int8, faster in 55-67% of 12-30 rounds), and splits a lone decode row's attention from 96 positions (fp32 pool
+// x1.13-1.22 at 96-192 positions against 256, int8 x1.07-1.10, bf16 x0.99-1.11: scripts/bench_decode_attention.py
+// --spans 256,64: the same two parts from 96 positions; at 48-64 positions no gain).
 Tuning default_tuning() {
   unsigned eax = 0, ebx = 0, ecx = 0, edx = 0;
   __asm__("cpuid" : "=a"(eax), "=b"(ebx), "=c"(ecx), "=d"(edx) : "a"(1), "c"(0));
@@ -730,7 +732,7 @@ Tuning default_tuning() {
   const bool zen3 = family == 25 && (model < 0x10 || (model >= 0x20 && model < 0x60));
   if (zen3) return {4096, 0, 0, 1, 1, 0, 0, 1, 4, 0, 256};
   const bool zen4 = family == 25 && ((model >= 0x10 && model < 0x20) || (model >= 0x60 && model < 0xb0));
-  if (zen4) return {2048, 4096, 8192, 1, 1, 256, 4096, 1, 8, 8192, 256};
+  if (zen4) return {2048, 4096, 8192, 1, 1, 256, 4096, 1, 8, 8192, 96};
   unsigned vb = 0, vc = 0, vd = 0, va = 0;
   __asm__("cpuid" : "=a"(va), "=b"(vb), "=c"(vc), "=d"(vd) : "a"(0), "c"(0));
   const bool intel = vb == 0x756e6547u && vd == 0x49656e69u && vc == 0x6c65746eu;   // "GenuineIntel"

@@ -919,10 +919,10 @@ void attend_item(const BF* q, const BF* kpool, const BF* vpool, BF* out, float* 
 // every kv head of a row at once, each slot (all heads of a position) whole and in position order: one head's rows
 // are a quarter of each slot, and such strided reads stream at ~16 GB/s on Zen 4 where whole slots in order stream
 // at ~28 (a read-pattern test); measured x1.03-1.38 on the step's attention of 2-16 rows at 32-600 positions
-// (docs/benchmarks.md). With fewer rows than threads, a row of at least tuning().attn_span_context positions (256)
+// (docs/benchmarks.md). With fewer rows than threads, a row of at least tuning().attn_span_context positions
 // is split into one part per thread, the parts' softmax sums merged at the end (flash-decoding), and a shorter one
-// is one item per kv head, the group's query heads sharing one pass over that head's keys and values (at batch 1
-// and 64-200 positions that is as fast as split parts). attn_span_context 0: one item per kv head always.
+// is one item per kv head, the group's query heads sharing one pass over that head's keys and values.
+// attn_span_context 0: one item per kv head always.
 // Items go to the threads as they free up (rows of different lengths).
 // Threads only when there is enough work: a parallel region costs more than a tiny decode (batch 1, a few dozen
 // positions). Past that, both cores pay: a decode step's weight stream has evicted the context, so one thread
