@@ -495,24 +495,32 @@ def test_cancelled_stream_frees_its_kv_blocks(server, llm):
     def used(m):
         return metric(m, "nv_trt_llm_kv_cache_block_metrics", kv_cache_block_type="used")
 
+    def ended(reason, m=None):
+        return metric(m or metrics(server), "kiln_requests_finished_total", finish_reason=reason)
+
     idle = wait_for(lambda: (m := metrics(server))
                     and metric(m, "nv_trt_llm_request_metrics", request_type="active") == 0 and m,
                     what="an idle server")
     assert used(idle) == 0
     aborted_before = aborted(idle)
-    client = StreamClient(server.grpc)
-    client.send("long", request(PROMPTS[0], LONG, stream=tensor(True, np.bool_), end_id=tensor(-1, np.int32)))
-    # cancel on the first response (polling the token count instead once saw all tokens the server had sent)
-    assert client.first["long"].wait(60), "no first response"
-    finished_first = client.done["long"].is_set()
-    client.close(cancel=True)
-    assert not finished_first and len(client.tokens("long")) < LONG, "the request ended before it was cancelled"
-    try:
-        wait_for(lambda: aborted() == aborted_before + 1, what="kiln to abort the cancelled request")
-    except AssertionError as exc:
-        m = metrics(server)
-        ends = {r: metric(m, "kiln_requests_finished_total", finish_reason=r) for r in ("abort", "length")}
-        raise AssertionError(f"{exc}; requests finished by reason: {ends}") from None
+    # The server sees a cancellation within ~0.1 s, but on a loaded machine the tiny model can finish its 4000
+    # tokens (~2.6 s idle) before the client's cancel gets there: that attempt ends by length and shows nothing
+    # about cancelling, so it is tried again (a cancel that never aborts fails every attempt).
+    for attempt in range(4):
+        rid, length_before = f"long{attempt}", ended("length")
+        client = StreamClient(server.grpc)
+        client.send(rid, request(PROMPTS[0], LONG, stream=tensor(True, np.bool_), end_id=tensor(-1, np.int32)))
+        # cancel on the first response (polling the token count instead once saw all tokens the server had sent)
+        assert client.first[rid].wait(60), "no first response"
+        finished_first = client.done[rid].is_set()
+        client.close(cancel=True)
+        assert not finished_first and len(client.tokens(rid)) < LONG, "the request ended before it was cancelled"
+        wait_for(lambda: aborted() == aborted_before + 1 or ended("length") == length_before + 1,
+                 what="kiln to end the cancelled request")
+        if aborted() == aborted_before + 1:
+            break
+    else:
+        raise AssertionError("the cancelled request ran to its length in every attempt: kiln never aborted it")
     # the same over HTTP: a client that disconnects from /generate_stream
     req = urllib.request.Request(f"{server.http}/v2/models/kiln/generate_stream", data=json.dumps(
         {"text_input": PROMPTS[1], "max_tokens": LONG, "stream": True, "end_id": -1}).encode())
@@ -705,6 +713,20 @@ def test_serve_reports_a_model_that_fails_to_load(engine, tmp_path):
     out = served.output()
     assert code == 1, out[-3000:]
     assert "rank0.engine" in out and "missing" in out and "the server said" in out
+    assert not served.processes() and not served.shm_files()
+
+
+@pytest.mark.parametrize("when", ["starting tritonserver", "Started HTTPService"])
+def test_a_stop_while_tritonserver_starts_is_clean(engine, tmp_path, when):
+    """SIGTERM before kiln serve has seen tritonserver ready (right as it starts it, or once Triton's HTTP is up:
+    a client polling readiness itself can be served and done before kiln serve's own poll sees it) is a stop
+    that was asked for: exit 0, nothing left running."""
+    served = Served(engine.directory, tmp_path / "serve")
+    try:
+        wait_for(lambda: when in served.output(), timeout=120, what=repr(when))
+    finally:
+        code, _ = served.stop()
+    assert code == 0, served.output()[-3000:]
     assert not served.processes() and not served.shm_files()
 
 

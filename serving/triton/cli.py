@@ -151,8 +151,17 @@ def serve(model_dir: Path, host: str, http_port: int, grpc_port: int, metrics_po
             click.echo(f"kiln: starting tritonserver for {engine_dir} (model {options.model_name!r})", err=True)
             try:
                 server.start()
+                if received:   # a signal before the server existed: stop it as soon as it does
+                    server.terminate()
                 server.wait_ready(startup_timeout)
             except LauncherError as exc:
+                if received and server.process is not None and server.process.poll() in (0, -signal.SIGTERM):
+                    # SIGTERM/SIGINT before this loop saw the server ready (it polls every 0.25 s; a client
+                    # polling on its own can be done by then): a stop that was asked for; tritonserver exits 0, or
+                    # of the SIGTERM itself while it is still loading the model (wait_ready removed what was left)
+                    click.echo(f"kiln: {signal.Signals(received[0]).name} while tritonserver was starting: stopped",
+                               err=True)
+                    return
                 click.echo(f"kiln: {exc}; the server said:", err=True)
                 for line in exc.log_lines:
                     click.echo(f"  {line}", err=True)
