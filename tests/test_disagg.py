@@ -228,14 +228,25 @@ def test_sigkill_of_a_decode_worker_fails_its_streams_and_the_rest_serve(cluster
         assert time.monotonic() < deadline, "the streams did not start"
         time.sleep(0.01)
     # on a loaded machine the first stream may have ended while the last was still in prefill: kill the decode
-    # worker of the running stream with the most tokens still to come
-    where = {r: f.decode for r, f in list(cluster.executor._flights.items()) if r in rids}
-    assert where, "every stream ended before one could be killed"
-    victim = where[min(where, key=lambda r: len(outs[r]))]
-    pid = next(w.pid for w in cluster.executor.workers if w.uid == victim)
-    on_victim = [r for r, uid in where.items() if uid == victim]
-    t0 = time.monotonic()
-    os.kill(pid, signal.SIGKILL)
+    # worker of the running stream with the most tokens still to come. Every worker is frozen (SIGSTOP) while it
+    # is chosen and killed: the tiny model decodes its 100 tokens in a fraction of a second, so a stream could
+    # otherwise end between the choice and the kill (and no stream would be left to fail)
+    pids = {w.uid: w.pid for w in cluster.executor.workers}
+    for p in pids.values():
+        os.kill(p, signal.SIGSTOP)
+    try:
+        where = {r: f.decode for r, f in list(cluster.executor._flights.items()) if r in rids}
+        assert where, "every stream ended before one could be killed"
+        victim = where[min(where, key=lambda r: len(outs[r]))]
+        on_victim = [r for r, uid in where.items() if uid == victim]
+        t0 = time.monotonic()
+        os.kill(pids[victim], signal.SIGKILL)
+    finally:
+        for p in pids.values():
+            try:
+                os.kill(p, signal.SIGCONT)
+            except ProcessLookupError:
+                pass
     assert ended.wait(60)
     killed = 0
     for r in rids:

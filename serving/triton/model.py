@@ -7,7 +7,8 @@ responses (every delta when streaming, one response otherwise, the last one with
 queued up while earlier responses were being sent go out together, so a slow client path delays tokens by
 at most one send instead of piling up), checks every
 100 ms whether clients cancelled (then aborts the kiln request, freeing its KV blocks) and refreshes the
-metrics about once a second. Responses go through the request's response sender in both decoupled and
+metrics about once a second, and within 100 ms of a new request (so a short one still shows in flight).
+Responses go through the request's response sender in both decoupled and
 non-decoupled mode, which is what lets a non-decoupled model return from ``execute`` before it has answered.
 
 Errors are sent as Triton errors: INVALID_ARG for a bad request (naming the tensor and the rule), UNAVAILABLE
@@ -106,6 +107,7 @@ class TritonPythonModel:
         self._waiting_first = 0                  # live streams without a token yet (the admission queue)
         self._outbox: queue.SimpleQueue = queue.SimpleQueue()
         self._stopping = threading.Event()   # set by finalize: no more metrics or cancellation round trips
+        self._metrics_due = False            # a request arrived: the sender refreshes the gauges at once
         self._sender = threading.Thread(target=self._send_loop, name="kiln-triton-sender", daemon=True)
         self._sender.start()
         mode = "decoupled" if self.decoupled else "one response per request"
@@ -174,6 +176,7 @@ class TritonPythonModel:
                 overloaded = False
                 self._waiting_first += 1
                 self._live[id(stream)] = stream
+                self._metrics_due = True
         if overloaded:
             self.metrics.refused("overloaded")
             return self._refuse(sender, f"overloaded: {self.max_queue_size} requests already wait for their first "
@@ -206,8 +209,8 @@ class TritonPythonModel:
             if now >= next_cancel_check:
                 next_cancel_check = now + CANCEL_CHECK_S
                 self._check_cancelled()
-            if now >= next_stats:
-                next_stats = now + STATS_PERIOD_S
+            if now >= next_stats or self._metrics_due:   # a new request shows in flight within CANCEL_CHECK_S
+                next_stats, self._metrics_due = now + STATS_PERIOD_S, False
                 self._update_metrics()
 
     def _send_queued(self) -> bool:
