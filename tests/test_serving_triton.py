@@ -495,8 +495,8 @@ def test_cancelled_stream_frees_its_kv_blocks(server, llm):
     def used(m):
         return metric(m, "nv_trt_llm_kv_cache_block_metrics", kv_cache_block_type="used")
 
-    def ended(reason, m=None):
-        return metric(m or metrics(server), "kiln_requests_finished_total", finish_reason=reason)
+    def ended(reason):
+        return metric(metrics(server), "kiln_requests_finished_total", finish_reason=reason)
 
     idle = wait_for(lambda: (m := metrics(server))
                     and metric(m, "nv_trt_llm_request_metrics", request_type="active") == 0 and m,

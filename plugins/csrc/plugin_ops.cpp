@@ -578,13 +578,13 @@ constexpr int64_t KV_AHEAD = 16;
 // longer ones (prefill chunks) on SDPA, where one GEMM over the context serves all their rows.
 constexpr int64_t SHORT_SEQ_TOKENS = 16;
 
-// every cache line of the n elements at p (a row of an 8-bit pool is not line-aligned)
-template <typename T>
+// every cache line of the n elements at p (a row of an 8-bit pool is not line-aligned), into the cache level of HINT
+template <int HINT = _MM_HINT_T0, typename T>
 inline void prefetch_row(const T* p, int64_t n) {
   const char* c = reinterpret_cast<const char*>(p);
   const int64_t bytes = n * int64_t(sizeof(T));
-  for (int64_t b = 0; b < bytes; b += 64) _mm_prefetch(c + b, _MM_HINT_T0);
-  _mm_prefetch(c + bytes - 1, _MM_HINT_T0);
+  for (int64_t b = 0; b < bytes; b += 64) _mm_prefetch(c + b, static_cast<decltype(_MM_HINT_T0)>(HINT));
+  _mm_prefetch(c + bytes - 1, static_cast<decltype(_MM_HINT_T0)>(HINT));
 }
 
 // When a decode work item starts: the rows of its first KV_AHEAD positions (its loops prefetch KV_AHEAD positions
@@ -594,12 +594,7 @@ template <typename T>
 inline void prefetch_first_rows(const T* kpool, const T* vpool, const int64_t* off, int64_t len, int64_t span) {
   const int64_t n = std::min(len, KV_AHEAD);
   for (int64_t u = 0; u < n; ++u) prefetch_row(kpool + off[u], span);
-  const int64_t bytes = span * int64_t(sizeof(T));
-  for (int64_t u = 0; u < n; ++u) {
-    const char* c = reinterpret_cast<const char*>(vpool + off[u]);
-    for (int64_t b = 0; b < bytes; b += 64) _mm_prefetch(c + b, _MM_HINT_T1);
-    _mm_prefetch(c + bytes - 1, _MM_HINT_T1);
-  }
+  for (int64_t u = 0; u < n; ++u) prefetch_row<_MM_HINT_T1>(vpool + off[u], span);
 }
 
 // One decode work item (a query row over kv head h), what it reads, and the buffers of one thread
