@@ -75,7 +75,6 @@ void attend_item(const Q* q, const KV* kpool, const KV* vpool, Q* out, float* pa
   s.zeros.assign(dp, 0.0f);
   const int64_t* off = row_offsets(it, g, s);   // kv head it.h's rows; head it.h + h's are h * kvrow further
   const int64_t span = it.nh * g.kvrow;         // what one position of the item reads, prefetched as one
-  prefetch_first_rows(kpool, vpool, off, len, span);
   const int64_t q0 = it.row * g.hq + it.h * group;  // the item's first query head
   for (int64_t gi = 0; gi < heads; ++gi)
     for (int64_t j = 0; j < d; ++j) s.qf[gi * dp + j] = to_f(q[(q0 + gi) * d + j]) * scale;

@@ -578,23 +578,13 @@ constexpr int64_t KV_AHEAD = 16;
 // longer ones (prefill chunks) on SDPA, where one GEMM over the context serves all their rows.
 constexpr int64_t SHORT_SEQ_TOKENS = 16;
 
-// every cache line of the n elements at p (a row of an 8-bit pool is not line-aligned), into the cache level of HINT
-template <int HINT = _MM_HINT_T0, typename T>
+// every cache line of the n elements at p (a row of an 8-bit pool is not line-aligned)
+template <typename T>
 inline void prefetch_row(const T* p, int64_t n) {
   const char* c = reinterpret_cast<const char*>(p);
   const int64_t bytes = n * int64_t(sizeof(T));
-  for (int64_t b = 0; b < bytes; b += 64) _mm_prefetch(c + b, static_cast<decltype(_MM_HINT_T0)>(HINT));
-  _mm_prefetch(c + bytes - 1, static_cast<decltype(_MM_HINT_T0)>(HINT));
-}
-
-// When a decode work item starts: the rows of its first KV_AHEAD positions (its loops prefetch KV_AHEAD positions
-// ahead, so these would otherwise arrive one demand miss at a time), keys into L1 and values into L2, asked for
-// at once so that a short context's reads overlap one another and the values arrive during the scores pass.
-template <typename T>
-inline void prefetch_first_rows(const T* kpool, const T* vpool, const int64_t* off, int64_t len, int64_t span) {
-  const int64_t n = std::min(len, KV_AHEAD);
-  for (int64_t u = 0; u < n; ++u) prefetch_row(kpool + off[u], span);
-  for (int64_t u = 0; u < n; ++u) prefetch_row<_MM_HINT_T1>(vpool + off[u], span);
+  for (int64_t b = 0; b < bytes; b += 64) _mm_prefetch(c + b, _MM_HINT_T0);
+  _mm_prefetch(c + bytes - 1, _MM_HINT_T0);
 }
 
 // One decode work item (a query row over kv head h), what it reads, and the buffers of one thread
@@ -804,7 +794,6 @@ void attend_item(const BF* q, const BF* kpool, const BF* vpool, BF* out, float* 
   s.ml.resize(2 * heads);
   const int64_t* off = row_offsets(it, g, s);   // kv head it.h's rows; head it.h + h's are h * kvrow further
   const int64_t span = it.nh * g.kvrow;         // what one position of the item reads, prefetched as one
-  prefetch_first_rows(kpool, vpool, off, len, span);
   const uint16_t* kp = reinterpret_cast<const uint16_t*>(kpool);
   const uint16_t* vp = reinterpret_cast<const uint16_t*>(vpool);
   const int64_t q0 = it.row * g.hq + it.h * group;
