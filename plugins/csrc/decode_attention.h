@@ -26,30 +26,34 @@ inline const float* row_floats(const KV* pool, int64_t off, float* buf, int64_t 
   return buf;
 }
 
-// acc[c * L ..] += sum over the rows u < n of w[u] * rows[u][c * L ..] for the NV vectors starting at column c0:
-// even and odd rows in separate registers (2 * NV independent chains)
-template <int NV>
-inline void accumulate(float* acc, const float* const* rows, const float* w, int64_t n, int64_t c0) {
-  typename Isa::V e[NV], o[NV];
-  for (int i = 0; i < NV; ++i) {
-    e[i] = Isa::load(acc + c0 + i * Isa::L);
-    o[i] = Isa::zero();
-  }
-  int64_t p = 0;
-  for (; p + 2 <= n; p += 2) {
-    const typename Isa::V w0 = Isa::set1(w[p]), w1 = Isa::set1(w[p + 1]);
-    const float* r0 = rows[p] + c0;
-    const float* r1 = rows[p + 1] + c0;
-    for (int i = 0; i < NV; ++i) {
-      e[i] = Isa::fma(w0, Isa::load(r0 + i * Isa::L), e[i]);
-      o[i] = Isa::fma(w1, Isa::load(r1 + i * Isa::L), o[i]);
+// For GB query heads g of one kv head at once: acc[g * dp + c0 ..] += sum over the rows u < n of
+// w[g][u] * rows[u][c0 ..], the NV vectors from column c0. Each row's vectors are loaded once for the GB heads
+// (GB * NV accumulators: as many independent chains), not once per head.
+template <int NV, int GB>
+inline void accumulate_heads(float* acc, int64_t dp, const float* const* rows, const float* const* w, int64_t n,
+                             int64_t c0) {
+  typename Isa::V a[GB][NV];
+  for (int g = 0; g < GB; ++g)
+    for (int i = 0; i < NV; ++i) a[g][i] = Isa::load(acc + g * dp + c0 + i * Isa::L);
+  for (int64_t u = 0; u < n; ++u) {
+    const float* r = rows[u] + c0;
+    typename Isa::V x[NV];
+    for (int i = 0; i < NV; ++i) x[i] = Isa::load(r + i * Isa::L);
+    for (int g = 0; g < GB; ++g) {
+      const typename Isa::V wv = Isa::set1(w[g][u]);
+      for (int i = 0; i < NV; ++i) a[g][i] = Isa::fma(wv, x[i], a[g][i]);
     }
   }
-  if (p < n) {
-    const typename Isa::V w0 = Isa::set1(w[p]);
-    for (int i = 0; i < NV; ++i) e[i] = Isa::fma(w0, Isa::load(rows[p] + c0 + i * Isa::L), e[i]);
-  }
-  for (int i = 0; i < NV; ++i) Isa::store(acc + c0 + i * Isa::L, Isa::add(e[i], o[i]));
+  for (int g = 0; g < GB; ++g)
+    for (int i = 0; i < NV; ++i) Isa::store(acc + g * dp + c0 + i * Isa::L, a[g][i]);
+}
+
+// accumulate_heads over every column of the rows (dp floats): blocks of 4 vectors, then single vectors
+template <int GB>
+inline void accumulate_rows(float* acc, int64_t dp, const float* const* rows, const float* const* w, int64_t n) {
+  int64_t c = 0;
+  for (; c + 4 * Isa::L <= dp; c += 4 * Isa::L) accumulate_heads<4, GB>(acc, dp, rows, w, n, c);
+  for (; c < dp; c += Isa::L) accumulate_heads<1, GB>(acc, dp, rows, w, n, c);
 }
 
 // One work item: the query heads of kv heads [it.h, it.h + it.nh) of row it.row over positions [it.lo, it.lo + len).
@@ -69,33 +73,41 @@ void attend_item(const Q* q, const KV* kpool, const KV* vpool, Q* out, float* pa
   s.scores.resize(heads * len);
   s.ml.resize(2 * heads);
   s.tile.resize(ptile * dp);
-  s.weights.resize(ptile);
+  s.weights.resize(Isa::GB * ptile);
   s.vscale.resize(ptile);
   s.rows.resize(ptile);
   s.zeros.assign(dp, 0.0f);
+  // the buffers as plain pointers: s is often the caller's thread_local, and every access through it in the loops
+  // below would be a __tls_get_addr call (the library is position-independent)
+  float* const qf = s.qf.data();
+  float* const acc = s.acc.data();
+  float* const scores = s.scores.data();
+  float* const tile = s.tile.data();
+  float* const weights = s.weights.data();
+  float* const vscale = s.vscale.data();
+  const float* const zeros = s.zeros.data();
+  const float** const rows = s.rows.data();
   const int64_t* off = row_offsets(it, g, s);   // kv head it.h's rows; head it.h + h's are h * kvrow further
   const int64_t span = it.nh * g.kvrow;         // what one position of the item reads, prefetched as one
   const int64_t q0 = it.row * g.hq + it.h * group;  // the item's first query head
   for (int64_t gi = 0; gi < heads; ++gi)
-    for (int64_t j = 0; j < d; ++j) s.qf[gi * dp + j] = to_f(q[(q0 + gi) * d + j]) * scale;
-  const float** rows = s.rows.data();
+    for (int64_t j = 0; j < d; ++j) qf[gi * dp + j] = to_f(q[(q0 + gi) * d + j]) * scale;
   // scores[gi * len + p] = q_gi . k_{lo+p}: eight positions per tile (rows past len are zeros: score 0, not
   // stored), one transpose-reduce instead of eight horizontal sums
   for (int64_t p0 = 0; p0 < len; p0 += 8) {
     const int64_t n = std::min<int64_t>(8, len - p0);
     for (int64_t u = 0; u < n; ++u)
-      if (p0 + u + KV_AHEAD < len) prefetch_row(kpool + off[p0 + u + KV_AHEAD], span);
+      if (p0 + u + KV_AHEAD < len) prefetch_row(kpool + off[p0 + u + KV_AHEAD], span, it.nh > 1);
     for (int64_t h = 0; h < it.nh; ++h) {
       alignas(32) float ks[8] = {1, 1, 1, 1, 1, 1, 1, 1};
       for (int64_t u = 0; u < n; ++u) {
         const int64_t o = off[p0 + u] + h * g.kvrow;
-        rows[u] = row_floats(kpool, o, s.tile.data() + u * dp, d, dp);
-        ks[u] = row_scale(kpool + o, d);
+        rows[u] = row_floats(kpool, o, tile + u * dp, d, dp);
+        if constexpr (Pool<KV>::quantized) ks[u] = row_scale(kpool + o, d);
       }
-      for (int64_t u = n; u < 8; ++u) rows[u] = s.zeros.data();
-      const __m256 ksv = _mm256_load_ps(ks);
+      for (int64_t u = n; u < 8; ++u) rows[u] = zeros;
       for (int64_t gi = h * group; gi < (h + 1) * group; ++gi) {
-        const float* qg = s.qf.data() + gi * dp;
+        const float* qg = qf + gi * dp;
         typename Isa::V a[8];
         for (int u = 0; u < 8; ++u) a[u] = Isa::zero();
         for (int64_t j = 0; j < dp; j += L) {
@@ -103,8 +115,8 @@ void attend_item(const Q* q, const KV* kpool, const KV* vpool, Q* out, float* pa
           for (int u = 0; u < 8; ++u) a[u] = Isa::fma(qv, Isa::load(rows[u] + j), a[u]);
         }
         __m256 sc8 = Isa::reduce8(a);
-        if constexpr (Pool<KV>::quantized) sc8 = _mm256_mul_ps(sc8, ksv);
-        float* dst = s.scores.data() + gi * len + p0;
+        if constexpr (Pool<KV>::quantized) sc8 = _mm256_mul_ps(sc8, _mm256_load_ps(ks));
+        float* dst = scores + gi * len + p0;
         if (n == 8) {
           _mm256_storeu_ps(dst, sc8);
         } else {
@@ -115,28 +127,34 @@ void attend_item(const Q* q, const KV* kpool, const KV* vpool, Q* out, float* pa
       }
     }
   }
-  softmax_rows(s.scores.data(), heads, len, softcap, part ? s.ml.data() : nullptr);
+  softmax_rows(scores, heads, len, softcap, part ? s.ml.data() : nullptr);
   // weighted sum of the values, ptile rows at a time (an 8-bit row's weight carries its scale)
   for (int64_t p0 = 0; p0 < len; p0 += ptile) {
     const int64_t n = std::min<int64_t>(ptile, len - p0);
     for (int64_t u = 0; u < n; ++u)
-      if (p0 + u + KV_AHEAD < len) prefetch_row(vpool + off[p0 + u + KV_AHEAD], span);
+      if (p0 + u + KV_AHEAD < len) prefetch_row(vpool + off[p0 + u + KV_AHEAD], span, it.nh > 1);
     for (int64_t h = 0; h < it.nh; ++h) {
       for (int64_t u = 0; u < n; ++u) {
         const int64_t o = off[p0 + u] + h * g.kvrow;
-        rows[u] = row_floats(vpool, o, s.tile.data() + u * dp, d, dp);
-        s.vscale[u] = row_scale(vpool + o, d);
+        rows[u] = row_floats(vpool, o, tile + u * dp, d, dp);
+        if constexpr (Pool<KV>::quantized) vscale[u] = row_scale(vpool + o, d);
       }
-      for (int64_t gi = h * group; gi < (h + 1) * group; ++gi) {
-        const float* w = s.scores.data() + gi * len + p0;
-        if constexpr (Pool<KV>::quantized) {
-          for (int64_t u = 0; u < n; ++u) s.weights[u] = w[u] * s.vscale[u];
-          w = s.weights.data();
+      // the group's query heads Isa::GB at a time (the rest one by one), each with its weights of these rows
+      for (int64_t g0 = h * group; g0 < (h + 1) * group; g0 += Isa::GB) {
+        const int64_t gn = std::min<int64_t>(Isa::GB, (h + 1) * group - g0);
+        const float* w[Isa::GB];
+        for (int64_t g = 0; g < gn; ++g) {
+          w[g] = scores + (g0 + g) * len + p0;
+          if constexpr (Pool<KV>::quantized) {
+            float* wq = weights + g * ptile;
+            for (int64_t u = 0; u < n; ++u) wq[u] = w[g][u] * vscale[u];
+            w[g] = wq;
+          }
         }
-        float* ag = s.acc.data() + gi * dp;
-        int64_t c = 0;
-        for (; c + 4 * L <= dp; c += 4 * L) accumulate<4>(ag, rows, w, n, c);
-        for (; c < dp; c += L) accumulate<1>(ag, rows, w, n, c);
+        if (gn == Isa::GB)
+          accumulate_rows<Isa::GB>(acc + g0 * dp, dp, rows, w, n);
+        else
+          for (int64_t g = 0; g < gn; ++g) accumulate_rows<1>(acc + (g0 + g) * dp, dp, rows, w + g, n);
       }
     }
   }
@@ -145,10 +163,10 @@ void attend_item(const Q* q, const KV* kpool, const KV* vpool, Q* out, float* pa
       float* pg = part + gi * (d + 2);
       pg[0] = s.ml[2 * gi];
       pg[1] = s.ml[2 * gi + 1];
-      std::copy_n(s.acc.data() + gi * dp, d, pg + 2);
+      std::copy_n(acc + gi * dp, d, pg + 2);
     }
     return;
   }
   for (int64_t gi = 0; gi < heads; ++gi)
-    for (int64_t j = 0; j < d; ++j) out[(q0 + gi) * d + j] = from_f<Q>(s.acc[gi * dp + j]);
+    for (int64_t j = 0; j < d; ++j) out[(q0 + gi) * d + j] = from_f<Q>(acc[gi * dp + j]);
 }

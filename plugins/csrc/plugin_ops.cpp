@@ -578,13 +578,32 @@ constexpr int64_t KV_AHEAD = 16;
 // longer ones (prefill chunks) on SDPA, where one GEMM over the context serves all their rows.
 constexpr int64_t SHORT_SEQ_TOKENS = 16;
 
+// One cache line into L1 (LEVEL 0) or L2 (LEVEL 1). An asm statement, not _mm_prefetch: GCC 12 at -O3 deletes a
+// loop nest whose only effect is _mm_prefetch (a loop over rows of a loop over a row's lines: prefetching several
+// rows at once), and a volatile asm cannot be removed, so every prefetch here is one that runs.
+template <int LEVEL>
+inline void prefetch_line_to(const char* p) {
+  if constexpr (LEVEL == 0) asm volatile("prefetcht0 %0" : : "m"(*p));
+  else asm volatile("prefetcht1 %0" : : "m"(*p));
+}
+
 // every cache line of the n elements at p (a row of an 8-bit pool is not line-aligned)
-template <typename T>
-inline void prefetch_row(const T* p, int64_t n) {
+template <int LEVEL, typename T>
+inline void prefetch_lines(const T* p, int64_t n) {
   const char* c = reinterpret_cast<const char*>(p);
   const int64_t bytes = n * int64_t(sizeof(T));
-  for (int64_t b = 0; b < bytes; b += 64) _mm_prefetch(c + b, _MM_HINT_T0);
-  _mm_prefetch(c + bytes - 1, _MM_HINT_T0);
+  for (int64_t b = 0; b < bytes; b += 64) prefetch_line_to<LEVEL>(c + b);
+  prefetch_line_to<LEVEL>(c + bytes - 1);
+}
+
+// The KV row of one position a decode work item reads (span elements: one kv head, or every kv head of the slot).
+// An item over every kv head streams whole slots in position order, bandwidth-bound: its rows go to L2, where far
+// more lines can be in flight than L1's miss buffers allow (x1.1-1.5 from memory for 16 rows at 64-400 positions
+// and one row at 1024, docs/benchmarks.md); an item over one kv head reads a part of each slot and wants it in L1.
+template <typename T>
+inline void prefetch_row(const T* p, int64_t span, bool whole_slots) {
+  if (whole_slots) prefetch_lines<1>(p, span);
+  else prefetch_lines<0>(p, span);
 }
 
 // One decode work item (a query row over kv head h), what it reads, and the buffers of one thread
@@ -673,6 +692,7 @@ namespace k256 {
 struct Isa {
   using V = __m256;
   static constexpr int L = 8;
+  static constexpr int GB = 2;  // query heads per pass over a value row (16 registers: 2 x 4 accumulators)
   static inline V zero() { return _mm256_setzero_ps(); }
   static inline V set1(float v) { return _mm256_set1_ps(v); }
   static inline V load(const float* p) { return _mm256_loadu_ps(p); }
@@ -703,6 +723,7 @@ namespace k512 {
 struct Isa {
   using V = __m512;
   static constexpr int L = 16;
+  static constexpr int GB = 4;  // query heads per pass over a value row (32 registers: 4 x 4 accumulators)
   static inline V zero() { return _mm512_setzero_ps(); }
   static inline V set1(float v) { return _mm512_set1_ps(v); }
   static inline V load(const float* p) { return _mm512_loadu_ps(p); }
@@ -804,7 +825,7 @@ void attend_item(const BF* q, const BF* kpool, const BF* vpool, BF* out, float* 
     const int64_t n = std::min<int64_t>(16, len - p0);
     const __mmask16 keep = n == 16 ? __mmask16(0xFFFF) : __mmask16((1u << n) - 1u);
     for (int64_t u = 0; u < n; ++u)
-      if (p0 + u + KV_AHEAD < len) prefetch_row(kp + off[p0 + u + KV_AHEAD], span);
+      if (p0 + u + KV_AHEAD < len) prefetch_row(kp + off[p0 + u + KV_AHEAD], span, it.nh > 1);
     for (int64_t h = 0; h < it.nh; ++h) {
       const uint16_t* kh = kp + h * g.kvrow;
       for (int64_t gb = h * group; gb < (h + 1) * group; gb += 8) {
@@ -856,8 +877,8 @@ void attend_item(const BF* q, const BF* kpool, const BF* vpool, BF* out, float* 
           acc[i] = i < gn * vecs ? _mm512_loadu_ps(s.acc.data() + (gb * vecs + i) * 16) : _mm512_setzero_ps();
         for (int64_t p = t0; p < t1; p += 2) {
           if ((it.nh == 1 || (h == 0 && gb == 0)) && p + KV_AHEAD < len) {   // a span: its first pass
-            prefetch_row(vp + off[p + KV_AHEAD], span);
-            if (p + 1 + KV_AHEAD < len) prefetch_row(vp + off[p + 1 + KV_AHEAD], span);
+            prefetch_row(vp + off[p + KV_AHEAD], span, it.nh > 1);
+            if (p + 1 + KV_AHEAD < len) prefetch_row(vp + off[p + 1 + KV_AHEAD], span, it.nh > 1);
           }
           const uint16_t* va = vh + off[p];
           const bool two = p + 1 < len;
