@@ -804,6 +804,83 @@ inline __m512 dot(__m512 acc, __m512i a, uint32_t pair) {
   return _mm512_dpbf16_ps(acc, (__m512bh)a, (__m512bh)_mm512_set1_epi32(int32_t(pair)));
 }
 
+// Scores of GN query heads (query pairs at qw, head i's at qw + i * d / 2) against n <= 16 positions of one kv
+// head (rows at kh + off[u]), scaled, into dst[i * len + u]. GN is a template argument so that the GN score
+// vectors stay in registers (a runtime count indexes them in memory).
+template <int GN>
+inline void score_tile(const uint16_t* kh, const int64_t* off, int64_t n, int64_t chunks, const uint32_t* qw,
+                       int64_t d, float scale, float* dst, int64_t len) {
+  const __mmask16 keep = n == 16 ? __mmask16(0xFFFF) : __mmask16((1u << n) - 1u);
+  __m512 acc[GN];
+  for (int i = 0; i < GN; ++i) acc[i] = _mm512_setzero_ps();
+  for (int64_t c = 0; c < chunks; ++c) {
+    __m512i r[16];
+    for (int64_t u = 0; u < 16; ++u)
+      r[u] = u < n ? _mm512_loadu_si512(kh + off[u] + 32 * c) : _mm512_setzero_si512();
+    transpose16(r);  // r[j]: dims (32c + 2j, 32c + 2j + 1) of the 16 positions
+    for (int i = 0; i < GN; ++i) {
+      const uint32_t* qh = qw + i * d / 2 + 16 * c;
+      for (int j = 0; j < 16; ++j) acc[i] = dot(acc[i], r[j], qh[j]);
+    }
+  }
+  for (int i = 0; i < GN; ++i) _mm512_mask_storeu_ps(dst + i * len, keep, _mm512_mul_ps(acc[i], _mm512_set1_ps(scale)));
+}
+
+// What value_tile reads and where its accumulators live between tiles.
+struct ValueTile {
+  const uint16_t* vh;    // this kv head's value rows: vh + off[p]
+  const uint16_t* vp;    // the pool (prefetches read whole spans from it)
+  const int64_t* off;
+  const uint16_t* wbf;   // the block's first query head's bf16 weights; head i's at wbf + i * lenp
+  int64_t lenp, len, span;
+  bool whole_slots, first_pass;
+  float* acc;            // [gn][VECS][16] fp32 sums, in the lane order below
+};
+
+// Values of positions [t0, t1) for gn <= 16 / VECS query heads: o += w_p v_p + w_p+1 v_p+1 per pair of positions;
+// vector 2c holds dims 32c + 8L + (0..3) in lane L (4 dwords), vector 2c + 1 dims 32c + 8L + (4..7). VECS (head_dim
+// / 16) is a template argument and the head loops run to the compile-time bound with a guard, so that the
+// accumulators are registers, not an array indexed in memory.
+template <int VECS>
+inline void value_tile(const ValueTile& t, int64_t gn, int64_t t0, int64_t t1) {
+  constexpr int GMAX = VECS <= 16 ? 16 / VECS : 1;
+  constexpr int CHUNKS = VECS / 2;
+  __m512 acc[GMAX][VECS];
+#pragma GCC unroll 16
+  for (int i = 0; i < GMAX; ++i)
+    for (int v = 0; v < VECS; ++v)
+      acc[i][v] = i < gn ? _mm512_loadu_ps(t.acc + (i * VECS + v) * 16) : _mm512_setzero_ps();
+  for (int64_t p = t0; p < t1; p += 2) {
+    if (t.first_pass && p + KV_AHEAD < t.len) {
+      prefetch_row(t.vp + t.off[p + KV_AHEAD], t.span, t.whole_slots);
+      if (p + 1 + KV_AHEAD < t.len) prefetch_row(t.vp + t.off[p + 1 + KV_AHEAD], t.span, t.whole_slots);
+    }
+    const uint16_t* va = t.vh + t.off[p];
+    const bool two = p + 1 < t.len;
+    const uint16_t* vb = two ? t.vh + t.off[p + 1] : nullptr;
+    uint32_t pair[GMAX];   // each query head's weights of positions p, p + 1
+#pragma GCC unroll 16
+    for (int i = 0; i < GMAX; ++i)
+      if (i < gn) std::memcpy(&pair[i], t.wbf + i * t.lenp + p, 4);
+#pragma GCC unroll 8
+    for (int c = 0; c < CHUNKS; ++c) {
+      const __m512i a = _mm512_loadu_si512(va + 32 * c);
+      const __m512i b = two ? _mm512_loadu_si512(vb + 32 * c) : _mm512_setzero_si512();
+      const __m512i lo = _mm512_unpacklo_epi16(a, b), hi = _mm512_unpackhi_epi16(a, b);
+#pragma GCC unroll 16
+      for (int i = 0; i < GMAX; ++i)
+        if (i < gn) {
+          acc[i][2 * c] = dot(acc[i][2 * c], lo, pair[i]);
+          acc[i][2 * c + 1] = dot(acc[i][2 * c + 1], hi, pair[i]);
+        }
+    }
+  }
+#pragma GCC unroll 16
+  for (int i = 0; i < GMAX; ++i)
+    if (i < gn)
+      for (int v = 0; v < VECS; ++v) _mm512_storeu_ps(t.acc + (i * VECS + v) * 16, acc[i][v]);
+}
+
 // As decode_attention.h's attend_item: kv heads [it.h, it.h + it.nh), output written (part == nullptr) or the
 // parts of a split row (per query head max, sum, d fp32 sums) left for decode_attention to merge.
 void attend_item(const BF* q, const BF* kpool, const BF* vpool, BF* out, float* part, const Item& it,
@@ -819,32 +896,25 @@ void attend_item(const BF* q, const BF* kpool, const BF* vpool, BF* out, float* 
   const uint16_t* vp = reinterpret_cast<const uint16_t*>(vpool);
   const int64_t q0 = it.row * g.hq + it.h * group;
   const uint32_t* qw = reinterpret_cast<const uint32_t*>(q) + q0 * d / 2;  // query head gi's pair j: qw[gi*d/2 + j]
-  // scores, 16 positions at a time, per kv head in blocks of up to 8 of its query heads (their 8 score vectors
-  // stay in registers)
+  // scores, 16 positions at a time, per kv head in blocks of up to 8 of its query heads (score_tile)
   for (int64_t p0 = 0; p0 < len; p0 += 16) {
     const int64_t n = std::min<int64_t>(16, len - p0);
-    const __mmask16 keep = n == 16 ? __mmask16(0xFFFF) : __mmask16((1u << n) - 1u);
     for (int64_t u = 0; u < n; ++u)
       if (p0 + u + KV_AHEAD < len) prefetch_row(kp + off[p0 + u + KV_AHEAD], span, it.nh > 1);
     for (int64_t h = 0; h < it.nh; ++h) {
       const uint16_t* kh = kp + h * g.kvrow;
       for (int64_t gb = h * group; gb < (h + 1) * group; gb += 8) {
-        const int64_t gn = std::min<int64_t>(8, (h + 1) * group - gb);
-        __m512 acc[8];
-        for (int i = 0; i < 8; ++i) acc[i] = _mm512_setzero_ps();
-        for (int64_t c = 0; c < chunks; ++c) {
-          __m512i r[16];
-          for (int64_t u = 0; u < 16; ++u)
-            r[u] = u < n ? _mm512_loadu_si512(kh + off[p0 + u] + 32 * c) : _mm512_setzero_si512();
-          transpose16(r);  // r[j]: dims (32c + 2j, 32c + 2j + 1) of the 16 positions
-          for (int64_t i = 0; i < gn; ++i) {
-            const uint32_t* qh = qw + (gb + i) * d / 2 + 16 * c;
-            for (int j = 0; j < 16; ++j) acc[i] = dot(acc[i], r[j], qh[j]);
-          }
+        float* dst = s.scores.data() + gb * len + p0;
+        switch (std::min<int64_t>(8, (h + 1) * group - gb)) {
+          case 1: score_tile<1>(kh, off + p0, n, chunks, qw + gb * d / 2, d, scale, dst, len); break;
+          case 2: score_tile<2>(kh, off + p0, n, chunks, qw + gb * d / 2, d, scale, dst, len); break;
+          case 3: score_tile<3>(kh, off + p0, n, chunks, qw + gb * d / 2, d, scale, dst, len); break;
+          case 4: score_tile<4>(kh, off + p0, n, chunks, qw + gb * d / 2, d, scale, dst, len); break;
+          case 5: score_tile<5>(kh, off + p0, n, chunks, qw + gb * d / 2, d, scale, dst, len); break;
+          case 6: score_tile<6>(kh, off + p0, n, chunks, qw + gb * d / 2, d, scale, dst, len); break;
+          case 7: score_tile<7>(kh, off + p0, n, chunks, qw + gb * d / 2, d, scale, dst, len); break;
+          default: score_tile<8>(kh, off + p0, n, chunks, qw + gb * d / 2, d, scale, dst, len); break;
         }
-        for (int64_t i = 0; i < gn; ++i)
-          _mm512_mask_storeu_ps(s.scores.data() + (gb + i) * len + p0, keep,
-                                _mm512_mul_ps(acc[i], _mm512_set1_ps(scale)));
       }
     }
   }
@@ -858,10 +928,9 @@ void attend_item(const BF* q, const BF* kpool, const BF* vpool, BF* out, float* 
       _mm256_storeu_si256(reinterpret_cast<__m256i*>(wb + p), (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(sg + p)));
     for (; p < lenp; ++p) wb[p] = p < len ? BF(sg[p]).x : uint16_t(0);
   }
-  // values: o[gi] += w_p v_p + w_p+1 v_p+1 per pair of positions, in blocks of query heads whose accumulators fit
-  // 16 registers; vector 2c holds dims 32c + 8L + (0..3) in lane L (4 dwords), vector 2c + 1 dims 32c + 8L + (4..7).
-  // One kv head: every position with the block's accumulators in registers. Several (a span): PTILE positions at a
-  // time, every kv head of them, the accumulators kept in s.acc (in that lane order) between tiles.
+  // values (value_tile), in blocks of query heads whose accumulators fit 16 registers. One kv head: every position
+  // with the block's accumulators in registers. Several (a span): PTILE positions at a time, every kv head of them,
+  // the accumulators kept in s.acc (value_tile's lane order) between tiles.
   constexpr int64_t PTILE = 32;
   const int64_t gblock = std::max<int64_t>(1, std::min<int64_t>(group, 16 / vecs));
   const int64_t tile = it.nh > 1 ? PTILE : lenp;
@@ -872,29 +941,19 @@ void attend_item(const BF* q, const BF* kpool, const BF* vpool, BF* out, float* 
       const uint16_t* vh = vp + h * g.kvrow;
       for (int64_t gb = h * group; gb < (h + 1) * group; gb += gblock) {
         const int64_t gn = std::min<int64_t>(gblock, (h + 1) * group - gb);
-        __m512 acc[16];
-        for (int64_t i = 0; i < 16; ++i)
-          acc[i] = i < gn * vecs ? _mm512_loadu_ps(s.acc.data() + (gb * vecs + i) * 16) : _mm512_setzero_ps();
-        for (int64_t p = t0; p < t1; p += 2) {
-          if ((it.nh == 1 || (h == 0 && gb == 0)) && p + KV_AHEAD < len) {   // a span: its first pass
-            prefetch_row(vp + off[p + KV_AHEAD], span, it.nh > 1);
-            if (p + 1 + KV_AHEAD < len) prefetch_row(vp + off[p + 1 + KV_AHEAD], span, it.nh > 1);
-          }
-          const uint16_t* va = vh + off[p];
-          const bool two = p + 1 < len;
-          uint32_t pair[16];   // each query head's weights of positions p, p + 1
-          for (int64_t i = 0; i < gn; ++i) std::memcpy(&pair[i], s.wbf.data() + (gb + i) * lenp + p, 4);
-          for (int64_t c = 0; c < chunks; ++c) {
-            const __m512i a = _mm512_loadu_si512(va + 32 * c);
-            const __m512i b = two ? _mm512_loadu_si512(vh + off[p + 1] + 32 * c) : _mm512_setzero_si512();
-            const __m512i lo = _mm512_unpacklo_epi16(a, b), hi = _mm512_unpackhi_epi16(a, b);
-            for (int64_t i = 0; i < gn; ++i) {
-              acc[i * vecs + 2 * c] = dot(acc[i * vecs + 2 * c], lo, pair[i]);
-              acc[i * vecs + 2 * c + 1] = dot(acc[i * vecs + 2 * c + 1], hi, pair[i]);
-            }
-          }
+        const bool first_pass = it.nh == 1 || (h == 0 && gb == 0);   // of a span: it prefetches
+        const ValueTile t{vh, vp, off, s.wbf.data() + gb * lenp, lenp, len, span, it.nh > 1, first_pass,
+                          s.acc.data() + gb * vecs * 16};
+        switch (vecs) {   // head_dim / 16: a multiple of 2 up to 16 (bf16dot_usable)
+          case 2: value_tile<2>(t, gn, t0, t1); break;
+          case 4: value_tile<4>(t, gn, t0, t1); break;
+          case 6: value_tile<6>(t, gn, t0, t1); break;
+          case 8: value_tile<8>(t, gn, t0, t1); break;
+          case 10: value_tile<10>(t, gn, t0, t1); break;
+          case 12: value_tile<12>(t, gn, t0, t1); break;
+          case 14: value_tile<14>(t, gn, t0, t1); break;
+          default: value_tile<16>(t, gn, t0, t1); break;
         }
-        for (int64_t i = 0; i < gn * vecs; ++i) _mm512_storeu_ps(s.acc.data() + (gb * vecs + i) * 16, acc[i]);
       }
     }
   }
