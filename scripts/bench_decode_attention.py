@@ -1,11 +1,12 @@
 """Decode attention alone against the read rate, by context length and KV pool dtype (not a test).
 
-    .venv/bin/python scripts/bench_decode_attention.py [--contexts 64,256,1024,1900] [--rounds 7]
+    .venv/bin/python scripts/bench_decode_attention.py [--contexts 64,256,1024,1900] [--rounds 7] [--rows 16]
 
 A decode step reads every cached key and value of its sequence once, so at long contexts attention, not the
 weights, sets the step time: for the 246M Llama (16 layers, 16 query heads over 4 KV heads of 64) at 1900
 positions the fp32 pool is 62 MB a step, half again the int4 weights. This times ``kiln::paged_attention`` for one
-decode row over all layers' pools (batch 1, the layer loop of a step) two ways, alternating:
+decode row (``--rows``: that many, as a batched decode step or a serving step has) over all layers' pools (the
+layer loop of a step) two ways, alternating:
 
 - from memory: right after a read-only stream of 64 MiB (as a step's weight stream evicts the context; a written
   buffer would add its write-backs to the reads), the case a decode step is in;
@@ -38,19 +39,21 @@ CASES = {  # name -> (q dtype, pool dtype)
 }
 
 
-def make_case(case: str, ctx: int, layers: int, hq: int, hkv: int, d: int, block: int = 16) -> tuple:
-    """(one call's arguments but the layer, the pool's bytes per step) for one decode row at ``ctx`` positions."""
+def make_case(case: str, ctx: int, layers: int, hq: int, hkv: int, d: int, rows: int = 1, block: int = 16) -> tuple:
+    """(one call's arguments but the layer, the pool's bytes per step) for ``rows`` decode rows (sequences of their
+    own, their blocks one after another in the pool) at ``ctx`` positions each."""
     from kiln.contract import SeqChunk, pack_inputs
     from kiln.plugins.kv_quant import to_pool
 
     qd, pd = CASES[case]
     blocks = ctx // block + 2
-    kv = to_pool((torch.randn(layers, 2, blocks, block, hkv, d) * 0.5).to(torch.bfloat16 if pd != torch.float32
-                                                                           else torch.float32), pd)
-    q, k, v = (torch.randn(1, h, d).to(qd) for h in (hq, hkv, hkv))
-    inputs = pack_inputs([SeqChunk([7], ctx - 1, range(blocks))], kv, block)
+    kv = to_pool((torch.randn(layers, 2, rows * blocks, block, hkv, d) * 0.5).to(
+        torch.bfloat16 if pd != torch.float32 else torch.float32), pd)
+    q, k, v = (torch.randn(rows, h, d).to(qd) for h in (hq, hkv, hkv))
+    chunks = [SeqChunk([7], ctx - 1, range(r * blocks, (r + 1) * blocks)) for r in range(rows)]
+    inputs = pack_inputs(chunks, kv, block)
     args = (q, k, v, kv, *(inputs[n] for n in ("seq_lens", "context_lens", "block_tables", "slot_mapping")))
-    return args, layers * 2 * ctx * hkv * kv.shape[-1] * kv.element_size()
+    return args, layers * 2 * rows * ctx * hkv * kv.shape[-1] * kv.element_size()
 
 
 def step_ms(args: tuple, layers: int, scale: float, from_memory: bool, evict: torch.Tensor) -> float:
@@ -75,6 +78,7 @@ def main() -> int:
     ap.add_argument("--head-dim", type=int, default=64)
     ap.add_argument("--rounds", type=int, default=7, help="timed steps per case and way (medians)")
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--rows", type=int, default=1, help="decode rows a step (sequences of --contexts positions each)")
     ap.add_argument("--spans", default="", help="attn_span_context values to alternate (default: the library's)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
@@ -86,14 +90,14 @@ def main() -> int:
 
     cpu = next((ln.split(":", 1)[1].strip() for ln in open("/proc/cpuinfo") if ln.startswith("model name")), "?")
     log(f"cpu: {cpu}, {args.threads} threads, torch {torch.__version__}; {args.layers} layers, {args.heads} heads "
-        f"over {args.kv_heads} KV heads of {args.head_dim}, batch 1")
+        f"over {args.kv_heads} KV heads of {args.head_dim}, batch {args.rows}")
     evict = torch.ones(16 << 20, dtype=torch.float32)   # 64 MiB, read before each from-memory step
     scale = args.head_dim ** -0.5
     print(f"{'ctx':>6} {'case':10} {'span':>5} {'KV MB':>7} {'memory ms':>10} {'GB/s':>6} {'% read':>7} "
           f"{'cache ms':>9} {'read GB/s':>9} {'x first span':>12}")
     for ctx in (int(c) for c in args.contexts.split(",")):
         for case in args.cases.split(","):
-            call, nbytes = make_case(case, ctx, args.layers, args.heads, args.kv_heads, args.head_dim)
+            call, nbytes = make_case(case, ctx, args.layers, args.heads, args.kv_heads, args.head_dim, args.rows)
             mem: dict[int, list[float]] = {v: [] for v in spans}
             cache: dict[int, list[float]] = {v: [] for v in spans}
             rates = []
