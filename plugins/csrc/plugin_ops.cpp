@@ -601,7 +601,7 @@ inline void prefetch_lines(const T* p, int64_t n) {
 // more lines can be in flight than L1's miss buffers allow (x1.1-1.5 from memory for 16 rows at 64-400 positions
 // and one row at 1024, docs/benchmarks.md); an item over one kv head reads a part of each slot and wants it in L1.
 template <typename T>
-inline void prefetch_row(const T* p, int64_t span, bool whole_slots) {
+__attribute__((always_inline)) inline void prefetch_row(const T* p, int64_t span, bool whole_slots) {
   if (whole_slots) prefetch_lines<1>(p, span);
   else prefetch_lines<0>(p, span);
 }
