@@ -598,8 +598,8 @@ inline void prefetch_lines(const T* p, int64_t n) {
 
 // The KV row of one position a decode work item reads (span elements: one kv head, or every kv head of the slot).
 // An item over every kv head streams whole slots in position order, bandwidth-bound: its rows go to L2, where far
-// more lines can be in flight than L1's miss buffers allow (x1.1-1.5 from memory for 16 rows at 64-400 positions
-// and one row at 1024, docs/benchmarks.md); an item over one kv head reads a part of each slot and wants it in L1.
+// more lines can be in flight than L1's miss buffers allow (docs/benchmarks.md, session 19: faster from memory for
+// batched rows and long split rows); an item over one kv head reads a part of each slot and wants it in L1.
 template <typename T>
 __attribute__((always_inline)) inline void prefetch_row(const T* p, int64_t span, bool whole_slots) {
   if (whole_slots) prefetch_lines<1>(p, span);
