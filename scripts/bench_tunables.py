@@ -6,7 +6,9 @@ Each variant sets kernel tunables (``kiln.plugins.tuning``: prefetch distances, 
 ``row_nta``) on top of the machine's tuning; the first is the reference. Every round runs one request per variant
 (order reversed every other round) in the same ``LLM``: a 32-token prompt (``--prompt``: longer contexts, for
 ``attn_span_context``), 64 new tokens, greedy, EOS ignored, as ``../shared/peers/bench_kiln.py single``; decode
-tok/s as ``bench_decode.py`` counts it (``single_request``).
+tok/s as ``bench_decode.py`` counts it (``single_request``). ``--batch N``: N such requests at once (random prompts
+of their own), the decode steps of a batch as a serving engine runs them; tok/s = N x (tokens - 1) / (time of the
+whole batch - time of its prefill + first token).
 
 Why in one process: separate processes (``bench_decode.py --variants``) also differ in where their weights and
 pool landed in memory, and this VM's read rate drifts by 15-25% from minute to minute; alternating variants in one
@@ -20,6 +22,7 @@ from __future__ import annotations
 import argparse
 import random
 import statistics
+import time
 
 
 def parse_variants(text: str) -> dict[str, dict[str, int]]:
@@ -36,6 +39,19 @@ def parse_variants(text: str) -> dict[str, dict[str, int]]:
     return variants
 
 
+def batch_request(llm, prompts: list[list[int]], tokens: int) -> tuple[float, float]:
+    """(seconds of the batch's prefill + 1 token, seconds of the whole batch of ``tokens`` tokens each), greedy."""
+    from kiln.runtime import SamplingParams
+
+    def gen(n: int) -> float:
+        t0 = time.perf_counter()
+        outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True))
+        dt = time.perf_counter() - t0
+        assert all(len(o.token_ids) == n for o in outs), [(len(o.token_ids), o.finish_reason) for o in outs]
+        return dt
+    return gen(1), gen(tokens)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("engine")
@@ -43,6 +59,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=16)
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--prompt", type=int, default=32, help="prompt tokens (random ids)")
+    ap.add_argument("--batch", type=int, default=1, help="requests at once (each its own random prompt)")
     args = ap.parse_args()
 
     from bench_decode import single_request
@@ -55,12 +72,16 @@ def main() -> None:
     if lib is None:
         raise SystemExit("the native kernel library is not available here: no tunables to compare")
     base = tuning.current(lib)
-    llm = LLM(args.engine, max_batch_size=16, max_kv_cache_tokens=max(256, args.prompt + args.tokens + 16),
-              enable_prefix_reuse=False)
+    llm = LLM(args.engine, max_batch_size=max(16, args.batch),
+              max_kv_cache_tokens=max(256, args.batch * (args.prompt + args.tokens + 16)), enable_prefix_reuse=False)
     vocab = llm.executor.engine.config.model.vocab_size
-    prompt = [random.Random(0).randrange(3, vocab) for _ in range(args.prompt)]
+    rng = random.Random(0)
+    prompts = [[rng.randrange(3, vocab) for _ in range(args.prompt)] for _ in range(args.batch)]
 
-    single_request(llm, prompt, 8)   # warm-up
+    def run(tokens: int) -> tuple[float, float]:
+        return single_request(llm, prompts[0], tokens) if args.batch == 1 else batch_request(llm, prompts, tokens)
+
+    run(8)   # warm-up
     info = native.cpu_info()
     print(f"cpu family {info.get('cpu family', '?')} model {info.get('model', '?')}; machine tuning {base}", flush=True)
     tok_s: dict[str, list[float]] = {label: [] for label in variants}
@@ -69,8 +90,8 @@ def main() -> None:
             for label in (list(variants) if r % 2 == 0 else list(reversed(variants))):
                 for name, value in {**base, **variants[label]}.items():
                     tuning.set_value(lib, name, value)
-                first, total = single_request(llm, prompt, args.tokens)
-                tok_s[label].append((args.tokens - 1) / (total - first))
+                first, total = run(args.tokens)
+                tok_s[label].append(args.batch * (args.tokens - 1) / (total - first))
             print(f"round {r + 1}: " + "  ".join(f"{k} {v[-1]:.1f}" for k, v in tok_s.items()), flush=True)
     finally:
         for name, value in base.items():
