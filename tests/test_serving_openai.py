@@ -589,19 +589,23 @@ def stream_in_thread(url: str, body: dict, results: list, started: threading.Eve
 
 
 def test_sigterm_drains_in_flight_requests_then_exits_0(engine, ref, tmp_path):
-    srv = start_server(engine.directory, tmp_path / "server.log")
+    # one sequence a step, so that the drain (the 32 requests of 100 tokens one after another, thousands of steps)
+    # outlasts the checks below by far: with a full batch a faster decode finished every request, and the server
+    # exited, between /health's 503 and the refused request (connection refused)
+    srv = start_server(engine.directory, tmp_path / "server.log", "--max-batch-size", "1")
     try:
-        # enough work that the drain outlasts the checks below: with 12 requests a faster decode step finished
-        # them, and the server exited, between /health's 503 and the refused request (connection refused)
         prompts = random_prompts(32, VOCAB, 8, 20, seed=30)
         wants = ref.generate(prompts, SamplingParams(temperature=0, max_tokens=100, ignore_eos=True))
-        results, threads, events = [], [], []
+        results, threads = [], []
         for p in prompts:
-            events.append(threading.Event())
             threads.append(stream_in_thread(srv.url, {"model": MODEL, "prompt": p, "max_tokens": 100,
-                                                      "temperature": 0, "ignore_eos": True}, results, events[-1]))
-        for e in events:
-            assert e.wait(60)
+                                                      "temperature": 0, "ignore_eos": True}, results))
+
+        def received() -> float:   # every request the server has taken: finished, running or queued
+            m = srv.metrics()
+            done = sum(v for k, v in m.items() if k.startswith("kiln_requests_finished_total{"))
+            return done + m["kiln_num_requests_running"] + m["kiln_num_requests_waiting"]
+        wait_for(lambda: received() >= len(prompts), timeout=60, what="the server to take every request")
         srv.proc.send_signal(signal.SIGTERM)
         wait_for(lambda: httpx.get(f"{srv.url}/health").status_code == 503, what="/health to report the drain")
         r = httpx.post(f"{srv.url}{CMPL}", headers=AUTH, json={"model": MODEL, "prompt": "x", "max_tokens": 2})
