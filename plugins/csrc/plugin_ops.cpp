@@ -804,6 +804,13 @@ inline __m512 dot(__m512 acc, __m512i a, uint32_t pair) {
   return _mm512_dpbf16_ps(acc, (__m512bh)a, (__m512bh)_mm512_set1_epi32(int32_t(pair)));
 }
 
+// f(std::integral_constant<int, N>()) for the N of Ns equal to n (the callers' n is always one of them): a runtime
+// count as a template argument, so that the kernels' loops over it have compile-time bounds.
+template <int... Ns, class F>
+inline void with_constant(int64_t n, F&& f) {
+  (void)((n == Ns && (f(std::integral_constant<int, Ns>()), true)) || ...);
+}
+
 // Scores of GN query heads (query pairs at qw, head i's at qw + i * d / 2) against n <= 16 positions of one kv
 // head (rows at kh + off[u]), scaled, into dst[i * len + u]. GN is a template argument so that the GN score
 // vectors stay in registers (a runtime count indexes them in memory).
@@ -843,7 +850,7 @@ struct ValueTile {
 // accumulators are registers, not an array indexed in memory.
 template <int VECS>
 inline void value_tile(const ValueTile& t, int64_t gn, int64_t t0, int64_t t1) {
-  constexpr int GMAX = VECS <= 16 ? 16 / VECS : 1;
+  constexpr int GMAX = 16 / VECS;
   constexpr int CHUNKS = VECS / 2;
   __m512 acc[GMAX][VECS];
 #pragma GCC unroll 16
@@ -905,16 +912,9 @@ void attend_item(const BF* q, const BF* kpool, const BF* vpool, BF* out, float* 
       const uint16_t* kh = kp + h * g.kvrow;
       for (int64_t gb = h * group; gb < (h + 1) * group; gb += 8) {
         float* dst = s.scores.data() + gb * len + p0;
-        switch (std::min<int64_t>(8, (h + 1) * group - gb)) {
-          case 1: score_tile<1>(kh, off + p0, n, chunks, qw + gb * d / 2, d, scale, dst, len); break;
-          case 2: score_tile<2>(kh, off + p0, n, chunks, qw + gb * d / 2, d, scale, dst, len); break;
-          case 3: score_tile<3>(kh, off + p0, n, chunks, qw + gb * d / 2, d, scale, dst, len); break;
-          case 4: score_tile<4>(kh, off + p0, n, chunks, qw + gb * d / 2, d, scale, dst, len); break;
-          case 5: score_tile<5>(kh, off + p0, n, chunks, qw + gb * d / 2, d, scale, dst, len); break;
-          case 6: score_tile<6>(kh, off + p0, n, chunks, qw + gb * d / 2, d, scale, dst, len); break;
-          case 7: score_tile<7>(kh, off + p0, n, chunks, qw + gb * d / 2, d, scale, dst, len); break;
-          default: score_tile<8>(kh, off + p0, n, chunks, qw + gb * d / 2, d, scale, dst, len); break;
-        }
+        with_constant<1, 2, 3, 4, 5, 6, 7, 8>(std::min<int64_t>(8, (h + 1) * group - gb), [&](auto gn) {
+          score_tile<decltype(gn)::value>(kh, off + p0, n, chunks, qw + gb * d / 2, d, scale, dst, len);
+        });
       }
     }
   }
@@ -944,16 +944,9 @@ void attend_item(const BF* q, const BF* kpool, const BF* vpool, BF* out, float* 
         const bool first_pass = it.nh == 1 || (h == 0 && gb == 0);   // of a span: it prefetches
         const ValueTile t{vh, vp, off, s.wbf.data() + gb * lenp, lenp, len, span, it.nh > 1, first_pass,
                           s.acc.data() + gb * vecs * 16};
-        switch (vecs) {   // head_dim / 16: a multiple of 2 up to 16 (bf16dot_usable)
-          case 2: value_tile<2>(t, gn, t0, t1); break;
-          case 4: value_tile<4>(t, gn, t0, t1); break;
-          case 6: value_tile<6>(t, gn, t0, t1); break;
-          case 8: value_tile<8>(t, gn, t0, t1); break;
-          case 10: value_tile<10>(t, gn, t0, t1); break;
-          case 12: value_tile<12>(t, gn, t0, t1); break;
-          case 14: value_tile<14>(t, gn, t0, t1); break;
-          default: value_tile<16>(t, gn, t0, t1); break;
-        }
+        with_constant<2, 4, 6, 8, 10, 12, 14, 16>(vecs, [&](auto v) {   // head_dim / 16 (bf16dot_usable)
+          value_tile<decltype(v)::value>(t, gn, t0, t1);
+        });
       }
     }
   }
