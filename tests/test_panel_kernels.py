@@ -87,6 +87,24 @@ def test_fp32_and_bf16_panels(isa, shape, bf16_kernels_only):
         assert y.dtype == torch.bfloat16 and _rel(y, ref) < 1e-2, (m, "bf16 x")
 
 
+@pytest.mark.parametrize("m", [1, 4, 14, 33])   # decode, batched and prefill tiles share the epilogue
+def test_bf16_outputs_round_as_torch_rounds(isa, m):
+    """A bf16 output is the fp32 sum rounded as torch rounds it, bit for bit: nearest, ties to even (both
+    parities, both signs), carries into the exponent, overflow to inf, denormals kept, NaN as 0x7fc0. Each call's
+    weight is [value, 0] in every row and each row of x is [1, 0], so every output is that value exactly."""
+    bits = [0x3F808000, 0x3F818000, 0xBF808000, 0xBF818000, 0x3F80FFFF, 0x3F807FFF, 0x3FFF8000, 0x7F7FFFFF,
+            0xFF7FFFFF, 0x00008000, 0x00018000, 0x007FFFFF, 0x80008001, 0x7F800000, 0xFF800000, 0x7FC00000,
+            0xFFC00001, 0x00000000, 0x41200000, 0x3DCCCCCD, 0x477FE000, 0x0080FFFF, 0x3F7FFFFF]
+    values = torch.tensor(bits, dtype=torch.int64).to(torch.int32).view(torch.float32)
+    x = torch.tensor([[1.0, 0.0]]).repeat(m, 1).bfloat16()   # bf16 x: bf16 out, rounded by the epilogue
+    for v in values:
+        w = torch.stack([v.expand(32), torch.zeros(32)], dim=1)
+        y = linear.fp32_linear(x, fmt.pack_panels(w), None)
+        want = v.expand(m, 32).bfloat16()
+        assert y.dtype == torch.bfloat16 and torch.equal(y.view(torch.int16), want.view(torch.int16)), hex(
+            v.view(torch.int32).item() & 0xFFFFFFFF)
+
+
 @pytest.mark.parametrize("k", [512, 1024, 1536])  # rows K * 4 bytes apart share L1 sets: prefill packs x per row block
 def test_prefill_packing_never_reuses_another_calls_x(isa, k):
     """The packed row blocks are kept per thread between a GEMM's tiles: the next call (same shape, same x buffer

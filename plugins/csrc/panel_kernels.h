@@ -60,19 +60,14 @@ struct Epilogue {
   uint16_t* yb;         // [M][N] bf16 output, or null
   int64_t N;
   inline void store(int64_t m, int64_t n0, const Isa::V* acc, int nvec, float rscale) const {
-    alignas(64) float tmp[Isa::L];
     for (int j = 0; j < nvec; ++j) {
       const int64_t n = n0 + int64_t(j) * Isa::L;
       Isa::V v = acc[j];
       if (rscale != 1.0f) v = Isa::mul(v, Isa::set1(rscale));
       if (wscale) v = Isa::mul(v, Isa::load(wscale + n));
       if (bias) v = Isa::add(v, Isa::load(bias + n));
-      if (y) {
-        Isa::store(y + m * N + n, v);
-      } else {
-        Isa::store(tmp, v);
-        for (int l = 0; l < Isa::L; ++l) yb[m * N + n + l] = f32_to_bf16_bits(tmp[l]);
-      }
+      if (y) Isa::store(y + m * N + n, v);
+      else Isa::store_bf16(yb + m * N + n, v);
     }
   }
 };
