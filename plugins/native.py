@@ -253,6 +253,8 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.kiln_set_panel_isa.restype = ctypes.c_int
     lib.kiln_stream_sum.argtypes = [ptr, i64, ctypes.c_int]
     lib.kiln_stream_sum.restype = ctypes.c_double
+    lib.kiln_openmp_region_us.argtypes = [ctypes.c_int]
+    lib.kiln_openmp_region_us.restype = ctypes.c_double
     lib.kiln_linear_int4_panel.argtypes = [ptr, ptr, ptr, i64, ptr, i64, i64, i64, ptr, ptr, ctypes.c_int,
                                            ctypes.c_int]
     lib.kiln_linear_int4_panel.restype = ctypes.c_int

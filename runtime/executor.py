@@ -65,6 +65,7 @@ from kiln.contract import (
     pack_inputs,
     reject_unknown_options,
 )
+from kiln.plugins.openmp_teams import TeamWatch
 from kiln.runtime.adapters import AdapterPool, AdapterRegistry, LoraAdapter
 from kiln.runtime.fields import SEED_RANGE, FieldChecks, is_integer
 from kiln.runtime.grammar import GrammarCompiler
@@ -330,6 +331,7 @@ class Executor:
         self._streams: dict[str, OutputStream] = {}   # by request id, until the request ends (loop thread)
         self._requests: dict[str, Request] = {}       # the same requests' records (loop thread)
         self._step_failures = 0                       # consecutive failed engine steps
+        self.team_watch = TeamWatch()                 # is the step loop's OpenMP team still spinning? (loop thread)
         self._exports: dict[str, Callable[[KVExport], None]] = {}   # kv_export of requests not yet prefilled
         self._incoming_imports: list[_Import] = []     # submit_imported, not yet seen by the loop (guarded by _cv)
         self._landed: list[tuple[str, torch.Tensor | BaseException]] = []   # land() (guarded by _cv)
@@ -576,6 +578,7 @@ class Executor:
         }
         if self.step_knobs is not None:
             snap["config"]["step_time_fit"] = self.step_knobs.as_dict()
+        snap["openmp"] = {"region_us": self.team_watch.region_us, "contended": self.team_watch.contended}
         if self.adapter_pool is not None:
             snap["lora"] = {"loaded": self.adapters.names(), **self.adapter_pool.stats()}
         if self.proposer is not None:
@@ -665,6 +668,7 @@ class Executor:
                 return
             self._reserve_imports()
             if sched.has_unfinished():
+                self.team_watch.check(torch.get_num_threads())   # on this thread: its team is the steps'
                 self.step()
             else:   # no step to refresh them: requests that arrived (or left) while idle still show in the gauges
                 self._refresh_gauges()

@@ -99,6 +99,8 @@ int64_t kiln_attn_span_context();
 int kiln_set_panel_isa(int bits);
 // Sum of n floats read with nthreads threads: the streaming read the benchmarks compare the GEMVs with.
 double kiln_stream_sum(const float* p, int64_t n, int nthreads);
+// Median us of an empty parallel region of nthreads on the calling thread's team (kiln.plugins.openmp_teams).
+double kiln_openmp_region_us(int nthreads);
 
 // linear_ops.cpp: one switch for the whole library's C++ op kernels (off: they call the Python
 // implementations), and the largest M each weight kind runs through the kernels.

@@ -43,6 +43,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <chrono>
 #include <cmath>
 #include <cstdlib>
 #include <cstdint>
@@ -1354,6 +1355,27 @@ double kiln_stream_sum(const float* p, int64_t n, int nthreads) {
   }
   for (int64_t k = tiles * L * S; k < n; ++k) total += p[k];
   return total;
+}
+
+// Median microseconds of an empty parallel region of nthreads on the calling thread's team, each after 50 us of
+// work on this thread alone (31 regions, ~1.6 ms). ~1 us while the team's workers spin between regions; 10-50 us
+// when libgomp has stopped spinning because the process has more OpenMP threads than CPUs (another thread's team):
+// then every region of a decode step pays a sleep and a wake-up (kiln.plugins.openmp_teams).
+double kiln_openmp_region_us(int nthreads) {
+  using clock = std::chrono::steady_clock;
+  constexpr int R = 31;
+  double us[R];
+  for (int i = 0; i < R; ++i) {
+    const auto idle = clock::now() + std::chrono::microseconds(50);
+    while (clock::now() < idle) {
+    }
+    const auto t0 = clock::now();
+#pragma omp parallel num_threads(std::max(1, nthreads))
+    { asm volatile(""); }
+    us[i] = std::chrono::duration<double, std::micro>(clock::now() - t0).count();
+  }
+  std::nth_element(us, us + R / 2, us + R);
+  return us[R / 2];
 }
 
 int kiln_linear_int4_panel(const void* w, const uint16_t* scales, const uint8_t* zeros, int64_t group_size,
