@@ -8,8 +8,9 @@ plugin ops registered by importing ``kiln.plugins``; an ONNX model run by onnxru
 An engine of more than one tensor-parallel rank (``cpu`` / ``cpu-compiled`` only) loads as a
 :class:`~kiln.runtime.tensor_parallel.TensorParallelEngine` (same interface, plus the other ranks).
 The ``cpu`` and ``cpu-compiled`` graphs hold no weights: ``rank{r}.weights`` is mapped, not read
-(:func:`kiln.contract.load_weights`), and its tensors given to the graph as they are, so the process
-holds each weight once.
+(:func:`kiln.contract.load_weights`), the weights a step streams are moved into huge pages
+(:mod:`kiln.runtime.weight_pages`), and the tensors are given to the graph as they are, so the process holds
+each weight once.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ from kiln.contract import (
     weights_file,
 )
 from kiln.plugins.native import native_kernels_available
+from kiln.runtime import weight_pages
 from kiln.runtime.aoti_runner import AotiRunner
 
 SKIP_CHECKSUM_ENV = "KILN_SKIP_ENGINE_CHECKSUM"   # "1": load without verifying the files' checksums
@@ -211,6 +213,8 @@ def load_rank_graph(directory: Path, config: EngineConfig, rank: int) -> Any:
     engine_path = check_rank_file(directory, config.tensor_parallel, rank, config.engine_files[rank])
     import_loader(config.backend)
     weights = load_weights(directory / weights_file(rank))
+    if weight_pages.enabled():
+        weights = weight_pages.to_huge_pages(weights)
     try:
         if config.backend == "cpu":
             with open(engine_path, "rb") as f:  # a file object: the name need not end in .pt2
