@@ -23,7 +23,7 @@ import torch
 
 ENV = "KILN_HUGE_PAGE_WEIGHTS"
 HUGE_PAGE = 2 << 20
-CHUNK = 16 << 20          # bytes copied before their source pages are released
+CHUNK = 2 << 20           # bytes copied before their source pages are released
 ALIGN = 4096
 MADV_DONTNEED = 4
 
