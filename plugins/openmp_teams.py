@@ -22,6 +22,8 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
+import torch
+
 from kiln.plugins import native
 
 __all__ = ["on_own_thread", "region_us", "TeamWatch", "CONTENDED_REGION_US"]
@@ -63,11 +65,15 @@ class TeamWatch:
     def contended(self) -> bool:
         return self._slow_checks >= 2
 
-    def check(self, nthreads: int) -> None:
+    def check(self, nthreads: int | None = None) -> None:
+        """Probe if it is time (``nthreads``: the team's size, torch's thread count by default)."""
         now = time.monotonic()
-        if now < self._next or nthreads < 2:
+        if now < self._next:
             return
         self._next = now + self.interval_s
+        nthreads = torch.get_num_threads() if nthreads is None else nthreads
+        if nthreads < 2:
+            return
         self.region_us = region_us(nthreads)
         slow = self.region_us is not None and self.region_us > CONTENDED_REGION_US
         self._slow_checks = self._slow_checks + 1 if slow else 0

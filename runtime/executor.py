@@ -668,7 +668,7 @@ class Executor:
                 return
             self._reserve_imports()
             if sched.has_unfinished():
-                self.team_watch.check(torch.get_num_threads())   # on this thread: its team is the steps'
+                self.team_watch.check()   # on this thread: its team is the steps'
                 self.step()
             else:   # no step to refresh them: requests that arrived (or left) while idle still show in the gauges
                 self._refresh_gauges()
