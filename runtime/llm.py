@@ -37,6 +37,7 @@ from typing import TYPE_CHECKING
 
 from kiln.contract import (
     ConfigError,
+    EngineLoadError,
     ExecutorClosedError,
     InvalidRequestError,
     RequestFailedError,
@@ -70,10 +71,23 @@ class LLM:
         if self._owns_engine:
             from kiln.runtime.engine import Engine
 
+            # the tokenizer first: its parse's transient heap (tens of MB) is released before the engine's
+            # weights are resident (moved into huge pages at load), so the two never add up in the peak. One
+            # that does not parse is named after the engine's load, whose checksums say whether it was damaged.
+            unreadable = None
+            try:
+                self.tokenizer = tokenizer if tokenizer is not None else load_tokenizer(engine)
+            except EngineLoadError as exc:
+                self.tokenizer, unreadable = None, exc
+            release_free_heap()
             engine = Engine.from_dir(engine)
+            if unreadable is not None:
+                engine.close()
+                raise unreadable
+        else:
+            self.tokenizer = tokenizer if tokenizer is not None else load_tokenizer(engine.directory)
         self.engine = engine
         try:
-            self.tokenizer = tokenizer if tokenizer is not None else load_tokenizer(engine.directory)
             self.executor = Executor(engine, config, tokenizer=self.tokenizer)
             for name, path in (lora_modules or {}).items():
                 self.load_lora(name, path)

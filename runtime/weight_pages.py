@@ -1,13 +1,12 @@
-"""The weights a step streams, moved from the mapped weights file into memory backed by huge pages.
+"""The weights a step streams, read from the weights file into memory backed by huge pages.
 
 Why: ``rank{r}.weights`` is mapped (:func:`kiln.contract.load_weights`) in the page cache's 4 KiB pages, and a
 decode step streams every weight once; each 4 KiB page is then a TLB miss and a new start for the hardware
 prefetchers, which do not cross pages. One anonymous region with ``MADV_HUGEPAGE`` (2 MiB pages where the kernel's
-transparent huge pages allow them) streams faster (docs/benchmarks.md, session 20). The copy is made in chunks,
-and each chunk's pages of the file mapping are dropped from the process as soon as they are copied
-(``MADV_DONTNEED``: the page cache keeps them; the mapping is only read), so the process still holds each weight
-once, and its peak grows by one chunk at most. The embedding table stays mapped: a step gathers a few of its
-rows, and most of them are never read.
+transparent huge pages allow them) streams faster (docs/benchmarks.md, session 20). Each streamed tensor's bytes
+are read from the file (``os.preadv``, at the offset where the mapping holds it) straight into the region, so the
+mapping's pages of those tensors are never touched: the process holds each weight once, and no more than that
+while it loads. The embedding table stays mapped: a step gathers a few of its rows, and most are never read.
 
 ``KILN_HUGE_PAGE_WEIGHTS=0`` keeps every weight in the mapped file (processes serving the same engine then share
 its page cache).
@@ -15,20 +14,15 @@ its page cache).
 
 from __future__ import annotations
 
-import ctypes
 import mmap
 import os
+from pathlib import Path
 
 import torch
 
 ENV = "KILN_HUGE_PAGE_WEIGHTS"
 HUGE_PAGE = 2 << 20
-CHUNK = 2 << 20           # bytes copied before their source pages are released
 ALIGN = 4096
-MADV_DONTNEED = 4
-
-_libc = ctypes.CDLL(None, use_errno=True)
-_libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
 
 
 def enabled() -> bool:
@@ -47,34 +41,61 @@ def streamed(name: str) -> bool:
     return not name.startswith("embed_tokens")
 
 
-def _release(ptr: int, nbytes: int) -> None:
-    """Drop the whole pages of [ptr, ptr + nbytes) from this process (a read-only file mapping: the page cache
-    keeps them, and a later read maps them again)."""
-    start = (ptr + ALIGN - 1) // ALIGN * ALIGN
-    end = (ptr + nbytes) // ALIGN * ALIGN
-    if end > start:
-        _libc.madvise(start, end - start, MADV_DONTNEED)
+def _file_offset(maps: list[tuple[int, int, int]], ptr: int) -> int | None:
+    """The file offset of address ``ptr`` in one of ``maps`` ((start, end, file offset) of the file's mappings)."""
+    for start, end, offset in maps:
+        if start <= ptr < end:
+            return offset + ptr - start
+    return None
 
 
-def to_huge_pages(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """``weights`` with every streamed tensor copied into one huge-page region (the others as they are). The
-    region lives as long as any of its tensors (torch.frombuffer holds it)."""
-    moved = {k: v for k, v in weights.items() if streamed(k) and v.is_contiguous() and v.numel() > 0}
+def _mappings(path: Path) -> list[tuple[int, int, int]]:
+    """This process's mappings of ``path``: (start, end, file offset)."""
+    out = []
+    with open("/proc/self/maps") as f:
+        for line in f:
+            parts = line.split(maxsplit=5)
+            if len(parts) == 6 and parts[5].rstrip("\n") == str(path):
+                lo, hi = (int(x, 16) for x in parts[0].split("-"))
+                out.append((lo, hi, int(parts[2], 16)))
+    return out
+
+
+def _read_into(fd: int, view: memoryview, offset: int) -> None:
+    done = 0
+    while done < len(view):
+        n = os.preadv(fd, [view[done:]], offset + done)
+        if n <= 0:
+            raise OSError(f"the weights file ended at byte {offset + done} while reading it into huge pages")
+        done += n
+
+
+def to_huge_pages(weights: dict[str, torch.Tensor], path: str | Path) -> dict[str, torch.Tensor]:
+    """``weights`` (the tensors :func:`kiln.contract.load_weights` mapped from ``path``) with every streamed tensor
+    read into one huge-page region (the others as they are). The region lives as long as any of its tensors
+    (torch.frombuffer holds it)."""
+    path = Path(path).resolve()
+    maps = _mappings(path)
+    moved = {}
+    for name, t in weights.items():
+        offset = _file_offset(maps, t.data_ptr()) if t.numel() > 0 else None
+        if streamed(name) and t.is_contiguous() and offset is not None:
+            moved[name] = offset
     if not moved:
         return dict(weights)
-    sizes = {k: (v.numel() * v.element_size() + ALIGN - 1) // ALIGN * ALIGN for k, v in moved.items()}
+    nbytes = {k: weights[k].numel() * weights[k].element_size() for k in moved}
+    sizes = {k: (n + ALIGN - 1) // ALIGN * ALIGN for k, n in nbytes.items()}
     region = mmap.mmap(-1, sum(sizes.values()) + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     region.madvise(mmap.MADV_HUGEPAGE)
     base = torch.frombuffer(region, dtype=torch.uint8)
-    offset = (-base.data_ptr()) % HUGE_PAGE
+    view = memoryview(region)
+    at = (-base.data_ptr()) % HUGE_PAGE
     out = dict(weights)
-    for name, src in moved.items():
-        nbytes = src.numel() * src.element_size()
-        dst = base[offset:offset + nbytes]
-        for lo in range(0, nbytes, CHUNK):   # single-threaded copies: no OpenMP team on the loading thread
-            n = min(CHUNK, nbytes - lo)
-            ctypes.memmove(dst.data_ptr() + lo, src.data_ptr() + lo, n)
-            _release(src.data_ptr() + lo, n)
-        out[name] = dst.view(src.dtype).view(src.shape)
-        offset += sizes[name]
+    with open(path, "rb") as f:
+        for name, offset in moved.items():
+            _read_into(f.fileno(), view[at:at + nbytes[name]], offset)
+            src = weights[name]
+            out[name] = base[at:at + nbytes[name]].view(src.dtype).view(src.shape)
+            at += sizes[name]
+    view.release()
     return out
