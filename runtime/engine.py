@@ -214,26 +214,21 @@ def load_rank_graph(directory: Path, config: EngineConfig, rank: int) -> Any:
     import_loader(config.backend)
     weights_path = directory / weights_file(rank)
     weights = load_weights(weights_path)
-
-    def placed(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        # after the graph has loaded: its loading's transient memory is gone before the weights are resident
-        return weight_pages.to_huge_pages(weights, weights_path) if weight_pages.enabled() else weights
-
-    try:
+    try:   # the weights are placed (weight_pages) after the graph has loaded: its transient memory is gone by then
         if config.backend == "cpu":
             with open(engine_path, "rb") as f:  # a file object: the name need not end in .pt2
                 # no per-call checks of the program's own (its guards module and its input pre-hook, ~85 us a
                 # step on Zen 3): Engine.run checks every input against the contract and the same bounds first
                 fn = torch.export.load(f).module(check_guards=False)
             fn.validate_inputs = False
-            _attach_weights(fn, placed(weights))
+            _attach_weights(fn, weight_pages.place(weights, weights_path))
             return fn
         fn = AotiRunner(engine_path)
         missing = sorted(set(fn.get_constant_fqns()) - set(weights))
         if missing:
             raise EngineLoadError(f"the weights file has no tensor for {missing[:5]} ({len(missing)} "
                                   "missing); the engine files do not belong together, rebuild the engine")
-        fn.load_constants(placed(weights))   # read in place: no copy into a buffer of the model's own
+        fn.load_constants(weight_pages.place(weights, weights_path))   # in place: no buffer of the model's own
         return fn
     except EngineLoadError:
         raise

@@ -99,3 +99,8 @@ def to_huge_pages(weights: dict[str, torch.Tensor], path: str | Path) -> dict[st
             at += sizes[name]
     view.release()
     return out
+
+
+def place(weights: dict[str, torch.Tensor], path: str | Path) -> dict[str, torch.Tensor]:
+    """:func:`to_huge_pages` where :func:`enabled`, else ``weights`` as mapped."""
+    return to_huge_pages(weights, path) if enabled() else weights
