@@ -7,7 +7,9 @@ layout (``scripts/bench_kernels.py`` measures them against torch).
 Weights are stored in panels where the shape allows (``pack_panels``: 16 output rows per panel, each
 k's 16 weights side by side, [out/16, in, 16] for fp32 and [out/16, in/2, 16, 2] for bf16), so that
 each panel the kernel reads is one sequential stream and one vector load feeds 16 outputs for every
-row of x. A weight that another op also reads (an lm_head tied to the embedding table) stays plain:
+row of x. An lm_head tied to the embedding table is packed too (it is the largest GEMM of a tied model's
+decode step: Qwen3 0.6B, Llama 3.2 1B, Gemma 3), and the embedding lookups then gather their rows from the panels
+(row r is lane r % 16 of panel r // 16), so the table is stored once. A weight that any other op reads stays plain:
 packing it would store it twice. The experts of ``kiln.moe`` are packed the same way, expert by expert.
 """
 
@@ -30,15 +32,46 @@ DESCRIPTION = ("float32 / bfloat16 GEMMs -> kiln.fp32_linear / kiln.bf16_linear 
                "16-row panels (streaming GEMV at decode, register-blocked GEMM for prefill)")
 
 
+def _is_lookup(node: fx.Node, table: fx.Node) -> bool:
+    """``aten.embedding(table, ids)``: a gather of whole rows, which can read them from the panels."""
+    import torch
+
+    return node.op == "call_function" and node.target is torch.ops.aten.embedding.default and node.args[0] is table
+
+
 def _shared_weights(gm: fx.GraphModule) -> set[int]:
-    """ids of the tensors that some node other than a float linear reads (these stay plain)."""
+    """ids of the tensors that some node other than a float linear or a row lookup reads (these stay plain)."""
     shared: set[int] = set()
     for node in gm.graph.nodes:
         if node.op != "get_attr":
             continue
-        if any(not (is_linear(u) and u.args[1] is node) for u in node.users):
+        if any(not ((is_linear(u) and u.args[1] is node) or _is_lookup(u, node)) for u in node.users):
             shared.add(id(attr(gm, node.target)))
     return shared
+
+
+def _lookups_of(gm: fx.GraphModule, w) -> list[fx.Node]:
+    """The row lookups of tensor ``w`` (through any of its get_attr nodes)."""
+    return [u for n in gm.graph.nodes if n.op == "get_attr" and attr(gm, n.target) is w
+            for u in n.users if _is_lookup(u, n)]
+
+
+def _panel_rows(gm: fx.GraphModule, lookup: fx.Node, panels: fx.Node) -> None:
+    """Replace ``aten.embedding(table, ids)`` by the same rows gathered from ``panels`` (the table packed)."""
+    import torch
+
+    aten = torch.ops.aten
+    ids = lookup.args[1]
+    with gm.graph.inserting_before(lookup):
+        panel = gm.graph.call_function(aten.div.Tensor_mode, (ids, 16), {"rounding_mode": "floor"})
+        lane = gm.graph.call_function(aten.remainder.Scalar, (ids, 16))
+        # indices on dims 0 and 2: [*ids.shape, in] (fp32) or [*ids.shape, in / 2, 2] (bf16 pairs)
+        rows = gm.graph.call_function(aten.index.Tensor, (panels, [panel, None, lane]))
+        if attr(gm, panels.target).dim() == 4:
+            rows = gm.graph.call_function(aten.flatten.using_ints, (rows, -2, -1))
+    rows.meta.update(lookup.meta)
+    lookup.replace_all_uses_with(rows)
+    gm.graph.erase_node(lookup)
 
 
 def run(gm: fx.GraphModule, ctx) -> dict:
@@ -50,6 +83,7 @@ def run(gm: fx.GraphModule, ctx) -> dict:
     shared = _shared_weights(gm)
     counts: dict[str, int] = {}
     packed = plain = 0  # GEMMs on packed / plain weights
+    tied_lookups = 0    # embedding lookups that now gather from an lm_head's panels
     packed_cache: dict[int, fx.Node] = {}
     for node in list(gm.graph.nodes):
         if not is_linear(node):
@@ -62,8 +96,14 @@ def run(gm: fx.GraphModule, ctx) -> dict:
         w_node = node.args[1]
         if can_pack_panels(w) and id(w) not in shared:
             if id(w) not in packed_cache:
-                name = node.args[1].target.removesuffix(".weight").removesuffix("_weight") + "_packed"
-                packed_cache[id(w)] = add_weight(gm, name, pack_panels(w), node)
+                lookups = _lookups_of(gm, w)
+                # a tied table is named as the LM head: a step streams it whole (runtime.weight_pages.streamed)
+                name = "lm_head" if lookups else node.args[1].target.removesuffix(".weight").removesuffix("_weight")
+                first = next(n for n in gm.graph.nodes if n is node or n in lookups)   # defined before every use
+                packed_cache[id(w)] = add_weight(gm, name + "_packed", pack_panels(w), first)
+                for lookup in lookups:
+                    _panel_rows(gm, lookup, packed_cache[id(w)])
+                tied_lookups += len(lookups)
             w_node = packed_cache[id(w)]
             packed += 1
         else:
@@ -77,7 +117,8 @@ def run(gm: fx.GraphModule, ctx) -> dict:
         counts[key] = counts.get(key, 0) + 1
     moe_layers = _pack_experts(gm, pack_panels, can_pack_panels)
     prune_unused_attrs(gm)
-    return {"replaced": counts, "packed": packed, "plain": plain, "packed_moe_layers": moe_layers}
+    return {"replaced": counts, "packed": packed, "plain": plain, "tied_lookups": tied_lookups,
+            "packed_moe_layers": moe_layers}
 
 
 def _pack_experts(gm: fx.GraphModule, pack_panels, can_pack_panels) -> int:
