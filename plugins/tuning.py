@@ -1,28 +1,28 @@
 """The panel kernels' tunables: chosen per machine once, at the native library's first load, and cached.
 
-The kernels pick their instruction set from CPUID (AVX-512 with VNNI where present, else AVX2 + FMA); what
-depends on the microarchitecture's caches and memory system beyond that are the software prefetch distances
-(bytes ahead in a weight stream): ``row_prefetch`` (one-row decode, int8/int4), ``small_prefetch`` (batched
-decode, M <= 32: the first pass over each tile), ``onepass_prefetch`` (AVX-512 one-pass 13..16 rows),
-``bf16_row_prefetch`` (bf16-panel decode, M < 4) and ``int8_row_prefetch`` (int8 one-row decode over several
-streams); how many panels a decode thread reads at once (``row_panels`` / ``int8_row_panels``, int4 / int8 one
-row: 1 = one sequential stream; where the hardware prefetcher follows one stream per page, several interleaved ones
-keep more lines in flight; ``bf16_row_panels``: the panels of a bf16 decode tile with bf16 x, 2 to 16); and
-``row_nta``: whether the int8/int4 one-row streams prefetch non-temporally (1, the default: a decode step reads each
-weight once, and ~100 MB of them passing through L2/L3 push out what the step reuses, the KV context and the step
-loop's own objects); ``row_burst``: how many bytes each thread of an int8/int4 one-row decode asks for at once at the
-start of its run (0: none); ``attn_span_context``: decode attention reads every KV head of a position at once, in
-position order (one work item per row when there are as many rows as threads), and with fewer rows than threads
-splits a row of at least this many positions across them; shorter ones run one KV head per work item (0: always).
+The kernels pick their instruction set from CPUID (AVX-512 with VNNI where present, else AVX2 + FMA); what depends
+on the microarchitecture's caches and memory system beyond that are the software prefetch distances (bytes ahead in
+a weight stream): ``row_prefetch`` (one-row decode, int8/int4), ``small_prefetch`` (batched decode, M <= 32: the
+first pass over each tile), ``onepass_prefetch`` (AVX-512 one-pass 13..16 rows), ``bf16_row_prefetch`` (bf16-panel
+decode, M < 4) and ``int8_row_prefetch`` (int8 one-row decode over several streams); how many panels a decode thread
+reads at once (``row_panels`` / ``int8_row_panels``, int4 / int8 one row: 1 = one sequential stream; where the
+hardware prefetcher follows one stream per page, several interleaved ones keep more lines in flight;
+``bf16_row_panels``: the panels of a bf16 decode tile with bf16 x, 2 to 16); and ``row_nta``: whether the int8/int4
+one-row streams prefetch non-temporally (1, the default off Intel: a decode step reads each weight once, and ~100 MB
+of them passing through L2/L3 push out what the step reuses, the KV context and the step loop's own objects);
+``row_burst``: how many bytes each thread of an int8/int4 one-row decode asks for at once at the start of its run
+(0: none); ``attn_span_context``: decode attention reads every KV head of a position at once, in position order (one
+work item per row when there are as many rows as threads), and with fewer rows than threads splits a row of at least
+this many positions across them; shorter ones run one KV head per work item (0: always).
 
 The library starts with per-microarchitecture defaults (``default_tuning`` in ``csrc/linear_kernels.cpp``); then
-:func:`apply` loads this machine's measured choice from the cache, or measures it (:func:`autotune`, ~0.5-2 s:
-the int4 and int8 decode kernels streaming weights from memory at each candidate) and caches it, a JSON file
-named by the library's build key and the CPU (:func:`cache_path`, beside the kernel cache in
-TORCH_EXTENSIONS_DIR). ``KILN_AUTOTUNE=0`` keeps the defaults; ``KILN_TUNING=name=value,...`` sets values.
-Not measured here, because a kernel timed alone does not show them: ``row_nta`` (what a stream evicts from the
-rest of the step), ``row_burst``, ``bf16_row_panels`` and ``bf16_row_prefetch`` (on Zen 4 alike alone, 3-9% apart
-in whole decodes): their defaults come from whole single-stream decodes (``scripts/bench_tunables.py``); nor
+:func:`apply` loads this machine's measured choice from the cache, or measures it (:func:`autotune`, ~0.5-2 s: the
+int4 and int8 decode kernels streaming weights from memory at each candidate) and caches it, a JSON file named by
+the library's build key and the CPU (:func:`cache_path`, beside the kernel cache in TORCH_EXTENSIONS_DIR).
+``KILN_AUTOTUNE=0`` keeps the defaults; ``KILN_TUNING=name=value,...`` sets values. ``row_nta`` and the panel counts
+are measured only as a guard (:data:`KEEP_DEFAULT`). Not measured here, because a kernel timed alone does not show
+them: ``row_burst``, ``bf16_row_panels`` and ``bf16_row_prefetch`` (on Zen 4 alike alone, 3-9% apart in whole
+decodes): their defaults come from whole single-stream decodes (``scripts/bench_tunables.py``); nor
 ``attn_span_context`` (attention's, not a linear kernel's: ``scripts/bench_decode_attention.py --spans``). With
 ``row_nta`` on, the one-row prefetch distances are chosen among non-zero candidates (no prefetch would leave the
 stream to the hardware prefetcher, which fills every level).
@@ -39,7 +39,7 @@ from pathlib import Path
 
 logger = logging.getLogger("kiln.plugins")
 
-__all__ = ["TUNABLES", "get", "set_value", "current", "cpu_signature", "cache_path", "autotune", "apply",
+__all__ = ["TUNABLES", "get", "set_value", "current", "cpu_signature", "cache_path", "choose", "autotune", "apply",
            "describe_kernel"]
 
 TUNABLES = ("row_prefetch", "small_prefetch", "onepass_prefetch", "row_panels", "int8_row_panels", "bf16_row_prefetch",
@@ -51,6 +51,11 @@ NTA_CANDIDATES = (256, 512, 1024, 2048, 4096, 8192)
 # candidate from 0 to 8192 across builds of the library.
 TIE = 1.08
 ROUNDS = 5
+# Measured alone only as a guard: their per-CPU defaults come from whole decodes, where they differ more than alone.
+# row_nta: its gain is what the stream does not evict (Zen 4: x1.06-1.24 whole, the kernel alone alike); on Sapphire
+# Rapids a non-temporal stream is not followed by the L2 streamer and reads at about half the rate even alone. The
+# panel counts: on Sapphire Rapids 4 int4 panels a thread run x1.10 in whole decodes, 2-3% apart alone.
+KEEP_DEFAULT = ("row_nta", "row_panels", "int8_row_panels")
 
 
 def get(lib, name: str) -> int:
@@ -101,6 +106,16 @@ class TuningAborted(RuntimeError):
     """The measurement ran past its time budget (a machine busy with other work): nothing worth caching."""
 
 
+def choose(name: str, candidates: tuple[int, ...], times: dict[int, float]) -> int:
+    """The candidate to keep: for a distance, the smallest within TIE of the fastest; for the tunables of
+    :data:`KEEP_DEFAULT` (candidates: the default first), the default unless it is slower than TIE x the fastest,
+    then the fastest."""
+    fastest = min(times.values())
+    if name in KEEP_DEFAULT:
+        return candidates[0] if times[candidates[0]] <= TIE * fastest else min(candidates, key=times.__getitem__)
+    return min(candidates, key=lambda c: (times[c] > TIE * fastest, c))
+
+
 def autotune(lib, nthreads: int, budget_s: float = 6.0) -> dict[str, int]:
     """Measure the prefetch distances on this machine: int4 panel GEMVs (4096 x 1024, 2 MiB each) rotated over
     96 MiB, so that every call streams its weight from memory as a decode step does; the fastest candidate
@@ -123,12 +138,14 @@ def autotune(lib, nthreads: int, budget_s: float = 6.0) -> dict[str, int]:
     int8_scales = torch.full((n,), 0.01)
     int8_panel = _panel_type("int8_panel")
     chosen = current(lib)
-    # a non-temporal one-row stream needs its software prefetch (row_nta): no zero distance for it, and shorter ones
-    # (in whole decodes on Zen 4, 256-512 B beat 1-8 KiB)
-    row_candidates = NTA_CANDIDATES if chosen["row_nta"] else CANDIDATES
-    for name, rows, candidates in (("row_panels", 1, (1, 2, 4)), ("row_prefetch", 1, row_candidates),
-                                   ("small_prefetch", 8, CANDIDATES), ("int8_row_panels", 1, (1, 2, 4)),
-                                   ("int8_row_prefetch", 1, row_candidates)):
+    plan = [("row_nta", 1, (0, 1)), ("row_panels", 1, (1, 2, 4)), ("row_prefetch", 1, None),
+            ("small_prefetch", 8, CANDIDATES), ("int8_row_panels", 1, (1, 2, 4)), ("int8_row_prefetch", 1, None)]
+    for name, rows, candidates in plan:
+        if name in KEEP_DEFAULT:   # the default first
+            candidates = (chosen[name], *(c for c in candidates if c != chosen[name]))
+        # a non-temporal one-row stream needs its software prefetch (row_nta): no zero distance for it, and shorter
+        # ones (in whole decodes on Zen 4, 256-512 B beat 1-8 KiB)
+        candidates = candidates or (NTA_CANDIDATES if chosen["row_nta"] else CANDIDATES)
         x = torch.randn(rows, k)
         y = torch.empty(rows, n)
         idx = [0]
@@ -156,7 +173,7 @@ def autotune(lib, nthreads: int, budget_s: float = 6.0) -> dict[str, int]:
                     set_value(lib, key, value)
                 raise TuningAborted(f"kernel autotuning took over {budget_s:.0f} s (a busy machine); "
                                     "kept the per-CPU defaults")
-        best = min(candidates, key=lambda c: (times[c] > TIE * min(times.values()), c))
+        best = choose(name, candidates, times)
         chosen[name] = best
         set_value(lib, name, best)
         logger.info("kiln autotune %s: %s -> %d", name, {c: round(t * 1e3, 2) for c, t in times.items()}, best)

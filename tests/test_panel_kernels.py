@@ -572,6 +572,21 @@ def test_tuning_is_measured_once_cached_and_overridable(native, tmp_path, monkey
             tuning.set_value(lib, name, value)
 
 
+def test_autotune_choices():
+    """Distances: the shortest within TIE of the fastest. row_nta and the panel counts (their defaults come from whole
+    decodes): the default stands unless the kernel alone is slower with it by more than TIE (Sapphire Rapids: 1.3x
+    slower non-temporal), then the fastest."""
+    from kiln.plugins import tuning
+
+    assert tuning.choose("row_prefetch", (0, 512, 2048), {0: 3.2, 512: 2.1, 2048: 2.0}) == 512
+    assert tuning.choose("row_prefetch", (0, 512, 2048), {0: 3.2, 512: 2.5, 2048: 2.0}) == 2048
+    assert tuning.choose("row_nta", (1, 0), {1: 2.1, 0: 2.0}) == 1      # alike alone: the default (Zen 4)
+    assert tuning.choose("row_nta", (1, 0), {1: 3.38, 0: 2.63}) == 0    # slower alone: off (Sapphire Rapids)
+    assert tuning.choose("row_nta", (0, 1), {0: 2.1, 1: 2.0}) == 0
+    assert tuning.choose("row_panels", (4, 1, 2), {4: 2.11, 1: 2.05, 2: 2.33}) == 4   # Sapphire Rapids' default
+    assert tuning.choose("row_panels", (1, 2, 4), {1: 2.6, 2: 2.3, 4: 2.1}) == 4
+
+
 def test_autotuning_leaves_the_loading_thread_without_an_openmp_team(native, tmp_path):
     """The first load of a library build measures its tunables with OpenMP kernels; run on the loading thread they
     would leave it a thread team for the life of the process, and two teams on the machine's cores make every
