@@ -60,11 +60,13 @@ def _panel_rows(gm: fx.GraphModule, lookup: fx.Node, panels: fx.Node) -> None:
     """Replace ``aten.embedding(table, ids)`` by the same rows gathered from ``panels`` (the table packed)."""
     import torch
 
+    from kiln.plugins.weight_format import PANEL
+
     aten = torch.ops.aten
     ids = lookup.args[1]
     with gm.graph.inserting_before(lookup):
-        panel = gm.graph.call_function(aten.div.Tensor_mode, (ids, 16), {"rounding_mode": "floor"})
-        lane = gm.graph.call_function(aten.remainder.Scalar, (ids, 16))
+        panel = gm.graph.call_function(aten.div.Tensor_mode, (ids, PANEL), {"rounding_mode": "floor"})
+        lane = gm.graph.call_function(aten.remainder.Scalar, (ids, PANEL))
         # indices on dims 0 and 2: [*ids.shape, in] (fp32) or [*ids.shape, in / 2, 2] (bf16 pairs)
         rows = gm.graph.call_function(aten.index.Tensor, (panels, [panel, None, lane]))
         if attr(gm, panels.target).dim() == 4:
