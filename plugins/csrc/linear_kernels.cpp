@@ -718,9 +718,11 @@ struct Tuning {
 // CPU family / model (AMD: Zen 3 = family 25 models 0x00-0x0f, 0x20-0x5f; Zen 4 = 25, 0x10-0x1f, 0x60-0xaf;
 // Zen 5 = 26) -> the distances measured there; anything else gets Zen 5's (the most measured), and Intel CPUs the
 // bf16 and int8 decode prefetches measured on Sapphire Rapids (bf16 1024 B: single-stream decode 53 -> 60 tok/s
-// there; int8 over several streams 2048 B) and ordinary one-row prefetches there (non-temporal ones are not
-// followed by its L2 streamer: int4 single stream 96 against 170 tok/s, int8 41 against 96), with 4 panels a
-// thread in the one-row int4 and int8 decode (int4 x1.10 against 1 in whole decodes, int8 x1.14). Zen 4's bf16 decode reads 8 panels a tile with a 256 B prefetch
+// there, then 8 panels a bf16 decode tile with 2048 B: x1.044 against 4 with 1024 B, faster in 6/6 rounds; int8
+// over several streams 2048 B) and ordinary one-row prefetches there (non-temporal ones are not followed by its L2
+// streamer: int4 single stream 96 against 170 tok/s, int8 41 against 96), with 4 panels a thread in the one-row
+// int4 and int8 decode (int4 x1.10 against 1 in whole decodes, int8 x1.14). Zen 4's bf16 decode reads 8 panels a
+// tile with a 256 B prefetch
 // (whole single-stream decodes, scripts/bench_tunables.py: x1.05-1.09 against 4 panels without, faster in 11-12 of
 // 12 rounds; 2 and 16 panels slower), and its one-row int8/int4 decode threads prefetch the first 8 KiB of their run
 // at once (the stream of a 0.5-3 MB int4 GEMV otherwise starts from a few lines in flight: x1.03-1.07 int4, x1.03
@@ -739,8 +741,8 @@ Tuning default_tuning() {
   unsigned vb = 0, vc = 0, vd = 0, va = 0;
   __asm__("cpuid" : "=a"(va), "=b"(vb), "=c"(vc), "=d"(vd) : "a"(0), "c"(0));
   const bool intel = vb == 0x756e6547u && vd == 0x49656e69u && vc == 0x6c65746eu;   // "GenuineIntel"
-  return {2048, 4096, 8192, intel ? 4 : 1, intel ? 4 : 1, intel ? 1024 : 0, intel ? 2048 : 4096, intel ? 0 : 1, 4, 0,
-          256};
+  return {2048, 4096, 8192, intel ? 4 : 1, intel ? 4 : 1, intel ? 2048 : 0, intel ? 2048 : 4096, intel ? 0 : 1,
+          intel ? 8 : 4, 0, 256};
 }
 
 Tuning& tuning() {
