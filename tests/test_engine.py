@@ -416,6 +416,23 @@ def test_cpu_compiled_engine_matches_transformers(checkpoint_dir, tmp_path_facto
     assert cfg["backend"] == "cpu-compiled"
 
 
+@pytest.mark.slow
+@pytest.mark.xdist_group("aoti")
+def test_cpu_compiled_tied_lm_head_matches_transformers(checkpoint_dir, tmp_path_factory):
+    """gpt2 ties its LM head to the token table: compiled, the table is stored once in panels (the LM head's layout)
+    and the lookup gathers its rows from them, with transformers' logits."""
+    out = tmp_path_factory.mktemp("engine-aoti-tied") / "engine"
+    build_engine(checkpoint_dir("gpt2"), out, BUILD.replace(backend="cpu-compiled"))
+    engine = Engine.from_dir(out)
+    assert max_error_vs_hf(engine, checkpoint_dir("gpt2")) <= FP32_ATOL
+    report = json.loads((out / "build_report.json").read_text())
+    assert report["passes"]["fast_linear"]["tied_lookups"] == 1
+    from kiln.contract import load_weights
+
+    names = set(load_weights(out / "rank0.weights"))
+    assert "lm_head_packed" in names and not any(n.startswith("embed_tokens") for n in names)
+
+
 def test_a_step_without_logits(engine_of):
     """A step of only non-final prefill chunks asks for no logits (chunked prefill)."""
     engine = engine_of("llama")
