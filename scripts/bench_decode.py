@@ -5,8 +5,8 @@
 Each round runs every engine once (alternating, one ``LLM`` per engine loaded for the whole run) like
 ``../shared/peers/bench_kiln.py single``: a 128-token prompt, greedy, EOS ignored, decode tok/s = (tokens - 1) /
 (time of the whole request - time of prefill + 1 token). A 256 MiB streaming read right before and after each run
-gives the read rate of that moment; the share of it = tok/s x bytes a decode token streams (every weight except
-the embedding table and the rope table, of which it gathers a row) / read rate.
+gives the read rate of that moment; the share of it = tok/s x bytes a decode token streams (the memory plan's
+``decode_read_bytes``: every weight but the rows gathered from an untied embedding table) / read rate.
 
 Breakdown, per decode step of the timed requests (median over the steps, ms), from timers wrapped around the
 executor's parts: schedule, pack (the contract inputs), engine.run, sample, update (the scheduler's books), emit
@@ -42,20 +42,9 @@ OP_KINDS = {"weight_only_linear": "linear", "bf16_linear": "linear", "fp32_linea
 
 
 def streamed_bytes(engine) -> int:
-    """Weights bytes one decode token reads: all but the embedding table and the rope table (one row each)."""
-    m = engine.config.model
-    names = _weight_sizes(engine)
-    embed = sum(v for k, v in names.items() if "embed_tokens" in k)
-    rope = sum(v for k, v in names.items() if "rope" in k or "rotary" in k or "cos_sin" in k)
-    if m.tie_word_embeddings:   # the table is also the LM head, streamed whole
-        embed = 0
-    return engine.weights_bytes - embed - rope
-
-
-def _weight_sizes(engine) -> dict[str, int]:
-    from kiln.contract import load_weights, weights_file
-
-    return {k: t.numel() * t.element_size() for k, t in load_weights(engine.directory / weights_file(0)).items()}
+    """Weights bytes one decode token reads: the builder's memory plan (every weight but the rows that lookups gather
+    from the embedding table: a tied table is the LM head, streamed whole; a quantized engine's table is gathered)."""
+    return engine.config.memory.decode_read_bytes
 
 
 class StepTimers:
