@@ -214,6 +214,7 @@ def _build(ckpt: Path, out: Path, tmp: Path, build: BuildConfig, model, lora: lo
         total_params=total_params,
         active_params=active_params,
         decode_read_bytes=first["decode_read_bytes"],
+        gathered_weights=first["gathered_weights"],
     )
     engine_files = [rank_file(r) for r in range(mapping.tp_size)]
     with _stage("write", timings, progress):
@@ -314,6 +315,7 @@ def _build_rank(model: ModelConfig, weights: dict[str, torch.Tensor], mapping: T
         arena = memory_plan.plan(ep)
         weights_bytes = memory_plan.weights_bytes(ep)
         decode_read = memory_plan.decode_read_bytes(ep)
+        gathered = memory_plan.gathered_weights(ep)
     with _stage("compile", timings, progress, label):
         path = out / rank_file(rank)
         backend = BACKENDS[build.backend]
@@ -324,4 +326,4 @@ def _build_rank(model: ModelConfig, weights: dict[str, torch.Tensor], mapping: T
             stamp_rank_file(path, rank, mapping)
     return {"gemms": {"before_passes": gemms_before, "after_passes": gemms_after}, "passes": pass_stats,
             "backend": backend_stats, "memory_plan": arena, "weights_bytes": weights_bytes,
-            "decode_read_bytes": decode_read, "kv_cache_accuracy": accuracy}
+            "decode_read_bytes": decode_read, "gathered_weights": gathered, "kv_cache_accuracy": accuracy}

@@ -185,6 +185,22 @@ def weights_bytes(ep: torch.export.ExportedProgram) -> int:
     return sum(seen.values())
 
 
+def gathered_weights(ep: torch.export.ExportedProgram) -> list[str]:
+    """Names of the weights that only row lookups (``aten.embedding``, as the table) read: a decode step reads a row
+    of each, not the whole (``kiln.runtime.weight_pages`` leaves them mapped). A tied table that the LM head reads in
+    its panels is not one of them."""
+    sig = ep.graph_signature
+    names = {**sig.inputs_to_parameters, **sig.inputs_to_buffers, **sig.inputs_to_lifted_tensor_constants}
+    out = []
+    for node in ep.graph.nodes:
+        if node.op != "placeholder" or node.name not in names or not node.users:
+            continue
+        if all(getattr(getattr(u.target, "_schema", None), "name", "") == "aten::embedding" and u.args[0] is node
+               for u in node.users):
+            out.append(names[node.name])
+    return sorted(out)
+
+
 def decode_read_bytes(ep: torch.export.ExportedProgram) -> int:
     """Weight bytes one decode step of one sequence reads: every weight, except that an embedding table (only read
     by ``aten.embedding``) gives one row, and the experts of a ``kiln.moe`` are read top_k of num_experts (each

@@ -106,6 +106,7 @@ class MemorySummary:
     total_params: int = 0
     active_params: int = 0
     decode_read_bytes: int = 0          # weight bytes a decode step of one sequence reads (one rank's; memory plan)
+    gathered_weights: list[str] | None = None   # weights only row lookups read (None: an engine built before this)
 
 
 @dataclass(frozen=True)
@@ -192,7 +193,7 @@ class EngineConfig:
         out += model_problems or self.tensor_parallel.problems(self.model)
         m = self.memory
         out += [f"memory.{f.name}={getattr(m, f.name)} must be >= 0" for f in dataclasses.fields(m)
-                if getattr(m, f.name) < 0]
+                if isinstance(getattr(m, f.name), int) and getattr(m, f.name) < 0]
         bad_eos = [t for t in self.tokenizer.eos_token_ids if not 0 <= t < self.model.vocab_size]
         if bad_eos:
             out.append(f"tokenizer.eos_token_ids {bad_eos} are outside the vocabulary [0, {self.model.vocab_size})")

@@ -221,14 +221,15 @@ def load_rank_graph(directory: Path, config: EngineConfig, rank: int) -> Any:
                 # step on Zen 3): Engine.run checks every input against the contract and the same bounds first
                 fn = torch.export.load(f).module(check_guards=False)
             fn.validate_inputs = False
-            _attach_weights(fn, weight_pages.place(weights, weights_path))
+            _attach_weights(fn, weight_pages.place(weights, weights_path, config.memory.gathered_weights))
             return fn
         fn = AotiRunner(engine_path)
         missing = sorted(set(fn.get_constant_fqns()) - set(weights))
         if missing:
             raise EngineLoadError(f"the weights file has no tensor for {missing[:5]} ({len(missing)} "
                                   "missing); the engine files do not belong together, rebuild the engine")
-        fn.load_constants(weight_pages.place(weights, weights_path))   # in place: no buffer of the model's own
+        # in place: no buffer of the model's own
+        fn.load_constants(weight_pages.place(weights, weights_path, config.memory.gathered_weights))
         return fn
     except EngineLoadError:
         raise

@@ -6,7 +6,8 @@ prefetchers, which do not cross pages. One anonymous region with ``MADV_HUGEPAGE
 transparent huge pages allow them) streams faster (docs/benchmarks.md, session 20). Each streamed tensor's bytes
 are read from the file (``os.preadv``, at the offset where the mapping holds it) straight into the region, so the
 mapping's pages of those tensors are never touched: the process holds each weight once, and no more than that
-while it loads. The embedding table stays mapped: a step gathers a few of its rows, and most are never read.
+while it loads. The tables that only row lookups read (an untied embedding table; the builder's memory plan names
+them) stay mapped: a step gathers a few of their rows, and most are never read.
 
 ``KILN_HUGE_PAGE_WEIGHTS=0`` keeps every weight in the mapped file (processes serving the same engine then share
 its page cache).
@@ -16,6 +17,7 @@ from __future__ import annotations
 
 import mmap
 import os
+from collections.abc import Collection
 from pathlib import Path
 
 import torch
@@ -36,9 +38,10 @@ def enabled() -> bool:
         return False
 
 
-def streamed(name: str) -> bool:
-    """Does a decode step read this weight whole? All but the embedding table (rows gathered by token)."""
-    return not name.startswith("embed_tokens")
+def streamed(name: str, gathered: Collection[str] | None = None) -> bool:
+    """Does a decode step read this weight whole? All but the tables that only row lookups read (``gathered``: the
+    engine's memory plan; engines built before it recorded them: by name, the embedding table)."""
+    return name not in gathered if gathered is not None else not name.startswith("embed_tokens")
 
 
 def _file_offset(maps: list[tuple[int, int, int]], ptr: int) -> int | None:
@@ -70,16 +73,17 @@ def _read_into(fd: int, view: memoryview, offset: int) -> None:
         done += n
 
 
-def to_huge_pages(weights: dict[str, torch.Tensor], path: str | Path) -> dict[str, torch.Tensor]:
-    """``weights`` (the tensors :func:`kiln.contract.load_weights` mapped from ``path``) with every streamed tensor
-    read into one huge-page region (the others as they are). The region lives as long as any of its tensors
+def to_huge_pages(weights: dict[str, torch.Tensor], path: str | Path,
+                  gathered: Collection[str] | None = None) -> dict[str, torch.Tensor]:
+    """``weights`` (the tensors :func:`kiln.contract.load_weights` mapped from ``path``) with every :func:`streamed`
+    tensor read into one huge-page region (the others as they are). The region lives as long as any of its tensors
     (torch.frombuffer holds it)."""
     path = Path(path).resolve()
     maps = _mappings(path)
     moved = {}
     for name, t in weights.items():
         offset = _file_offset(maps, t.data_ptr()) if t.numel() > 0 else None
-        if streamed(name) and t.is_contiguous() and offset is not None:
+        if streamed(name, gathered) and t.is_contiguous() and offset is not None:
             moved[name] = offset
     if not moved:
         return dict(weights)
@@ -101,6 +105,7 @@ def to_huge_pages(weights: dict[str, torch.Tensor], path: str | Path) -> dict[st
     return out
 
 
-def place(weights: dict[str, torch.Tensor], path: str | Path) -> dict[str, torch.Tensor]:
+def place(weights: dict[str, torch.Tensor], path: str | Path,
+          gathered: Collection[str] | None = None) -> dict[str, torch.Tensor]:
     """:func:`to_huge_pages` where :func:`enabled`, else ``weights`` as mapped."""
-    return to_huge_pages(weights, path) if enabled() else weights
+    return to_huge_pages(weights, path, gathered) if enabled() else weights

@@ -110,6 +110,8 @@ def test_engine_knows_total_and_active_parameters_and_bytes_read(family, checkpo
     table = m.vocab_size * m.hidden_size * 4   # an untied embedding table: one row read
     expected = mem.weights_bytes - experts * (1 - share) - (0 if m.tie_word_embeddings else table * (1 - 1 / 512))
     assert mem.decode_read_bytes == pytest.approx(expected, abs=16)
+    # what runtime.weight_pages leaves mapped: the untied table (a tied one is the LM head's panels, read whole)
+    assert mem.gathered_weights == ([] if m.tie_word_embeddings else ["embed_tokens.weight"])
     rows = dict(tuple(p.strip() for p in line.split("|", 1)) for line in
                 CliRunner().invoke(kiln_main, ["inspect", str(engine.directory)]).output.splitlines() if "|" in line)
     assert rows["decode reads"].endswith("of weights per step of one sequence")

@@ -48,6 +48,22 @@ def test_streamed_weights_move_without_touching_their_mapped_pages(tmp_path):
     assert torch.equal(moved["lm_head"], tensors["lm_head"])   # the region outlives the file's tensors
 
 
+def test_the_engines_gathered_tables_stay_mapped(tmp_path):
+    """The engine's memory plan names the tables that only row lookups read; every other weight moves (an
+    "embed_tokens" table a tied LM head streams whole included)."""
+    tensors = {"embed_tokens.weight": torch.randn(512, 256), "embed_positions.weight": torch.randn(64, 256),
+               "w": torch.randn(256, 256)}
+    path = tmp_path / "rank0.weights"
+    torch.save(tensors, path)
+    mapped = load_weights(path)
+    moved = weight_pages.to_huge_pages(mapped, path, gathered=["embed_positions.weight"])
+    assert moved["embed_positions.weight"] is mapped["embed_positions.weight"]
+    assert moved["embed_tokens.weight"] is not mapped["embed_tokens.weight"]
+    assert torch.equal(moved["embed_tokens.weight"], tensors["embed_tokens.weight"])
+    assert weight_pages.streamed("embed_tokens.weight") is False   # an engine that did not record them: by name
+    assert weight_pages.streamed("embed_tokens.weight", []) is True
+
+
 def test_a_truncated_file_is_an_error(tmp_path):
     path = tmp_path / "rank0.weights"
     torch.save({"w": torch.randn(4096, 256)}, path)
