@@ -10,7 +10,7 @@ overlap a buffer live at the same time.
 from __future__ import annotations
 
 import operator
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -185,42 +185,43 @@ def weights_bytes(ep: torch.export.ExportedProgram) -> int:
     return sum(seen.values())
 
 
-def gathered_weights(ep: torch.export.ExportedProgram) -> list[str]:
-    """Names of the weights that only row lookups (``aten.embedding``, as the table) read: a decode step reads a row
-    of each, not the whole (``kiln.runtime.weight_pages`` leaves them mapped). A tied table that the LM head reads in
-    its panels is not one of them."""
+def _weight_nodes(ep: torch.export.ExportedProgram) -> Iterator[tuple[fx.Node, str, torch.Tensor]]:
+    """(placeholder node, weight name, tensor) of every weight the program reads."""
     sig = ep.graph_signature
     names = {**sig.inputs_to_parameters, **sig.inputs_to_buffers, **sig.inputs_to_lifted_tensor_constants}
-    out = []
+    tensors = {**ep.state_dict, **ep.constants}
     for node in ep.graph.nodes:
-        if node.op != "placeholder" or node.name not in names or not node.users:
-            continue
-        if all(getattr(getattr(u.target, "_schema", None), "name", "") == "aten::embedding" and u.args[0] is node
-               for u in node.users):
-            out.append(names[node.name])
-    return sorted(out)
+        t = tensors.get(names.get(node.name)) if node.op == "placeholder" else None
+        if isinstance(t, torch.Tensor):
+            yield node, names[node.name], t
+
+
+def _is_lookup(user: fx.Node, table: fx.Node) -> bool:
+    """``aten.embedding`` with ``table`` as its table: a gather of rows."""
+    return getattr(getattr(user.target, "_schema", None), "name", "") == "aten::embedding" and user.args[0] is table
+
+
+def gathered_weights(ep: torch.export.ExportedProgram) -> list[str]:
+    """Names of the weights that only row lookups read: a decode step reads a row of each, not the whole
+    (``kiln.runtime.weight_pages`` leaves them mapped). A tied table that the LM head reads in its panels is not one
+    of them."""
+    return sorted(name for node, name, _ in _weight_nodes(ep)
+                  if node.users and all(_is_lookup(u, node) for u in node.users))
 
 
 def decode_read_bytes(ep: torch.export.ExportedProgram) -> int:
     """Weight bytes one decode step of one sequence reads: every weight, except that an embedding table (only read
     by ``aten.embedding``) gives one row, and the experts of a ``kiln.moe`` are read top_k of num_experts (each
     tensor once, however many ops read it). The step's bandwidth floor is this over the memory bandwidth."""
-    sig = ep.graph_signature
-    names = {**sig.inputs_to_parameters, **sig.inputs_to_buffers, **sig.inputs_to_lifted_tensor_constants}
-    tensors = {**ep.state_dict, **ep.constants}
     share: dict[int, float] = {}   # storage -> bytes read
-    for node in ep.graph.nodes:
-        t = tensors.get(names.get(node.name)) if node.op == "placeholder" else None
-        if not isinstance(t, torch.Tensor):
-            continue
+    for node, _, t in _weight_nodes(ep):
         nbytes = t.numel() * t.element_size()
         read = 0.0
         for user in node.users:
             target = getattr(user.target, "_schema", None)
-            name = target.name if target is not None else ""
-            if name == "aten::embedding" and user.args[0] is node:
+            if _is_lookup(user, node):
                 read = max(read, nbytes / max(t.shape[0], 1))
-            elif name == "kiln::moe" and node in user.args[2:6]:
+            elif target is not None and target.name == "kiln::moe" and node in user.args[2:6]:
                 read = max(read, nbytes * user.args[6] / user.args[1].meta["val"].shape[0])
             else:
                 read = nbytes
