@@ -17,6 +17,8 @@ from typing import Any
 import torch
 from torch import fx
 
+from kiln.builder.passes.common import is_row_lookup
+
 ALIGN = 64
 
 # aten ops whose output is a view of their first input
@@ -196,17 +198,12 @@ def _weight_nodes(ep: torch.export.ExportedProgram) -> Iterator[tuple[fx.Node, s
             yield node, names[node.name], t
 
 
-def _is_lookup(user: fx.Node, table: fx.Node) -> bool:
-    """``aten.embedding`` with ``table`` as its table: a gather of rows."""
-    return getattr(getattr(user.target, "_schema", None), "name", "") == "aten::embedding" and user.args[0] is table
-
-
 def gathered_weights(ep: torch.export.ExportedProgram) -> list[str]:
     """Names of the weights that only row lookups read: a decode step reads a row of each, not the whole
     (``kiln.runtime.weight_pages`` leaves them mapped). A tied table that the LM head reads in its panels is not one
     of them."""
     return sorted(name for node, name, _ in _weight_nodes(ep)
-                  if node.users and all(_is_lookup(u, node) for u in node.users))
+                  if node.users and all(is_row_lookup(u, node) for u in node.users))
 
 
 def decode_read_bytes(ep: torch.export.ExportedProgram) -> int:
@@ -219,7 +216,7 @@ def decode_read_bytes(ep: torch.export.ExportedProgram) -> int:
         read = 0.0
         for user in node.users:
             target = getattr(user.target, "_schema", None)
-            if _is_lookup(user, node):
+            if is_row_lookup(user, node):
                 read = max(read, nbytes / max(t.shape[0], 1))
             elif target is not None and target.name == "kiln::moe" and node in user.args[2:6]:
                 read = max(read, nbytes * user.args[6] / user.args[1].meta["val"].shape[0])

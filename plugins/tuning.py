@@ -106,20 +106,20 @@ class TuningAborted(RuntimeError):
     """The measurement ran past its time budget (a machine busy with other work): nothing worth caching."""
 
 
-def choose(name: str, candidates: tuple[int, ...], times: dict[int, float]) -> int:
-    """The candidate to keep: for a distance, the smallest within TIE of the fastest; for the tunables of
-    :data:`KEEP_DEFAULT` (candidates: the default first), the default unless it is slower than TIE x the fastest,
-    then the fastest."""
+def choose(name: str, times: dict[int, float], default: int) -> int:
+    """The candidate to keep (``times``: seconds per candidate): for a distance, the smallest within TIE of the
+    fastest; for the tunables of :data:`KEEP_DEFAULT`, ``default`` unless it is slower than TIE x the fastest, then
+    the fastest."""
     fastest = min(times.values())
     if name in KEEP_DEFAULT:
-        return candidates[0] if times[candidates[0]] <= TIE * fastest else min(candidates, key=times.__getitem__)
-    return min(candidates, key=lambda c: (times[c] > TIE * fastest, c))
+        return default if times[default] <= TIE * fastest else min(times, key=times.__getitem__)
+    return min(times, key=lambda c: (times[c] > TIE * fastest, c))
 
 
 def autotune(lib, nthreads: int, budget_s: float = 6.0) -> dict[str, int]:
     """Measure the prefetch distances on this machine: int4 panel GEMVs (4096 x 1024, 2 MiB each) rotated over
-    96 MiB, so that every call streams its weight from memory as a decode step does; the fastest candidate
-    wins (ties within TIE: the shorter distance). Raises :class:`TuningAborted` (the tunables back as they were)
+    96 MiB, so that every call streams its weight from memory as a decode step does; :func:`choose` keeps a
+    candidate. Raises :class:`TuningAborted` (the tunables back as they were)
     past ``budget_s`` seconds: on a machine that busy the timings would be noise."""
     import torch
 
@@ -141,11 +141,11 @@ def autotune(lib, nthreads: int, budget_s: float = 6.0) -> dict[str, int]:
     plan = [("row_nta", 1, (0, 1)), ("row_panels", 1, (1, 2, 4)), ("row_prefetch", 1, None),
             ("small_prefetch", 8, CANDIDATES), ("int8_row_panels", 1, (1, 2, 4)), ("int8_row_prefetch", 1, None)]
     for name, rows, candidates in plan:
-        if name in KEEP_DEFAULT:   # the default first
-            candidates = (chosen[name], *(c for c in candidates if c != chosen[name]))
         # a non-temporal one-row stream needs its software prefetch (row_nta): no zero distance for it, and shorter
         # ones (in whole decodes on Zen 4, 256-512 B beat 1-8 KiB)
         candidates = candidates or (NTA_CANDIDATES if chosen["row_nta"] else CANDIDATES)
+        if name in KEEP_DEFAULT:   # the default is measured too: it stands unless clearly slower
+            candidates = tuple(sorted({*candidates, chosen[name]}))
         x = torch.randn(rows, k)
         y = torch.empty(rows, n)
         idx = [0]
@@ -173,7 +173,7 @@ def autotune(lib, nthreads: int, budget_s: float = 6.0) -> dict[str, int]:
                     set_value(lib, key, value)
                 raise TuningAborted(f"kernel autotuning took over {budget_s:.0f} s (a busy machine); "
                                     "kept the per-CPU defaults")
-        best = choose(name, candidates, times)
+        best = choose(name, times, chosen[name])
         chosen[name] = best
         set_value(lib, name, best)
         logger.info("kiln autotune %s: %s -> %d", name, {c: round(t * 1e3, 2) for c, t in times.items()}, best)

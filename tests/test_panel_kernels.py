@@ -578,13 +578,13 @@ def test_autotune_choices():
     slower non-temporal), then the fastest."""
     from kiln.plugins import tuning
 
-    assert tuning.choose("row_prefetch", (0, 512, 2048), {0: 3.2, 512: 2.1, 2048: 2.0}) == 512
-    assert tuning.choose("row_prefetch", (0, 512, 2048), {0: 3.2, 512: 2.5, 2048: 2.0}) == 2048
-    assert tuning.choose("row_nta", (1, 0), {1: 2.1, 0: 2.0}) == 1      # alike alone: the default (Zen 4)
-    assert tuning.choose("row_nta", (1, 0), {1: 3.38, 0: 2.63}) == 0    # slower alone: off (Sapphire Rapids)
-    assert tuning.choose("row_nta", (0, 1), {0: 2.1, 1: 2.0}) == 0
-    assert tuning.choose("row_panels", (4, 1, 2), {4: 2.11, 1: 2.05, 2: 2.33}) == 4   # Sapphire Rapids' default
-    assert tuning.choose("row_panels", (1, 2, 4), {1: 2.6, 2: 2.3, 4: 2.1}) == 4
+    assert tuning.choose("row_prefetch", {0: 3.2, 512: 2.1, 2048: 2.0}, 2048) == 512
+    assert tuning.choose("row_prefetch", {0: 3.2, 512: 2.5, 2048: 2.0}, 0) == 2048
+    assert tuning.choose("row_nta", {1: 2.1, 0: 2.0}, 1) == 1      # alike alone: the default (Zen 4)
+    assert tuning.choose("row_nta", {1: 3.38, 0: 2.63}, 1) == 0    # slower alone: off (Sapphire Rapids)
+    assert tuning.choose("row_nta", {0: 2.1, 1: 2.0}, 0) == 0
+    assert tuning.choose("row_panels", {4: 2.11, 1: 2.05, 2: 2.33}, 4) == 4   # Sapphire Rapids' default
+    assert tuning.choose("row_panels", {1: 2.6, 2: 2.3, 4: 2.1}, 1) == 4
 
 
 def test_autotuning_leaves_the_loading_thread_without_an_openmp_team(native, tmp_path):

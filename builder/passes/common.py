@@ -35,6 +35,11 @@ def is_linear(node: fx.Node) -> bool:
     return is_weight(weight) and (bias is None or is_weight(bias))
 
 
+def is_row_lookup(node: fx.Node, table: fx.Node) -> bool:
+    """aten.embedding with ``table`` as its table: a gather of whole rows (a decode step reads one of each)."""
+    return node.op == "call_function" and node.target is aten.embedding.default and node.args[0] is table
+
+
 MOE = "kiln::moe"
 
 

@@ -22,6 +22,7 @@ from kiln.builder.passes.common import (
     attr,
     is_linear,
     is_moe,
+    is_row_lookup,
     linear_bias,
     per_expert,
     prune_unused_attrs,
@@ -32,28 +33,21 @@ DESCRIPTION = ("float32 / bfloat16 GEMMs -> kiln.fp32_linear / kiln.bf16_linear 
                "16-row panels (streaming GEMV at decode, register-blocked GEMM for prefill)")
 
 
-def _is_lookup(node: fx.Node, table: fx.Node) -> bool:
-    """``aten.embedding(table, ids)``: a gather of whole rows, which can read them from the panels."""
-    import torch
-
-    return node.op == "call_function" and node.target is torch.ops.aten.embedding.default and node.args[0] is table
-
-
-def _shared_weights(gm: fx.GraphModule) -> set[int]:
-    """ids of the tensors that some node other than a float linear or a row lookup reads (these stay plain)."""
+def _weight_readers(gm: fx.GraphModule) -> tuple[set[int], dict[int, list[fx.Node]]]:
+    """ids of the tensors that some node other than a float linear or a row lookup reads (these stay plain), and
+    each tensor's row lookups (through any of its get_attr nodes)."""
     shared: set[int] = set()
+    lookups: dict[int, list[fx.Node]] = {}
     for node in gm.graph.nodes:
         if node.op != "get_attr":
             continue
-        if any(not ((is_linear(u) and u.args[1] is node) or _is_lookup(u, node)) for u in node.users):
-            shared.add(id(attr(gm, node.target)))
-    return shared
-
-
-def _lookups_of(gm: fx.GraphModule, w) -> list[fx.Node]:
-    """The row lookups of tensor ``w`` (through any of its get_attr nodes)."""
-    return [u for n in gm.graph.nodes if n.op == "get_attr" and attr(gm, n.target) is w
-            for u in n.users if _is_lookup(u, n)]
+        key = id(attr(gm, node.target))
+        for user in node.users:
+            if is_row_lookup(user, node):
+                lookups.setdefault(key, []).append(user)
+            elif not (is_linear(user) and user.args[1] is node):
+                shared.add(key)
+    return shared, lookups
 
 
 def _panel_rows(gm: fx.GraphModule, lookup: fx.Node, panels: fx.Node) -> None:
@@ -82,7 +76,7 @@ def run(gm: fx.GraphModule, ctx) -> dict:
     from kiln.plugins.weight_format import can_pack_panels, pack_panels
 
     ops = {torch.float32: torch.ops.kiln.fp32_linear.default, torch.bfloat16: torch.ops.kiln.bf16_linear.default}
-    shared = _shared_weights(gm)
+    shared, lookups_of = _weight_readers(gm)
     counts: dict[str, int] = {}
     packed = plain = 0  # GEMMs on packed / plain weights
     tied_lookups = 0    # embedding lookups that now gather from an lm_head's panels
@@ -98,10 +92,11 @@ def run(gm: fx.GraphModule, ctx) -> dict:
         w_node = node.args[1]
         if can_pack_panels(w) and id(w) not in shared:
             if id(w) not in packed_cache:
-                lookups = _lookups_of(gm, w)
-                # a tied table is named as the LM head: a step streams it whole (runtime.weight_pages.streamed)
+                lookups = lookups_of.get(id(w), [])
+                # a tied table is named as the LM head, which streams it whole
                 name = "lm_head" if lookups else node.args[1].target.removesuffix(".weight").removesuffix("_weight")
-                first = next(n for n in gm.graph.nodes if n is node or n in lookups)   # defined before every use
+                # defined before every use: the lookups come before the LM head
+                first = next(n for n in gm.graph.nodes if n is node or n in lookups) if lookups else node
                 packed_cache[id(w)] = add_weight(gm, name + "_packed", pack_panels(w), first)
                 for lookup in lookups:
                     _panel_rows(gm, lookup, packed_cache[id(w)])
