@@ -1,11 +1,13 @@
 """Causal attention of a prompt chunk over its cached context with kiln's kernel (``csrc/attention_kernels.cpp``).
 
 The context path of paged attention calls :func:`causal_attention` first and falls back to SDPA when it declines
-(None): the kernel takes bf16 or fp32 q/k/v (bf16: vdpbf16ps products, P rounded to bf16; fp32: FMA, nothing
-rounded below fp32) with head dim 64, 128 or 256, no soft-capping and no active sliding window (the caller checks
-those two), on CPUs with AVX-512 BF16. It is the default where the CPU has no AMX: there
-torch's flash attention runs 73-131 GFLOP/s against the GEMMs' ~700 (Zen 5, docs/benchmarks.md), while with AMX
-it runs 300-500 and stays. ``KILN_ATTENTION=kiln`` or ``=sdpa`` chooses either way on any CPU.
+(None): the kernel takes bf16 or fp32 q/k/v (bf16: AMX tile products where the CPU has AMX-BF16, else vdpbf16ps,
+P rounded to bf16 either way; fp32: FMA, nothing rounded below fp32) with head dim 64, 128 or 256, no soft-capping
+and no active sliding window (the caller checks those two), on CPUs with AVX-512 BF16. It is the default there:
+without AMX torch's flash attention runs 73-131 GFLOP/s against the GEMMs' ~700 (Zen 5), and with AMX (Sapphire
+Rapids) the tile kernel runs a whole 800-token prompt's attention 2x faster than SDPA and a chunk after a cached
+prefix (SDPA's masked path) faster still (docs/benchmarks.md). ``KILN_ATTENTION=kiln`` or ``=sdpa`` chooses either
+way on any CPU.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ import torch
 
 from kiln.plugins import native
 
-__all__ = ["causal_attention", "kernel_route", "set_kernel_route", "describe"]
+__all__ = ["causal_attention", "kernel_route", "set_kernel_route", "set_amx", "describe"]
 
 ROUTES = ("auto", "kiln", "sdpa")
 _route: str | None = None
@@ -32,13 +34,13 @@ def _takes(dtype: torch.dtype, head_dim: int) -> bool:
 
 def kernel_route() -> str:
     """'kiln' when context attention runs kiln's kernel where it can, else 'sdpa' (``KILN_ATTENTION``, default
-    auto: kiln's kernel on CPUs with AVX-512 BF16 and no AMX)."""
+    auto: kiln's kernel; it declines on CPUs without AVX-512 BF16, which then run SDPA)."""
     global _route
     if _route is None:
         choice = os.environ.get("KILN_ATTENTION", "auto").strip().lower() or "auto"
         if choice not in ROUTES:
             raise ValueError(f"KILN_ATTENTION={choice!r}: choose one of {', '.join(ROUTES)}")
-        _route = ("sdpa" if "amx_bf16" in native.cpu_flags() else "kiln") if choice == "auto" else choice
+        _route = "kiln" if choice == "auto" else choice
     return _route
 
 
@@ -51,6 +53,15 @@ def set_kernel_route(route: str) -> str:
     old = kernel_route()
     _route = None if route == "auto" else route
     return old
+
+
+def set_amx(on: bool) -> bool:
+    """Run the bf16 kernel's products on AMX tiles (where the CPU and OS allow them) or on vdpbf16ps; returns the
+    previous setting (tests compare both)."""
+    lib = native.library()
+    if lib is None:
+        return False
+    return bool(lib.kiln_causal_attention_set_amx(1 if on else 0))
 
 
 def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor | None:
@@ -74,14 +85,13 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: f
 def describe(dtype: str, head_dim: int, softcap: float = 0.0) -> str:
     """Which attention an engine's context sequences run on this machine (kiln inspect --load)."""
     if kernel_route() != "kiln":
-        why = "KILN_ATTENTION=sdpa" if os.environ.get("KILN_ATTENTION", "").strip().lower() == "sdpa" else \
-            "this CPU has AMX, where SDPA runs its AMX kernels"
-        return f"torch SDPA ({why})"
+        return "torch SDPA (KILN_ATTENTION=sdpa)"
     lib = native.library()
     if lib is None or not lib.kiln_causal_attention_available():
         return "torch SDPA (no native kernels or no AVX-512 BF16 on this CPU)"
     if not _takes(getattr(torch, dtype, None), head_dim) or softcap > 0:
         return f"torch SDPA (kiln's kernel takes bf16 or fp32, head dim 64/128/256, no soft-capping; this engine: " \
                f"{dtype}, head dim {head_dim}{', soft-capped' if softcap > 0 else ''})"
-    how = "AVX-512 BF16 dot products" if dtype == "bfloat16" else "AVX-512 fp32 FMA"
+    how = ("AMX tile products" if lib.kiln_causal_attention_amx() else "AVX-512 BF16 dot products") \
+        if dtype == "bfloat16" else "AVX-512 fp32 FMA"
     return f"kiln causal attention kernel ({how}; sliding-window layers past their window: SDPA)"

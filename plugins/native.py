@@ -284,6 +284,9 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.kiln_causal_attention_bf16.restype = ctypes.c_int
     lib.kiln_causal_attention_f32.argtypes = lib.kiln_causal_attention_bf16.argtypes
     lib.kiln_causal_attention_f32.restype = ctypes.c_int
+    lib.kiln_causal_attention_amx.restype = ctypes.c_int
+    lib.kiln_causal_attention_set_amx.argtypes = [ctypes.c_int]
+    lib.kiln_causal_attention_set_amx.restype = ctypes.c_int
     lib.kiln_block_cache_install.argtypes = [i64, i64]
     lib.kiln_block_cache_install.restype = ctypes.c_int
     lib.kiln_block_cache_stats.argtypes = [ptr]

@@ -1,6 +1,7 @@
 """kiln's causal attention kernel (plugins/csrc/attention_kernels.cpp) against attention in fp32 from its
 definition: whole prompts and continuation chunks, GQA ratios, head dims, sizes that do not fill a block, the
-cases it declines, the route setting, and paged attention's context path through it."""
+cases it declines, the route setting, and paged attention's context path through it. bf16 runs both its product
+routes where the CPU has AMX-BF16 (tiles, and the vdpbf16ps loop every other AVX-512 BF16 CPU runs)."""
 
 from __future__ import annotations
 
@@ -24,14 +25,19 @@ def _reference(q, k, v, scale):
     return (torch.softmax(scores, -1) @ vv).transpose(0, 1)
 
 
-@pytest.fixture
-def kernel(native):
+@pytest.fixture(params=["amx", "avx512"])
+def kernel(native, request):
     lib = native_lib.library()
     if not lib.kiln_causal_attention_available():
         pytest.skip("this CPU has no AVX-512 BF16: context attention runs SDPA")
+    amx_before = attention.set_amx(request.param == "amx")
+    if request.param == "amx" and not lib.kiln_causal_attention_amx():
+        attention.set_amx(amx_before)
+        pytest.skip("no AMX-BF16 tile state on this CPU (or the OS refused it): bf16 runs vdpbf16ps")
     old = attention.set_kernel_route("kiln")
-    yield
+    yield request.param
     attention.set_kernel_route(old)
+    attention.set_amx(amx_before)
 
 
 @pytest.mark.parametrize("n, ctx, hq, hkv, d", [
@@ -43,6 +49,7 @@ def kernel(native):
     (130, 131, 2, 1, 256),   # head 256, a context one key longer than a block boundary needs
     (64, 64, 3, 3, 64),      # exactly one key block
     (700, 1300, 8, 2, 64),   # many blocks, a continuation
+    (33, 97, 6, 2, 128),     # GQA 3: a micro-block of rows spans positions mid-group
 ])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_matches_attention_in_fp32(kernel, n, ctx, hq, hkv, d, dtype):
@@ -142,6 +149,7 @@ def test_paged_attention_context_path_uses_it(kernel, dtype, tol):
 
 def test_describe_names_the_route_and_why(kernel):
     assert attention.describe("bfloat16", 64).startswith("kiln causal attention kernel")
+    assert ("AMX tile products" if kernel == "amx" else "AVX-512 BF16 dot products") in attention.describe("bfloat16", 64)
     assert "fp32 FMA" in attention.describe("float32", 128)
     assert "this engine: float16, head dim 64" in attention.describe("float16", 64)
     assert "head dim 80" in attention.describe("bfloat16", 80)

@@ -19,6 +19,7 @@
 #include <omp.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -226,6 +227,175 @@ KILN_ATTN_TARGET void attend_rows(const Rows<T>& r, const typename T::W* kp, con
 
 }  // namespace k512
 
+
+// ---- AMX (bf16) -------------------------------------------------------------------------------------------------
+// Where the CPU has AMX-BF16 and the OS grants tile state, the bf16 kernel computes Q K^T and P V as tile products
+// (16 x 16 x 32 per instruction) instead of vdpbf16ps, which leaves the online softmax as most of the work: on a
+// 2-core Sapphire Rapids the vdpbf16ps loop ran ~120 GFLOP/s and torch's SDPA ~300 (docs/benchmarks.md). The packed
+// k and v above are already tiles: 16 d-pairs x 16 keys of kp are the B operand of the scores (a row of them is one
+// d-pair of 16 keys, 64 bytes), 16 key pairs x 16 d of vp the B operand of P V (row stride D words). A micro-block
+// is 16 query rows (one A tile's rows) against blocks of 32 keys: two score tiles, P as one A tile (16 rows x 32
+// keys, bf16), and the output accumulated in fp32 in memory (tiles cannot be scaled: a row whose running max moves
+// is rescaled with AVX-512 before the next P V adds to it). Tiles: 0-1 scores, 2 q, 3-4 k; then 0-3 output, 5 P,
+// 6-7 v (every tile 16 rows x 64 bytes, kiln_amx_tiles_begin's config).
+namespace amx {
+
+constexpr int RA = 16;   // query rows per micro-block
+constexpr int BKA = 64;  // keys per block (four score tiles; P as two A tiles)
+
+struct RowsA {
+  const uint16_t* q[RA];   // each row's query, D bf16
+  uint16_t* out[RA];       // where its output goes (nullptr: a padding row)
+  int64_t limit[RA];       // last key the row sees
+};
+
+#define KILN_AMX_TARGET __attribute__((target("amx-tile,amx-bf16,avx512f,avx512bw,avx512vl,avx512dq,avx512bf16")))
+
+// o rows += P V over 64 d columns (four output tiles), P's 64 keys already in tiles 4 (keys 0-31) and 5 (32-63);
+// vb: the block's first key pair at these columns
+KILN_AMX_TARGET inline void pv_quad(float* o, int64_t ostride, const uint32_t* vb, int64_t D) {
+  const int64_t vstride = D * 4, half = 16 * D;   // a key pair's row of words; keys 32-63 start 16 pairs on
+  _tile_loadd(0, o, ostride);
+  _tile_loadd(1, o + 16, ostride);
+  _tile_loadd(2, o + 32, ostride);
+  _tile_loadd(3, o + 48, ostride);
+  _tile_loadd(6, vb, vstride);
+  _tile_loadd(7, vb + half, vstride);
+  _tile_dpbf16ps(0, 4, 6);
+  _tile_dpbf16ps(0, 5, 7);
+  _tile_loadd(6, vb + 16, vstride);
+  _tile_loadd(7, vb + half + 16, vstride);
+  _tile_dpbf16ps(1, 4, 6);
+  _tile_dpbf16ps(1, 5, 7);
+  _tile_loadd(6, vb + 32, vstride);
+  _tile_loadd(7, vb + half + 32, vstride);
+  _tile_dpbf16ps(2, 4, 6);
+  _tile_dpbf16ps(2, 5, 7);
+  _tile_loadd(6, vb + 48, vstride);
+  _tile_loadd(7, vb + half + 48, vstride);
+  _tile_dpbf16ps(3, 4, 6);
+  _tile_dpbf16ps(3, 5, 7);
+  _tile_stored(0, o, ostride);
+  _tile_stored(1, o + 16, ostride);
+  _tile_stored(2, o + 32, ostride);
+  _tile_stored(3, o + 48, ostride);
+}
+
+// The keys of a 64-key block row i sees, as four lane masks (visible: keys of the block it sees, may be <= 0)
+KILN_AMX_TARGET inline void visible_masks(int64_t visible, __mmask16 keep[4]) {
+  for (int t = 0; t < 4; ++t) {
+    const int64_t n = std::clamp<int64_t>(visible - 16 * t, 0, 16);
+    keep[t] = n >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << n) - 1u);
+  }
+}
+
+KILN_AMX_TARGET void attend_rows(const RowsA& r, const uint32_t* kp, const uint32_t* vp, int64_t D,
+                                 float scale_log2) {
+  const int64_t S = D / 2;
+  alignas(64) uint16_t qbuf[RA * 256];  // D <= 256
+  alignas(64) float o[RA * 256];
+  alignas(64) float sbuf[RA * BKA];
+  alignas(64) uint16_t pbuf[RA * BKA];
+  alignas(64) float m[RA], bmax[RA];
+  alignas(64) float lsum[RA][16];      // each row's running sum of P, 16 lanes (reduced once, at the end)
+  int64_t last = 0;
+  for (int i = 0; i < RA; ++i) {
+    std::memcpy(qbuf + i * D, r.q[i], sizeof(uint16_t) * size_t(D));
+    m[i] = -INFINITY;
+    _mm512_store_ps(lsum[i], _mm512_setzero_ps());
+    last = std::max(last, r.limit[i]);
+  }
+  std::memset(o, 0, sizeof(float) * size_t(RA * D));
+  const int64_t qstride = D * 2, ostride = D * 4;
+  const __m512 scale = _mm512_set1_ps(scale_log2), neg_inf = _mm512_set1_ps(-INFINITY);
+  for (int64_t b = 0; b <= last / BKA; ++b) {
+    const uint32_t* k0 = kp + 4 * b * S * 16;   // key vectors 4b .. 4b + 3: [S][16] words each
+    _tile_zero(0);
+    _tile_zero(1);
+    _tile_zero(2);
+    _tile_zero(3);
+    for (int64_t c = 0; c < D / 32; ++c) {
+      _tile_loadd(4, qbuf + c * 32, qstride);
+      _tile_loadd(5, k0 + c * 256, 64);
+      _tile_loadd(6, k0 + S * 16 + c * 256, 64);
+      _tile_dpbf16ps(0, 4, 5);
+      _tile_dpbf16ps(1, 4, 6);
+      _tile_loadd(5, k0 + 2 * S * 16 + c * 256, 64);
+      _tile_loadd(6, k0 + 3 * S * 16 + c * 256, 64);
+      _tile_dpbf16ps(2, 4, 5);
+      _tile_dpbf16ps(3, 4, 6);
+    }
+    _tile_stored(0, sbuf, BKA * 4);
+    _tile_stored(1, sbuf + 16, BKA * 4);
+    _tile_stored(2, sbuf + 32, BKA * 4);
+    _tile_stored(3, sbuf + 48, BKA * 4);
+    // scores scaled to log2 units, keys a row does not see at -inf; each row's block max
+    for (int i = 0; i < RA; ++i) {
+      __mmask16 keep[4];
+      visible_masks(r.limit[i] - b * BKA + 1, keep);
+      __m512 mx = neg_inf;
+      for (int t = 0; t < 4; ++t) {
+        const __m512 sc = _mm512_maskz_mul_ps(keep[t], _mm512_load_ps(sbuf + i * BKA + 16 * t), scale);
+        const __m512 st = _mm512_mask_blend_ps(keep[t], neg_inf, sc);
+        _mm512_store_ps(sbuf + i * BKA + 16 * t, st);
+        mx = _mm512_max_ps(mx, st);
+      }
+      bmax[i] = _mm512_reduce_max_ps(mx);
+    }
+    // the 16 rows' new maxima and rescale factors at once (block 0 has a visible key in every row, so the max
+    // is finite from it on; alpha = 2^(old - new) is 0 at block 0: its old max is -inf)
+    const __m512 mold = _mm512_load_ps(m);
+    const __m512 mnew = _mm512_max_ps(mold, _mm512_load_ps(bmax));
+    _mm512_store_ps(m, mnew);
+    alignas(64) float alpha[RA];
+    _mm512_store_ps(alpha, k512::exp2_neg(_mm512_sub_ps(mold, mnew)));
+    const __mmask16 moved = _mm512_cmp_ps_mask(mold, mnew, _CMP_NEQ_OQ);
+    for (int i = 0; i < RA; ++i) {
+      const __m512 mv = _mm512_set1_ps(m[i]);
+      __m512 sum = _mm512_setzero_ps();
+      __m512 p[4];
+      for (int t = 0; t < 4; ++t) {
+        const __m512 x = _mm512_load_ps(sbuf + i * BKA + 16 * t);
+        // -inf (an unseen key) - max -> 2^-150: masked to an exact 0
+        p[t] = _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(x, neg_inf, _CMP_NEQ_OQ), k512::exp2_neg(_mm512_sub_ps(x, mv)));
+        sum = _mm512_add_ps(sum, p[t]);
+      }
+      const bool rescale = (moved >> i) & 1;
+      const __m512 a = _mm512_set1_ps(alpha[i]);
+      _mm512_store_ps(lsum[i], rescale ? _mm512_fmadd_ps(_mm512_load_ps(lsum[i]), a, sum)
+                                       : _mm512_add_ps(_mm512_load_ps(lsum[i]), sum));
+      _mm512_store_si512(pbuf + i * BKA, (__m512i)_mm512_cvtne2ps_pbh(p[1], p[0]));        // keys 0-31
+      _mm512_store_si512(pbuf + i * BKA + 32, (__m512i)_mm512_cvtne2ps_pbh(p[3], p[2]));   // keys 32-63
+      if (rescale && b > 0)
+        for (int64_t c = 0; c < D; c += 16) _mm512_store_ps(o + i * D + c, _mm512_mul_ps(_mm512_load_ps(o + i * D + c), a));
+    }
+    _tile_loadd(4, pbuf, BKA * 2);
+    _tile_loadd(5, pbuf + 32, BKA * 2);
+    const uint32_t* vb = vp + b * 32 * D;   // key pairs 32b .. 32b + 31
+    for (int64_t e = 0; e < D; e += 64) pv_quad(o + e, ostride, vb + e, D);
+  }
+  for (int i = 0; i < RA; ++i) {
+    if (r.out[i] == nullptr) continue;
+    const __m512 inv = _mm512_set1_ps(1.0f / _mm512_reduce_add_ps(_mm512_load_ps(lsum[i])));
+    for (int64_t c = 0; c < D; c += 16)
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(r.out[i] + c),
+                          (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(_mm512_load_ps(o + i * D + c), inv)));
+  }
+}
+
+}  // namespace amx
+
+std::atomic<int> g_attention_amx{-1};   // -1: not chosen yet (on where kiln_amx_tiles_permitted)
+
+bool attention_amx() {
+  int on = g_attention_amx.load(std::memory_order_relaxed);
+  if (on < 0) {
+    on = cpu_ok() && kiln_amx_tiles_permitted() ? 1 : 0;
+    g_attention_amx.store(on);
+  }
+  return on == 1;
+}
+
 template <class T>
 int causal_attention(const void* q, const void* k, const void* v, void* out, int64_t n, int64_t ctx, int64_t hq,
                      int64_t hkv, int64_t D, float scale, int nthreads) {
@@ -250,6 +420,34 @@ int causal_attention(const void* q, const void* k, const void* v, void* out, int
   const int64_t qblocks = (n + BQ - 1) / BQ;
   const int64_t tasks = hkv * qblocks;
   const float scale_log2 = scale * 1.4426950408889634f;
+  if constexpr (T::PACK == 2) {
+    if (attention_amx()) {
+      const auto* qe = static_cast<const uint16_t*>(q);
+#pragma omp parallel num_threads(nt)
+      {
+        kiln_amx_tiles_begin();
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t t = 0; t < tasks; ++t) {   // later query blocks first, as below
+          const int64_t qb = qblocks - 1 - t / hkv, h = t % hkv;
+          const int64_t i0 = qb * BQ, i1 = std::min(n, i0 + BQ);
+          const int64_t rows = (i1 - i0) * group;
+          for (int64_t r0 = 0; r0 < rows; r0 += amx::RA) {
+            amx::RowsA rb;
+            for (int i = 0; i < amx::RA; ++i) {
+              const int64_t r = std::min(r0 + i, rows - 1);
+              const int64_t pos = i0 + r / group, head = h * group + r % group;
+              rb.q[i] = qe + (pos * hq + head) * D;
+              rb.out[i] = r0 + i < rows ? oe + (pos * hq + head) * D : nullptr;
+              rb.limit[i] = start + pos;
+            }
+            amx::attend_rows(rb, kp.data() + h * ctx_pad * S, vp.data() + h * ctx_pad / T::PACK * D, D, scale_log2);
+          }
+        }
+        kiln_amx_tiles_end();
+      }
+      return 0;
+    }
+  }
   // later query blocks see more keys: hand them out first
 #pragma omp parallel for num_threads(nt) schedule(dynamic, 1)
   for (int64_t t = 0; t < tasks; ++t) {
@@ -287,6 +485,14 @@ int kiln_causal_attention_bf16(const void* q, const void* k, const void* v, void
 int kiln_causal_attention_f32(const void* q, const void* k, const void* v, void* out, int64_t n, int64_t ctx,
                               int64_t hq, int64_t hkv, int64_t D, float scale, int nthreads) {
   return causal_attention<F32>(q, k, v, out, n, ctx, hq, hkv, D, scale, nthreads);
+}
+
+int kiln_causal_attention_amx() { return attention_amx() ? 1 : 0; }
+
+int kiln_causal_attention_set_amx(int on) {
+  const int before = attention_amx() ? 1 : 0;
+  g_attention_amx.store(on && cpu_ok() && kiln_amx_tiles_permitted() ? 1 : 0);
+  return before;
 }
 
 }  // extern "C"

@@ -116,6 +116,12 @@ void kiln_ops_set_int4_gemm_m(int64_t m);
 // changes nothing) where torch's brgemm cannot take bf16 (no AMX-BF16), else 1.
 int64_t kiln_ops_bf16_gemm_m();
 int kiln_ops_set_bf16_gemm_m(int64_t m);
+// AMX tile state for kernels outside torch (attention_kernels.cpp). permitted: 1 where the CPU has AMX-BF16 and the
+// OS granted this process tile state. begin (on each thread, before its tile code): torch's brgemm drops the tile
+// config it cached for the thread and kiln's (all 8 tiles 16 rows x 64 bytes) is loaded; end: the tiles released.
+int kiln_amx_tiles_permitted();
+void kiln_amx_tiles_begin();
+void kiln_amx_tiles_end();
 
 // attention_kernels.cpp (no torch): causal attention of n new tokens at the end of a ctx-token context, bf16 q
 // [n][Hq][D], k and v [ctx][Hkv][D], out [n][Hq][D] (query i sees keys 0 .. ctx - n + i); needs AVX-512 BF16 and
@@ -126,6 +132,10 @@ int kiln_causal_attention_bf16(const void* q, const void* k, const void* v, void
 // The same in fp32 (q, k, v, out fp32; one FMA per d and per key, nothing rounded below fp32).
 int kiln_causal_attention_f32(const void* q, const void* k, const void* v, void* out, int64_t n, int64_t ctx,
                               int64_t hq, int64_t hkv, int64_t D, float scale, int nthreads);
+// Does the bf16 kernel run its products on AMX tiles (1), or vdpbf16ps (0)? set: on = 1 (where
+// kiln_amx_tiles_permitted) or 0; returns the previous setting. Default: on where permitted.
+int kiln_causal_attention_amx();
+int kiln_causal_attention_set_amx(int on);
 // block_cache.cpp: torch's CPU allocator keeping freed blocks of >= min_bytes (up to cap_bytes in all) for reuse
 // (kiln.plugins.block_cache). install: 0, or 1 when an allocator of a higher priority holds the slot; stats:
 // out[6] = cap, min bytes, cached bytes, cached blocks, hits, misses (1: never installed).

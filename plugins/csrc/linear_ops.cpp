@@ -493,6 +493,16 @@ void kiln_ops_set_int4_gemm_m(int64_t m) { g_int4_gemm_m.store(m < 0 ? 0 : m); }
 
 int64_t kiln_ops_bf16_gemm_m() { return bf16_gemm_m(); }
 
+int kiln_amx_tiles_permitted() { return amx_tiles_permitted() ? 1 : 0; }
+
+void kiln_amx_tiles_begin() {
+  // as panel_gemm_amx: torch's brgemm forgets the config it cached for this thread, then ours is loaded
+  at::native::cpublas::brgemm_release(true);
+  amx_load_config();
+}
+
+void kiln_amx_tiles_end() { amx_release(); }
+
 int kiln_ops_set_bf16_gemm_m(int64_t m) {
   if (m > 0 && !bf16_gemm_available()) return 0;
   g_bf16_gemm_m.store(m < 0 ? 0 : m);
