@@ -149,7 +149,8 @@ def test_paged_attention_context_path_uses_it(kernel, dtype, tol):
 
 def test_describe_names_the_route_and_why(kernel):
     assert attention.describe("bfloat16", 64).startswith("kiln causal attention kernel")
-    assert ("AMX tile products" if kernel == "amx" else "AVX-512 BF16 dot products") in attention.describe("bfloat16", 64)
+    products = "AMX tile products" if kernel == "amx" else "AVX-512 BF16 dot products"
+    assert products in attention.describe("bfloat16", 64)
     assert "fp32 FMA" in attention.describe("float32", 128)
     assert "this engine: float16, head dim 64" in attention.describe("float16", 64)
     assert "head dim 80" in attention.describe("bfloat16", 80)
