@@ -44,7 +44,8 @@ bool cpu_ok() {
 // k512: the AVX-512 code, entered only where cpu_ok() (the library runs on AVX2-only CPUs too)
 namespace k512 {
 
-// 2^x for x <= 0 (scores minus their running max), relative error ~2e-7; 2^x for x <= -150 is 0.
+// 2^x for x <= 127 (scores minus a running max: x <= 0 in the AVX-512 path, <= LAZY in the AMX one), relative error
+// ~2e-7; 2^x for x <= -150 is 0.
 KILN_ATTN_TARGET inline __m512 exp2_neg(__m512 x) {
   x = _mm512_max_ps(x, _mm512_set1_ps(-150.0f));
   const __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
@@ -52,6 +53,20 @@ KILN_ATTN_TARGET inline __m512 exp2_neg(__m512 x) {
   __m512 p = _mm512_set1_ps(1.0f / 720);
   p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f / 120));
   p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f / 24));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f / 6));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.5f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
+  return _mm512_scalef_ps(p, n);
+}
+
+// 2^x to ~5e-5 relative (degree 4 where exp2_neg has 6), x <= 127: for P that is rounded to bf16 (2^-9) before it
+// multiplies v, as the AMX path does; its row sums see the same error, ~10x below the output's own rounding.
+KILN_ATTN_TARGET inline __m512 exp2_bf16(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-150.0f));
+  const __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 f = _mm512_mul_ps(_mm512_sub_ps(x, n), _mm512_set1_ps(0.6931471805599453f));
+  __m512 p = _mm512_set1_ps(1.0f / 24);
   p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f / 6));
   p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.5f));
   p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
@@ -242,6 +257,7 @@ namespace amx {
 
 constexpr int RA = 16;   // query rows per micro-block
 constexpr int BKA = 64;  // keys per block (four score tiles; P as two A tiles)
+constexpr float LAZY = 8.0f;   // log2 units a block's max may pass a row's reference max before it moves
 
 struct RowsA {
   const uint16_t* q[RA];   // each row's query, D bf16
@@ -296,7 +312,7 @@ KILN_AMX_TARGET void attend_rows(const RowsA& r, const uint32_t* kp, const uint3
   alignas(64) float o[RA * 256];
   alignas(64) float sbuf[RA * BKA];
   alignas(64) uint16_t pbuf[RA * BKA];
-  alignas(64) float m[RA], bmax[RA];
+  alignas(64) float m[RA], bmax[RA];   // each row's reference max (log2 units), a block's raw max
   alignas(64) float lsum[RA][16];      // each row's running sum of P, 16 lanes (reduced once, at the end)
   int64_t last = 0;
   for (int i = 0; i < RA; ++i) {
@@ -329,35 +345,31 @@ KILN_AMX_TARGET void attend_rows(const RowsA& r, const uint32_t* kp, const uint3
     _tile_stored(1, sbuf + 16, BKA * 4);
     _tile_stored(2, sbuf + 32, BKA * 4);
     _tile_stored(3, sbuf + 48, BKA * 4);
-    // scores scaled to log2 units, keys a row does not see at -inf; each row's block max
+    // each row's block max over the keys it sees (raw scores: scale > 0 keeps their order)
     for (int i = 0; i < RA; ++i) {
       __mmask16 keep[4];
       visible_masks(r.limit[i] - b * BKA + 1, keep);
       __m512 mx = neg_inf;
-      for (int t = 0; t < 4; ++t) {
-        const __m512 sc = _mm512_maskz_mul_ps(keep[t], _mm512_load_ps(sbuf + i * BKA + 16 * t), scale);
-        const __m512 st = _mm512_mask_blend_ps(keep[t], neg_inf, sc);
-        _mm512_store_ps(sbuf + i * BKA + 16 * t, st);
-        mx = _mm512_max_ps(mx, st);
-      }
+      for (int t = 0; t < 4; ++t) mx = _mm512_mask_max_ps(mx, keep[t], mx, _mm512_load_ps(sbuf + i * BKA + 16 * t));
       bmax[i] = _mm512_reduce_max_ps(mx);
     }
-    // the 16 rows' new maxima and rescale factors at once (block 0 has a visible key in every row, so the max
-    // is finite from it on; alpha = 2^(old - new) is 0 at block 0: its old max is -inf)
-    const __m512 mold = _mm512_load_ps(m);
-    const __m512 mnew = _mm512_max_ps(mold, _mm512_load_ps(bmax));
+    // The 16 rows' reference maxima at once, moved only when a block's max passes a row's by more than LAZY (log2
+    // units): P is then at most 2^LAZY (exact in fp32 and within bf16's range), and most blocks rescale nothing.
+    // Every row sees a key of block 0, so its reference is finite from then on (alpha, 2^-inf there, is 0).
+    const __m512 mold = _mm512_load_ps(m), bm = _mm512_mul_ps(_mm512_load_ps(bmax), scale);
+    const __mmask16 moved = _mm512_cmp_ps_mask(bm, _mm512_add_ps(mold, _mm512_set1_ps(LAZY)), _CMP_GT_OQ);
+    const __m512 mnew = _mm512_mask_blend_ps(moved, mold, bm);
     _mm512_store_ps(m, mnew);
     alignas(64) float alpha[RA];
     _mm512_store_ps(alpha, k512::exp2_neg(_mm512_sub_ps(mold, mnew)));
-    const __mmask16 moved = _mm512_cmp_ps_mask(mold, mnew, _CMP_NEQ_OQ);
     for (int i = 0; i < RA; ++i) {
+      __mmask16 keep[4];
+      visible_masks(r.limit[i] - b * BKA + 1, keep);
       const __m512 mv = _mm512_set1_ps(m[i]);
       __m512 sum = _mm512_setzero_ps();
       __m512 p[4];
       for (int t = 0; t < 4; ++t) {
-        const __m512 x = _mm512_load_ps(sbuf + i * BKA + 16 * t);
-        // -inf (an unseen key) - max -> 2^-150: masked to an exact 0
-        p[t] = _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(x, neg_inf, _CMP_NEQ_OQ), k512::exp2_neg(_mm512_sub_ps(x, mv)));
+        p[t] = _mm512_maskz_mov_ps(keep[t], k512::exp2_bf16(_mm512_fmsub_ps(_mm512_load_ps(sbuf + i * BKA + 16 * t), scale, mv)));
         sum = _mm512_add_ps(sum, p[t]);
       }
       const bool rescale = (moved >> i) & 1;
@@ -367,7 +379,8 @@ KILN_AMX_TARGET void attend_rows(const RowsA& r, const uint32_t* kp, const uint3
       _mm512_store_si512(pbuf + i * BKA, (__m512i)_mm512_cvtne2ps_pbh(p[1], p[0]));        // keys 0-31
       _mm512_store_si512(pbuf + i * BKA + 32, (__m512i)_mm512_cvtne2ps_pbh(p[3], p[2]));   // keys 32-63
       if (rescale && b > 0)
-        for (int64_t c = 0; c < D; c += 16) _mm512_store_ps(o + i * D + c, _mm512_mul_ps(_mm512_load_ps(o + i * D + c), a));
+        for (int64_t c = 0; c < D; c += 16)
+          _mm512_store_ps(o + i * D + c, _mm512_mul_ps(_mm512_load_ps(o + i * D + c), a));
     }
     _tile_loadd(4, pbuf, BKA * 2);
     _tile_loadd(5, pbuf + 32, BKA * 2);
