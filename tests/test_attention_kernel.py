@@ -74,6 +74,20 @@ def test_large_scores_do_not_overflow(kernel):
     assert (out.float() - ref).abs().max().item() < 0.05
 
 
+@pytest.mark.parametrize("step", [0.005, 0.3])
+def test_scores_rising_across_key_blocks(kernel, step):
+    """Scores that grow along the keys: by less than the AMX path's lazy margin over a block (step 0.005: its P
+    grows up to 2^8 before the reference max moves) and by far more (0.3: the max moves at every block)."""
+    torch.manual_seed(4)
+    ctx, n = 300, 120
+    q = torch.ones(n, 2, 64).bfloat16()
+    k = (torch.arange(ctx).float()[:, None, None] * step * torch.ones(ctx, 1, 64) / 8).bfloat16()
+    v = torch.randn(ctx, 1, 64).bfloat16()
+    out = attention.causal_attention(q, k, v, 1.0)
+    ref = _reference(q, k, v, 1.0)
+    assert (out.float() - ref).abs().max().item() <= 0.01 * ref.abs().max().item() + 1e-3
+
+
 def test_each_query_sees_only_its_prefix(kernel):
     """Changing the keys and values past a query's position must not change that query's output (finite values:
     a NaN in a later value reaches the earlier queries of its key block through 0 * NaN, as in SDPA's kernel)."""

@@ -242,22 +242,23 @@ KILN_ATTN_TARGET void attend_rows(const Rows<T>& r, const typename T::W* kp, con
 
 }  // namespace k512
 
-
 // ---- AMX (bf16) -------------------------------------------------------------------------------------------------
 // Where the CPU has AMX-BF16 and the OS grants tile state, the bf16 kernel computes Q K^T and P V as tile products
 // (16 x 16 x 32 per instruction) instead of vdpbf16ps, which leaves the online softmax as most of the work: on a
-// 2-core Sapphire Rapids the vdpbf16ps loop ran ~120 GFLOP/s and torch's SDPA ~300 (docs/benchmarks.md). The packed
-// k and v above are already tiles: 16 d-pairs x 16 keys of kp are the B operand of the scores (a row of them is one
-// d-pair of 16 keys, 64 bytes), 16 key pairs x 16 d of vp the B operand of P V (row stride D words). A micro-block
-// is 16 query rows (one A tile's rows) against blocks of 32 keys: two score tiles, P as one A tile (16 rows x 32
-// keys, bf16), and the output accumulated in fp32 in memory (tiles cannot be scaled: a row whose running max moves
-// is rescaled with AVX-512 before the next P V adds to it). Tiles: 0-1 scores, 2 q, 3-4 k; then 0-3 output, 5 P,
-// 6-7 v (every tile 16 rows x 64 bytes, kiln_amx_tiles_begin's config).
+// 2-core Sapphire Rapids the vdpbf16ps loop ran ~150 GFLOP/s, torch's SDPA ~300-440 and this path 480-890
+// (docs/benchmarks.md). The packed k and v above are already tiles: 16 d-pairs x 16 keys of kp are the B operand of
+// the scores (a row of them is one d-pair of 16 keys, 64 bytes), 16 key pairs x 16 d of vp the B operand of P V
+// (row stride D words). A micro-block is 16 query rows (one A tile's rows) against blocks of 64 keys: four score
+// tiles, P as two A tiles (16 rows x 32 keys each, bf16), and the output accumulated in fp32 in memory (tiles cannot
+// be scaled: a row whose reference max moves is rescaled with AVX-512 before the next P V adds to it; the reference
+// moves only when a block passes it by LAZY, so that is rare). Tiles: 0-3 scores, 4 q, 5-6 k; then 0-3 output,
+// 4-5 P, 6-7 v (every tile 16 rows x 64 bytes, kiln_amx_tiles_begin's config).
 namespace amx {
 
 constexpr int RA = 16;   // query rows per micro-block
 constexpr int BKA = 64;  // keys per block (four score tiles; P as two A tiles)
 constexpr float LAZY = 8.0f;   // log2 units a block's max may pass a row's reference max before it moves
+static_assert(BK % BKA == 0, "k and v are packed in whole blocks of BK keys");
 
 struct RowsA {
   const uint16_t* q[RA];   // each row's query, D bf16
@@ -369,7 +370,8 @@ KILN_AMX_TARGET void attend_rows(const RowsA& r, const uint32_t* kp, const uint3
       __m512 sum = _mm512_setzero_ps();
       __m512 p[4];
       for (int t = 0; t < 4; ++t) {
-        p[t] = _mm512_maskz_mov_ps(keep[t], k512::exp2_bf16(_mm512_fmsub_ps(_mm512_load_ps(sbuf + i * BKA + 16 * t), scale, mv)));
+        const __m512 x = _mm512_fmsub_ps(_mm512_load_ps(sbuf + i * BKA + 16 * t), scale, mv);   // log2 units
+        p[t] = _mm512_maskz_mov_ps(keep[t], k512::exp2_bf16(x));
         sum = _mm512_add_ps(sum, p[t]);
       }
       const bool rescale = (moved >> i) & 1;
