@@ -252,8 +252,8 @@ KILN_ATTN_TARGET void attend_rows(const Rows<T>& r, const typename T::W* kp, con
 // tiles, P as two A tiles (16 rows x 32 keys each, bf16), and the output accumulated in fp32 in memory (tiles cannot
 // be scaled: a row whose reference max moves is rescaled with AVX-512 before the next P V adds to it; the reference
 // moves only when a block passes it by LAZY, so that is rare). Tiles: 0-3 scores, 4 q, 5-6 k; then 0-3 output,
-// 4-5 P, 6-7 v (every tile 16 rows x 64 bytes, kiln_amx_tiles_begin's config).
-namespace amx {
+// 4-5 P, 6-7 v (every tile 16 rows x 64 bytes, kiln_amx_tiles_begin's config). In k512:: as all AVX-512 code is.
+namespace k512::amx {
 
 constexpr int RA = 16;   // query rows per micro-block
 constexpr int BKA = 64;  // keys per block (four score tiles; P as two A tiles)
@@ -398,7 +398,7 @@ KILN_AMX_TARGET void attend_rows(const RowsA& r, const uint32_t* kp, const uint3
   }
 }
 
-}  // namespace amx
+}  // namespace k512::amx
 
 std::atomic<int> g_attention_amx{-1};   // -1: not chosen yet (on where kiln_amx_tiles_permitted)
 
@@ -446,16 +446,17 @@ int causal_attention(const void* q, const void* k, const void* v, void* out, int
           const int64_t qb = qblocks - 1 - t / hkv, h = t % hkv;
           const int64_t i0 = qb * BQ, i1 = std::min(n, i0 + BQ);
           const int64_t rows = (i1 - i0) * group;
-          for (int64_t r0 = 0; r0 < rows; r0 += amx::RA) {
-            amx::RowsA rb;
-            for (int i = 0; i < amx::RA; ++i) {
+          for (int64_t r0 = 0; r0 < rows; r0 += k512::amx::RA) {
+            k512::amx::RowsA rb;
+            for (int i = 0; i < k512::amx::RA; ++i) {
               const int64_t r = std::min(r0 + i, rows - 1);
               const int64_t pos = i0 + r / group, head = h * group + r % group;
               rb.q[i] = qe + (pos * hq + head) * D;
               rb.out[i] = r0 + i < rows ? oe + (pos * hq + head) * D : nullptr;
               rb.limit[i] = start + pos;
             }
-            amx::attend_rows(rb, kp.data() + h * ctx_pad * S, vp.data() + h * ctx_pad / T::PACK * D, D, scale_log2);
+            k512::amx::attend_rows(rb, kp.data() + h * ctx_pad * S, vp.data() + h * ctx_pad / T::PACK * D, D,
+                                   scale_log2);
           }
         }
         kiln_amx_tiles_end();
