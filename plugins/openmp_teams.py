@@ -30,9 +30,11 @@ __all__ = ["on_own_thread", "region_us", "TeamWatch", "CONTENDED_REGION_US"]
 
 logger = logging.getLogger("kiln.runtime")
 
-# An empty parallel region costs about a microsecond while the team's workers spin between regions and a sleep
-# plus a wake-up once libgomp has stopped spinning, over ten times that (docs/benchmarks.md, "OpenMP teams").
-CONTENDED_REGION_US = 5.0
+# An empty parallel region costs about a microsecond while the team's workers spin between regions (0.8-1.1 us on
+# Zen 4 and Sapphire Rapids) and a sleep plus a wake-up once libgomp has stopped spinning: over ten times that on
+# Zen 4 (docs/benchmarks.md, "OpenMP teams"), 5-80 us on Sapphire Rapids, whose fastest wake-ups (5.0-5.9 us) sat at
+# the 5 us this threshold was first.
+CONTENDED_REGION_US = 3.0
 
 
 def on_own_thread(fn: Callable[..., Any], *args: Any, name: str = "kiln-work", **kwargs: Any) -> Any:

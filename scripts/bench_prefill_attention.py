@@ -60,7 +60,8 @@ def main() -> None:
         raise SystemExit("kiln's attention kernel needs AVX-512 BF16; this CPU runs SDPA only")
     dtype = getattr(torch, args.dtype)
     routes = ["kiln-amx", "kiln-avx", "sdpa"]
-    if dtype != torch.bfloat16 or not attention.set_amx(True) or not lib.kiln_causal_attention_amx():
+    attention.set_amx(True)
+    if dtype != torch.bfloat16 or not lib.kiln_causal_attention_amx():   # fp32 has no AMX route; nor a CPU without it
         routes.remove("kiln-amx")
     attention.set_kernel_route("kiln")
     scale = args.head_dim ** -0.5

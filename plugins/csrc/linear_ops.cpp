@@ -226,10 +226,7 @@ at::Tensor panel_gemm_amx(const at::Tensor& x2, const at::Tensor& w, const float
   at::parallel_for(0, PP, 1, [&](int64_t q0, int64_t q1) {
     alignas(64) float c[AMX_MR * 32];
     std::vector<at::BFloat16> converted(INT8 ? 2 * K * KILN_PANEL : 0);
-    // torch's brgemm caches which tile config it loaded last on this thread: drop that first, so that its next
-    // call configures the tiles again instead of running on ours (or on none, after the release below)
-    at::native::cpublas::brgemm_release(true);
-    amx_load_config();
+    kiln_amx_tiles_begin();
     for (int64_t s0 = 0; s0 < M; s0 += GEMM_SWEEP_ROWS) {
       const int64_t s1 = std::min(M, s0 + GEMM_SWEEP_ROWS);
       for (int64_t q = q0; q < q1; ++q) {
@@ -248,7 +245,7 @@ at::Tensor panel_gemm_amx(const at::Tensor& x2, const at::Tensor& w, const float
         }
       }
     }
-    amx_release();
+    kiln_amx_tiles_end();
   });
   return y;
 }
@@ -496,7 +493,8 @@ int64_t kiln_ops_bf16_gemm_m() { return bf16_gemm_m(); }
 int kiln_amx_tiles_permitted() { return amx_tiles_permitted() ? 1 : 0; }
 
 void kiln_amx_tiles_begin() {
-  // as panel_gemm_amx: torch's brgemm forgets the config it cached for this thread, then ours is loaded
+  // torch's brgemm caches which tile config it loaded last on this thread: drop that first, so that its next call
+  // configures the tiles again instead of running on ours (or on none, after kiln_amx_tiles_end)
   at::native::cpublas::brgemm_release(true);
   amx_load_config();
 }
