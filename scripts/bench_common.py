@@ -16,6 +16,19 @@ def log(msg: str) -> None:
     print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
 
 
+def best_per_call_s(fn, calls: int, repeats: int, warmup: int = 1) -> float:
+    """Seconds per call of ``fn``: the best of ``repeats`` timed loops of ``calls`` calls, after ``warmup`` calls."""
+    for _ in range(warmup):
+        fn()
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        best = min(best, (time.perf_counter() - t0) / calls)
+    return best
+
+
 def checkpoint_dir(size: str = "300m") -> Path:
     return BENCH / f"llama-{size}"
 

@@ -47,15 +47,9 @@ def load_plugins_from(rev: str, tmp: Path) -> None:
 
 
 def per_call_us(fn, calls: int = 100, repeats: int = 3) -> float:
-    for _ in range(20):
-        fn()
-    best = float("inf")
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        for _ in range(calls):
-            fn()
-        best = min(best, (time.perf_counter() - t0) / calls)
-    return best * 1e6
+    from bench_common import best_per_call_s  # scripts/ is on sys.path (main)
+
+    return best_per_call_s(fn, calls, repeats, warmup=20) * 1e6
 
 
 def op_cases(batch: int, dtype, context: int = 128):

@@ -17,13 +17,14 @@ GFLOP/s counts the causal half: 4 x heads x head_dim per query and visible key.
 from __future__ import annotations
 
 import argparse
-import time
 
 import torch
 import torch.nn.functional as F
 
 from kiln.plugins import attention, native
 from kiln.plugins.openmp_teams import on_own_thread
+
+from bench_common import best_per_call_s
 
 
 def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
@@ -36,14 +37,7 @@ def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> tor
 
 
 def best_ms(fn, rounds: int, calls: int = 4) -> float:
-    fn()
-    best = float("inf")
-    for _ in range(rounds):
-        t0 = time.perf_counter()
-        for _ in range(calls):
-            fn()
-        best = min(best, (time.perf_counter() - t0) / calls)
-    return best * 1e3
+    return best_per_call_s(fn, calls, rounds) * 1e3
 
 
 def main() -> None:
