@@ -123,6 +123,12 @@ class ExecutorConfig:
         "help": "Seconds of queue place a prompt of the engine's max_input_len gives up to shorter ones (linear "
                 "in its length): short prompts arriving up to that long after a long one go first, so their first "
                 "token waits for their own prefill, not every long one ahead (0: first come, first served)."})
+    tpot_target_s: float = field(default=0.1, metadata={
+        "help": "The pace every decoding stream is held to, in seconds a token (0: not paced). A step beside "
+                "decodes takes only the prefill tokens that keep each stream within it on average (this engine's "
+                "step time, fitted as it serves, converts seconds to tokens): a stream ahead of the pace lends its "
+                "lead to a prompt's prefill (light load: a prompt is prefilled at once), one at the pace gets steps "
+                "no longer than it (under load: prefill chunks shrink). Caps decoding_max_num_tokens, if given."})
     schedule_from_step_time: bool = field(default=False, metadata={
         "help": "Set decoding_max_num_tokens and short_prompt_lead_s from this engine's own step time a + b x tokens, "
                 "fitted from the steps it runs and refitted as it serves: the smallest budget whose fixed cost a is "
@@ -169,6 +175,7 @@ class ExecutorConfig:
                                                  lo_open=True, optional=True)
         c.choice("capacity_policy", self.capacity_policy, CAPACITY_POLICIES)
         self.short_prompt_lead_s = c.number("short_prompt_lead_s", self.short_prompt_lead_s, 0, 3600)
+        self.tpot_target_s = c.number("tpot_target_s", self.tpot_target_s, 0, 3600)
         self.batch_max_share = c.number("batch_max_share", self.batch_max_share, 0, 1, lo_open=True)
         self.batch_min_share = c.number("batch_min_share", self.batch_min_share, 0, 1, lo_open=True)
         shares = (self.batch_min_share, self.batch_max_share)
@@ -287,7 +294,8 @@ class Executor:
         self.limits = limits = resolve_serving_limits(b, kv_bytes, config, available)
         sched_config = SchedulerConfig(limits.max_batch_size, limits.max_num_tokens, b.max_seq_len, b.max_input_len,
                                        config.capacity_policy, config.batch_max_share, config.batch_min_share,
-                                       b.max_num_logits, limits.decoding_max_num_tokens, config.short_prompt_lead_s)
+                                       b.max_num_logits, limits.decoding_max_num_tokens, config.short_prompt_lead_s,
+                                       tpot_target_s=config.tpot_target_s)
         num_blocks = limits.num_blocks
         logger.info(limits.kv_plan)
         self.kv_plan = limits.kv_plan
@@ -310,10 +318,10 @@ class Executor:
         self.scheduler = Scheduler(sched_config, self.kv, self.adapter_pool)
         given = {"decoding_max_num_tokens": config.decoding_max_num_tokens is not None,
                  "short_prompt_lead_s": config.short_prompt_lead_s != 0}
-        self.step_knobs = None   # the knobs the engine's step time sets (schedule_from_step_time)
-        if config.schedule_from_step_time:
+        self.step_knobs = None   # the engine's step time, fitted as it serves (the pace, schedule_from_step_time)
+        if config.schedule_from_step_time or config.tpot_target_s:
             fixed = frozenset(name for name, yes in given.items() if yes)
-            self.step_knobs = StepTimeKnobs(sched_config, self.block_size, fixed)
+            self.step_knobs = StepTimeKnobs(sched_config, self.block_size, config.schedule_from_step_time, fixed)
         self.sampler = Sampler(self.vocab_size, config.seed)
         self.metrics = RuntimeMetrics(config.metrics_window)
         self.proposer = self._make_proposer(spec, draft)
@@ -575,6 +583,7 @@ class Executor:
             "tokens_per_block": self.block_size,
             "decoding_max_num_tokens": self.scheduler.config.decoding_max_num_tokens,
             "short_prompt_lead_s": self.scheduler.config.short_prompt_lead_s,
+            "tpot_target_s": self.scheduler.config.tpot_target_s,
         }
         if self.step_knobs is not None:
             snap["config"]["step_time_fit"] = self.step_knobs.as_dict()

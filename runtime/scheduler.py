@@ -18,7 +18,17 @@ Per step, within ``max_batch_size`` sequences and ``max_num_tokens`` tokens:
    prompt (a higher priority, a short prompt within its lead) so takes the budget before that prompt's next
    chunk.
 
-Two knobs shape steps under load (both off by default):
+Three knobs shape steps under load (the pace on by default, the other two off):
+
+* ``tpot_target_s``: the pace every decoding stream is held to. A decoding request that has ``g`` tokens,
+  the first at ``t1``, may wait through a step of up to ``g x target - (now - t1)`` seconds and still have
+  averaged the target over its tokens when the step ends: the time it is ahead of its pace (its own decode
+  steps are usually much shorter than the target) is banked and spent on prefill beside it. A step that
+  carries decodes takes at most the tokens that fit the smallest bank (the engine's step time ``a + b x
+  tokens``, fitted as it serves: ``step_time``), and at least one block of prefill beside its decodes. At
+  light load the banks are large and a prompt arriving next to running streams is prefilled at once (its
+  TTFT is its own prefill); under load the banks run dry and prefill chunks shrink to what keeps every stream
+  at the pace (its TPOT). Until the first fit the steps are not paced.
 
 * ``decoding_max_num_tokens``: the budget of a step while some running sequence decodes. A decoding request
   waits through every step until its next token, so its TPOT is the length of the steps it rides in; prefill
@@ -99,6 +109,8 @@ class SchedulerConfig:
     max_num_logits: int | None = None   # logits rows per step (the engine's bound; speculation's proposals take rows)
     decoding_max_num_tokens: int | None = None   # the step budget while a sequence decodes (None: max_num_tokens)
     short_prompt_lead_s: float = 0.0    # seconds of queue place a longest prompt yields to shorter ones
+    tpot_target_s: float = 0.0          # the pace decoding streams are held to, s a token (0: not paced)
+    step_time: tuple[float, float] | None = None   # the engine's step time a + b x tokens (s, s/token), when fitted
 
 
 @dataclass
@@ -301,11 +313,14 @@ class Scheduler:
     # ---- one step -------------------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
         c = self.config
+        now = time.monotonic()
         budget = c.max_num_tokens
-        if c.decoding_max_num_tokens is not None and budget > c.decoding_max_num_tokens and any(
-                r.num_tokens - r.num_computed_tokens == 1 for r in self.running):
-            budget = c.decoding_max_num_tokens
-        step = _Step(budget, budget, c.max_batch_size, SchedulerOutput(), now=time.monotonic(),
+        decoding = [r for r in self.running if r.num_tokens - r.num_computed_tokens == 1]
+        if decoding:
+            if c.decoding_max_num_tokens is not None:
+                budget = min(budget, c.decoding_max_num_tokens)
+            budget = min(budget, self._paced_budget(decoding, now))
+        step = _Step(budget, budget, c.max_batch_size, SchedulerOutput(), now=now,
                      logits=c.max_num_logits or c.max_num_tokens)
         self._batch_allowance(step)
         first, later = self.running, []
@@ -332,6 +347,20 @@ class Scheduler:
             else:
                 out.num_prefill_tokens += s.num_new_tokens
         return out
+
+    def _paced_budget(self, decoding: list[Request], now: float) -> int:
+        """The most tokens a step carrying ``decoding`` may take so that every one of them still averages
+        ``tpot_target_s`` a token when it ends (see the module docstring); at least the decodes and a block."""
+        c = self.config
+        if not c.tpot_target_s or c.step_time is None:
+            return c.max_num_tokens
+        banks = [c.tpot_target_s * r.num_output_tokens - (now - r.metrics.first_token_time)
+                 for r in decoding if r.metrics.first_token_time is not None and r.num_output_tokens]
+        if not banks:
+            return c.max_num_tokens
+        fixed_s, per_token_s = c.step_time
+        fits = int((min(banks) - fixed_s) / per_token_s) if min(banks) > fixed_s else 0
+        return max(fits, len(decoding) + self.block_size)
 
     def _schedule_running(self, requests: list[Request], step: _Step) -> None:
         order = sorted(requests, key=lambda r: (r.num_tokens - r.num_computed_tokens > 1, r.order_key))

@@ -2,8 +2,9 @@
 
 ``a`` is what every step pays whatever its size (reading the weights, launching the graph), ``b`` the cost of
 one more token (its FLOPs). ``kiln bench`` fits the same line from the same step records, and ``kiln plan``
-turns it into recommendations; the executor, given ``schedule_from_step_time``, refits it as it serves and
-sets two knobs itself (an option the user gave explicitly is left alone):
+turns it into recommendations; the executor refits it as it serves and hands it to the scheduler, whose decode
+pace (``tpot_target_s``) turns a stream's banked time into prefill tokens with it. Given
+``schedule_from_step_time`` it also sets two knobs itself (an option the user gave explicitly is left alone):
 
 * ``decoding_max_num_tokens`` = the smallest block-aligned budget whose fixed cost is at most
   ``AMORTIZED_SHARE`` of the step (``N >= 9 a / b``): steps that carry decodes stay as short as they can while
@@ -53,18 +54,21 @@ def amortized_budget(step_fixed_s: float, per_token_s: float) -> int:
 
 class StepTimeKnobs:
     """Refits ``a + b x tokens`` over the last ``window`` steps and sets the scheduler's knobs from it (see the
-    module docstring): every ``every`` steps until the first fit, then every ``every_fitted`` (a refit of the full
-    window costs ~0.1 ms; every 4 steps that was ~40 us on each step of the loop). ``config`` is the
-    SchedulerConfig the scheduler reads each step; ``fixed`` names the knobs the user set, which stay as given."""
+    module docstring): every ``every`` steps while it has fewer than ``every_fitted`` steps, then every
+    ``every_fitted`` (a refit of the full window costs ~0.1 ms; every 4 steps that was ~40 us on each step of the
+    loop). The first fits come early because the decode pace has none to go by before them: a server's first burst
+    ran unpaced, and its 2048-token steps set the TPOT p95 of a whole sweep's first rate (Azure code trace x0.25).
+    ``config`` is the SchedulerConfig the scheduler reads each step: every fit is its ``step_time``; ``set_knobs``:
+    the fit also sets the two knobs, except those ``fixed`` names (the user set them)."""
 
-    MIN_ROWS = 8         # steps before the first fit (a server's first burst should not wait long for it)
+    MIN_ROWS = 4         # steps before the first fit (a server's first burst should not wait long for it)
     MIN_SPREAD = 4.0     # the largest step must hold this many times the tokens of the smallest, or a, b are noise
 
-    def __init__(self, config, block: int, fixed: frozenset[str] = frozenset(), window: int = 512,
-                 every: int = 4, every_fitted: int = 64):
+    def __init__(self, config, block: int, set_knobs: bool = True, fixed: frozenset[str] = frozenset(),
+                 window: int = 512, every: int = 4, every_fitted: int = 64):
         self.config = config
         self.block = block
-        self.fixed = fixed
+        self.fixed = fixed if set_knobs else frozenset(("decoding_max_num_tokens", "short_prompt_lead_s"))
         self.every = every
         self.every_fitted = every_fitted
         self.rows: deque[tuple[int, float]] = deque(maxlen=window)
@@ -73,12 +77,14 @@ class StepTimeKnobs:
         self._since = 0
 
     def observe(self, tokens: int, seconds: float) -> None:
-        """One step's tokens and engine time; refits every ``every`` steps (``every_fitted`` once fitted)."""
+        """One step's tokens and engine time; refits every ``every`` steps (``every_fitted`` once fitted on as
+        many steps)."""
         if tokens <= 0:
             return
         self.rows.append((tokens, seconds))
         self._since += 1
-        if self._since >= (self.every if self.fit is None else self.every_fitted) and len(self.rows) >= self.MIN_ROWS:
+        early = self.fit is None or len(self.rows) < self.every_fitted
+        if self._since >= (self.every if early else self.every_fitted) and len(self.rows) >= self.MIN_ROWS:
             self._since = 0
             self._refit()
 
@@ -91,6 +97,7 @@ class StepTimeKnobs:
             return
         self.fit = fit
         c = self.config
+        c.step_time = (fit["step_fixed_s"], fit["per_token_s"])
         if "decoding_max_num_tokens" not in self.fixed:
             want = -(-amortized_budget(fit["step_fixed_s"], fit["per_token_s"]) // self.block) * self.block
             n = max(want, least_decoding_budget(c.max_batch_size, self.block))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import time
 
 import pytest
 
@@ -417,3 +418,70 @@ def test_a_step_without_decodes_adds_prompts_after_its_first_only_up_to_the_deco
     add(s, 10, 2, "b", arrival=2.0, first=100)
     out, _ = step(s)
     assert [(x.request.request_id, x.num_new_tokens) for x in out.scheduled] == [("a", 10), ("b", 4)]
+
+
+def paced(**knobs) -> Scheduler:
+    """Block 4, batch 4, 64 tokens a step; a step costs 0.1 s + 0.01 s a token (the executor's fit)."""
+    return Scheduler(SchedulerConfig(4, 64, 128, 120, step_time=(0.1, 0.01), **knobs), KVCacheManager(64, 4, True))
+
+
+def first_token_ago(req: Request, seconds: float) -> None:
+    """What the executor records when it emits a request's first token, as if that was ``seconds`` ago."""
+    req.metrics.first_token_time = time.monotonic() - seconds
+
+
+def test_the_pace_spends_what_decoding_streams_are_ahead_of_it_on_prefill():
+    s = paced(tpot_target_s=0.5)
+    a = add(s, 3, 20, "a")
+    step(s)                                        # a prefilled: its first token
+    first_token_ago(a, 0.0)                        # 1 token, target 0.5 s a token: a step may last 0.5 s
+    b = add(s, 120, 2, "b", first=200)
+    out, _ = step(s)
+    # 0.5 s holds (0.5 - 0.1) / 0.01 = 40 tokens: a's decode and a block-aligned 36 of b's prompt
+    assert [(x.request.request_id, x.num_new_tokens) for x in out.scheduled] == [("b", 36), ("a", 1)]
+    first_token_ago(a, 0.2)                        # 2 tokens in 0.2 s: 1.0 - 0.2 = 0.8 s banked: 70 tokens,
+    out, _ = step(s)                               # more than the 64-token step: 63, block-aligned 60
+    assert [(x.request.request_id, x.num_new_tokens) for x in out.scheduled] == [("b", 60), ("a", 1)]
+    first_token_ago(a, 30.0)                       # far behind the pace: a block of prefill beside the decode
+    out, _ = step(s)
+    assert [(x.request.request_id, x.num_new_tokens) for x in out.scheduled] == [("b", 4), ("a", 1)]
+    assert b.num_computed_tokens == 100
+    drain(s)
+    assert s.kv.num_used_blocks == 0
+
+
+def test_the_step_waits_for_the_stream_with_the_least_banked():
+    s = paced(tpot_target_s=0.5)
+    a, b = add(s, 3, 20, "a"), add(s, 3, 20, "b", first=100)
+    step(s)
+    first_token_ago(a, 0.0)                        # 0.5 s banked
+    first_token_ago(b, 0.29)                       # 0.21 s: (0.21 - 0.1) / 0.01 = 11 tokens, 9 for c: 8
+    add(s, 40, 2, "c", first=200)
+    out, _ = step(s)
+    assert [(x.request.request_id, x.num_new_tokens) for x in out.scheduled] == [("c", 8), ("a", 1), ("b", 1)]
+
+
+def test_no_pace_without_a_target_a_fit_or_a_decode():
+    for knobs in ({"tpot_target_s": 0.0}, {"tpot_target_s": 0.5, "step_time": None}):
+        s = Scheduler(SchedulerConfig(4, 64, 128, 120, **{"step_time": (0.1, 0.01), **knobs}),
+                      KVCacheManager(64, 4, True))
+        a = add(s, 3, 20, "a")
+        step(s)
+        first_token_ago(a, 30.0)                   # behind any pace
+        add(s, 100, 2, "b", first=200)
+        out, _ = step(s)
+        assert [(x.request.request_id, x.num_new_tokens) for x in out.scheduled] == [("b", 60), ("a", 1)]
+    s = paced(tpot_target_s=0.01)                  # a pace no step meets, but nothing decodes: the whole budget
+    add(s, 100, 2, "b")
+    out, _ = step(s)
+    assert [(x.request.request_id, x.num_new_tokens) for x in out.scheduled] == [("b", 64)]
+
+
+def test_a_decoding_budget_given_caps_the_paced_one():
+    s = paced(tpot_target_s=0.5, decoding_max_num_tokens=9)
+    a = add(s, 3, 20, "a")
+    step(s)
+    first_token_ago(a, 0.0)                        # the pace allows 40 tokens, the budget 9
+    add(s, 100, 2, "b", first=200)
+    out, _ = step(s)
+    assert [(x.request.request_id, x.num_new_tokens) for x in out.scheduled] == [("b", 8), ("a", 1)]

@@ -84,9 +84,9 @@ def test_the_executor_fits_its_own_steps(checkpoint_dir):
     assert d is None or bounds.max_batch_size - 1 + bounds.tokens_per_block <= d < bounds.max_num_tokens
 
 
-def test_refits_every_few_steps_until_fitted_then_seldom():
-    """Until the first fit every 4 steps (a server's first burst gets its knobs soon), then every 64: a refit reads
-    the whole window, which every 4 steps cost the step loop ~40 us a step."""
+def test_refits_every_few_steps_until_fitted_on_a_window_then_seldom():
+    """Every 4 steps from the 4th until the fit has 64 steps behind it (the decode pace has nothing to go by before
+    its first fit), then every 64: a refit reads the whole window, which every 4 steps cost the step loop ~40 us."""
     c = config()
     knobs = StepTimeKnobs(c, block=16)
     fits = []
@@ -97,9 +97,21 @@ def test_refits_every_few_steps_until_fitted_then_seldom():
         real()
 
     knobs._refit = counted
-    feed(knobs, 0.012, 0.0005, [1, 2048, 8, 700] * 2)       # 8 steps: the first refit comes with MIN_ROWS
-    assert fits == [8] and knobs.as_dict() is not None
-    feed(knobs, 0.012, 0.0005, [1, 2048, 8, 700] * 15)      # 60 more: not yet
-    assert len(fits) == 1
-    feed(knobs, 0.012, 0.0005, [1, 2048, 8, 700])           # the 64th step since the fit
-    assert len(fits) == 2
+    feed(knobs, 0.012, 0.0005, [1, 2048, 8, 700])           # 4 steps: the first refit comes with MIN_ROWS
+    assert fits == [4] and knobs.as_dict() is not None
+    feed(knobs, 0.012, 0.0005, [1, 2048, 8, 700] * 15)      # every 4 steps while fewer than 64
+    assert fits == list(range(4, 61, 4))
+    feed(knobs, 0.012, 0.0005, [1, 2048, 8, 700] * 14 + [1, 2048, 8])   # 59 more (63 since the last): not yet
+    assert len(fits) == 15
+    feed(knobs, 0.012, 0.0005, [700])                       # the 64th step since the last
+    assert fits[-1] == 124
+
+
+def test_every_fit_reaches_the_scheduler_and_the_pace_alone_sets_no_knob():
+    c = config()
+    knobs = StepTimeKnobs(c, block=16, set_knobs=False)    # the decode pace only (schedule_from_step_time off)
+    assert c.step_time is None
+    feed(knobs, 0.012, 0.0005, [1, 2048, 8, 700] * 8)
+    a, b = c.step_time
+    assert abs(a - 0.012) < 1e-6 and abs(b - 0.0005) < 1e-9
+    assert c.decoding_max_num_tokens is None and c.short_prompt_lead_s == 0.0
