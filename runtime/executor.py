@@ -119,10 +119,11 @@ class ExecutorConfig:
         "help": "Most tokens per step while some sequence decodes (default: max_num_tokens): prefill chunks beside "
                 "decodes are capped so that the steps a decoding request waits through (its TPOT) stay short; a "
                 "step with no decode still takes max_num_tokens. At least max_batch_size - 1 + one KV block."})
-    short_prompt_lead_s: float = field(default=0.0, metadata={
+    short_prompt_lead_s: float | None = field(default=None, metadata={
         "help": "Seconds of queue place a prompt of the engine's max_input_len gives up to shorter ones (linear "
                 "in its length): short prompts arriving up to that long after a long one go first, so their first "
-                "token waits for their own prefill, not every long one ahead (0: first come, first served)."})
+                "token waits for their own prefill, not every long one ahead (0: first come, first served; default: "
+                "the longest prompt's own prefill time, b x max_input_len of the step time fitted as it serves)."})
     tpot_target_s: float = field(default=0.1, metadata={
         "help": "The pace every decoding stream is held to, in seconds a token (0: not paced). A step beside "
                 "decodes takes only the prefill tokens that keep each stream within it on average (this engine's "
@@ -132,8 +133,8 @@ class ExecutorConfig:
     schedule_from_step_time: bool = field(default=False, metadata={
         "help": "Set decoding_max_num_tokens and short_prompt_lead_s from this engine's own step time a + b x tokens, "
                 "fitted from the steps it runs and refitted as it serves: the smallest budget whose fixed cost a is "
-                "<= 10% of a step, and the longest prompt's prefill time (b x max_input_len). A knob given "
-                "explicitly (a lead other than 0) stays as given. stats()['config'] shows the fit and the knobs."})
+                "<= 10% of a step, and the longest prompt's prefill time (b x max_input_len, as by default). A knob "
+                "given explicitly stays as given. stats()['config'] shows the fit and the knobs."})
     kv_cache_memory_fraction: float | None = field(default=0.9, metadata={
         "help": "Share of the memory available after the engine is loaded given to the KV pool."})
     max_kv_cache_tokens: int | None = field(default=None, metadata={
@@ -174,7 +175,7 @@ class ExecutorConfig:
         self.kv_cache_memory_fraction = c.number("kv_cache_memory_fraction", self.kv_cache_memory_fraction, 0, 1,
                                                  lo_open=True, optional=True)
         c.choice("capacity_policy", self.capacity_policy, CAPACITY_POLICIES)
-        self.short_prompt_lead_s = c.number("short_prompt_lead_s", self.short_prompt_lead_s, 0, 3600)
+        self.short_prompt_lead_s = c.number("short_prompt_lead_s", self.short_prompt_lead_s, 0, 3600, optional=True)
         self.tpot_target_s = c.number("tpot_target_s", self.tpot_target_s, 0, 3600)
         self.batch_max_share = c.number("batch_max_share", self.batch_max_share, 0, 1, lo_open=True)
         self.batch_min_share = c.number("batch_min_share", self.batch_min_share, 0, 1, lo_open=True)
@@ -294,7 +295,8 @@ class Executor:
         self.limits = limits = resolve_serving_limits(b, kv_bytes, config, available)
         sched_config = SchedulerConfig(limits.max_batch_size, limits.max_num_tokens, b.max_seq_len, b.max_input_len,
                                        config.capacity_policy, config.batch_max_share, config.batch_min_share,
-                                       b.max_num_logits, limits.decoding_max_num_tokens, config.short_prompt_lead_s,
+                                       b.max_num_logits, limits.decoding_max_num_tokens,
+                                       short_prompt_lead_s=config.short_prompt_lead_s or 0.0,   # 0 until fitted
                                        tpot_target_s=config.tpot_target_s)
         num_blocks = limits.num_blocks
         logger.info(limits.kv_plan)
@@ -316,12 +318,14 @@ class Executor:
             # not zeroed: a slot is read only by tokens of the adapter written into it (whole rows)
             self.adapter_pool = AdapterPool(engine.allocate_lora_pool(config.max_loras, zeroed=False))
         self.scheduler = Scheduler(sched_config, self.kv, self.adapter_pool)
-        given = {"decoding_max_num_tokens": config.decoding_max_num_tokens is not None,
-                 "short_prompt_lead_s": config.short_prompt_lead_s != 0}
-        self.step_knobs = None   # the engine's step time, fitted as it serves (the pace, schedule_from_step_time)
-        if config.schedule_from_step_time or config.tpot_target_s:
-            fixed = frozenset(name for name, yes in given.items() if yes)
-            self.step_knobs = StepTimeKnobs(sched_config, self.block_size, config.schedule_from_step_time, fixed)
+        # the knobs the step-time fit leaves alone: those given, and the decoding budget unless asked to set it
+        fixed = frozenset(name for name, yes in (
+            ("decoding_max_num_tokens",
+             config.decoding_max_num_tokens is not None or not config.schedule_from_step_time),
+            ("short_prompt_lead_s", config.short_prompt_lead_s is not None)) if yes)
+        self.step_knobs = None   # the engine's step time, fitted as it serves (the pace, the knobs it sets)
+        if config.tpot_target_s or len(fixed) < 2:
+            self.step_knobs = StepTimeKnobs(sched_config, self.block_size, fixed)
         self.sampler = Sampler(self.vocab_size, config.seed)
         self.metrics = RuntimeMetrics(config.metrics_window)
         self.proposer = self._make_proposer(spec, draft)

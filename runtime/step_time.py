@@ -3,15 +3,15 @@
 ``a`` is what every step pays whatever its size (reading the weights, launching the graph), ``b`` the cost of
 one more token (its FLOPs). ``kiln bench`` fits the same line from the same step records, and ``kiln plan``
 turns it into recommendations; the executor refits it as it serves and hands it to the scheduler, whose decode
-pace (``tpot_target_s``) turns a stream's banked time into prefill tokens with it. Given
-``schedule_from_step_time`` it also sets two knobs itself (an option the user gave explicitly is left alone):
+pace (``tpot_target_s``) turns a stream's banked time into prefill tokens with it. It also sets the queue's lead,
+and given ``schedule_from_step_time`` the decoding budget (an option the user gave explicitly is left alone):
 
-* ``decoding_max_num_tokens`` = the smallest block-aligned budget whose fixed cost is at most
-  ``AMORTIZED_SHARE`` of the step (``N >= 9 a / b``): steps that carry decodes stay as short as they can while
-  the prefill beside them still runs at >= 90% of the machine's rate. It is at least a full batch of decodes plus
-  a block, and none when that is the whole budget already.
-* ``short_prompt_lead_s`` = ``b x max_input_len``, the prefill time of the longest prompt: a long prompt yields
-  to shorter ones for at most as long as its own prefill takes.
+* ``decoding_max_num_tokens`` (``schedule_from_step_time`` only) = the smallest block-aligned budget whose fixed
+  cost is at most ``AMORTIZED_SHARE`` of the step (``N >= 9 a / b``): steps that carry decodes stay as short as
+  they can while the prefill beside them still runs at >= 90% of the machine's rate. It is at least a full batch of
+  decodes plus a block, and none when that is the whole budget already.
+* ``short_prompt_lead_s`` (by default) = ``b x max_input_len``, the prefill time of the longest prompt: a long
+  prompt yields to shorter ones for at most as long as its own prefill takes.
 """
 
 from __future__ import annotations
@@ -58,23 +58,25 @@ class StepTimeKnobs:
     ``every_fitted`` (a refit of the full window costs ~0.1 ms; every 4 steps that was ~40 us on each step of the
     loop). The first fits come early because the decode pace has none to go by before them: a server's first burst
     ran unpaced, and its 2048-token steps set the TPOT p95 of a whole sweep's first rate (Azure code trace x0.25).
-    ``config`` is the SchedulerConfig the scheduler reads each step: every fit is its ``step_time``; ``set_knobs``:
-    the fit also sets the two knobs, except those ``fixed`` names (the user set them)."""
+    ``config`` is the SchedulerConfig the scheduler reads each step: every fit is its ``step_time``, and sets the
+    two knobs but those ``fixed`` names (the user set them; the executor sets the decoding budget only given
+    ``schedule_from_step_time``)."""
 
     MIN_ROWS = 4         # steps before the first fit (a server's first burst should not wait long for it)
     MIN_SPREAD = 4.0     # the largest step must hold this many times the tokens of the smallest, or a, b are noise
 
-    def __init__(self, config, block: int, set_knobs: bool = True, fixed: frozenset[str] = frozenset(),
-                 window: int = 512, every: int = 4, every_fitted: int = 64):
+    def __init__(self, config, block: int, fixed: frozenset[str] = frozenset(), window: int = 512,
+                 every: int = 4, every_fitted: int = 64):
         self.config = config
         self.block = block
-        self.fixed = fixed if set_knobs else frozenset(("decoding_max_num_tokens", "short_prompt_lead_s"))
+        self.fixed = fixed
         self.every = every
         self.every_fitted = every_fitted
         self.rows: deque[tuple[int, float]] = deque(maxlen=window)
         self.fit: dict | None = None
         self.fits = 0        # refits so far (the first is logged at INFO, the rest at DEBUG)
         self._since = 0
+        self._largest = 0    # tokens of the largest step before the first fit
 
     def observe(self, tokens: int, seconds: float) -> None:
         """One step's tokens and engine time; refits every ``every`` steps (``every_fitted`` once fitted on as
@@ -83,6 +85,12 @@ class StepTimeKnobs:
             return
         self.rows.append((tokens, seconds))
         self._since += 1
+        if self.fit is None and tokens >= self._largest:
+            # until the steps tell a from b, the largest step's time per token as if a step had no fixed cost: a
+            # step of fewer tokens takes longer than it says (a is spread over fewer), but not by much once the
+            # pace's steps are a few hundred tokens, and a first burst of full prompts is not unpaced
+            self._largest = tokens
+            self.config.step_time = (0.0, seconds / tokens)
         early = self.fit is None or len(self.rows) < self.every_fitted
         if self._since >= (self.every if early else self.every_fitted) and len(self.rows) >= self.MIN_ROWS:
             self._since = 0

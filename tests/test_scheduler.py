@@ -485,3 +485,15 @@ def test_a_decoding_budget_given_caps_the_paced_one():
     add(s, 100, 2, "b", first=200)
     out, _ = step(s)
     assert [(x.request.request_id, x.num_new_tokens) for x in out.scheduled] == [("b", 8), ("a", 1)]
+
+
+def test_batch_streams_have_no_pace():
+    from kiln.runtime.outputs import BATCH_PRIORITY
+
+    s = paced(tpot_target_s=0.5, batch_max_share=1.0)
+    a = add(s, 3, 20, "a", priority=BATCH_PRIORITY)
+    step(s)
+    first_token_ago(a, 30.0)                       # far behind any pace, but nobody reads it token by token
+    add(s, 100, 2, "b", first=200, priority=BATCH_PRIORITY)
+    out, _ = step(s)
+    assert [(x.request.request_id, x.num_new_tokens) for x in out.scheduled] == [("b", 60), ("a", 1)]

@@ -84,6 +84,31 @@ def test_the_executor_fits_its_own_steps(checkpoint_dir):
     assert d is None or bounds.max_batch_size - 1 + bounds.tokens_per_block <= d < bounds.max_num_tokens
 
 
+def test_by_default_the_fit_sets_the_lead_and_the_pace_but_no_decoding_budget(checkpoint_dir):
+    from kiln.runtime import LLM, SamplingParams
+
+    from runtime_support import get_engine
+
+    engine = get_engine(checkpoint_dir("llama"))
+    rng = random.Random(4)
+    prompts = [[rng.randrange(5, 500) for _ in range(rng.randrange(2, 90))] for _ in range(24)]
+    with LLM(engine) as llm:
+        llm.generate(prompts, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
+        for p in prompts[:8]:
+            llm.generate([p], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
+        cfg = llm.stats()["config"]
+        sched = llm.executor.scheduler.config
+    fit = cfg["step_time_fit"]
+    assert fit is not None and sched.step_time == (fit["step_fixed_s"], fit["per_token_s"])
+    assert cfg["tpot_target_s"] == 0.1 and cfg["decoding_max_num_tokens"] is None
+    assert abs(cfg["short_prompt_lead_s"] - fit["per_token_s"] * engine.config.bounds.max_input_len) < 1e-9
+    with LLM(engine, short_prompt_lead_s=0, tpot_target_s=0) as llm:   # first come, first served, unpaced
+        llm.generate(prompts, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
+        cfg = llm.stats()["config"]
+        assert llm.executor.scheduler.config.step_time is None
+    assert cfg["short_prompt_lead_s"] == 0 and "step_time_fit" not in cfg
+
+
 def test_refits_every_few_steps_until_fitted_on_a_window_then_seldom():
     """Every 4 steps from the 4th until the fit has 64 steps behind it (the decode pace has nothing to go by before
     its first fit), then every 64: a refit reads the whole window, which every 4 steps cost the step loop ~40 us."""
@@ -107,11 +132,26 @@ def test_refits_every_few_steps_until_fitted_on_a_window_then_seldom():
     assert fits[-1] == 124
 
 
-def test_every_fit_reaches_the_scheduler_and_the_pace_alone_sets_no_knob():
+def test_every_fit_reaches_the_scheduler_even_with_both_knobs_fixed():
     c = config()
-    knobs = StepTimeKnobs(c, block=16, set_knobs=False)    # the decode pace only (schedule_from_step_time off)
+    knobs = StepTimeKnobs(c, block=16, fixed=frozenset({"decoding_max_num_tokens", "short_prompt_lead_s"}))
     assert c.step_time is None
     feed(knobs, 0.012, 0.0005, [1, 2048, 8, 700] * 8)
     a, b = c.step_time
     assert abs(a - 0.012) < 1e-6 and abs(b - 0.0005) < 1e-9
     assert c.decoding_max_num_tokens is None and c.short_prompt_lead_s == 0.0
+
+
+def test_before_the_first_fit_the_largest_step_stands_in():
+    """A first burst of full prompts: every step is about as large, a and b cannot be told apart yet, but the pace
+    needs a time per token at once; the largest step's (its fixed cost spread over its tokens) stands in."""
+    c = config()
+    knobs = StepTimeKnobs(c, block=16)
+    knobs.observe(1500, 0.012 + 0.0005 * 1500)
+    assert c.step_time == (0.0, (0.012 + 0.0005 * 1500) / 1500)
+    knobs.observe(2, 0.013)                                   # a smaller step does not replace it
+    knobs.observe(2048, 0.012 + 0.0005 * 2048)                # a larger one does
+    assert c.step_time == (0.0, (0.012 + 0.0005 * 2048) / 2048) and knobs.as_dict() is None
+    feed(knobs, 0.012, 0.0005, [1, 2048, 8, 700] * 2)         # then the fit
+    a, b = c.step_time
+    assert abs(a - 0.012) < 1e-6 and abs(b - 0.0005) < 1e-9
