@@ -476,6 +476,9 @@ def _recommend_budget(st: dict, a: float, per_token: float, bounds, workload: Wo
     st["prefill_chunk"] = _v(tb.prefill_chunk, f"{'decoding_' if tb.decoding_max_num_tokens else ''}max_num_tokens "
                                                f"less the {d} decodes running at {where} (Little's law: rate x "
                                                "(output - 1) x t_step; decodes go first in a step)", "tokens")
+    if tb.tpot_target_s is not None:
+        st["tpot_target_s"] = _v(tb.tpot_target_s, "half the TPOT target: the pace each decoding stream is held to (a "
+                                 "step beside decodes takes the prefill their lead on it pays for)", "s")
     if tb.short_prompt_lead_s is not None:
         st["short_prompt_lead_s"] = _v(tb.short_prompt_lead_s, "half the TTFT target: a longest prompt lets shorter "
                                        "ones that arrive within it go first (shortest-first within that window)", "s")

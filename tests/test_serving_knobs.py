@@ -30,6 +30,7 @@ def test_every_recommendation_is_consistent(a, b, tpot, ttft, p95):
     if tpot is not None and r.tpot_max >= 32:          # a feasible TPOT bound is never exceeded by a decode's step
         assert step(a, b, d) <= tpot + 1e-12
     assert (r.short_prompt_lead_s is None) == (ttft is None)
+    assert r.tpot_target_s == (None if tpot is None else tpot / 2)
     feasible_ttft = ttft is not None and p95 * b < ttft
     assert (r.ttft_min is not None) == feasible_ttft
     if tpot is None:   # nothing caps it: at least what amortizes the fixed cost and what TTFT needs (or the bound)
@@ -91,5 +92,6 @@ def test_kiln_plan_prints_the_budget_and_the_chunk(tmp_path):
     decoding = st["decoding_max_num_tokens"]["value"]
     assert 16 <= decoding < n <= 8192 and n % 16 == 0 and decoding % 16 == 0 and 0 < chunk < decoding
     assert "TPOT" in st["decoding_max_num_tokens"]["source"] and st["short_prompt_lead_s"]["value"] == 1.0
-    for name in ("max_num_tokens", "decoding_max_num_tokens", "prefill_chunk", "short_prompt_lead_s"):
+    assert st["tpot_target_s"]["value"] == 0.1
+    for name in ("max_num_tokens", "decoding_max_num_tokens", "prefill_chunk", "short_prompt_lead_s", "tpot_target_s"):
         assert name in r.output
