@@ -18,7 +18,7 @@ Per step, within ``max_batch_size`` sequences and ``max_num_tokens`` tokens:
    prompt (a higher priority, a short prompt within its lead) so takes the budget before that prompt's next
    chunk.
 
-Three knobs shape steps under load (the pace on by default, the other two off):
+Three knobs shape steps under load (ExecutorConfig turns the pace and the lead on by default):
 
 * ``tpot_target_s``: the pace every decoding stream is held to. A decoding request that has ``g`` tokens,
   the first at ``t1``, may wait through a step of up to ``g x target - (now - t1)`` seconds and still have
@@ -28,7 +28,8 @@ Three knobs shape steps under load (the pace on by default, the other two off):
   tokens``, fitted as it serves: ``step_time``), and at least one block of prefill beside its decodes. At
   light load the banks are large and a prompt arriving next to running streams is prefilled at once (its
   TTFT is its own prefill); under load the banks run dry and prefill chunks shrink to what keeps every stream
-  at the pace (its TPOT). Until the first fit the steps are not paced, nor are batch requests' streams.
+  at the pace (its TPOT). Without a step time (``step_time`` None) the steps are not paced, nor are batch
+  requests' streams at all.
 
 * ``decoding_max_num_tokens``: the budget of a step while some running sequence decodes. A decoding request
   waits through every step until its next token, so its TPOT is the length of the steps it rides in; prefill
