@@ -467,10 +467,12 @@ class Executor:
     def submit(self, prompt_token_ids: Any, params: SamplingParams | None = None, *,
                request_id: str | None = None, priority: int = 0, prompt: str | None = None,
                callback: Callable[[RequestOutput], None] | None = None, arrival_time: float | None = None,
-               lora: str | None = None, kv_export: Callable[[KVExport], None] | None = None) -> str:
+               lora: str | None = None, kv_export: Callable[[KVExport], None] | None = None,
+               paced: bool = True) -> str:
         """Queue a request (token ids, any form :func:`kiln.runtime.prompts.prompt_token_ids` accepts); returns
         its id. ``callback`` receives a RequestOutput after every step that changed it (from the step-loop
-        thread; keep it short) and once more when it finishes. ``lora``: a loaded adapter's name.
+        thread; keep it short) and once more when it finishes. ``lora``: a loaded adapter's name. ``paced``:
+        its decode steps keep ``tpot_target_s`` (False: nobody reads its tokens as they come, e.g. ``generate``).
         ``kv_export``: called (in the step loop, once) with the request's prompt blocks when its first token is
         sampled (``kiln.runtime.kv_transfer``: how a prefill worker hands a request to a decode worker)."""
         checked = self.validate(prompt_token_ids, params, priority=priority, request_id=request_id,
@@ -483,7 +485,7 @@ class Executor:
         spec = checked.params.structured_output
         grammar = None if spec is None else self._claim_grammar(spec)
         with self._cv:
-            req = self._register(checked, request_id, arrival_time, prompt, callback)
+            req = self._register(checked, request_id, arrival_time, prompt, callback, paced)
             request_id = req.request_id
             if kv_export is not None:
                 self._exports[request_id] = kv_export
@@ -526,7 +528,7 @@ class Executor:
         return request_id
 
     def _register(self, checked, request_id: str | None, arrival_time: float | None, prompt: str | None,
-                  callback: Callable[[RequestOutput], None] | None) -> Request:
+                  callback: Callable[[RequestOutput], None] | None, paced: bool = True) -> Request:
         """The Request of a checked submission, its id (a fresh one for None) unique among live requests, and its
         output stream (the caller holds ``_cv``; submit and submit_imported)."""
         if self._closed or self._error is not None:
@@ -540,7 +542,7 @@ class Executor:
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
         req = Request(request_id, checked.token_ids, checked.params, checked.max_tokens,
                       priority=checked.priority, arrival_time=arrival_time, seq=next(self._seq), prompt=prompt,
-                      eos_token_ids=self.eos_token_ids, adapter=checked.adapter)
+                      eos_token_ids=self.eos_token_ids, adapter=checked.adapter, paced=paced)
         self._streams[request_id] = OutputStream.open(req, self.tokenizer, callback)
         self._requests[request_id] = req
         self._live.add(request_id)

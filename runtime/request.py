@@ -41,13 +41,14 @@ class Request:
         "request_id", "prompt", "prompt_token_ids", "output_token_ids", "all_token_ids", "params", "priority",
         "arrival_time", "rank_time", "seq", "status", "num_computed_tokens", "block_hashes", "max_tokens",
         "metrics", "stop_reason", "logprobs", "generator", "num_prompt_tokens", "eos_token_ids", "grammar",
-        "adapter", "cache_salt", "lora_slot", "spec_token_ids",
+        "adapter", "cache_salt", "lora_slot", "spec_token_ids", "paced",
     )
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, max_tokens: int,
                  priority: int = 0, arrival_time: float | None = None, seq: int = 0, prompt: str | None = None,
-                 eos_token_ids: tuple[int, ...] = (), adapter=None):
+                 eos_token_ids: tuple[int, ...] = (), adapter=None, paced: bool = True):
         self.request_id = request_id
+        self.paced = paced   # someone reads its tokens as they come: its steps keep the decode pace
         self.prompt = prompt
         self.prompt_token_ids = list(prompt_token_ids)
         self.num_prompt_tokens = len(self.prompt_token_ids)

@@ -497,3 +497,14 @@ def test_batch_streams_have_no_pace():
     add(s, 100, 2, "b", first=200, priority=BATCH_PRIORITY)
     out, _ = step(s)
     assert [(x.request.request_id, x.num_new_tokens) for x in out.scheduled] == [("b", 60), ("a", 1)]
+
+
+def test_requests_submitted_unpaced_set_no_pace():
+    s = paced(tpot_target_s=0.5)
+    a = add(s, 3, 20, "a")
+    a.paced = False                                # LLM.generate's: nobody reads its tokens as they come
+    step(s)
+    first_token_ago(a, 30.0)
+    add(s, 100, 2, "b", first=200)
+    out, _ = step(s)
+    assert [(x.request.request_id, x.num_new_tokens) for x in out.scheduled] == [("b", 60), ("a", 1)]

@@ -102,6 +102,13 @@ def test_by_default_the_fit_sets_the_lead_and_the_pace_but_no_decoding_budget(ch
     assert fit is not None and sched.step_time == (fit["step_fixed_s"], fit["per_token_s"])
     assert cfg["tpot_target_s"] == 0.1 and cfg["decoding_max_num_tokens"] is None
     assert abs(cfg["short_prompt_lead_s"] - fit["per_token_s"] * engine.config.bounds.max_input_len) < 1e-9
+    with LLM(engine) as llm:   # generate's requests are not paced (nobody reads their tokens as they come)
+        paced = []
+        real = llm.executor.submit
+        llm.executor.submit = lambda *a, **k: paced.append(k.get("paced", True)) or real(*a, **k)
+        llm.generate(prompts[:2], SamplingParams(max_tokens=2))
+        list(llm.stream(prompts[0], SamplingParams(max_tokens=2)))
+    assert paced == [False, False, True]
     with LLM(engine, short_prompt_lead_s=0, tpot_target_s=0) as llm:   # first come, first served, unpaced
         llm.generate(prompts, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
         cfg = llm.stats()["config"]
