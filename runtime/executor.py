@@ -501,14 +501,15 @@ class Executor:
     def submit_imported(self, prompt_token_ids: Any, params: SamplingParams | None, meta: ImportMeta,
                         start_transfer: Callable[[str, list[int]], None], *, request_id: str, priority: int = 0,
                         prompt: str | None = None, callback: Callable[[RequestOutput], None] | None = None,
-                        arrival_time: float | None = None) -> str:
+                        arrival_time: float | None = None, paced: bool = True) -> str:
         """Queue a request another executor prefilled (``kiln.runtime.kv_transfer``): the step loop allocates its
         blocks (when they fit, counting them with the running requests'), then calls ``start_transfer(request_id,
         block ids)`` (in the loop; it starts receiving them); once :meth:`land` delivers the blocks, the request
         runs from its first token (``meta.first_token``, emitted then), as if it had been prefilled here.
         ``start_transfer`` is called exactly once, also for a request aborted before its blocks were taken (with
         no block ids: receive and drop them), so the sending side is never left waiting.
-        Errors as for :meth:`submit`; a shape that is not this pool's is an InvalidRequestError."""
+        ``paced`` as for :meth:`submit`. Errors as for :meth:`submit`; a shape that is not this pool's is an
+        InvalidRequestError."""
         checked = self.validate(prompt_token_ids, params, priority=priority, request_id=request_id,
                                 callback=callback, arrival_time=arrival_time, kv_transfer=True)
         want = cdiv(len(checked.token_ids), self.block_size)
@@ -520,7 +521,7 @@ class Executor:
                                       f"({want} blocks of {pool[:2] + pool[3:]} {self.kv_cache.dtype}): the two "
                                       "workers must serve the same engine")
         with self._cv:
-            req = self._register(checked, request_id, arrival_time, prompt, callback)
+            req = self._register(checked, request_id, arrival_time, prompt, callback, paced)
             self._incoming_imports.append(_Import(req, meta, start_transfer))
             self._cv.notify()
         self.metrics.incr("requests_submitted")

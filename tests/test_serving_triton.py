@@ -55,10 +55,17 @@ LONG = 4000
 
 
 # ---- helpers ------------------------------------------------------------------------------------------
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def free_ports(n: int) -> list[int]:
+    """``n`` distinct free ports: every socket stays bound until all are picked (picked one at a time, the OS may
+    hand the same port out twice: a CI run's tritonserver got gRPC and metrics on one port and refused to start)."""
+    socks = [socket.socket() for _ in range(n)]
+    try:
+        for s in socks:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
 
 
 def tensor(value, dtype) -> np.ndarray:
@@ -176,7 +183,7 @@ class Served:
 
     def __init__(self, engine_dir: Path, workdir: Path, *args: str):
         self.workdir = workdir
-        self.ports = dict(http=free_port(), grpc=free_port(), metrics=free_port())
+        self.ports = dict(zip(("http", "grpc", "metrics"), free_ports(3)))
         self.log_path = workdir / "serve.log"
         workdir.mkdir(parents=True, exist_ok=True)
         cmd = [sys.executable, "-m", "kiln.runtime.cli", "serve", "--frontend", "triton", str(engine_dir),

@@ -92,6 +92,7 @@ class _Flight:
     aborted: bool = False
     prefilled_at: float | None = None
     last: RequestOutput | None = None
+    paced: bool = True   # its decode keeps the pace (Executor.submit's paced)
 
 
 class ClusterExecutor:
@@ -242,7 +243,7 @@ class ClusterExecutor:
             self._advance()
             f.decode = d.uid
             self.transfer["blocks"] += meta.num_blocks
-        d.send("import", rid, f.ids, f.params, f.priority, f.arrival, f.prompt, meta, w.uid, tag)
+        d.send("import", rid, f.ids, f.params, f.priority, f.arrival, f.prompt, meta, w.uid, tag, f.paced)
         w.send("send", rid, d.uid, tag)
 
     def _on_send_failed(self, w: PoolWorker, rid: str, error: str) -> None:
@@ -336,7 +337,7 @@ class ClusterExecutor:
     def submit(self, prompt_token_ids: Any, params: SamplingParams | None = None, *,
                request_id: str | None = None, priority: int = 0, prompt: str | None = None,
                callback: Callable[[RequestOutput], None] | None = None, arrival_time: float | None = None,
-               lora: str | None = None) -> str:
+               lora: str | None = None, paced: bool = True) -> str:
         checked = self.validate(prompt_token_ids, params, priority=priority, request_id=request_id,
                                 callback=callback, arrival_time=arrival_time, lora=lora)
         failure = self.failure
@@ -357,7 +358,8 @@ class ClusterExecutor:
                 raise ExecutorClosedError("no prefill worker is alive")
             params = dataclasses.replace(checked.params, max_tokens=checked.max_tokens)
             f = _Flight(request_id, checked.token_ids, params, checked.priority,
-                        time.monotonic() if arrival_time is None else arrival_time, prompt, callback, p.uid)
+                        time.monotonic() if arrival_time is None else arrival_time, prompt, callback, p.uid,
+                        paced=paced)
             self._advance()
             self._flights[request_id] = f
         self.metrics.incr("requests_submitted")

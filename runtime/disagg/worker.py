@@ -16,7 +16,7 @@ order: with the stats, and before each ``prefilled``; ``kiln.runtime.disagg.rout
 ``("prefilled", rid, ImportMeta)`` (its first token is out, its blocks are held),
 ``("send_failed", rid, error)``, ``("ended", rid, RequestOutput)`` (ended
 before its blocks were exported: aborted or failed), ``("rejected", rid, error)``.
-frontend -> decode: ``("import", rid, ids, params, priority, arrival, prompt, ImportMeta, prefill_uid, tag)``,
+frontend -> decode: ``("import", rid, ids, params, priority, arrival, prompt, ImportMeta, prefill_uid, tag, paced)``,
 ``("abort", rid)``, ``("peer", uid)``, ``("forget", uid)``, ``("stop",)``.
 decode -> frontend: ``("received", rid, nbytes, seconds)`` (the transfer is in: on this pipe before any of the
 request's outputs, so a request's transfer is counted before its end is seen), ``("out", rid, RequestOutput)``
@@ -152,14 +152,14 @@ class Worker:
             self.chan.send("send_failed", rid, f"{type(result).__name__}: {result}")
 
     # ---- decode ---------------------------------------------------------------------------------------
-    def import_(self, rid, ids, params, priority, arrival, prompt, meta, prefill_uid, tag) -> None:
+    def import_(self, rid, ids, params, priority, arrival, prompt, meta, prefill_uid, tag, paced=True) -> None:
         def start(_rid, _blocks) -> None:   # in the step loop: receive into a buffer (the loop copies it in)
             self._lane(prefill_uid).put(rid, meta.empty(), tag)
 
         try:
             self.executor.submit_imported(ids, params, meta, start, request_id=rid, priority=priority,
                                           prompt=prompt, callback=lambda out: self.chan.send("out", rid, out),
-                                          arrival_time=arrival)
+                                          arrival_time=arrival, paced=paced)
         except Exception as exc:
             start(rid, [])   # the prefill worker sends them anyway: take them off the wire
             self.chan.send("rejected", rid, f"{type(exc).__name__}: {exc}")
