@@ -18,8 +18,8 @@ smaller (block-aligned, at least ``max_batch_size - 1`` plus a block, what the e
 
 The decode pace: with a TPOT target, ``tpot_target_s`` = half that target. The pace holds each stream's mean time
 a token to it (the executor's own fit converts it into a step budget that follows the load, where
-``decoding_max_num_tokens`` is fixed); the p95 of the streams lands near the pace itself (Azure code trace x0.1 and
-x0.25, pace 0.1 s: TPOT p95 97-103 ms at the rates past capacity), so half the target keeps it with room.
+``decoding_max_num_tokens`` is fixed); the p95 of the streams lands near the pace itself past capacity
+(docs/benchmarks.md, the Azure code trace under the serving defaults), so half the target keeps it with room.
 
 The queue order: with a TTFT target, ``short_prompt_lead_s`` = half that target, so a prompt of the engine's longest
 input lets shorter ones that arrive within half a TTFT target after it go first (the short ones then meet the target

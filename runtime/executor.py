@@ -318,13 +318,13 @@ class Executor:
             # not zeroed: a slot is read only by tokens of the adapter written into it (whole rows)
             self.adapter_pool = AdapterPool(engine.allocate_lora_pool(config.max_loras, zeroed=False))
         self.scheduler = Scheduler(sched_config, self.kv, self.adapter_pool)
-        # the knobs the step-time fit leaves alone: those given, and the decoding budget unless asked to set it
-        fixed = frozenset(name for name, yes in (
-            ("decoding_max_num_tokens",
-             config.decoding_max_num_tokens is not None or not config.schedule_from_step_time),
-            ("short_prompt_lead_s", config.short_prompt_lead_s is not None)) if yes)
+        # the knobs the step-time fit sets: the lead unless given, the decoding budget only when asked to
+        fit_sets = {
+            "decoding_max_num_tokens": config.schedule_from_step_time and config.decoding_max_num_tokens is None,
+            "short_prompt_lead_s": config.short_prompt_lead_s is None}
         self.step_knobs = None   # the engine's step time, fitted as it serves (the pace, the knobs it sets)
-        if config.tpot_target_s or len(fixed) < 2:
+        if config.tpot_target_s or any(fit_sets.values()):
+            fixed = frozenset(name for name, sets in fit_sets.items() if not sets)
             self.step_knobs = StepTimeKnobs(sched_config, self.block_size, fixed)
         self.sampler = Sampler(self.vocab_size, config.seed)
         self.metrics = RuntimeMetrics(config.metrics_window)

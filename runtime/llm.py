@@ -176,7 +176,7 @@ class LLM:
         this call's requests are aborted before it propagates. Requests the engine failed raise
         RequestFailedError (``outputs`` keeps every result); ExecutorClosedError if the step loop stopped.
         Its requests do not keep the decode pace (``tpot_target_s``): nobody reads their tokens before the call
-        returns, so their steps take prompts whole (a 160-prompt call ran 11% longer paced).
+        returns, so their steps take prompts whole (docs/benchmarks.md: what pacing them cost).
         """
         self._not_in_loop_thread("generate")
         try:

@@ -15,7 +15,7 @@ import enum
 import time
 
 from kiln.contract import NO_ADAPTER
-from kiln.runtime.outputs import RequestMetrics
+from kiln.runtime.outputs import BATCH_PRIORITY, RequestMetrics
 from kiln.runtime.sampling_params import SamplingParams
 
 
@@ -48,7 +48,8 @@ class Request:
                  priority: int = 0, arrival_time: float | None = None, seq: int = 0, prompt: str | None = None,
                  eos_token_ids: tuple[int, ...] = (), adapter=None, paced: bool = True):
         self.request_id = request_id
-        self.paced = paced   # someone reads its tokens as they come: its steps keep the decode pace
+        # someone reads its tokens as they come, so its steps keep the decode pace: not a batch request's
+        self.paced = paced and priority > BATCH_PRIORITY
         self.prompt = prompt
         self.prompt_token_ids = list(prompt_token_ids)
         self.num_prompt_tokens = len(self.prompt_token_ids)

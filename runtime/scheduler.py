@@ -28,9 +28,8 @@ Three knobs shape steps under load (ExecutorConfig turns the pace and the lead o
   tokens``, fitted as it serves: ``step_time``), and at least one block of prefill beside its decodes. At
   light load the banks are large and a prompt arriving next to running streams is prefilled at once (its
   TTFT is its own prefill); under load the banks run dry and prefill chunks shrink to what keeps every stream
-  at the pace (its TPOT). Without a step time (``step_time`` None) the steps are not paced; batch requests
-  and those submitted unpaced (``Request.paced``: ``LLM.generate``'s, whose tokens nobody reads as they come)
-  never are.
+  at the pace (its TPOT). Without a step time (``step_time`` None) the steps are not paced; requests whose
+  tokens nobody reads as they come (``Request.paced`` False: batch work, ``LLM.generate``'s) set no pace.
 
 * ``decoding_max_num_tokens``: the budget of a step while some running sequence decodes. A decoding request
   waits through every step until its next token, so its TPOT is the length of the steps it rides in; prefill
@@ -352,14 +351,13 @@ class Scheduler:
 
     def _paced_budget(self, decoding: list[Request], now: float) -> int:
         """The most tokens a step carrying ``decoding`` may take so that every online one of them still averages
-        ``tpot_target_s`` a token when it ends (see the module docstring); at least the decodes and a block. Batch
-        work and requests submitted unpaced (``LLM.generate``'s) have no pace: no reader waits on each token."""
+        ``tpot_target_s`` a token when it ends (see the module docstring); at least the decodes and a block. Only
+        ``Request.paced`` requests set it (not batch work nor ``LLM.generate``'s: no reader waits on each token)."""
         c = self.config
         if not c.tpot_target_s or c.step_time is None:
             return c.max_num_tokens
         banks = [c.tpot_target_s * r.num_output_tokens - (now - r.metrics.first_token_time) for r in decoding
-                 if r.paced and r.metrics.first_token_time is not None and r.num_output_tokens
-                 and r.priority > BATCH_PRIORITY]
+                 if r.paced and r.metrics.first_token_time is not None and r.num_output_tokens]
         if not banks:
             return c.max_num_tokens
         fixed_s, per_token_s = c.step_time
