@@ -4,9 +4,11 @@ The kernels pick their instruction set from CPUID (AVX-512 with VNNI where prese
 on the microarchitecture's caches and memory system beyond that are the software prefetch distances (bytes ahead in
 a weight stream): ``row_prefetch`` (one-row decode, int8/int4), ``small_prefetch`` (batched decode, M <= 32: the
 first pass over each tile), ``onepass_prefetch`` (AVX-512 one-pass 13..16 rows), ``bf16_row_prefetch`` (bf16-panel
-decode, M < 4) and ``int8_row_prefetch`` (int8 one-row decode over several streams); how many panels a decode thread
-reads at once (``row_panels`` / ``int8_row_panels``, int4 / int8 one row: 1 = one sequential stream; where the
-hardware prefetcher follows one stream per page, several interleaved ones keep more lines in flight;
+decode, M < 4) and ``int8_row_prefetch`` (int8 one-row decode over several streams); ``onepass_split``: whether an
+AVX-512 batched decode of 13..16 rows (fp32 x) runs rows 0..11 then 12..15 over pairs of panels (1) or all 16 rows
+over one panel (0); how many panels a decode thread reads at once (``row_panels`` / ``int8_row_panels``, int4 / int8
+one row: 1 = one sequential stream; where the hardware prefetcher follows one stream per page, several interleaved
+ones keep more lines in flight;
 ``bf16_row_panels``: the panels of a bf16 decode tile with bf16 x, 2 to 16); and ``row_nta``: whether the int8/int4
 one-row streams prefetch non-temporally (1, the default off Intel: a decode step reads each weight once, and ~100 MB
 of them passing through L2/L3 push out what the step reuses, the KV context and the step loop's own objects);
@@ -16,16 +18,17 @@ work item per row when there are as many rows as threads), and with fewer rows t
 this many positions across them; shorter ones run one KV head per work item (0: always).
 
 The library starts with per-microarchitecture defaults (``default_tuning`` in ``csrc/linear_kernels.cpp``); then
-:func:`apply` loads this machine's measured choice from the cache, or measures it (:func:`autotune`, ~0.5-2 s: the
-int4 and int8 decode kernels streaming weights from memory at each candidate) and caches it, a JSON file named by
-the library's build key and the CPU (:func:`cache_path`, beside the kernel cache in TORCH_EXTENSIONS_DIR).
-``KILN_AUTOTUNE=0`` keeps the defaults; ``KILN_TUNING=name=value,...`` sets values. ``row_nta`` and the panel counts
-are measured only as a guard (:data:`KEEP_DEFAULT`). Not measured here, because a kernel timed alone does not show
-them: ``row_burst``, ``bf16_row_panels`` and ``bf16_row_prefetch`` (on Zen 4 alike alone, 3-9% apart in whole
-decodes): their defaults come from whole single-stream decodes (``scripts/bench_tunables.py``); nor
-``attn_span_context`` (attention's, not a linear kernel's: ``scripts/bench_decode_attention.py --spans``). With
-``row_nta`` on, the one-row prefetch distances are chosen among non-zero candidates (no prefetch would leave the
-stream to the hardware prefetcher, which fills every level).
+:func:`apply` loads this machine's measured choice from the cache, or measures it (:func:`autotune`, ~1-3 s: the
+int4 and int8 decode kernels and a 16-row fp32 GEMM streaming weights from memory at each candidate) and caches
+it, a JSON file named by the library's build key and the CPU (:func:`cache_path`, beside the kernel cache in
+TORCH_EXTENSIONS_DIR). ``KILN_AUTOTUNE=0`` keeps the defaults; ``KILN_TUNING=name=value,...`` sets values.
+``row_nta``, the panel counts and ``onepass_split`` are measured only as a guard (:data:`KEEP_DEFAULT`). Not
+measured here, because a kernel timed alone does not show them: ``row_burst``, ``bf16_row_panels`` and
+``bf16_row_prefetch`` (on Zen 4 alike alone, 3-9% apart in whole decodes): their defaults come from whole
+single-stream decodes (``scripts/bench_tunables.py``); nor ``attn_span_context`` (attention's, not a linear
+kernel's: ``scripts/bench_decode_attention.py --spans``). With ``row_nta`` on, the one-row prefetch distances are
+chosen among non-zero candidates (no prefetch would leave the stream to the hardware prefetcher, which fills every
+level).
 """
 
 from __future__ import annotations
@@ -43,7 +46,7 @@ __all__ = ["TUNABLES", "get", "set_value", "current", "cpu_signature", "cache_pa
            "describe_kernel"]
 
 TUNABLES = ("row_prefetch", "small_prefetch", "onepass_prefetch", "row_panels", "int8_row_panels", "bf16_row_prefetch",
-            "int8_row_prefetch", "row_nta", "bf16_row_panels", "row_burst", "attn_span_context")
+            "int8_row_prefetch", "row_nta", "bf16_row_panels", "row_burst", "attn_span_context", "onepass_split")
 CANDIDATES = (0, 512, 1024, 2048, 4096, 8192)
 NTA_CANDIDATES = (256, 512, 1024, 2048, 4096, 8192)
 # The shortest candidate within this factor of the fastest one wins: on a shared 2-core VM the best of 5 interleaved
@@ -54,8 +57,9 @@ ROUNDS = 5
 # Measured alone only as a guard: their per-CPU defaults come from whole decodes, where they differ more than alone.
 # row_nta: its gain is what the stream does not evict (Zen 4: x1.06-1.24 whole, the kernel alone alike); on Sapphire
 # Rapids a non-temporal stream is not followed by the L2 streamer and reads at about half the rate even alone. The
-# panel counts: on Sapphire Rapids 4 int4 panels a thread run x1.10 in whole decodes, 2-3% apart alone.
-KEEP_DEFAULT = ("row_nta", "row_panels", "int8_row_panels")
+# panel counts: on Sapphire Rapids 4 int4 panels a thread run x1.10 in whole decodes, 2-3% apart alone. onepass_split
+# (two kernels for the same rows; 1 everywhere): measured in case a CPU runs the 16-row kernel clearly faster.
+KEEP_DEFAULT = ("row_nta", "row_panels", "int8_row_panels", "onepass_split")
 
 
 def get(lib, name: str) -> int:
@@ -138,8 +142,13 @@ def autotune(lib, nthreads: int, budget_s: float = 6.0) -> dict[str, int]:
     int8_scales = torch.full((n,), 0.01)
     int8_panel = _panel_type("int8_panel")
     chosen = current(lib)
+    # fp32 panels for the batched decode (onepass_split, measured last): the same buffer, 16 MiB each, its exponents
+    # set to 2^-1 when they are first needed (random bytes hold NaNs and denormals)
+    fp32_weights: list[torch.Tensor] = []
+    fp32_panel = _panel_type("fp32_panel")
     plan = [("row_nta", 1, (0, 1)), ("row_panels", 1, (1, 2, 4)), ("row_prefetch", 1, None),
-            ("small_prefetch", 8, CANDIDATES), ("int8_row_panels", 1, (1, 2, 4)), ("int8_row_prefetch", 1, None)]
+            ("small_prefetch", 8, CANDIDATES), ("int8_row_panels", 1, (1, 2, 4)), ("int8_row_prefetch", 1, None),
+            ("onepass_split", 16, (0, 1)), ("onepass_prefetch", 16, CANDIDATES)]
     for name, rows, candidates in plan:
         # a non-temporal one-row stream needs its software prefetch (row_nta): no zero distance for it, and shorter
         # ones (in whole decodes on Zen 4, 256-512 B beat 1-8 KiB)
@@ -153,6 +162,15 @@ def autotune(lib, nthreads: int, budget_s: float = 6.0) -> dict[str, int]:
         def call():
             i = idx[0]
             idx[0] += 1
+            if name in ("onepass_split", "onepass_prefetch"):
+                if not fp32_weights:
+                    sign_and_mantissa = 0x807FFFFF - (1 << 32)   # as an int32
+                    fp32_weights.extend(raw.view(torch.int32).bitwise_and_(sign_and_mantissa).bitwise_or_(0x3F000000)
+                                        .view(torch.float32).view(-1, n * k))
+                w = fp32_weights[i % len(fp32_weights)]
+                lib.kiln_linear(fp32_panel, w.data_ptr(), None, 0, x.data_ptr(), rows, n, k, None, y.data_ptr(),
+                                nthreads, 0)
+                return
             if name in ("int8_row_panels", "int8_row_prefetch"):
                 w = int8_weights[i % len(int8_weights)]
                 lib.kiln_linear(int8_panel, w.data_ptr(), int8_scales.data_ptr(), 0, x.data_ptr(), rows, n, k, None,

@@ -87,6 +87,33 @@ def test_fp32_and_bf16_panels(isa, shape, bf16_kernels_only):
         assert y.dtype == torch.bfloat16 and _rel(y, ref) < 1e-2, (m, "bf16 x")
 
 
+@pytest.mark.parametrize("split", [0, 1])
+def test_batched_decode_both_kernels(native, split):
+    """13..16 rows on AVX-512 (fp32 x over fp32 or bf16 panels): either kernel of tuning().onepass_split, an odd
+    panel count (the 16-row kernel whatever the choice), K not a multiple of the 64-k chunk, bias, bf16 out."""
+    from kiln.plugins import tuning
+
+    if native_lib.set_panel_isa(0) != 512:
+        pytest.skip("this CPU has no AVX-512 (F/BW/VL/DQ/VNNI)")
+    lib = native_lib.library()
+    old = tuning.current(lib)["onepass_split"]
+    tuning.set_value(lib, "onepass_split", split)
+    try:
+        for n, k in [(64, 1024), (48, 96), (32, 2816), (96, 40)]:
+            torch.manual_seed(n + k)
+            w, b = torch.randn(n, k) * 0.05, torch.randn(n)
+            pf, pb = fmt.pack_panels(w), fmt.pack_panels(w.bfloat16())
+            for m in (13, 14, 15, 16):
+                x = torch.randn(m, k)
+                assert _rel(linear.fp32_linear(x, pf, b), x @ w.t() + b) < 1e-5, (n, k, m)
+                ref = x @ w.bfloat16().float().t() + b
+                assert _rel(linear.bf16_linear(x, pb, b), ref) < 1e-5, (n, k, m, "bf16 w")
+                y = linear.fp32_linear(x.bfloat16(), pf, b)
+                assert _rel(y, (x.bfloat16().float() @ w.t() + b).bfloat16()) < 1e-2, (n, k, m, "bf16 x")
+    finally:
+        tuning.set_value(lib, "onepass_split", old)
+
+
 @pytest.mark.parametrize("m", [1, 4, 14, 33])   # decode, batched and prefill tiles share the epilogue
 def test_bf16_outputs_round_as_torch_rounds(isa, m):
     """A bf16 output is the fp32 sum rounded as torch rounds it, bit for bit: nearest, ties to even (both
@@ -532,6 +559,14 @@ def test_tunables_set_get_and_describe(native):
         assert "one row x 4 panels, prefetch 1536 B" in native_lib.describe_kernel("int8_panel", 1, 1024)
         width = "avx512" if native_lib.panel_isa() == 512 else "avx2"
         assert native_lib.describe_kernel("fp32_panel", 200, 1024).startswith(f"fp32 panels, {width}")
+        if width == "avx512":
+            tuning.set_value(lib, "onepass_split", 1)
+            assert "rows 0-11 then 12-15 over panel pairs" in native_lib.describe_kernel("fp32_panel", 16, 1024)
+            assert "one pass of 16 rows" in native_lib.describe_kernel("fp32_panel", 16, 1040)   # 65 panels
+            tuning.set_value(lib, "onepass_split", 0)
+            assert "one pass of 16 rows" in native_lib.describe_kernel("fp32_panel", 16, 1024)
+        with pytest.raises(ValueError, match="out of range"):
+            tuning.set_value(lib, "onepass_split", 2)
         with pytest.raises(ValueError, match="unknown kernel tunable 'nope'"):
             tuning.set_value(lib, "nope", 1)
         with pytest.raises(ValueError, match="out of range"):

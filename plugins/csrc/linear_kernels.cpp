@@ -713,6 +713,8 @@ struct Tuning {
                              // are split across them, each part reading whole slots (every kv head of a position,
                              // in position order; with as many rows as threads every row does), 0: one kv head
                              // per work item always
+  int64_t onepass_split;     // AVX-512 batched decode of 13..16 rows, float path: 1 = rows 0..11 then 12..15 over
+                             // panel pairs (panel_pair_float_12_4), 0 = 16 rows x 1 panel in one pass
 };
 
 // CPU family / model (AMD: Zen 3 = family 25 models 0x00-0x0f, 0x20-0x5f; Zen 4 = 25, 0x10-0x1f, 0x60-0xaf;
@@ -728,21 +730,23 @@ struct Tuning {
 // at once (the stream of a 0.5-3 MB int4 GEMV otherwise starts from a few lines in flight: x1.03-1.07 int4, x1.03
 // int8, faster in 55-67% of 12-30 rounds), and splits a lone decode row's attention from 96 positions (fp32 pool
 // x1.13-1.22 at 96-192 positions against 256, int8 x1.07-1.10, bf16 x0.99-1.11: scripts/bench_decode_attention.py
-// --spans 256,64: the same two parts from 96 positions; at 48-64 positions no gain).
+// --spans 256,64: the same two parts from 96 positions; at 48-64 positions no gain). Every CPU starts with the batched
+// decode's 13..16 fp32-x rows as 12 + 4 over panel pairs (onepass_split; Sapphire Rapids: x1.22-1.32 a GEMM from
+// memory against 16 rows x 1 panel); the autotune keeps the 16-row kernel where it is clearly faster.
 Tuning default_tuning() {
   unsigned eax = 0, ebx = 0, ecx = 0, edx = 0;
   __asm__("cpuid" : "=a"(eax), "=b"(ebx), "=c"(ecx), "=d"(edx) : "a"(1), "c"(0));
   const unsigned family = ((eax >> 8) & 0xf) + (((eax >> 8) & 0xf) == 0xf ? (eax >> 20) & 0xff : 0);
   const unsigned model = ((eax >> 4) & 0xf) | (((eax >> 16) & 0xf) << 4);
   const bool zen3 = family == 25 && (model < 0x10 || (model >= 0x20 && model < 0x60));
-  if (zen3) return {4096, 0, 0, 1, 1, 0, 0, 1, 4, 0, 256};
+  if (zen3) return {4096, 0, 0, 1, 1, 0, 0, 1, 4, 0, 256, 1};
   const bool zen4 = family == 25 && ((model >= 0x10 && model < 0x20) || (model >= 0x60 && model < 0xb0));
-  if (zen4) return {2048, 4096, 8192, 1, 1, 256, 4096, 1, 8, 8192, 96};
+  if (zen4) return {2048, 4096, 8192, 1, 1, 256, 4096, 1, 8, 8192, 96, 1};
   unsigned vb = 0, vc = 0, vd = 0, va = 0;
   __asm__("cpuid" : "=a"(va), "=b"(vb), "=c"(vc), "=d"(vd) : "a"(0), "c"(0));
   const bool intel = vb == 0x756e6547u && vd == 0x49656e69u && vc == 0x6c65746eu;   // "GenuineIntel"
   return {2048, 4096, 8192, intel ? 4 : 1, intel ? 4 : 1, intel ? 2048 : 0, intel ? 2048 : 4096, intel ? 0 : 1,
-          intel ? 8 : 4, 0, 256};
+          intel ? 8 : 4, 0, 256, 1};
 }
 
 Tuning& tuning() {
@@ -1011,8 +1015,13 @@ std::string describe_panel(int wtype, int64_t M, int64_t N) {
     what = panels % np == 0 ? (np == 16 ? "1x16 tiles" : "2x" + std::to_string(np) + " tiles") : "2x1 tiles";
     if (kind == KILN_W_BF16 && panels % np == 0 && t.bf16_row_prefetch > 0)
       what += ", prefetch " + std::to_string(t.bf16_row_prefetch) + " B";
-  } else if (Isa::MR_ONEPASS > 0 && M > Isa::MR_BIG && M <= Isa::MR_ONEPASS)
-    what = "one pass of " + std::to_string(Isa::MR_ONEPASS) + " rows, prefetch " + std::to_string(t.onepass_prefetch) + " B";
+  } else if (Isa::MR_ONEPASS > 0 && M > Isa::MR_BIG && M <= Isa::MR_ONEPASS) {
+    const bool dot = kind == KILN_W_BF16 && Isa::L == 16 && cpu_has_avx512_bf16();
+    what = !dot && t.onepass_split && panels % 2 == 0
+               ? "rows 0-11 then 12-15 over panel pairs, 64 k a chunk"
+               : "one pass of " + std::to_string(Isa::MR_ONEPASS) + " rows";
+    what += ", prefetch " + std::to_string(t.onepass_prefetch) + " B";
+  }
   else if (M > 32 && Isa::MR_WIDE != Isa::MR_BIG && panels % Isa::NP_BIG == 0)
     // prefill: bf16 x reads x in place with the wide kernel; the float path packs x where K % 512 == 0
     what = kind == KILN_W_BF16 && Isa::L == 16 && cpu_has_avx512_bf16()
@@ -1429,6 +1438,7 @@ int kiln_get_tuning(const char* name, int64_t* value) {
   else if (n == "bf16_row_panels") *value = t.bf16_row_panels;
   else if (n == "row_burst") *value = t.row_burst;
   else if (n == "attn_span_context") *value = t.attn_span_context;
+  else if (n == "onepass_split") *value = t.onepass_split;
   else return 1;
   return 0;
 }
@@ -1451,6 +1461,9 @@ int kiln_set_tuning(const char* name, int64_t value) {
   } else if (n == "row_nta") {
     if (value > 1) return 2;
     t.row_nta = value;
+  } else if (n == "onepass_split") {
+    if (value > 1) return 2;
+    t.onepass_split = value;
   } else if (n == "row_burst") t.row_burst = value;
   else if (n == "attn_span_context") t.attn_span_context = value;
   else if (n == "bf16_row_panels") {

@@ -112,6 +112,63 @@ inline void panel_float(const typename W::T* w, int64_t pstride, const float* x,
   for (int i = 0; i < rows; ++i) ep.store(m0 + i, n0, &acc[i][0][0], NP * VP, 1.0f);
 }
 
+// The batched decode's 13..16 rows over a pair of panels (AVX-512, tuning().onepass_split): for each chunk of KC k
+// (2 panels x KC steps, in L1) rows 0..11 first, streaming the weights from memory (prefetching pf bytes ahead in
+// both panels), then rows 12..15 over the same lines from L1; each pass parks its accumulators in `part` between
+// chunks. Against panel_float's 16 rows x 1 panel (a weight vector and 16 broadcasts loaded for 16 multiply-adds,
+// one stream a thread) the 12-row pass loads 14 for 24 from two streams: on Sapphire Rapids the 16-row kernel
+// overlaps its multiply-adds with the weight stream only in part, the 12-row pass keeps the stream at the read rate
+// (docs/benchmarks.md, "fp32 batched decode"). xp: x packed k-major [K][16] (pack_kmajor), rows >= `rows` zero.
+template <class W, int KC>
+inline void panel_pair_float_12_4(const typename W::T* w, int64_t pstride, const float* xp, int64_t K,
+                                  const Epilogue& ep, int64_t n0, int rows, int64_t pf) {
+  constexpr int NP = 2, MRALL = 16;
+  static_assert(KC % W::S == 0);
+  alignas(64) float part[MRALL][NP * VP * Isa::L];
+  for (int i = 0; i < MRALL; ++i)
+    for (int j = 0; j < NP * VP; ++j) Isa::store(part[i] + j * Isa::L, Isa::zero());
+  for (int64_t k0 = 0; k0 < K; k0 += KC) {
+    const int64_t t0 = k0 / W::S, t1 = std::min(K, k0 + KC) / W::S;
+    const auto pass = [&](auto r0, auto mr) {
+      constexpr int R0 = decltype(r0)::value, MR = decltype(mr)::value;
+      constexpr bool STREAMS = R0 == 0;   // the first pass brings the chunk from memory
+      Isa::V acc[MR][NP][VP];
+#pragma GCC unroll 16
+      for (int i = 0; i < MR; ++i)
+        for (int p = 0; p < NP; ++p)
+          for (int v = 0; v < VP; ++v) acc[i][p][v] = Isa::load(part[R0 + i] + (p * VP + v) * Isa::L);
+      for (int64_t t = t0; t < t1; ++t) {
+        const typename W::T* q = w + t * W::STEP;
+        if constexpr (STREAMS)
+          for (int p = 0; p < NP; ++p) prefetch_line(reinterpret_cast<const char*>(q + p * pstride) + pf);
+        for (int s = 0; s < W::S; ++s) {
+          Isa::V wv[NP][VP];
+          for (int p = 0; p < NP; ++p)
+            for (int v = 0; v < VP; ++v) wv[p][v] = W::decode(q + p * pstride, s, v);
+          const float* xk = xp + (t * W::S + s) * MRALL + R0;
+#pragma GCC unroll 16
+          for (int i = 0; i < MR; ++i) {
+            const Isa::V xb = Isa::bcast(xk + i);
+            for (int p = 0; p < NP; ++p)
+              for (int v = 0; v < VP; ++v) acc[i][p][v] = Isa::fma(xb, wv[p][v], acc[i][p][v]);
+          }
+        }
+      }
+#pragma GCC unroll 16
+      for (int i = 0; i < MR; ++i)
+        for (int p = 0; p < NP; ++p)
+          for (int v = 0; v < VP; ++v) Isa::store(part[R0 + i] + (p * VP + v) * Isa::L, acc[i][p][v]);
+    };
+    pass(std::integral_constant<int, 0>{}, std::integral_constant<int, 12>{});
+    pass(std::integral_constant<int, 12>{}, std::integral_constant<int, 4>{});
+  }
+  for (int i = 0; i < rows; ++i) {
+    Isa::V out[NP * VP];
+    for (int j = 0; j < NP * VP; ++j) out[j] = Isa::load(part[i] + j * Isa::L);
+    ep.store(i, n0, out, NP * VP, 1.0f);
+  }
+}
+
 // rows (<= MR) rows of x [rows][K] -> xp [K][MR] (rows rows.. zero), in blocks of 64 k so that the rows are read in
 // order and the block's lines of xp stay in L1. T: float (fp32 x) or int32_t (pairs of bf16 x).
 template <class T>
@@ -703,6 +760,13 @@ void panel_gemm_float(const typename W::T* w, int64_t M, int64_t N, int64_t K, c
     if (M > Isa::MR_BIG && M <= Isa::MR_ONEPASS) {
       const float* xp = pack_kmajor(x, M, K, Isa::MR_ONEPASS);
       const int64_t pstride = (K / W::S) * W::STEP;
+      if (tuning().onepass_split && (N / 16) % 2 == 0) {
+        for_tiles(1, N / 32, 1, nthreads, [&](int64_t, int64_t, int64_t g) {
+          panel_pair_float_12_4<W, 64>(w + 2 * g * pstride, pstride, xp, K, ep, g * 32, int(M),
+                                       tuning().onepass_prefetch);
+        });
+        return;
+      }
       for_tiles(1, N / 16, 1, nthreads, [&](int64_t, int64_t, int64_t g) {
         panel_float<W, Isa::MR_ONEPASS, 1, true, true>(w + g * pstride, pstride, xp, 0, K, ep, 0, g * 16,
                                                         int(M), tuning().onepass_prefetch);
