@@ -172,9 +172,10 @@ def bf16_gemm_m() -> int:
     """Rows of x from which a bf16-panel weight with bf16 x runs as an AMX GEMM on the panels as stored (each
     panel's 16 k-pairs are one AMX B tile, each panel the VNNI-packed operand of a 16-column GEMM: no copy):
     kiln's AMX tile kernel where K is a multiple of 32, else torch's oneDNN brgemm per panel, instead of kiln's
-    panel kernels; 0: never (the default where the CPU has no AMX-BF16). Same numerics: exact products, fp32
-    sums. int8 panels with bf16 x take the tile kernel from the same row count (K a multiple of 32): each panel
-    pair converted to bf16, exact for int8, and the per-output scale applied to the fp32 sums."""
+    panel kernels; 0: never (the default where the CPU has no AMX-BF16; 5 where it has). Same numerics: exact
+    products, fp32 sums. int8 panels with bf16 x take the tile kernel from this row count but never below 24 (K a
+    multiple of 32): each panel pair converted to bf16, exact for int8, and the per-output scale applied to the fp32
+    sums; below 24 rows the conversion costs more than the int8 kernels."""
     return _gemm_m("bf16")
 
 

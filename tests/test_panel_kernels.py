@@ -225,8 +225,12 @@ def test_amx_tiles_interleave_with_torchs_brgemm(native):
 
 
 def test_bf16_gemm_default_follows_the_cpu(native):
-    """On by default (from 16 rows) exactly where the CPU has AMX-BF16; other CPUs keep the panel kernels."""
-    assert linear.bf16_gemm_m() == (16 if _has_amx_bf16() else 0)
+    """On by default (from 5 rows; int8 panels from 24) exactly where the CPU has AMX-BF16; other CPUs keep the
+    panel kernels."""
+    assert linear.bf16_gemm_m() == (5 if _has_amx_bf16() else 0)
+    if _has_amx_bf16():
+        assert "AMX tiles" in native_lib.describe_kernel("bf16_panel", 5, 1024)
+        assert "AMX" not in native_lib.describe_kernel("bf16_panel", 4, 1024)
 
 
 @pytest.mark.parametrize("shape", SHAPES)
@@ -272,8 +276,8 @@ def test_int8_panels_propagate_nan_and_inf(isa, rows):
 
 @pytest.mark.parametrize("shape", [(48, 96), (96, 1024), (32, 2816)])
 def test_int8_panels_bf16_x_on_amx(native, shape):
-    """int8 panels with bf16 x from bf16_gemm_m rows on AMX CPUs: each panel pair converted to bf16 (exact) for the
-    tile kernel, the per-output scale and the bias applied as it stores. Within bf16 rounding of the dequantized
+    """int8 panels with bf16 x from max(bf16_gemm_m, 24) rows on AMX CPUs: each panel pair converted to bf16 (exact)
+    for the tile kernel, the per-output scale and the bias applied as it stores. Within bf16 rounding of the dequantized
     reference and of the int8 kernels, at row counts with tails; NaN/inf in x propagate; fp32 x keeps the kernels."""
     if not _has_amx_bf16():
         pytest.skip("this CPU has no AMX-BF16: int8 panels keep the int8 kernels at every M")
@@ -281,9 +285,9 @@ def test_int8_panels_bf16_x_on_amx(native, shape):
     torch.manual_seed(n * k + 3)
     q, s = fmt.quantize_int8(torch.randn(n, k))
     b, p = torch.randn(n), fmt.pack_panels(q)
-    assert "AMX tiles" in native_lib.describe_kernel("int8_panel", 16, n)
-    assert "AMX" not in native_lib.describe_kernel("int8_panel", 15, n)
-    for m in (16, 33, 64, 200):
+    assert "AMX tiles" in native_lib.describe_kernel("int8_panel", 24, n)
+    assert "AMX" not in native_lib.describe_kernel("int8_panel", 23, n)
+    for m in (24, 33, 64, 200):
         x = torch.randn(m, k).bfloat16()
         for bias in (b, None):
             ref = linear.weight_only_linear_reference(x, q, s, bias, 8, 0)

@@ -115,6 +115,8 @@ void kiln_ops_set_int4_gemm_m(int64_t m);
 // Rows of x from which bf16 panels with bf16 x run as oneDNN bf16 GEMMs; 0: never. Setting m > 0 returns 0 (and
 // changes nothing) where torch's brgemm cannot take bf16 (no AMX-BF16), else 1.
 int64_t kiln_ops_bf16_gemm_m();
+// rows of bf16 x from which int8 panels take the AMX tile kernel (0: never)
+int64_t kiln_ops_int8_amx_m();
 int kiln_ops_set_bf16_gemm_m(int64_t m);
 // AMX tile state for kernels outside torch (attention_kernels.cpp). permitted: 1 where the CPU has AMX-BF16 and the
 // OS granted this process tile state. begin (on each thread, before its tile code): torch's brgemm drops the tile

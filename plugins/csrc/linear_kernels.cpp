@@ -1001,7 +1001,7 @@ std::string describe_panel(int wtype, int64_t M, int64_t N) {
     else if (M == 1) what = "one-row stream, 4 chains, prefetch " + std::to_string(t.row_prefetch) + " B" + nta + burst;
     else if (M < 4 && panels % 4 == 0) what = "2x4 tiles";
     else what = tiles(Isa::MR_INT, Isa::NP_INT);
-    const int64_t gemm_m = kiln_ops_bf16_gemm_m();
+    const int64_t gemm_m = kiln_ops_int8_amx_m();
     const std::string amx = gemm_m > 0 && M >= gemm_m ? "; with bf16 x (from M " + std::to_string(gemm_m) +
                                                          "): AMX tiles on each panel pair converted to bf16 (K a "
                                                          "multiple of 32)" : "";
