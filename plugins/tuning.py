@@ -147,8 +147,9 @@ def autotune(lib, nthreads: int, budget_s: float = 6.0) -> dict[str, int]:
     fp32_weights: list[torch.Tensor] = []
     fp32_panel = _panel_type("fp32_panel")
     plan = [("row_nta", 1, (0, 1)), ("row_panels", 1, (1, 2, 4)), ("row_prefetch", 1, None),
-            ("small_prefetch", 8, CANDIDATES), ("int8_row_panels", 1, (1, 2, 4)), ("int8_row_prefetch", 1, None),
-            ("onepass_split", 16, (0, 1)), ("onepass_prefetch", 16, CANDIDATES)]
+            ("small_prefetch", 8, CANDIDATES), ("int8_row_panels", 1, (1, 2, 4)), ("int8_row_prefetch", 1, None)]
+    if lib.kiln_panel_isa() == 512:   # the 13..16-row kernels exist only on AVX-512
+        plan += [("onepass_split", 16, (0, 1)), ("onepass_prefetch", 16, CANDIDATES)]
     for name, rows, candidates in plan:
         # a non-temporal one-row stream needs its software prefetch (row_nta): no zero distance for it, and shorter
         # ones (in whole decodes on Zen 4, 256-512 B beat 1-8 KiB)
