@@ -731,8 +731,8 @@ struct Tuning {
 // int8, faster in 55-67% of 12-30 rounds), and splits a lone decode row's attention from 96 positions (fp32 pool
 // x1.13-1.22 at 96-192 positions against 256, int8 x1.07-1.10, bf16 x0.99-1.11: scripts/bench_decode_attention.py
 // --spans 256,64: the same two parts from 96 positions; at 48-64 positions no gain). Every CPU starts with the batched
-// decode's 13..16 fp32-x rows as 12 + 4 over panel pairs (onepass_split; Sapphire Rapids: x1.22-1.32 a GEMM from
-// memory against 16 rows x 1 panel); the autotune keeps the 16-row kernel where it is clearly faster.
+// decode's 13..16 fp32-x rows as 12 + 4 over panel pairs (onepass_split; faster on Sapphire Rapids than 16 rows x 1
+// panel, docs/benchmarks.md "fp32 batched decode"); the autotune keeps the 16-row kernel where it is clearly faster.
 Tuning default_tuning() {
   unsigned eax = 0, ebx = 0, ecx = 0, edx = 0;
   __asm__("cpuid" : "=a"(eax), "=b"(ebx), "=c"(ecx), "=d"(edx) : "a"(1), "c"(0));

@@ -54,12 +54,11 @@ std::atomic<int64_t> g_int4_gemm_m{cpu_has_amx_bf16() ? 128 : 0};
 // bf16 panels with bf16 x at M >= this (0: never; -1: not chosen yet) run as oneDNN bf16 GEMMs (torch's
 // cpublas::brgemm, AMX where present) on the panels as they are stored: a panel [K/2, 16, 2] is exactly the
 // VNNI-packed B operand of a 16-column GEMM, so nothing is copied or dequantized. Products are exact and sums
-// in fp32, as in the panel kernels (vdpbf16ps). From M = 5 on Sapphire Rapids: the tile kernel streams the weights
-// at the same rate at any M (a batched decode is memory-bound), where the AVX-512 panel kernels fall to half of it
-// at 13..15 rows (a GEMM alone: x1.2-1.3 at 5-6 rows, x1.5-1.7 at 8-12, x2.0 at 13-15; a whole decode step of the
-// 246M model: x1.12-1.16 at 5-6 rows, x1.43 at 12, x1.78 at 15, x0.94-0.99 at 4; docs/benchmarks.md, "bf16 batched
-// decode on AMX from 5 rows"); chosen where the CPU has AMX-BF16 and torch's oneDNN brgemm takes bf16, else never
-// (the panel kernels keep every M; not measured on a CPU without AMX).
+// in fp32, as in the panel kernels (vdpbf16ps). From M = 5: the tile kernel streams the weights at the same rate
+// at any M (a batched decode is memory-bound), where on Sapphire Rapids the AVX-512 panel kernels fall to half of
+// it at 13..15 rows and a whole decode step of 5..15 rows runs faster on the tiles, 4 rows not (docs/benchmarks.md,
+// "bf16 batched decode on AMX from 5 rows"); chosen where the CPU has AMX-BF16 and torch's oneDNN brgemm takes bf16,
+// else never (the panel kernels keep every M; not measured on a CPU without AMX).
 // torch's brgemm takes a bf16 VNNI B operand only through oneDNN's ukernel on AMX: elsewhere it throws, so the
 // route exists only where both hold.
 bool bf16_gemm_available() {
@@ -494,8 +493,8 @@ void kiln_ops_set_int4_gemm_m(int64_t m) { g_int4_gemm_m.store(m < 0 ? 0 : m); }
 int64_t kiln_ops_bf16_gemm_m() { return bf16_gemm_m(); }
 
 // int8 panels with bf16 x take the tile kernel from bf16_gemm_m rows, but never below 24: each call converts every
-// panel pair to bf16 first, which at a few rows costs more than the int8 kernels' whole product (Sapphire Rapids:
-// x0.42-0.56 at 2-8 rows, x0.85 at 16, x1.11 at 24, x1.4 at 32).
+// panel pair to bf16 first, which below ~20 rows costs more than the int8 kernels' whole product (same section of
+// docs/benchmarks.md).
 constexpr int64_t INT8_AMX_MIN_M = 24;
 int64_t kiln_ops_int8_amx_m() {
   const int64_t m = bf16_gemm_m();
