@@ -142,14 +142,17 @@ def autotune(lib, nthreads: int, budget_s: float = 6.0) -> dict[str, int]:
     int8_scales = torch.full((n,), 0.01)
     int8_panel = _panel_type("int8_panel")
     chosen = current(lib)
-    # fp32 panels for the batched decode (onepass_split, measured last): the same buffer, 16 MiB each, its exponents
-    # set to 2^-1 when they are first needed (random bytes hold NaNs and denormals)
-    fp32_weights: list[torch.Tensor] = []
-    fp32_panel = _panel_type("fp32_panel")
     plan = [("row_nta", 1, (0, 1)), ("row_panels", 1, (1, 2, 4)), ("row_prefetch", 1, None),
             ("small_prefetch", 8, CANDIDATES), ("int8_row_panels", 1, (1, 2, 4)), ("int8_row_prefetch", 1, None)]
+    fp32_weights: list[torch.Tensor] = []
+    fp32_panel = _panel_type("fp32_panel")
     if lib.kiln_panel_isa() == 512:   # the 13..16-row kernels exist only on AVX-512
         plan += [("onepass_split", 16, (0, 1)), ("onepass_prefetch", 16, CANDIDATES)]
+        # fp32 panels of the same buffer, 16 MiB each, every exponent set to 2^-1 (random bytes hold NaNs and
+        # denormals); the int4 and int8 kernels take as long on these bytes as on any
+        sign_and_mantissa = 0x807FFFFF - (1 << 32)   # as an int32
+        fp32_weights = list(raw.view(torch.int32).bitwise_and_(sign_and_mantissa).bitwise_or_(0x3F000000)
+                            .view(torch.float32).view(-1, n * k))
     for name, rows, candidates in plan:
         # a non-temporal one-row stream needs its software prefetch (row_nta): no zero distance for it, and shorter
         # ones (in whole decodes on Zen 4, 256-512 B beat 1-8 KiB)
@@ -164,10 +167,6 @@ def autotune(lib, nthreads: int, budget_s: float = 6.0) -> dict[str, int]:
             i = idx[0]
             idx[0] += 1
             if name in ("onepass_split", "onepass_prefetch"):
-                if not fp32_weights:
-                    sign_and_mantissa = 0x807FFFFF - (1 << 32)   # as an int32
-                    fp32_weights.extend(raw.view(torch.int32).bitwise_and_(sign_and_mantissa).bitwise_or_(0x3F000000)
-                                        .view(torch.float32).view(-1, n * k))
                 w = fp32_weights[i % len(fp32_weights)]
                 lib.kiln_linear(fp32_panel, w.data_ptr(), None, 0, x.data_ptr(), rows, n, k, None, y.data_ptr(),
                                 nthreads, 0)

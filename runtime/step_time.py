@@ -55,9 +55,9 @@ def amortized_budget(step_fixed_s: float, per_token_s: float) -> int:
 class StepTimeKnobs:
     """Refits ``a + b x tokens`` over the last ``window`` steps and sets the scheduler's knobs from it (see the
     module docstring): every ``every`` steps while it has fewer than ``every_fitted`` steps, then every
-    ``every_fitted`` (a refit of the full window costs ~0.1 ms; every 4 steps that was ~40 us on each step of the
-    loop). The first fits come early because the decode pace has none to go by before them: a server's first burst
-    ran unpaced, and its 2048-token steps set the TPOT p95 of a whole sweep's first rate (Azure code trace x0.25).
+    ``every_fitted`` (a refit reads the whole window, too much work for every few steps of the loop). The first fits
+    come early because the decode pace has none to go by before them: without them a server's first burst runs
+    unpaced, and its full-budget steps set the TPOT p95 of a sweep's first rate.
     ``config`` is the SchedulerConfig the scheduler reads each step: every fit is its ``step_time``, and sets the
     two knobs but those ``fixed`` names (the user set them; the executor sets the decoding budget only given
     ``schedule_from_step_time``)."""
