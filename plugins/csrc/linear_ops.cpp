@@ -148,6 +148,10 @@ at::Tensor bf16_panel_gemm(const at::Tensor& x2, const at::Tensor& w, const floa
 // Blocks of 32 rows x 2 panels keep 4 accumulator tiles, 2 of x and 2 of the panels (all 8), i.e. 2 tile loads per
 // tile product against brgemm's ~1.25 at 16 columns a call; measured 1.3-1.6x brgemm's GFLOP/s on the 246m's
 // shapes (docs/benchmarks.md). Rows past the last full 32 are copied into a zero-padded block.
+// While a sweep's blocks run on one panel pair, the next pair is prefetched into L2, a few lines each step of k
+// spread over all of the pair's blocks: its first block then finds its tiles in L2 instead of waiting on memory
+// for every one. Only with two or more blocks: with one (decode batches) all of the next pair in one block's steps
+// is more prefetching than the memory system takes beside the tile loads (docs/benchmarks.md, session 25).
 constexpr int64_t AMX_MR = 32, AMX_KB = 32;
 
 // Linux gives a process AMX tile state only on request (arch_prctl ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA);
@@ -180,14 +184,19 @@ __attribute__((target("amx-tile,amx-bf16"))) void amx_load_config() { _tile_load
 
 __attribute__((target("amx-tile,amx-bf16"))) void amx_release() { _tile_release(); }
 
-// c [32, 32] fp32 (row stride 32) = a [32, K] (row stride lda elements) @ panels b0 (and b1 when TWO)
+// c [32, 32] fp32 (row stride 32) = a [32, K] (row stride lda elements) @ panels b0 (and b1 when TWO); each step
+// of k also prefetches `lines` cache lines from `ahead` on into L2 (none when ahead is null)
 template <bool TWO>
 __attribute__((target("amx-tile,amx-bf16")))
 void amx_block(const at::BFloat16* a, int64_t lda, const at::BFloat16* b0, const at::BFloat16* b1, int64_t K,
-               float* c) {
+               float* c, const char* ahead, int64_t lines) {
   _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
   const int64_t stride = lda * int64_t(sizeof(at::BFloat16));
   for (int64_t k = 0; k < K; k += AMX_KB) {
+    if (ahead != nullptr) {
+      for (int64_t l = 0; l < lines; ++l) _mm_prefetch(ahead + 64 * l, _MM_HINT_T1);
+      ahead += 64 * lines;
+    }
     _tile_loadd(4, a + k, stride);
     _tile_loadd(5, a + 16 * lda + k, stride);
     _tile_loadd(6, b0 + k * KILN_PANEL, 64);
@@ -231,17 +240,25 @@ at::Tensor panel_gemm_amx(const at::Tensor& x2, const at::Tensor& w, const float
     kiln_amx_tiles_begin();
     for (int64_t s0 = 0; s0 < M; s0 += GEMM_SWEEP_ROWS) {
       const int64_t s1 = std::min(M, s0 + GEMM_SWEEP_ROWS);
+      const int64_t blocks = (s1 - s0 + AMX_MR - 1) / AMX_MR, steps = K / AMX_KB;
+      const int64_t pair_lines = 2 * K * KILN_PANEL * int64_t(INT8 ? sizeof(int8_t) : sizeof(at::BFloat16)) / 64;
+      const int64_t lines = (pair_lines + blocks * steps - 1) / (blocks * steps);   // per step of k
       for (int64_t q = q0; q < q1; ++q) {
         const int64_t p = 2 * q, cols = (p + 1 < P ? 2 : 1) * KILN_PANEL;
         const at::BFloat16* b0 = wp + p * K * KILN_PANEL;
+        const char* next = nullptr;   // the thread's next panel pair, as stored
+        if (blocks >= 2 && q + 1 < q1)
+          next = INT8 ? reinterpret_cast<const char*>(qp + (p + 2) * K * KILN_PANEL)
+                      : reinterpret_cast<const char*>(wp + (p + 2) * K * KILN_PANEL);
         if (INT8) {
           k512::int8_to_bf16(qp + p * K * KILN_PANEL, cols * K, converted.data());
           b0 = converted.data();
         }
         for (int64_t m0 = s0; m0 < s1; m0 += AMX_MR) {
           const at::BFloat16* a = m0 < full ? xp + m0 * K : tp;
-          if (cols == 2 * KILN_PANEL) amx_block<true>(a, K, b0, b0 + K * KILN_PANEL, K, c);
-          else amx_block<false>(a, K, b0, nullptr, K, c);
+          const char* ahead = next ? next + (m0 - s0) / AMX_MR * steps * lines * 64 : nullptr;
+          if (cols == 2 * KILN_PANEL) amx_block<true>(a, K, b0, b0 + K * KILN_PANEL, K, c, ahead, lines);
+          else amx_block<false>(a, K, b0, nullptr, K, c, ahead, lines);
           k512::store_bf16_rows(c, 32, std::min(AMX_MR, M - m0), cols, INT8 ? scale + p * KILN_PANEL : nullptr, bias ? bias + p * KILN_PANEL : nullptr,
                           yp + m0 * N + p * KILN_PANEL, N);
         }
