@@ -599,7 +599,8 @@ def test_tuning_is_measured_once_cached_and_overridable(native, tmp_path, monkey
         assert cached == {k: measured[k] for k in cached}
         # a non-temporal one-row stream (row_nta, the default) takes a non-zero distance
         assert cached["row_prefetch"] in (tuning.NTA_CANDIDATES if measured["row_nta"] else tuning.CANDIDATES)
-        assert cached["onepass_split"] in (0, 1) and cached["onepass_prefetch"] >= 0   # measured on AVX-512
+        # cached and in range (measured where the library runs AVX-512; elsewhere the defaults, never run there)
+        assert cached["onepass_split"] in (0, 1) and cached["onepass_prefetch"] >= 0
         path.write_text(json.dumps({"tuning": {**cached, "row_prefetch": 1536}}))   # read, not re-measured
         assert tuning.apply(lib, "ktest")["row_prefetch"] == 1536
         monkeypatch.setenv("KILN_TUNING", "small_prefetch=640")
