@@ -8,8 +8,8 @@
 // 0 .. ctx - n + i, so a whole prompt and a continuation chunk are the same call).
 //
 // Layouts: q [n][Hq][D], k and v [ctx][Hkv][D] (contiguous bf16), out [n][Hq][D] bf16; query head h reads kv head
-// h / (Hq / Hkv). Per kv head, k is packed as [key vectors of 16][D/2][16] bf16 pairs (the B operand of a 16-key
-// dot product) and v as [key pairs][D][2]; both are zero-padded to whole blocks of BK keys, and scores past a row's
+// h / (Hq / Hkv). Per kv head, the AVX-512 loop packs k as [key vectors of 16][D/2][16] bf16 pairs (the B operand of a
+// 16-key dot product) and v as [key pairs][D][2] (the AMX path: pack_heads_amx); both are zero-padded to whole blocks of BK keys, and scores past a row's
 // limit are -inf, so the padding never reaches the output. P is rounded to bf16 for the P V products, as flash
 // attention kernels do in bf16.
 
@@ -22,10 +22,13 @@
 #include <atomic>
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
 #include <vector>
 
 namespace {
+
+#include "transpose16.h"
 
 constexpr int MR = 6;     // query rows per micro-kernel (6 x 4 score vectors, then 6 x 4 output vectors)
 constexpr int BK = 64;    // keys per block: 4 vectors of 16
@@ -245,18 +248,23 @@ KILN_ATTN_TARGET void attend_rows(const Rows<T>& r, const typename T::W* kp, con
 // ---- AMX (bf16) -------------------------------------------------------------------------------------------------
 // Where the CPU has AMX-BF16 and the OS grants tile state, the bf16 kernel computes Q K^T and P V as tile products
 // (16 x 16 x 32 per instruction) instead of vdpbf16ps, which leaves the online softmax as most of the work: on a
-// 2-core Sapphire Rapids the vdpbf16ps loop ran ~150 GFLOP/s, torch's SDPA ~300-440 and this path 480-890
-// (docs/benchmarks.md). The packed k and v above are already tiles: 16 d-pairs x 16 keys of kp are the B operand of
-// the scores (a row of them is one d-pair of 16 keys, 64 bytes), 16 key pairs x 16 d of vp the B operand of P V
-// (row stride D words). A micro-block is 16 query rows (one A tile's rows) against blocks of 64 keys: four score
-// tiles, P as two A tiles (16 rows x 32 keys each, bf16), and the output accumulated in fp32 in memory (tiles cannot
-// be scaled: a row whose reference max moves is rescaled with AVX-512 before the next P V adds to it; the reference
-// moves only when a block passes it by LAZY, so that is rare). Tiles: 0-3 scores, 4 q, 5-6 k; then 0-3 output,
-// 4-5 P, 6-7 v (every tile 16 rows x 64 bytes, kiln_amx_tiles_begin's config). In k512:: as all AVX-512 code is.
+// 2-core Sapphire Rapids the vdpbf16ps loop ran ~150 GFLOP/s, torch's SDPA ~300-440 and this path 0.5-1.0 TFLOP/s
+// (docs/benchmarks.md). It works transposed: a micro-block of 16 query rows is the 16 columns of its tiles, so
+// S^T = K Q^T puts keys in tile rows (A: 16 keys x 32 dims straight from the keys' rows) and the 16 rows' scores of
+// one key in one vector. The online softmax then runs down the keys with every quantity a vector over the rows
+// (running max, sum, rescale factor): no horizontal reductions and no per-row masks, where the row-major layout
+// spent a reduction and two mask computations per row and block (x1.05-1.25 on prompts of 256-2000 tokens). P^T,
+// rounded to bf16 and paired by key, is the B operand of O^T = V^T P^T (A: 16 dims x 32 keys of the values, which
+// pack_heads_amx transposes per block of 64 keys). O^T is accumulated in fp32 in memory, since tiles cannot be
+// scaled: when a row's reference max moves, O^T's rows are multiplied by the factors before the next P V adds to
+// them; the reference moves only when a block passes it by LAZY, so that is rare. Tiles: 0-3 scores, 4 query pairs,
+// 5-6 keys; then 0-3 output, 4-5 P^T, 6-7 values (every tile 16 rows x 64 bytes, kiln_amx_tiles_begin's config).
+// Issuing the next block's scores before this block's softmax (to overlap the two units) measured no faster.
+// In k512:: as all AVX-512 code is.
 namespace k512::amx {
 
 constexpr int RA = 16;   // query rows per micro-block
-constexpr int BKA = 64;  // keys per block (four score tiles; P as two A tiles)
+constexpr int BKA = 64;  // keys per block (four score tiles; P^T as two B tiles)
 constexpr float LAZY = 8.0f;   // log2 units a block's max may pass a row's reference max before it moves
 static_assert(BK % BKA == 0, "k and v are packed in whole blocks of BK keys");
 
@@ -268,133 +276,149 @@ struct RowsA {
 
 #define KILN_AMX_TARGET __attribute__((target("amx-tile,amx-bf16,avx512f,avx512bw,avx512vl,avx512dq,avx512bf16")))
 
-// o rows += P V over 64 d columns (four output tiles), P's 64 keys already in tiles 4 (keys 0-31) and 5 (32-63);
-// vb: the block's first key pair at these columns
-KILN_AMX_TARGET inline void pv_quad(float* o, int64_t ostride, const uint32_t* vb, int64_t D) {
-  const int64_t vstride = D * 4, half = 16 * D;   // a key pair's row of words; keys 32-63 start 16 pairs on
-  _tile_loadd(0, o, ostride);
-  _tile_loadd(1, o + 16, ostride);
-  _tile_loadd(2, o + 32, ostride);
-  _tile_loadd(3, o + 48, ostride);
-  _tile_loadd(6, vb, vstride);
-  _tile_loadd(7, vb + half, vstride);
-  _tile_dpbf16ps(0, 4, 6);
-  _tile_dpbf16ps(0, 5, 7);
-  _tile_loadd(6, vb + 16, vstride);
-  _tile_loadd(7, vb + half + 16, vstride);
-  _tile_dpbf16ps(1, 4, 6);
-  _tile_dpbf16ps(1, 5, 7);
-  _tile_loadd(6, vb + 32, vstride);
-  _tile_loadd(7, vb + half + 32, vstride);
-  _tile_dpbf16ps(2, 4, 6);
-  _tile_dpbf16ps(2, 5, 7);
-  _tile_loadd(6, vb + 48, vstride);
-  _tile_loadd(7, vb + half + 48, vstride);
-  _tile_dpbf16ps(3, 4, 6);
-  _tile_dpbf16ps(3, 5, 7);
-  _tile_stored(0, o, ostride);
-  _tile_stored(1, o + 16, ostride);
-  _tile_stored(2, o + 32, ostride);
-  _tile_stored(3, o + 48, ostride);
+// Word k of each 16-lane pair vector: the bf16 of row k / 2 of P at key 2j + (k & 1) (cvtne2ps puts key 2j's 16 rows
+// in words 0-15 and key 2j + 1's in 16-31).
+KILN_AMX_TARGET inline __m512i pair_order() {
+  alignas(64) int16_t idx[32];
+  for (int k = 0; k < 32; ++k) idx[k] = int16_t(k / 2 + (k & 1) * 16);
+  return _mm512_load_si512(idx);
 }
 
-// The keys of a 64-key block row i sees, as four lane masks (visible: keys of the block it sees, may be <= 0)
-KILN_AMX_TARGET inline void visible_masks(int64_t visible, __mmask16 keep[4]) {
-  for (int t = 0; t < 4; ++t) {
-    const int64_t n = std::clamp<int64_t>(visible - 16 * t, 0, 16);
-    keep[t] = n >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << n) - 1u);
-  }
+// The rows (lanes) whose limit is at or past key j
+KILN_AMX_TARGET inline __mmask16 seen(__m512i limits, int64_t j) {
+  return _mm512_cmp_epi32_mask(_mm512_set1_epi32(int32_t(j)), limits, _MM_CMPINT_LE);
 }
 
-KILN_AMX_TARGET void attend_rows(const RowsA& r, const uint32_t* kp, const uint32_t* vp, int64_t D,
+// One micro-block of 16 query rows (transposed: the rows are the tiles' 16 columns) against every key block up to
+// their largest limit. kh: this kv head's keys [ctx_pad][D]; vt: its values transposed per block of 64 keys,
+// [ctx_pad / 64][D][64] (both zero past the context).
+KILN_AMX_TARGET void attend_rows(const RowsA& r, const uint16_t* kh, const uint16_t* vt, int64_t D,
                                  float scale_log2) {
   const int64_t S = D / 2;
-  alignas(64) uint16_t qbuf[RA * 256];  // D <= 256
-  alignas(64) float o[RA * 256];
-  alignas(64) float sbuf[RA * BKA];
-  alignas(64) uint16_t pbuf[RA * BKA];
-  alignas(64) float m[RA], bmax[RA];   // each row's reference max (log2 units), a block's raw max
-  alignas(64) float lsum[RA][16];      // each row's running sum of P, 16 lanes (reduced once, at the end)
-  int64_t last = 0;
-  for (int i = 0; i < RA; ++i) {
-    std::memcpy(qbuf + i * D, r.q[i], sizeof(uint16_t) * size_t(D));
-    m[i] = -INFINITY;
-    _mm512_store_ps(lsum[i], _mm512_setzero_ps());
-    last = std::max(last, r.limit[i]);
+  alignas(64) uint32_t qt[128 * RA];        // the rows' query pairs, transposed: [S][16]
+  alignas(64) float ot[256 * RA];           // O^T: [D][16]
+  alignas(64) float st[BKA * RA];           // a block's S^T: [64 keys][16]
+  alignas(64) uint32_t pt[BKA / 2 * RA];    // P^T as bf16 key pairs: [32][16]
+  alignas(64) int32_t lim[RA];
+  int64_t last = 0, first = INT64_MAX;
+  for (int64_t p0 = 0; p0 < S; p0 += 16) {   // 16 pairs of the 16 rows at a time
+    __m512i x[16];
+    for (int i = 0; i < RA; ++i) x[i] = _mm512_loadu_si512(reinterpret_cast<const uint32_t*>(r.q[i]) + p0);
+    transpose16(x);
+    for (int j = 0; j < 16; ++j) _mm512_store_si512(qt + (p0 + j) * RA, x[j]);
   }
-  std::memset(o, 0, sizeof(float) * size_t(RA * D));
-  const int64_t qstride = D * 2, ostride = D * 4;
+  for (int i = 0; i < RA; ++i) {
+    lim[i] = int32_t(r.limit[i]);
+    last = std::max(last, r.limit[i]);
+    first = std::min(first, r.limit[i]);
+  }
+  std::memset(ot, 0, sizeof(float) * size_t(D * RA));
+  const __m512i limits = _mm512_load_si512(lim), order = pair_order();
   const __m512 scale = _mm512_set1_ps(scale_log2), neg_inf = _mm512_set1_ps(-INFINITY);
-  for (int64_t b = 0; b <= last / BKA; ++b) {
-    const uint32_t* k0 = kp + 4 * b * S * 16;   // key vectors 4b .. 4b + 3: [S][16] words each
+  __m512 m = neg_inf, l = _mm512_setzero_ps();   // per row: reference max (log2 units), running sum of P
+  const int64_t kstride = D * 2, vstride = BKA * 2, blocks = last / BKA + 1;
+  for (int64_t b = 0; b < blocks; ++b) {
+    // S^T of the block: tiles 0-3 (16 keys each) over the query pairs 32 dims at a time, then into st
+    const int64_t kb = b * BKA;
+    const uint16_t* k0 = kh + kb * D;
     _tile_zero(0);
     _tile_zero(1);
     _tile_zero(2);
     _tile_zero(3);
     for (int64_t c = 0; c < D / 32; ++c) {
-      _tile_loadd(4, qbuf + c * 32, qstride);
-      _tile_loadd(5, k0 + c * 256, 64);
-      _tile_loadd(6, k0 + S * 16 + c * 256, 64);
-      _tile_dpbf16ps(0, 4, 5);
-      _tile_dpbf16ps(1, 4, 6);
-      _tile_loadd(5, k0 + 2 * S * 16 + c * 256, 64);
-      _tile_loadd(6, k0 + 3 * S * 16 + c * 256, 64);
-      _tile_dpbf16ps(2, 4, 5);
-      _tile_dpbf16ps(3, 4, 6);
+      _tile_loadd(4, qt + c * 16 * RA, 64);
+      _tile_loadd(5, k0 + c * 32, kstride);
+      _tile_loadd(6, k0 + 16 * D + c * 32, kstride);
+      _tile_dpbf16ps(0, 5, 4);
+      _tile_dpbf16ps(1, 6, 4);
+      _tile_loadd(5, k0 + 32 * D + c * 32, kstride);
+      _tile_loadd(6, k0 + 48 * D + c * 32, kstride);
+      _tile_dpbf16ps(2, 5, 4);
+      _tile_dpbf16ps(3, 6, 4);
     }
-    _tile_stored(0, sbuf, BKA * 4);
-    _tile_stored(1, sbuf + 16, BKA * 4);
-    _tile_stored(2, sbuf + 32, BKA * 4);
-    _tile_stored(3, sbuf + 48, BKA * 4);
-    // each row's block max over the keys it sees (raw scores: scale > 0 keeps their order)
-    for (int i = 0; i < RA; ++i) {
-      __mmask16 keep[4];
-      visible_masks(r.limit[i] - b * BKA + 1, keep);
-      __m512 mx = neg_inf;
-      for (int t = 0; t < 4; ++t) mx = _mm512_mask_max_ps(mx, keep[t], mx, _mm512_load_ps(sbuf + i * BKA + 16 * t));
-      bmax[i] = _mm512_reduce_max_ps(mx);
-    }
-    // The 16 rows' reference maxima at once, moved only when a block's max passes a row's by more than LAZY (log2
-    // units): P is then at most 2^LAZY (exact in fp32 and within bf16's range), and most blocks rescale nothing.
-    // Every row sees a key of block 0, so its reference is finite from then on (alpha, 2^-inf there, is 0).
-    const __m512 mold = _mm512_load_ps(m), bm = _mm512_mul_ps(_mm512_load_ps(bmax), scale);
-    const __mmask16 moved = _mm512_cmp_ps_mask(bm, _mm512_add_ps(mold, _mm512_set1_ps(LAZY)), _CMP_GT_OQ);
-    const __m512 mnew = _mm512_mask_blend_ps(moved, mold, bm);
-    _mm512_store_ps(m, mnew);
-    alignas(64) float alpha[RA];
-    _mm512_store_ps(alpha, k512::exp2_neg(_mm512_sub_ps(mold, mnew)));
-    for (int i = 0; i < RA; ++i) {
-      __mmask16 keep[4];
-      visible_masks(r.limit[i] - b * BKA + 1, keep);
-      const __m512 mv = _mm512_set1_ps(m[i]);
-      __m512 sum = _mm512_setzero_ps();
-      __m512 p[4];
-      for (int t = 0; t < 4; ++t) {
-        const __m512 x = _mm512_fmsub_ps(_mm512_load_ps(sbuf + i * BKA + 16 * t), scale, mv);   // log2 units
-        p[t] = _mm512_maskz_mov_ps(keep[t], k512::exp2_bf16(x));
-        sum = _mm512_add_ps(sum, p[t]);
+    _tile_stored(0, st, 64);
+    _tile_stored(1, st + 16 * RA, 64);
+    _tile_stored(2, st + 32 * RA, 64);
+    _tile_stored(3, st + 48 * RA, 64);
+    // every row sees every key of the block, or the keys up to its limit (lane masks per key)
+    const bool full = kb + BKA - 1 <= first;
+    __m512 mx0 = neg_inf, mx1 = neg_inf;
+    if (full) {
+      for (int64_t j = 0; j < BKA; j += 2) {
+        mx0 = _mm512_max_ps(mx0, _mm512_load_ps(st + j * RA));
+        mx1 = _mm512_max_ps(mx1, _mm512_load_ps(st + (j + 1) * RA));
       }
-      const bool rescale = (moved >> i) & 1;
-      const __m512 a = _mm512_set1_ps(alpha[i]);
-      _mm512_store_ps(lsum[i], rescale ? _mm512_fmadd_ps(_mm512_load_ps(lsum[i]), a, sum)
-                                       : _mm512_add_ps(_mm512_load_ps(lsum[i]), sum));
-      _mm512_store_si512(pbuf + i * BKA, (__m512i)_mm512_cvtne2ps_pbh(p[1], p[0]));        // keys 0-31
-      _mm512_store_si512(pbuf + i * BKA + 32, (__m512i)_mm512_cvtne2ps_pbh(p[3], p[2]));   // keys 32-63
-      if (rescale && b > 0)
-        for (int64_t c = 0; c < D; c += 16)
-          _mm512_store_ps(o + i * D + c, _mm512_mul_ps(_mm512_load_ps(o + i * D + c), a));
+    } else {
+      for (int64_t j = 0; j < BKA; j += 2) {
+        mx0 = _mm512_mask_max_ps(mx0, seen(limits, kb + j), mx0, _mm512_load_ps(st + j * RA));
+        mx1 = _mm512_mask_max_ps(mx1, seen(limits, kb + j + 1), mx1, _mm512_load_ps(st + (j + 1) * RA));
+      }
     }
-    _tile_loadd(4, pbuf, BKA * 2);
-    _tile_loadd(5, pbuf + 32, BKA * 2);
-    const uint32_t* vb = vp + b * 32 * D;   // key pairs 32b .. 32b + 31
-    for (int64_t e = 0; e < D; e += 64) pv_quad(o + e, ostride, vb + e, D);
+    // The reference max moves only where a block's passes it by more than LAZY (log2 units): P is then at most
+    // 2^LAZY (exact in fp32, within bf16's range) and most blocks rescale nothing. Every row sees key 0, so its
+    // reference is finite after block 0 (alpha there, 2^-inf, is 0).
+    const __m512 bm = _mm512_mul_ps(_mm512_max_ps(mx0, mx1), scale);
+    const __mmask16 moved = _mm512_cmp_ps_mask(bm, _mm512_add_ps(m, _mm512_set1_ps(LAZY)), _CMP_GT_OQ);
+    const __m512 mnew = _mm512_mask_blend_ps(moved, m, bm);
+    const __m512 alpha = k512::exp2_neg(_mm512_sub_ps(m, mnew));
+    m = mnew;
+    __m512 sum0 = _mm512_setzero_ps(), sum1 = _mm512_setzero_ps();
+    for (int64_t j = 0; j < BKA; j += 2) {
+      __m512 p0 = k512::exp2_bf16(_mm512_fmsub_ps(_mm512_load_ps(st + j * RA), scale, m));
+      __m512 p1 = k512::exp2_bf16(_mm512_fmsub_ps(_mm512_load_ps(st + (j + 1) * RA), scale, m));
+      if (!full) {
+        p0 = _mm512_maskz_mov_ps(seen(limits, kb + j), p0);
+        p1 = _mm512_maskz_mov_ps(seen(limits, kb + j + 1), p1);
+      }
+      sum0 = _mm512_add_ps(sum0, p0);
+      sum1 = _mm512_add_ps(sum1, p1);
+      _mm512_store_si512(pt + j / 2 * RA, _mm512_permutexvar_epi16(order, (__m512i)_mm512_cvtne2ps_pbh(p1, p0)));
+    }
+    l = _mm512_fmadd_ps(l, alpha, _mm512_add_ps(sum0, sum1));
+    if (moved && b > 0)
+      for (int64_t d = 0; d < D; ++d) _mm512_store_ps(ot + d * RA, _mm512_mul_ps(_mm512_load_ps(ot + d * RA), alpha));
+    // O^T += V^T P^T, 64 dims (four output tiles) at a time
+    _tile_loadd(4, pt, 64);            // keys 0-31
+    _tile_loadd(5, pt + 16 * RA, 64);  // keys 32-63
+    const uint16_t* v0 = vt + kb * D;   // this block's [D][64]
+    for (int64_t e = 0; e < D; e += 64) {
+      _tile_loadd(0, ot + e * RA, 64);
+      _tile_loadd(1, ot + (e + 16) * RA, 64);
+      _tile_loadd(2, ot + (e + 32) * RA, 64);
+      _tile_loadd(3, ot + (e + 48) * RA, 64);
+      _tile_loadd(6, v0 + e * BKA, vstride);
+      _tile_loadd(7, v0 + e * BKA + 32, vstride);
+      _tile_dpbf16ps(0, 6, 4);
+      _tile_dpbf16ps(0, 7, 5);
+      _tile_loadd(6, v0 + (e + 16) * BKA, vstride);
+      _tile_loadd(7, v0 + (e + 16) * BKA + 32, vstride);
+      _tile_dpbf16ps(1, 6, 4);
+      _tile_dpbf16ps(1, 7, 5);
+      _tile_loadd(6, v0 + (e + 32) * BKA, vstride);
+      _tile_loadd(7, v0 + (e + 32) * BKA + 32, vstride);
+      _tile_dpbf16ps(2, 6, 4);
+      _tile_dpbf16ps(2, 7, 5);
+      _tile_loadd(6, v0 + (e + 48) * BKA, vstride);
+      _tile_loadd(7, v0 + (e + 48) * BKA + 32, vstride);
+      _tile_dpbf16ps(3, 6, 4);
+      _tile_dpbf16ps(3, 7, 5);
+      _tile_stored(0, ot + e * RA, 64);
+      _tile_stored(1, ot + (e + 16) * RA, 64);
+      _tile_stored(2, ot + (e + 32) * RA, 64);
+      _tile_stored(3, ot + (e + 48) * RA, 64);
+    }
   }
-  for (int i = 0; i < RA; ++i) {
-    if (r.out[i] == nullptr) continue;
-    const __m512 inv = _mm512_set1_ps(1.0f / _mm512_reduce_add_ps(_mm512_load_ps(lsum[i])));
-    for (int64_t c = 0; c < D; c += 16)
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(r.out[i] + c),
-                          (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(_mm512_load_ps(o + i * D + c), inv)));
+  // out row i = O^T's column i / its sum: 16 dims of the 16 rows transposed at a time
+  alignas(64) float inv[RA];
+  _mm512_store_ps(inv, _mm512_div_ps(_mm512_set1_ps(1.0f), l));
+  for (int64_t c = 0; c < D; c += 16) {
+    __m512i x[16];
+    for (int j = 0; j < 16; ++j) x[j] = _mm512_load_si512(ot + (c + j) * RA);
+    transpose16(x);
+    for (int i = 0; i < RA; ++i)
+      if (r.out[i] != nullptr)
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(r.out[i] + c),
+                            (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps((__m512)x[i], _mm512_set1_ps(inv[i]))));
   }
 }
 
@@ -411,6 +435,20 @@ bool attention_amx() {
   return on == 1;
 }
 
+// The AMX path's operands of kv head h: its keys as rows [ctx_pad][D] and its values transposed per block of 64 keys
+// [ctx_pad / 64][D][64] (a tile of 16 dims x 32 keys is then 64-byte rows 128 bytes apart, where [D][ctx_pad] puts
+// them ctx_pad * 2 bytes apart: at 2048 keys, 4 KiB, every row in the same L1 set), zero past the context (keys
+// there score 0 and are masked; their values multiply a P of 0).
+void pack_heads_amx(const uint16_t* k, const uint16_t* v, int64_t ctx, int64_t ctx_pad, int64_t hkv, int64_t h,
+                    int64_t D, uint16_t* kh, uint16_t* vt) {
+  for (int64_t j = 0; j < ctx; ++j) std::memcpy(kh + j * D, k + (j * hkv + h) * D, sizeof(uint16_t) * size_t(D));
+  std::memset(kh + ctx * D, 0, sizeof(uint16_t) * size_t((ctx_pad - ctx) * D));
+  constexpr int64_t BKA = k512::amx::BKA;
+  for (int64_t j0 = 0; j0 < ctx_pad; j0 += BKA)   // a block's rows (8-32 KB) read once per d from L1
+    for (int64_t d = 0; d < D; ++d)
+      for (int64_t j = j0; j < j0 + BKA; ++j) vt[j0 * D + d * BKA + j - j0] = j < ctx ? v[(j * hkv + h) * D + d] : uint16_t(0);
+}
+
 template <class T>
 int causal_attention(const void* q, const void* k, const void* v, void* out, int64_t n, int64_t ctx, int64_t hq,
                      int64_t hkv, int64_t D, float scale, int nthreads) {
@@ -420,16 +458,7 @@ int causal_attention(const void* q, const void* k, const void* v, void* out, int
   if (n <= 0 || ctx < n || hkv <= 0 || hq % hkv != 0 || D % 64 != 0 || D > 256) return 2;
   const int64_t group = hq / hkv, S = D / T::PACK;
   const int64_t ctx_pad = (ctx + BK - 1) / BK * BK;
-  std::vector<W> kp(size_t(hkv * ctx_pad * S)), vp(size_t(hkv * ctx_pad / T::PACK * D));
-  const auto* ke = static_cast<const E*>(k);
-  const auto* ve = static_cast<const E*>(v);
   const int nt = std::max(1, nthreads);
-#pragma omp parallel for num_threads(nt) schedule(static)
-  for (int64_t h = 0; h < 2 * hkv; ++h) {
-    if (h < hkv) pack_k<T>(ke, ctx, ctx_pad, hkv, h, D, kp.data() + h * ctx_pad * S);
-    else pack_v<T>(ve, ctx, ctx_pad, hkv, h - hkv, D, vp.data() + (h - hkv) * ctx_pad / T::PACK * D);
-  }
-  const auto* qw = static_cast<const W*>(q);
   auto* oe = static_cast<E*>(out);
   const int64_t start = ctx - n;                 // position of the first new token
   const int64_t qblocks = (n + BQ - 1) / BQ;
@@ -437,9 +466,20 @@ int causal_attention(const void* q, const void* k, const void* v, void* out, int
   const float scale_log2 = scale * 1.4426950408889634f;
   if constexpr (T::PACK == 2) {
     if (attention_amx()) {
+      // the packed operands, kept by the calling thread between calls (a prompt's layers reuse them)
+      thread_local std::vector<uint16_t> kbuf, vbuf;
+      kbuf.resize(size_t(hkv * ctx_pad * D));
+      vbuf.resize(size_t(hkv * ctx_pad * D));
+      uint16_t* const kh = kbuf.data();
+      uint16_t* const vt = vbuf.data();
       const auto* qe = static_cast<const uint16_t*>(q);
+      const auto* ke = static_cast<const uint16_t*>(k);
+      const auto* ve = static_cast<const uint16_t*>(v);
 #pragma omp parallel num_threads(nt)
       {
+#pragma omp for schedule(static)
+        for (int64_t h = 0; h < hkv; ++h)
+          pack_heads_amx(ke, ve, ctx, ctx_pad, hkv, h, D, kh + h * ctx_pad * D, vt + h * ctx_pad * D);
         kiln_amx_tiles_begin();
 #pragma omp for schedule(dynamic, 1)
         for (int64_t t = 0; t < tasks; ++t) {   // later query blocks first, as below
@@ -455,15 +495,27 @@ int causal_attention(const void* q, const void* k, const void* v, void* out, int
               rb.out[i] = r0 + i < rows ? oe + (pos * hq + head) * D : nullptr;
               rb.limit[i] = start + pos;
             }
-            k512::amx::attend_rows(rb, kp.data() + h * ctx_pad * S, vp.data() + h * ctx_pad / T::PACK * D, D,
-                                   scale_log2);
+            k512::amx::attend_rows(rb, kh + h * ctx_pad * D, vt + h * ctx_pad * D, D, scale_log2);
           }
         }
         kiln_amx_tiles_end();
       }
+      if (kbuf.size() > (size_t(32) << 20)) {   // a very long context's buffers are not kept
+        std::vector<uint16_t>().swap(kbuf);
+        std::vector<uint16_t>().swap(vbuf);
+      }
       return 0;
     }
   }
+  std::vector<W> kp(size_t(hkv * ctx_pad * S)), vp(size_t(hkv * ctx_pad / T::PACK * D));
+  const auto* ke = static_cast<const E*>(k);
+  const auto* ve = static_cast<const E*>(v);
+#pragma omp parallel for num_threads(nt) schedule(static)
+  for (int64_t h = 0; h < 2 * hkv; ++h) {
+    if (h < hkv) pack_k<T>(ke, ctx, ctx_pad, hkv, h, D, kp.data() + h * ctx_pad * S);
+    else pack_v<T>(ve, ctx, ctx_pad, hkv, h - hkv, D, vp.data() + (h - hkv) * ctx_pad / T::PACK * D);
+  }
+  const auto* qw = static_cast<const W*>(q);
   // later query blocks see more keys: hand them out first
 #pragma omp parallel for num_threads(nt) schedule(dynamic, 1)
   for (int64_t t = 0; t < tasks; ++t) {

@@ -771,34 +771,11 @@ bool bf16dot_usable(int64_t d) {
   return cpu && kiln_panel_isa() == 512 && d % 32 == 0 && d <= 256;
 }
 
+#include "transpose16.h"
+
 #pragma GCC push_options
 #pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,avx2,fma,f16c")
 namespace k512::bf16dot {   // k512: the library's rule for AVX-512 code (test_panel_kernels checks it)
-
-// r[i] (row i: 16 dwords) -> r[c]: column c of the 16 rows (dword i = row i's dword c)
-inline void transpose16(__m512i r[16]) {
-  __m512i t[16];
-  for (int i = 0; i < 16; i += 2) {
-    t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
-    t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
-  }
-  __m512i u[16];  // u[4g + c]: lane L = column 4L + c of rows 4g .. 4g + 3
-  for (int g = 0; g < 4; ++g) {
-    u[4 * g] = _mm512_unpacklo_epi64(t[4 * g], t[4 * g + 2]);
-    u[4 * g + 1] = _mm512_unpackhi_epi64(t[4 * g], t[4 * g + 2]);
-    u[4 * g + 2] = _mm512_unpacklo_epi64(t[4 * g + 1], t[4 * g + 3]);
-    u[4 * g + 3] = _mm512_unpackhi_epi64(t[4 * g + 1], t[4 * g + 3]);
-  }
-  for (int c = 0; c < 4; ++c) {  // the 4 x 4 transpose of 128-bit lanes of u[c], u[4 + c], u[8 + c], u[12 + c]
-    const __m512i x0 = _mm512_shuffle_i32x4(u[c], u[4 + c], 0x44), x1 = _mm512_shuffle_i32x4(u[c], u[4 + c], 0xEE);
-    const __m512i x2 = _mm512_shuffle_i32x4(u[8 + c], u[12 + c], 0x44);
-    const __m512i x3 = _mm512_shuffle_i32x4(u[8 + c], u[12 + c], 0xEE);
-    r[c] = _mm512_shuffle_i32x4(x0, x2, 0x88);
-    r[4 + c] = _mm512_shuffle_i32x4(x0, x2, 0xDD);
-    r[8 + c] = _mm512_shuffle_i32x4(x1, x3, 0x88);
-    r[12 + c] = _mm512_shuffle_i32x4(x1, x3, 0xDD);
-  }
-}
 
 inline __m512 dot(__m512 acc, __m512i a, uint32_t pair) {
   return _mm512_dpbf16_ps(acc, (__m512bh)a, (__m512bh)_mm512_set1_epi32(int32_t(pair)));
