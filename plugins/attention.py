@@ -18,7 +18,7 @@ import torch
 
 from kiln.plugins import native
 
-__all__ = ["causal_attention", "kernel_route", "set_kernel_route", "set_amx", "describe"]
+__all__ = ["causal_attention", "causal_attention_paged", "kernel_route", "set_kernel_route", "set_amx", "describe"]
 
 ROUTES = ("auto", "kiln", "sdpa")
 _route: str | None = None
@@ -64,21 +64,44 @@ def set_amx(on: bool) -> bool:
     return bool(lib.kiln_causal_attention_set_amx(1 if on else 0))
 
 
-def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor | None:
+def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+                     out: torch.Tensor | None = None) -> torch.Tensor | None:
     """q [n, Hq, D] (the last n tokens of the context), k/v [ctx, Hkv, D] -> [n, Hq, D]: query i attends keys
-    0 .. ctx - n + i. None where the kernel does not take the case (the caller runs SDPA)."""
+    0 .. ctx - n + i. ``out``: a contiguous [n, Hq, D] of q's dtype to write into (default: a new tensor). None where
+    the kernel does not take the case (the caller runs SDPA)."""
+    return _run(q, k, v, k.shape[0], scale, out)
+
+
+def causal_attention_paged(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, block_table: torch.Tensor,
+                           ctx: int, scale: float, out: torch.Tensor | None = None) -> torch.Tensor | None:
+    """As :func:`causal_attention`, with a sequence's ``ctx`` keys and values read in place from one layer of a KV
+    pool (``k_pool``/``v_pool`` [blocks, block_size, Hkv, D], key j in block ``block_table[j // block_size]``), so
+    they are not gathered into a copy first. None where the kernel does not take the case, or a table entry of
+    the first ``ctx`` keys is outside the pool (the caller's gather path then names it)."""
+    if k_pool.dim() != 4 or v_pool.shape != k_pool.shape or not (k_pool.is_contiguous() and v_pool.is_contiguous()) \
+            or block_table.dim() != 1 or ctx < 1 or block_table.numel() * k_pool.shape[1] < ctx:
+        return None
+    table = block_table.to(torch.int32).contiguous()
+    return _run(q, k_pool, v_pool, ctx, scale, out, table)
+
+
+def _run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: int, scale: float, out: torch.Tensor | None,
+         table: torch.Tensor | None = None) -> torch.Tensor | None:
     n, hq, d = q.shape
-    ctx, hkv, _ = k.shape
+    hkv = k.shape[-2]
     if kernel_route() != "kiln" or not _takes(q.dtype, d) or k.dtype != q.dtype or v.dtype != q.dtype or \
-            q.device.type != "cpu" or hq % hkv or ctx < n or n < 1:
+            q.device.type != "cpu" or k.shape[-1] != d or hq % hkv or ctx < n or n < 1:
+        return None
+    if out is not None and (out.shape != q.shape or out.dtype != q.dtype or not out.is_contiguous()):
         return None
     lib = native.library()
     if lib is None or not lib.kiln_causal_attention_available():
         return None
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
-    out = torch.empty_like(q)
+    out = torch.empty_like(q) if out is None else out
+    paged = (table.data_ptr(), k.shape[1], k.shape[0]) if table is not None else (None, 0, 0)
     rc = getattr(lib, _KERNELS[q.dtype])(q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), n, ctx, hq, hkv, d,
-                                        float(scale), torch.get_num_threads())
+                                        float(scale), torch.get_num_threads(), *paged)
     return out if rc == 0 else None
 
 

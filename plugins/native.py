@@ -280,7 +280,7 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.kiln_ops_set_max_m.argtypes = [ctypes.c_int, i64]
     lib.kiln_causal_attention_available.restype = ctypes.c_int
     lib.kiln_causal_attention_bf16.argtypes = [ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, ctypes.c_float,
-                                               ctypes.c_int]
+                                               ctypes.c_int, ptr, i64, i64]
     lib.kiln_causal_attention_bf16.restype = ctypes.c_int
     lib.kiln_causal_attention_f32.argtypes = lib.kiln_causal_attention_bf16.argtypes
     lib.kiln_causal_attention_f32.restype = ctypes.c_int

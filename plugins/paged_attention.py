@@ -32,7 +32,7 @@ import torch
 import torch.nn.functional as F
 
 from kiln.contract import KV_SCALE_BYTES
-from kiln.plugins.attention import causal_attention
+from kiln.plugins.attention import causal_attention, causal_attention_paged
 from kiln.plugins.kv_quant import from_pool, is_quantized, to_pool, writable
 from kiln.plugins.native import define_native_op
 
@@ -147,19 +147,25 @@ def _context_one(
     scale: float,
     sliding_window: int,
     softcap: float = 0.0,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """One sequence with n new tokens at the end of context_len: q [n, Hq, D] -> [n, Hq, D]."""
+    """One sequence with n new tokens at the end of context_len: q [n, Hq, D] -> [n, Hq, D] (into ``out`` where
+    kiln's kernel reads the pool in place, else a new tensor)."""
     n = q.shape[0]
+    plain_causal = softcap <= 0 and (sliding_window <= 0 or context_len <= sliding_window)
+    if plain_causal:   # a pool in q's dtype: the kernel reads its keys and values where they are
+        done = causal_attention_paged(q, k_pool, v_pool, block_table, context_len, scale, out)
+        if done is not None:
+            return done
     block_size = k_pool.shape[1]
     nb = (context_len + block_size - 1) // block_size
     # [H, ctx, D] in q's dtype, dequantized once (an 8-bit pool) for whichever attention below runs
     keys = from_pool(_gather_context(k_pool, block_table[None], nb)[0, :context_len], q.dtype).transpose(0, 1)
     values = from_pool(_gather_context(v_pool, block_table[None], nb)[0, :context_len], q.dtype).transpose(0, 1)
-    plain_causal = softcap <= 0 and (sliding_window <= 0 or context_len <= sliding_window)
     if plain_causal:
-        out = causal_attention(q, keys.transpose(0, 1), values.transpose(0, 1), scale)
-        if out is not None:
-            return out
+        done = causal_attention(q, keys.transpose(0, 1), values.transpose(0, 1), scale, out)
+        if done is not None:
+            return done
     if context_len == n and plain_causal:
         # A whole prompt (no cached prefix) is plain causal attention: SDPA's causal kernel skips the masked half
         # and builds no [n, n] mask (2.5x faster at 2k tokens than the masked call below).
@@ -195,9 +201,11 @@ def _context_sequences(
     s = 0
     for i, n in enumerate(lens):
         if n >= min_len:
-            out[s : s + n] = _context_one(
-                q[s : s + n], k_pool, v_pool, ctx_lens[i], block_tables[i], scale, sliding_window, softcap
-            )
+            rows = out[s : s + n]
+            got = _context_one(q[s : s + n], k_pool, v_pool, ctx_lens[i], block_tables[i], scale, sliding_window,
+                               softcap, rows)
+            if got is not rows:
+                rows.copy_(got)
         s += n
 
 

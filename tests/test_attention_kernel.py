@@ -161,6 +161,49 @@ def test_paged_attention_context_path_uses_it(kernel, dtype, tol):
     assert (out.float() - ref.float()).abs().max().item() < tol
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("n, ctx", [(70, 70), (33, 150)])   # a prompt; a chunk after 117 cached (a partial block)
+def test_paged_reads_the_pool_in_place(kernel, dtype, n, ctx):
+    """Keys and values read through a scattered block table give exactly what the same keys and values gathered
+    first give, written into the given output; a table entry outside the pool is declined (None), not read."""
+    torch.manual_seed(n + ctx)
+    hq, hkv, d, bs, blocks = 8, 2, 64, 16, 20
+    pool = torch.randn(2, blocks, bs, hkv, d).to(dtype)
+    used = -(-ctx // bs)
+    table = torch.randperm(blocks)[:used].to(torch.int32)
+    gathered = pool[:, table.long()].reshape(2, used * bs, hkv, d)[:, :ctx]
+    q = torch.randn(n, hq, d).to(dtype)
+    want = attention.causal_attention(q, gathered[0].contiguous(), gathered[1].contiguous(), 0.125)
+    out = torch.full_like(q, float("nan"))
+    got = attention.causal_attention_paged(q, pool[0], pool[1], table, ctx, 0.125, out)
+    assert got is out and torch.equal(out, want)
+    assert torch.equal(attention.causal_attention_paged(q, pool[0], pool[1], table, ctx, 0.125), want)
+    bad = table.clone()
+    bad[-1] = blocks
+    assert attention.causal_attention_paged(q, pool[0], pool[1], bad, ctx, 0.125) is None
+    assert attention.causal_attention_paged(q, pool[0], pool[1], table[:-1], ctx, 0.125) is None   # too few blocks
+
+
+def test_paged_op_with_scattered_blocks(kernel):
+    """The paged op's context path (the kernel reading the pool in place) with blocks out of order matches the
+    op's fp32 reference."""
+    from kiln.plugins.paged_attention import paged_attention, paged_attention_reference
+
+    torch.manual_seed(5)
+    hq, hkv, d, bs, blocks = 4, 2, 128, 16, 16
+    kv_cache = torch.zeros(1, 2, blocks, bs, hkv, d, dtype=torch.bfloat16)
+    seq_lens = torch.tensor([50, 1], dtype=torch.int32)   # a prompt beside a decode row
+    context_lens = torch.tensor([50, 9], dtype=torch.int32)
+    block_tables = torch.tensor([[9, 2, 14, 5], [7, 0, 0, 0]], dtype=torch.int32)
+    slots = torch.tensor([int(block_tables[0, p // bs]) * bs + p % bs for p in range(50)] + [7 * bs + 8]).long()
+    q, k, v = (torch.randn(51, hkv if i else hq, d).bfloat16() for i in range(3))
+    cache_ref = kv_cache.clone()
+    out = paged_attention(q, k, v, kv_cache, 0, seq_lens, context_lens, block_tables, slots, 0.1, 0, 0.0)
+    ref = paged_attention_reference(q.float(), k.float(), v.float(), cache_ref.float(), 0, seq_lens, context_lens,
+                                    block_tables, slots, 0.1, 0, 0.0)
+    assert (out.float() - ref.float()).abs().max().item() < 0.02
+
+
 def test_describe_names_the_route_and_why(kernel):
     assert attention.describe("bfloat16", 64).startswith("kiln causal attention kernel")
     products = "AMX tile products" if kernel == "amx" else "AVX-512 BF16 dot products"

@@ -8,9 +8,10 @@
 // 0 .. ctx - n + i, so a whole prompt and a continuation chunk are the same call).
 //
 // Layouts: q [n][Hq][D], k and v [ctx][Hkv][D] (contiguous bf16), out [n][Hq][D] bf16; query head h reads kv head
-// h / (Hq / Hkv). Per kv head, the AVX-512 loop packs k as [key vectors of 16][D/2][16] bf16 pairs (the B operand of a
-// 16-key dot product) and v as [key pairs][D][2] (the AMX path: pack_heads_amx); both are zero-padded to whole blocks of BK keys, and scores past a row's
-// limit are -inf, so the padding never reaches the output. P is rounded to bf16 for the P V products, as flash
+// h / (Hq / Hkv) (k and v may also be read in place from a KV pool: see pack_k). Per kv head, the AVX-512 loop packs
+// k as [key vectors of 16][D/2][16] bf16 pairs (the B operand of a 16-key dot product) and v as [key pairs][D][2] (the
+// AMX path: pack_heads_amx); both are zero-padded to whole blocks of BK keys, and scores past a row's limit are -inf,
+// so the padding never reaches the output. P is rounded to bf16 for the P V products, as flash
 // attention kernels do in bf16.
 
 #include "kiln_kernels.h"
@@ -93,33 +94,36 @@ struct F32 {
   static constexpr int PACK = 1;
 };
 
-// k [ctx][Hkv][D] head h -> kp [ctx_pad/16][D/PACK][16] words (16 keys per vector, one word of d per step)
+// Key j's row of kv head h is at k + (slot[j] * hkv + h) * D: slot[j] = j for k [ctx][Hkv][D], or its slot in a KV
+// pool's layer [blocks][block_size][Hkv][D] (a sequence's keys read in place, not gathered first).
+
+// k head h -> kp [ctx_pad/16][D/PACK][16] words (16 keys per vector, one word of d per step)
 template <class T>
-void pack_k(const typename T::E* k, int64_t ctx, int64_t ctx_pad, int64_t hkv, int64_t h, int64_t D,
-            typename T::W* kp) {
+void pack_k(const typename T::E* k, const int64_t* slot, int64_t ctx, int64_t ctx_pad, int64_t hkv, int64_t h,
+            int64_t D, typename T::W* kp) {
   const int64_t S = D / T::PACK;
   for (int64_t j0 = 0; j0 < ctx_pad; j0 += 16)
     for (int64_t st = 0; st < S; ++st)
       for (int64_t t = 0; t < 16; ++t) {
         const int64_t j = j0 + t;
         typename T::W w{};
-        if (j < ctx) std::memcpy(&w, k + (j * hkv + h) * D + st * T::PACK, sizeof(w));
+        if (j < ctx) std::memcpy(&w, k + (slot[j] * hkv + h) * D + st * T::PACK, sizeof(w));
         kp[(j0 / 16 * S + st) * 16 + t] = w;
       }
 }
 
-// v [ctx][Hkv][D] head h -> vp [ctx_pad/PACK][D] words (bf16: the pair (key even, key odd) per d; fp32: v's rows)
+// v head h -> vp [ctx_pad/PACK][D] words (bf16: the pair (key even, key odd) per d; fp32: v's rows)
 template <class T>
-void pack_v(const typename T::E* v, int64_t ctx, int64_t ctx_pad, int64_t hkv, int64_t h, int64_t D,
-            typename T::W* vp) {
+void pack_v(const typename T::E* v, const int64_t* slot, int64_t ctx, int64_t ctx_pad, int64_t hkv, int64_t h,
+            int64_t D, typename T::W* vp) {
   for (int64_t j = 0; j < ctx_pad; j += T::PACK)
     for (int64_t d = 0; d < D; ++d) {
       if constexpr (T::PACK == 2) {
-        const uint32_t lo = j < ctx ? v[(j * hkv + h) * D + d] : 0;
-        const uint32_t hi = j + 1 < ctx ? v[((j + 1) * hkv + h) * D + d] : 0;
+        const uint32_t lo = j < ctx ? v[(slot[j] * hkv + h) * D + d] : 0;
+        const uint32_t hi = j + 1 < ctx ? v[(slot[j + 1] * hkv + h) * D + d] : 0;
         vp[(j / 2) * D + d] = lo | (hi << 16);
       } else {
-        vp[j * D + d] = j < ctx ? v[(j * hkv + h) * D + d] : 0.0f;
+        vp[j * D + d] = j < ctx ? v[(slot[j] * hkv + h) * D + d] : 0.0f;
       }
     }
 }
@@ -439,23 +443,39 @@ bool attention_amx() {
 // [ctx_pad / 64][D][64] (a tile of 16 dims x 32 keys is then 64-byte rows 128 bytes apart, where [D][ctx_pad] puts
 // them ctx_pad * 2 bytes apart: at 2048 keys, 4 KiB, every row in the same L1 set), zero past the context (keys
 // there score 0 and are masked; their values multiply a P of 0).
-void pack_heads_amx(const uint16_t* k, const uint16_t* v, int64_t ctx, int64_t ctx_pad, int64_t hkv, int64_t h,
-                    int64_t D, uint16_t* kh, uint16_t* vt) {
-  for (int64_t j = 0; j < ctx; ++j) std::memcpy(kh + j * D, k + (j * hkv + h) * D, sizeof(uint16_t) * size_t(D));
+void pack_heads_amx(const uint16_t* k, const uint16_t* v, const int64_t* slot, int64_t ctx, int64_t ctx_pad,
+                    int64_t hkv, int64_t h, int64_t D, uint16_t* kh, uint16_t* vt) {
+  for (int64_t j = 0; j < ctx; ++j)
+    std::memcpy(kh + j * D, k + (slot[j] * hkv + h) * D, sizeof(uint16_t) * size_t(D));
   std::memset(kh + ctx * D, 0, sizeof(uint16_t) * size_t((ctx_pad - ctx) * D));
   constexpr int64_t BKA = k512::amx::BKA;
   for (int64_t j0 = 0; j0 < ctx_pad; j0 += BKA)   // a block's rows (8-32 KB) read once per d from L1
     for (int64_t d = 0; d < D; ++d)
-      for (int64_t j = j0; j < j0 + BKA; ++j) vt[j0 * D + d * BKA + j - j0] = j < ctx ? v[(j * hkv + h) * D + d] : uint16_t(0);
+      for (int64_t j = j0; j < j0 + BKA; ++j)
+        vt[j0 * D + d * BKA + j - j0] = j < ctx ? v[(slot[j] * hkv + h) * D + d] : uint16_t(0);
 }
 
 template <class T>
 int causal_attention(const void* q, const void* k, const void* v, void* out, int64_t n, int64_t ctx, int64_t hq,
-                     int64_t hkv, int64_t D, float scale, int nthreads) {
+                     int64_t hkv, int64_t D, float scale, int nthreads, const int32_t* table, int64_t block_size,
+                     int64_t num_blocks) {
   using E = typename T::E;
   using W = typename T::W;
   if (!cpu_ok()) return 1;
   if (n <= 0 || ctx < n || hkv <= 0 || hq % hkv != 0 || D % 64 != 0 || D > 256) return 2;
+  if (table != nullptr && block_size <= 0) return 2;
+  thread_local std::vector<int64_t> slots;   // each key's row (slot) in k and v
+  slots.resize(size_t(ctx));
+  for (int64_t j = 0; j < ctx; ++j) {
+    if (table == nullptr) {
+      slots[j] = j;
+      continue;
+    }
+    const int64_t b = table[j / block_size];
+    if (b < 0 || b >= num_blocks) return 2;   // the caller's gather path names the bad block
+    slots[j] = b * block_size + j % block_size;
+  }
+  const int64_t* const slot = slots.data();
   const int64_t group = hq / hkv, S = D / T::PACK;
   const int64_t ctx_pad = (ctx + BK - 1) / BK * BK;
   const int nt = std::max(1, nthreads);
@@ -479,7 +499,7 @@ int causal_attention(const void* q, const void* k, const void* v, void* out, int
       {
 #pragma omp for schedule(static)
         for (int64_t h = 0; h < hkv; ++h)
-          pack_heads_amx(ke, ve, ctx, ctx_pad, hkv, h, D, kh + h * ctx_pad * D, vt + h * ctx_pad * D);
+          pack_heads_amx(ke, ve, slot, ctx, ctx_pad, hkv, h, D, kh + h * ctx_pad * D, vt + h * ctx_pad * D);
         kiln_amx_tiles_begin();
 #pragma omp for schedule(dynamic, 1)
         for (int64_t t = 0; t < tasks; ++t) {   // later query blocks first, as below
@@ -512,8 +532,8 @@ int causal_attention(const void* q, const void* k, const void* v, void* out, int
   const auto* ve = static_cast<const E*>(v);
 #pragma omp parallel for num_threads(nt) schedule(static)
   for (int64_t h = 0; h < 2 * hkv; ++h) {
-    if (h < hkv) pack_k<T>(ke, ctx, ctx_pad, hkv, h, D, kp.data() + h * ctx_pad * S);
-    else pack_v<T>(ve, ctx, ctx_pad, hkv, h - hkv, D, vp.data() + (h - hkv) * ctx_pad / T::PACK * D);
+    if (h < hkv) pack_k<T>(ke, slot, ctx, ctx_pad, hkv, h, D, kp.data() + h * ctx_pad * S);
+    else pack_v<T>(ve, slot, ctx, ctx_pad, hkv, h - hkv, D, vp.data() + (h - hkv) * ctx_pad / T::PACK * D);
   }
   const auto* qw = static_cast<const W*>(q);
   // later query blocks see more keys: hand them out first
@@ -546,13 +566,15 @@ extern "C" {
 int kiln_causal_attention_available() { return cpu_ok() ? 1 : 0; }
 
 int kiln_causal_attention_bf16(const void* q, const void* k, const void* v, void* out, int64_t n, int64_t ctx,
-                               int64_t hq, int64_t hkv, int64_t D, float scale, int nthreads) {
-  return causal_attention<Bf16>(q, k, v, out, n, ctx, hq, hkv, D, scale, nthreads);
+                               int64_t hq, int64_t hkv, int64_t D, float scale, int nthreads, const int32_t* table,
+                               int64_t block_size, int64_t num_blocks) {
+  return causal_attention<Bf16>(q, k, v, out, n, ctx, hq, hkv, D, scale, nthreads, table, block_size, num_blocks);
 }
 
 int kiln_causal_attention_f32(const void* q, const void* k, const void* v, void* out, int64_t n, int64_t ctx,
-                              int64_t hq, int64_t hkv, int64_t D, float scale, int nthreads) {
-  return causal_attention<F32>(q, k, v, out, n, ctx, hq, hkv, D, scale, nthreads);
+                              int64_t hq, int64_t hkv, int64_t D, float scale, int nthreads, const int32_t* table,
+                              int64_t block_size, int64_t num_blocks) {
+  return causal_attention<F32>(q, k, v, out, n, ctx, hq, hkv, D, scale, nthreads, table, block_size, num_blocks);
 }
 
 int kiln_causal_attention_amx() { return attention_amx() ? 1 : 0; }

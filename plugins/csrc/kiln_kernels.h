@@ -127,13 +127,17 @@ void kiln_amx_tiles_end();
 
 // attention_kernels.cpp (no torch): causal attention of n new tokens at the end of a ctx-token context, bf16 q
 // [n][Hq][D], k and v [ctx][Hkv][D], out [n][Hq][D] (query i sees keys 0 .. ctx - n + i); needs AVX-512 BF16 and
-// D % 64 == 0, D <= 256. 0 on success, 1 without the ISA, 2 for a shape it does not take.
+// D % 64 == 0, D <= 256. With a block table (table != nullptr), k and v are one layer of a KV pool, [num_blocks]
+// [block_size][Hkv][D], key j in block table[j / block_size] at slot j % block_size. 0 on success, 1 without the
+// ISA, 2 for a shape it does not take (or a table entry outside the pool).
 int kiln_causal_attention_available();
 int kiln_causal_attention_bf16(const void* q, const void* k, const void* v, void* out, int64_t n, int64_t ctx,
-                               int64_t hq, int64_t hkv, int64_t D, float scale, int nthreads);
+                               int64_t hq, int64_t hkv, int64_t D, float scale, int nthreads, const int32_t* table,
+                               int64_t block_size, int64_t num_blocks);
 // The same in fp32 (q, k, v, out fp32; one FMA per d and per key, nothing rounded below fp32).
 int kiln_causal_attention_f32(const void* q, const void* k, const void* v, void* out, int64_t n, int64_t ctx,
-                              int64_t hq, int64_t hkv, int64_t D, float scale, int nthreads);
+                              int64_t hq, int64_t hkv, int64_t D, float scale, int nthreads, const int32_t* table,
+                              int64_t block_size, int64_t num_blocks);
 // Does the bf16 kernel run its products on AMX tiles (1), or vdpbf16ps (0)? set: on = 1 (where
 // kiln_amx_tiles_permitted) or 0; returns the previous setting. Default: on where permitted.
 int kiln_causal_attention_amx();
