@@ -1,13 +1,14 @@
 """Causal attention of a prompt chunk over its cached context with kiln's kernel (``csrc/attention_kernels.cpp``).
 
-The context path of paged attention calls :func:`causal_attention` first and falls back to SDPA when it declines
-(None): the kernel takes bf16 or fp32 q/k/v (bf16: AMX tile products where the CPU has AMX-BF16, else vdpbf16ps,
-P rounded to bf16 either way; fp32: FMA, nothing rounded below fp32) with head dim 64, 128 or 256, no soft-capping
-and no active sliding window (the caller checks those two), on CPUs with AVX-512 BF16. It is the default there:
-without AMX torch's flash attention runs 73-131 GFLOP/s against the GEMMs' ~700 (Zen 5), and with AMX (Sapphire
-Rapids) the tile kernel runs a whole 800-token prompt's attention 2x faster than SDPA and a chunk after a cached
-prefix (SDPA's masked path) faster still (docs/benchmarks.md). ``KILN_ATTENTION=kiln`` or ``=sdpa`` chooses either
-way on any CPU.
+The context path of paged attention calls :func:`causal_attention_paged` first (the sequence's keys and values read
+where they sit in the KV pool, no gathered copy: a pool in q's dtype), then :func:`causal_attention` on gathered
+(dequantized) ones, and falls back to SDPA when it declines (None): the kernel takes bf16 or fp32 q/k/v (bf16: AMX
+tile products where the CPU has AMX-BF16, else vdpbf16ps, P rounded to bf16 either way; fp32: FMA, nothing rounded
+below fp32) with head dim 64, 128 or 256, no soft-capping and no active sliding window (the caller checks those
+two), on CPUs with AVX-512 BF16. It is the default there: without AMX torch's flash attention runs 73-131 GFLOP/s
+against the GEMMs' ~700 (Zen 5), and with AMX (Sapphire Rapids) the tile kernel runs a whole 800-token prompt's
+attention 2x faster than SDPA and a chunk after a cached prefix (SDPA's masked path) faster still
+(docs/benchmarks.md). ``KILN_ATTENTION=kiln`` or ``=sdpa`` chooses either way on any CPU.
 """
 
 from __future__ import annotations
