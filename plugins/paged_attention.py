@@ -150,7 +150,7 @@ def _context_one(
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """One sequence with n new tokens at the end of context_len: q [n, Hq, D] -> [n, Hq, D] (into ``out`` where
-    kiln's kernel reads the pool in place, else a new tensor)."""
+    kiln's kernel runs, else a new tensor)."""
     n = q.shape[0]
     plain_causal = softcap <= 0 and (sliding_window <= 0 or context_len <= sliding_window)
     if plain_causal:   # a pool in q's dtype: the kernel reads its keys and values where they are

@@ -381,7 +381,8 @@ KILN_AMX_TARGET void attend_rows(const RowsA& r, const uint16_t* kh, const uint1
     l = _mm512_fmadd_ps(l, alpha, _mm512_add_ps(sum0, sum1));
     if (moved && b > 0)
       for (int64_t d = 0; d < D; ++d) _mm512_store_ps(ot + d * RA, _mm512_mul_ps(_mm512_load_ps(ot + d * RA), alpha));
-    // O^T += V^T P^T, 64 dims (four output tiles) at a time
+    // O^T += V^T P^T, 64 dims (four output tiles) at a time, written out tile by tile: GCC's tile intrinsics paste
+    // the tile number into their asm text, so it must be a literal (not a loop index or template argument)
     _tile_loadd(4, pt, 64);            // keys 0-31
     _tile_loadd(5, pt + 16 * RA, 64);  // keys 32-63
     const uint16_t* v0 = vt + kb * D;   // this block's [D][64]
