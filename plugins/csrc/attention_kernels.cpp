@@ -23,7 +23,6 @@
 #include <atomic>
 #include <cmath>
 #include <cstdint>
-#include <cstdlib>
 #include <cstring>
 #include <vector>
 
@@ -280,8 +279,8 @@ struct RowsA {
 
 #define KILN_AMX_TARGET __attribute__((target("amx-tile,amx-bf16,avx512f,avx512bw,avx512vl,avx512dq,avx512bf16")))
 
-// Word k of each 16-lane pair vector: the bf16 of row k / 2 of P at key 2j + (k & 1) (cvtne2ps puts key 2j's 16 rows
-// in words 0-15 and key 2j + 1's in 16-31).
+// The word order of a P^T row of key pair (2j, 2j + 1): word k is query row k / 2's P at key 2j + (k & 1), the
+// permutation of cvtne2ps's output (key 2j's 16 rows in words 0-15, key 2j + 1's in 16-31).
 KILN_AMX_TARGET inline __m512i pair_order() {
   alignas(64) int16_t idx[32];
   for (int k = 0; k < 32; ++k) idx[k] = int16_t(k / 2 + (k & 1) * 16);

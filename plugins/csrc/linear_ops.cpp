@@ -234,6 +234,9 @@ at::Tensor panel_gemm_amx(const at::Tensor& x2, const at::Tensor& w, const float
     tail.narrow(0, 0, M - full).copy_(x2.narrow(0, full, M - full));
   }
   const auto* tp = tail.defined() ? static_cast<const at::BFloat16*>(tail.const_data_ptr()) : nullptr;
+  // the panels as stored (int8 or bf16) and one panel pair's bytes there: what the next-pair prefetch walks
+  const char* stored = static_cast<const char*>(w.const_data_ptr());
+  const int64_t pair_bytes = 2 * K * KILN_PANEL * int64_t(INT8 ? sizeof(int8_t) : sizeof(at::BFloat16));
   at::parallel_for(0, PP, 1, [&](int64_t q0, int64_t q1) {
     alignas(64) float c[AMX_MR * 32];
     std::vector<at::BFloat16> converted(INT8 ? 2 * K * KILN_PANEL : 0);
@@ -241,15 +244,12 @@ at::Tensor panel_gemm_amx(const at::Tensor& x2, const at::Tensor& w, const float
     for (int64_t s0 = 0; s0 < M; s0 += GEMM_SWEEP_ROWS) {
       const int64_t s1 = std::min(M, s0 + GEMM_SWEEP_ROWS);
       const int64_t blocks = (s1 - s0 + AMX_MR - 1) / AMX_MR, steps = K / AMX_KB;
-      const int64_t pair_lines = 2 * K * KILN_PANEL * int64_t(INT8 ? sizeof(int8_t) : sizeof(at::BFloat16)) / 64;
-      const int64_t lines = (pair_lines + blocks * steps - 1) / (blocks * steps);   // per step of k
+      const int64_t lines = (pair_bytes / 64 + blocks * steps - 1) / (blocks * steps);   // per step of k
       for (int64_t q = q0; q < q1; ++q) {
         const int64_t p = 2 * q, cols = (p + 1 < P ? 2 : 1) * KILN_PANEL;
         const at::BFloat16* b0 = wp + p * K * KILN_PANEL;
-        const char* next = nullptr;   // the thread's next panel pair, as stored
-        if (blocks >= 2 && q + 1 < q1)
-          next = INT8 ? reinterpret_cast<const char*>(qp + (p + 2) * K * KILN_PANEL)
-                      : reinterpret_cast<const char*>(wp + (p + 2) * K * KILN_PANEL);
+        // the thread's next panel pair, as stored
+        const char* next = blocks >= 2 && q + 1 < q1 ? stored + (q + 1) * pair_bytes : nullptr;
         if (INT8) {
           k512::int8_to_bf16(qp + p * K * KILN_PANEL, cols * K, converted.data());
           b0 = converted.data();
