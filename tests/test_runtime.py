@@ -145,10 +145,15 @@ def test_decoding_budget_and_short_prompt_lead_keep_outputs(engines):
 
         llm.executor.scheduler.schedule = spy
         outs = run_async(llm, prompts, [SamplingParams(temperature=0, max_tokens=m) for m in max_tokens], delays)
-        assert_matches_hf(ckpt, prompts, max_tokens, outs)
+        # whether the burst's steps ran without decodes depends on the machine's speed: a long prompt alone on
+        # the idle engine is a step without one for certain
+        alone = [max(prompts, key=len)]
+        assert len(alone[0]) > budget
+        outs += llm.generate(alone, SamplingParams(temperature=0, max_tokens=3))
+        assert_matches_hf(ckpt, prompts + alone, max_tokens + [3], outs)
         assert_no_leak(llm)
     assert all(n <= budget for n, decodes in steps if decodes)
-    assert any(decodes for _, decodes in steps) and max(n for n, _ in steps) > budget
+    assert any(decodes for _, decodes in steps) and max(n for n, decodes in steps if not decodes) > budget
 
 
 def test_prefix_reuse_hits_and_outputs(engines):
