@@ -65,7 +65,7 @@ __all__ = [
     "weight_only_linear", "bf16_linear", "fp32_linear",
     "weight_only_linear_reference", "bf16_linear_reference", "fp32_linear_reference", "float_linear_reference",
     "kernel_max_m", "set_kernel_max_m", "int4_gemm_m", "set_int4_gemm_m", "int4_x_bits", "set_int4_x_bits",
-    "bf16_gemm_m", "set_bf16_gemm_m",
+    "bf16_gemm_m", "set_bf16_gemm_m", "fp32_gemm_m", "set_fp32_gemm_m",
 ]
 
 # Rows of the weight dequantised at once in the sgemm path (bounded fp32 scratch).
@@ -188,6 +188,33 @@ def set_bf16_gemm_m(m: int) -> int:
         raise RuntimeError(
             f"bf16_gemm_m={m} needs a CPU with AMX-BF16 (torch's oneDNN brgemm takes bf16 panels only there); "
             "this CPU has none, so bf16 panels keep kiln's panel kernels: leave bf16_gemm_m at 0")
+    return old
+
+
+def fp32_gemm_m() -> int:
+    """Rows of x from which an fp32-panel weight with fp32 x runs on AMX tiles with both operands split into bf16
+    halves (x w ~ hi_x hi_w + hi_x lo_w + lo_x hi_w: three exact bf16 products summed in fp32, each operand kept to
+    ~16 significant bits, PyTorch's "high" float32 matmul precision) instead of the fp32 panel kernels (exact fp32
+    products); 0: never, the default. Prefill GEMMs run 2-2.7x faster that way, and fp32 logits land ~20x further
+    from the exact ones (~1e-4), so it is a choice: ``KILN_FP32_MATMUL=high`` when the process starts (64 rows, where
+    the CPU has AMX-BF16 and the OS grants tile state), or :func:`set_fp32_gemm_m`. A call whose x holds inf or NaN
+    runs the fp32 kernels."""
+    lib = native.library()
+    return int(lib.kiln_ops_fp32_gemm_m()) if lib is not None else 0
+
+
+def set_fp32_gemm_m(m: int) -> int:
+    """Change :func:`fp32_gemm_m` (0: the fp32 panel kernels at every M); returns the previous value. A CPU without
+    AMX tiles refuses m > 0."""
+    lib = native.library()
+    if lib is None:
+        raise RuntimeError("the native kernels are unavailable or disabled: there is no fp32 GEMM threshold to set")
+    if m < 0:
+        raise ValueError(f"fp32_gemm_m must be >= 0 (0 turns the split-bf16 AMX path off), got {m}")
+    old = fp32_gemm_m()
+    if not lib.kiln_ops_set_fp32_gemm_m(int(m)):
+        raise RuntimeError(f"fp32_gemm_m={m} needs a CPU with AMX-BF16 whose OS grants tile state; this one has "
+                           "none, so fp32 panels keep kiln's fp32 kernels: leave fp32_gemm_m at 0")
     return old
 
 

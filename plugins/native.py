@@ -273,6 +273,9 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.kiln_ops_int4_gemm_m.restype = i64
     lib.kiln_ops_set_int4_gemm_m.argtypes = [i64]
     lib.kiln_ops_bf16_gemm_m.restype = i64
+    lib.kiln_ops_fp32_gemm_m.restype = i64
+    lib.kiln_ops_set_fp32_gemm_m.argtypes = [i64]
+    lib.kiln_ops_set_fp32_gemm_m.restype = ctypes.c_int
     lib.kiln_ops_set_bf16_gemm_m.argtypes = [i64]
     lib.kiln_ops_set_bf16_gemm_m.restype = ctypes.c_int
     lib.kiln_dequant_int4_panel_bf16.argtypes = [ptr, ptr, ptr, i64, i64, i64, ptr, ctypes.c_int]

@@ -15,6 +15,7 @@ import torch
 
 from kiln.builder import BuildConfig, build_engine
 from kiln.contract import FORMAT_VERSION, EngineConfig, EngineLoadError, file_checksum, io_spec
+from kiln.plugins.native import cpu_flags
 from kiln.runtime import Engine
 
 from paged_batch import PagedBatcher
@@ -117,6 +118,30 @@ def test_fp32_engine_matches_transformers(family, engine_of, checkpoint_dir):
     # per layer: q/k/v -> 1 GEMM; gate/up -> 1 GEMM (gated MLP families)
     saved = 2 * layers + (layers if family != "gpt2" else 0)
     assert gemms["before_passes"] - gemms["after_passes"] == saved, gemms
+
+
+def test_fp32_prefill_on_the_split_bf16_route_stays_near_transformers(engine_of, checkpoint_dir):
+    """The split-bf16 route (KILN_FP32_MATMUL=high, AMX CPUs) on a prompt long enough for it: every logit row within
+    5x the fp32 tolerance of transformers (its ~16 significant bits an operand: ~1e-4 on this model) while the
+    default fp32 kernels stay within the tolerance itself."""
+    from kiln.plugins import linear
+
+    engine = engine_of("llama")
+    vocab = engine.config.model.vocab_size
+    rng = random.Random(11)
+    tokens = [rng.randrange(3, vocab) for _ in range(120)]   # 30 of the batcher's 4-token blocks: within 32
+    ref = hf_logits(checkpoint_dir("llama"), tokens)
+    errors = {}
+    routes = {"fp32 kernels": 0, "split": 64} if "amx_bf16" in cpu_flags() else {"fp32 kernels": 0}
+    for route, m in routes.items():
+        old = linear.set_fp32_gemm_m(m)
+        try:
+            logits = engine.run(new_batcher(engine).step([("a", tokens)], all_logits=True))
+        finally:
+            linear.set_fp32_gemm_m(old)
+        errors[route] = (logits - ref).abs().max().item()
+    print(f"max abs logit error against transformers, 120-token prefill: {errors}")
+    assert errors["fp32 kernels"] <= FP32_ATOL and errors.get("split", 0.0) <= 5 * FP32_ATOL, errors
 
 
 def test_engine_directory_contents(engine_of, checkpoint_dir):

@@ -58,15 +58,17 @@ def test_panel_layout_round_trip():
 
 
 @pytest.fixture
-def bf16_kernels_only(native):
-    """The bf16 panel kernels at every M (no oneDNN GEMM path, which AMX CPUs take from bf16_gemm_m rows)."""
-    old = linear.set_bf16_gemm_m(0)
+def panel_kernels_only(native):
+    """The bf16 and fp32 panel kernels at every M (no AMX routes, which AMX CPUs take from bf16_gemm_m and
+    fp32_gemm_m rows)."""
+    old, old32 = linear.set_bf16_gemm_m(0), linear.set_fp32_gemm_m(0)
     yield
     linear.set_bf16_gemm_m(old)
+    linear.set_fp32_gemm_m(old32)
 
 
 @pytest.mark.parametrize("shape", SHAPES)
-def test_fp32_and_bf16_panels(isa, shape, bf16_kernels_only):
+def test_fp32_and_bf16_panels(isa, shape, panel_kernels_only):
     n, k = shape
     torch.manual_seed(n * k)
     w, b = torch.randn(n, k) * 0.05, torch.randn(n)
@@ -133,7 +135,7 @@ def test_bf16_outputs_round_as_torch_rounds(isa, m):
 
 
 @pytest.mark.parametrize("k", [512, 1024, 1536])  # rows K * 4 bytes apart share L1 sets: prefill packs x per row block
-def test_prefill_packing_never_reuses_another_calls_x(isa, k):
+def test_prefill_packing_never_reuses_another_calls_x(isa, k, panel_kernels_only):
     """The packed row blocks are kept per thread between a GEMM's tiles: the next call (same shape, same x buffer
     written in place, another weight type) must pack again."""
     torch.manual_seed(k)
@@ -562,7 +564,9 @@ def test_tunables_set_get_and_describe(native):
         tuning.set_value(lib, "int8_row_prefetch", 1536)
         assert "one row x 4 panels, prefetch 1536 B" in native_lib.describe_kernel("int8_panel", 1, 1024)
         width = "avx512" if native_lib.panel_isa() == 512 else "avx2"
-        assert native_lib.describe_kernel("fp32_panel", 200, 1024).startswith(f"fp32 panels, {width}")
+        assert native_lib.describe_kernel("fp32_panel", 48, 1024).startswith(f"fp32 panels, {width}")
+        split_from = linear.fp32_gemm_m()   # prefill rows on AMX CPUs: the split-bf16 tiles
+        assert ("bf16 halves" in native_lib.describe_kernel("fp32_panel", 200, 1024)) == (0 < split_from <= 200)
         if width == "avx512":
             tuning.set_value(lib, "onepass_split", 1)
             assert "rows 0-11 then 12-15 over panel pairs" in native_lib.describe_kernel("fp32_panel", 16, 1024)
@@ -806,3 +810,90 @@ def test_int8_decode_over_several_panels_is_bitwise_the_one_stream_kernel(isa, i
     finally:
         for name, value in old.items():
             tuning.set_value(lib, name, value)
+
+
+def _split_bound(x, w):
+    """What the split-bf16 route may differ from the exact product by: each operand kept to ~16 significant bits
+    (hi and lo halves, each rounded to nearest: <= 2^-18 of it left out), the lo x lo product dropped (<= 2^-18)
+    and fp32 sums; 2^-14 of |x| |w|^T leaves room for the sums and is 32x below what one missing lo product
+    (2^-9) would cost."""
+    return 2.0 ** -14 * (x.double().abs() @ w.double().abs().t())
+
+
+@pytest.mark.parametrize("shape", [(64, 64), (48, 96), (96, 1024), (32, 2816), (1040, 64)])
+def test_fp32_panels_split_bf16_amx_path(native, shape):
+    """From fp32_gemm_m rows (forced here from 2), fp32 panels with fp32 x run on AMX tiles with both operands split
+    into bf16 halves: within the split's bound of the float64 product at every row count (tails of 32-row blocks,
+    one sweep and several with the split panels kept, an odd panel count), bias or none, x's leading dims kept;
+    below the threshold the fp32 kernels' result bit for bit."""
+    if not _has_amx_bf16():
+        pytest.skip("this CPU has no AMX-BF16: fp32 panels keep the fp32 kernels (test_fp32_split_refused_without_amx)")
+    n, k = shape
+    torch.manual_seed(n + k)
+    w, b = torch.randn(n, k) * 0.05, torch.randn(n)
+    pf = fmt.pack_panels(w)
+    old = linear.set_fp32_gemm_m(2)
+    try:
+        assert "bf16 halves" in native_lib.describe_kernel("fp32_panel", 2, n)
+        assert "bf16 halves" not in native_lib.describe_kernel("fp32_panel", 1, n)
+        for m in (2, 31, 32, 33, 64, 128, 129, 300):
+            x = torch.randn(m, k)
+            exact = x.double() @ w.double().t()
+            for bias in (b, None):
+                y = linear.fp32_linear(x.view(1, m, k), pf, bias)
+                want = exact + (b.double() if bias is not None else 0)
+                assert y.shape == (1, m, n) and y.dtype == torch.float32
+                assert ((y[0].double() - want).abs() <= _split_bound(x, w)).all(), (m, bias is None)
+            # the route really ran: the result is not the fp32 kernels' (exact fp32 products round differently)
+            linear.set_fp32_gemm_m(0)
+            kernels = linear.fp32_linear(x, pf, b)
+            linear.set_fp32_gemm_m(2)
+            assert not torch.equal(linear.fp32_linear(x, pf, b), kernels), m
+        x = torch.randn(1, k)   # below the threshold: the fp32 kernels
+        linear.set_fp32_gemm_m(0)
+        kernels = linear.fp32_linear(x, pf, b)
+        linear.set_fp32_gemm_m(2)
+        assert torch.equal(linear.fp32_linear(x, pf, b), kernels)
+        with pytest.raises(ValueError, match="fp32_gemm_m must be >= 0"):
+            linear.set_fp32_gemm_m(-1)
+    finally:
+        linear.set_fp32_gemm_m(old)
+
+
+def test_fp32_split_path_carries_inf_and_nan_as_the_kernels_do(native):
+    """inf or NaN in x cannot be split into halves (the remainder is NaN): such a call runs the fp32 kernels, so
+    the outputs are theirs, non-finite where the reference's are; a finite value near the fp32 maximum whose bf16
+    rounding overflows takes the same way."""
+    if not _has_amx_bf16():
+        pytest.skip("this CPU has no AMX-BF16: no split route")
+    torch.manual_seed(3)
+    w = torch.randn(32, 64) * 0.05
+    pf = fmt.pack_panels(w)
+    old = linear.set_fp32_gemm_m(2)
+    try:
+        for bad in (float("inf"), float("-inf"), float("nan"), 3.4028234e38):
+            x = torch.randn(200, 64)
+            x[150, 7] = bad
+            y = linear.fp32_linear(x, pf, None)
+            linear.set_fp32_gemm_m(0)
+            kernels = linear.fp32_linear(x, pf, None)
+            linear.set_fp32_gemm_m(2)
+            torch.testing.assert_close(y, kernels, rtol=0, atol=0, equal_nan=True)
+            assert y[150].isfinite().all() == (abs(bad) < float("inf")), bad
+    finally:
+        linear.set_fp32_gemm_m(old)
+
+
+def test_fp32_split_is_chosen_only_on_request(native):
+    """Off by default (fp32 engines keep exact fp32 products); KILN_FP32_MATMUL=high at start turns it on from 64 rows
+    where the CPU has AMX-BF16, and a CPU without it refuses the setter with the reason."""
+    assert linear.fp32_gemm_m() == 0
+    code = "from kiln.plugins import linear; print(linear.fp32_gemm_m())"
+    for value, want in (("high", "64" if _has_amx_bf16() else "0"), ("highest", "0")):
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                             env={**os.environ, "KILN_FP32_MATMUL": value})
+        assert out.stdout.strip().splitlines()[-1] == want, (value, out.stdout, out.stderr)
+    if not _has_amx_bf16():
+        with pytest.raises(RuntimeError, match="needs a CPU with AMX-BF16"):
+            linear.set_fp32_gemm_m(64)
+        assert linear.fp32_gemm_m() == 0

@@ -115,6 +115,10 @@ void kiln_ops_set_int4_gemm_m(int64_t m);
 // Rows of x from which bf16 panels with bf16 x run as oneDNN bf16 GEMMs; 0: never. Setting m > 0 returns 0 (and
 // changes nothing) where torch's brgemm cannot take bf16 (no AMX-BF16), else 1.
 int64_t kiln_ops_bf16_gemm_m();
+// Rows of fp32 x from which fp32 panels run on AMX tiles with both operands split into bf16 halves (0: never).
+// Setting m > 0 returns 0 (and changes nothing) where the CPU has no AMX-BF16 or the OS refuses tile state, else 1.
+int64_t kiln_ops_fp32_gemm_m();
+int kiln_ops_set_fp32_gemm_m(int64_t m);
 // rows of bf16 x from which int8 panels take the AMX tile kernel (0: never)
 int64_t kiln_ops_int8_amx_m();
 int kiln_ops_set_bf16_gemm_m(int64_t m);

@@ -984,6 +984,12 @@ std::string describe_panel(int wtype, int64_t M, int64_t N) {
                                           "): AMX tiles, 32 rows x 2 panels (K a multiple of 32), else oneDNN "
                                           "brgemm per panel";
   }
+  if (wtype == KILN_W_FP32_PANEL) {
+    const int64_t gemm_m = kiln_ops_fp32_gemm_m();
+    if (gemm_m > 0 && M >= gemm_m) return "fp32 panels with fp32 x (from M " + std::to_string(gemm_m) +
+                                          "): AMX tiles on x and the panels split into bf16 halves, 3 products (K "
+                                          "a multiple of 32; KILN_FP32_MATMUL=high)";
+  }
   if (wtype == KILN_W_INT4_PANEL) {
     const int64_t gemm_m = kiln_ops_int4_gemm_m();
     if (gemm_m > 0 && M >= gemm_m) return "int4 panels -> bf16 once per call, oneDNN bf16 GEMM (from M " +

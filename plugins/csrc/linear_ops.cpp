@@ -22,6 +22,9 @@
 #include <torch/library.h>
 
 #include <atomic>
+#include <cstdlib>
+#include <string>
+#include <vector>
 #include <optional>
 
 namespace {
@@ -75,6 +78,27 @@ int64_t bf16_gemm_m() {
   return m;
 }
 
+// fp32 panels with fp32 x at M >= this (0: never; -1: not chosen yet) run on AMX tiles with each operand split into
+// two bf16 halves (hi = x rounded to bf16, lo = the remainder rounded): x w ~ hi_x hi_w + hi_x lo_w + lo_x hi_w,
+// three exact bf16 products summed in fp32, each operand kept to ~16 significant bits (PyTorch's "high" float32
+// matmul precision; TF32 keeps 11): 2-2.7x the fp32 kernels' GFLOP/s from 128 rows, 1.3-1.6x at 64, slower below
+// ~40 (Sapphire Rapids, docs/benchmarks.md), but logits ~20x further from the exact product than the fp32 kernels'
+// (1e-4 against 4e-6 on a test model), so only on request: KILN_FP32_MATMUL=high at start, or set_fp32_gemm_m; and
+// only where the CPU has AMX-BF16 and the OS grants tile state.
+std::atomic<int64_t> g_fp32_gemm_m{-1};
+constexpr int64_t FP32_SPLIT_M = 64;
+bool amx_tiles_permitted();
+int64_t fp32_gemm_m() {
+  int64_t m = g_fp32_gemm_m.load(std::memory_order_relaxed);
+  if (m < 0) {
+    const char* env = std::getenv("KILN_FP32_MATMUL");
+    const bool high = env != nullptr && std::string(env) == "high";
+    m = high && amx_tiles_permitted() ? FP32_SPLIT_M : 0;
+    g_fp32_gemm_m.store(m);
+  }
+  return m;
+}
+
 // Rows of x per brgemm call (measured: 64 beats 32 by 1.1-1.3x at M >= 128).
 constexpr int64_t BF16_GEMM_MB = 64;
 // Panels whose outputs one brgemm round fills before they are stored as bf16 (64 columns), and rows of x one
@@ -108,6 +132,58 @@ void int8_to_bf16(const int8_t* q, int64_t n, at::BFloat16* out) {
   for (int64_t i = 0; i < n; i += 16) {
     const __m512 v = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q + i))));
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + i), (__m256i)_mm512_cvtneps_pbh(v));
+  }
+}
+
+// rows x cols fp32 accumulators (row stride ldc) + bias -> fp32 rows of y (row stride ldy)
+__attribute__((target("avx512f")))
+void store_f32_rows(const float* c, int64_t ldc, int64_t rows, int64_t cols, const float* bias, float* y,
+                    int64_t ldy) {
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t j = 0; j < cols; j += 16) {
+      __m512 v = _mm512_loadu_ps(c + r * ldc + j);
+      if (bias) v = _mm512_add_ps(v, _mm512_loadu_ps(bias + j));
+      _mm512_storeu_ps(y + r * ldy + j, v);
+    }
+}
+
+// 16 fp32 -> their bf16 (nearest even) and the bf16 of what that rounding left, each in the low half of a dword
+__attribute__((target("avx512f,avx512bf16,avx512vl")))
+inline __m512 split16(__m512 v, __m512i& hi, __m512i& lo) {
+  hi = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(v));
+  const __m512 rest = _mm512_sub_ps(v, _mm512_castsi512_ps(_mm512_slli_epi32(hi, 16)));
+  lo = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(rest));
+  return rest;
+}
+
+// n fp32 (a multiple of 16) -> hi and lo bf16 halves; false when x holds inf or NaN (the remainder is then NaN or
+// infinite), which the split cannot carry as the reference does
+__attribute__((target("avx512f,avx512bf16,avx512vl")))
+bool split_bf16(const float* x, int64_t n, at::BFloat16* hi, at::BFloat16* lo) {
+  __mmask16 bad = 0;
+  for (int64_t i = 0; i < n; i += 16) {
+    __m512i h, l;
+    const __m512 rest = split16(_mm512_loadu_ps(x + i), h, l);
+    const __m512 zero_if_finite = _mm512_sub_ps(rest, rest);
+    bad |= _mm512_cmp_ps_mask(zero_if_finite, zero_if_finite, _CMP_UNORD_Q);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(hi + i), _mm512_cvtepi32_epi16(h));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(lo + i), _mm512_cvtepi32_epi16(l));
+  }
+  return bad == 0;
+}
+
+// fp32 panels [panels][K][16] -> hi and lo bf16 panels in the AMX B layout [panels][K/2][16][2] (k pairs
+// interleaved per column); K even
+__attribute__((target("avx512f,avx512bf16,avx512vl")))
+void split_panels(const float* w, int64_t panels, int64_t K, at::BFloat16* hi, at::BFloat16* lo) {
+  auto* h32 = reinterpret_cast<int32_t*>(hi);
+  auto* l32 = reinterpret_cast<int32_t*>(lo);
+  for (int64_t r = 0; r < panels * K; r += 2) {   // rows 2j, 2j+1 of a panel -> dwords (k even | k odd << 16)
+    __m512i h0, l0, h1, l1;
+    split16(_mm512_loadu_ps(w + r * KILN_PANEL), h0, l0);
+    split16(_mm512_loadu_ps(w + (r + 1) * KILN_PANEL), h1, l1);
+    _mm512_storeu_si512(h32 + r / 2 * KILN_PANEL, _mm512_or_si512(h0, _mm512_slli_epi32(h1, 16)));
+    _mm512_storeu_si512(l32 + r / 2 * KILN_PANEL, _mm512_or_si512(l0, _mm512_slli_epi32(l1, 16)));
   }
 }
 
@@ -269,6 +345,105 @@ at::Tensor panel_gemm_amx(const at::Tensor& x2, const at::Tensor& w, const float
   return y;
 }
 
+// c [32, 32] fp32 (row stride 32) = ah ah-split x of 32 rows [32, K] (hi and lo halves, row stride lda) @ one
+// panel pair as split bf16 panels (bh / bl: [2][K/2][16][2], the second panel K * 16 on; only the first when not
+// TWO): hi_x hi_w + hi_x lo_w + lo_x hi_w, summed over k in the 4 accumulator tiles
+template <bool TWO>
+__attribute__((target("amx-tile,amx-bf16")))
+void amx_block_split(const at::BFloat16* ah, const at::BFloat16* al, int64_t lda, const at::BFloat16* bh,
+                     const at::BFloat16* bl, int64_t K, float* c) {
+  _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
+  const int64_t stride = lda * int64_t(sizeof(at::BFloat16)), second = K * KILN_PANEL;
+  for (int64_t k = 0; k < K; k += AMX_KB) {
+    const int64_t kb = k * KILN_PANEL;
+    _tile_loadd(4, ah + k, stride);
+    _tile_loadd(5, ah + 16 * lda + k, stride);
+    _tile_loadd(6, bl + kb, 64);                       // hi_x lo_w
+    _tile_dpbf16ps(0, 4, 6);
+    _tile_dpbf16ps(2, 5, 6);
+    if (TWO) {
+      _tile_loadd(7, bl + second + kb, 64);
+      _tile_dpbf16ps(1, 4, 7);
+      _tile_dpbf16ps(3, 5, 7);
+    }
+    _tile_loadd(6, bh + kb, 64);                       // hi_x hi_w
+    _tile_dpbf16ps(0, 4, 6);
+    _tile_dpbf16ps(2, 5, 6);
+    if (TWO) {
+      _tile_loadd(7, bh + second + kb, 64);
+      _tile_dpbf16ps(1, 4, 7);
+      _tile_dpbf16ps(3, 5, 7);
+    }
+    _tile_loadd(4, al + k, stride);                    // lo_x hi_w (hi_w still in tiles 6 and 7)
+    _tile_loadd(5, al + 16 * lda + k, stride);
+    _tile_dpbf16ps(0, 4, 6);
+    _tile_dpbf16ps(2, 5, 6);
+    if (TWO) {
+      _tile_dpbf16ps(1, 4, 7);
+      _tile_dpbf16ps(3, 5, 7);
+    }
+  }
+  _tile_stored(0, c, 128);
+  _tile_stored(2, c + 16 * 32, 128);
+  if (TWO) {
+    _tile_stored(1, c + 16, 128);
+    _tile_stored(3, c + 16 * 32 + 16, 128);
+  }
+}
+
+// Rows of x one sweep of a thread's panel pairs covers on the split route: x's two halves take 4 bytes a k, as
+// much as the bf16 route's 256 rows at 2 bytes, so this keeps the same bytes in L2.
+constexpr int64_t SPLIT_SWEEP_ROWS = 128;
+// A thread's split panels kept across sweeps (one conversion per call) are dropped after a call past this size.
+constexpr size_t SPLIT_KEEP_BYTES = size_t(64) << 20;
+
+// y [M, N] fp32 = x [M, K] fp32 @ fp32 panels [N/16, K, 16]^T (+ bias) on AMX tiles with both operands split into
+// bf16 halves (fp32_gemm_m). Each thread splits a sweep's rows of x itself (a small buffer instead of a copy of all
+// of x, for a few % more conversion) and its panel pairs once per call into the AMX B layout, kept for the later
+// sweeps when there are any. Undefined when x holds inf or NaN (the caller's fp32 kernels then carry them as the
+// reference does).
+at::Tensor panel_gemm_amx_split(const at::Tensor& x2, const at::Tensor& w, const float* bias, int64_t N, int64_t K) {
+  const int64_t M = x2.size(0), P = N / KILN_PANEL, PP = (P + 1) / 2;
+  at::Tensor y = at::empty({M, N}, x2.options());
+  const auto* xp = static_cast<const float*>(x2.const_data_ptr());
+  const auto* wp = static_cast<const float*>(w.const_data_ptr());
+  auto* yp = static_cast<float*>(y.data_ptr());
+  const int64_t pair = 2 * K * KILN_PANEL;   // bf16 elements of one half of a split panel pair
+  const bool keep = M > SPLIT_SWEEP_ROWS;
+  std::atomic<bool> finite{true};
+  at::parallel_for(0, PP, 1, [&](int64_t q0, int64_t q1) {
+    thread_local std::vector<at::BFloat16> split, rows;
+    split.resize(size_t(keep ? q1 - q0 : 1) * 2 * pair);
+    rows.resize(size_t(2 * SPLIT_SWEEP_ROWS * K));
+    at::BFloat16* xh = rows.data();
+    at::BFloat16* xl = xh + SPLIT_SWEEP_ROWS * K;
+    alignas(64) float c[AMX_MR * 32];
+    kiln_amx_tiles_begin();
+    for (int64_t s0 = 0; s0 < M && finite.load(std::memory_order_relaxed); s0 += SPLIT_SWEEP_ROWS) {
+      const int64_t s1 = std::min(M, s0 + SPLIT_SWEEP_ROWS), padded = (s1 - s0 + AMX_MR - 1) / AMX_MR * AMX_MR;
+      if (!k512::split_bf16(xp + s0 * K, (s1 - s0) * K, xh, xl)) finite.store(false);
+      std::fill(xh + (s1 - s0) * K, xh + padded * K, at::BFloat16(0.f));
+      std::fill(xl + (s1 - s0) * K, xl + padded * K, at::BFloat16(0.f));
+      for (int64_t q = q0; q < q1; ++q) {
+        const int64_t p = 2 * q, np = p + 1 < P ? 2 : 1, cols = np * KILN_PANEL;
+        at::BFloat16* bh = split.data() + (keep ? q - q0 : 0) * 2 * pair;
+        at::BFloat16* bl = bh + pair;
+        if (!keep || s0 == 0) k512::split_panels(wp + p * K * KILN_PANEL, np, K, bh, bl);
+        for (int64_t m0 = s0; m0 < s1; m0 += AMX_MR) {
+          const int64_t r = (m0 - s0) * K;
+          if (np == 2) amx_block_split<true>(xh + r, xl + r, K, bh, bl, K, c);
+          else amx_block_split<false>(xh + r, xl + r, K, bh, bl, K, c);
+          k512::store_f32_rows(c, 32, std::min(AMX_MR, M - m0), cols, bias ? bias + p * KILN_PANEL : nullptr,
+                               yp + m0 * N + p * KILN_PANEL, N);
+        }
+      }
+    }
+    kiln_amx_tiles_end();
+    if (split.size() * sizeof(at::BFloat16) > SPLIT_KEEP_BYTES) std::vector<at::BFloat16>().swap(split);
+  });
+  return finite.load() ? y : at::Tensor();
+}
+
 using OptT = std::optional<at::Tensor>;
 
 // A given bias as fp32 [N] (contiguous) in out, or undefined when none is given; false when it is not [N].
@@ -308,6 +483,18 @@ at::Tensor amx_route(const at::Tensor& x, const at::Tensor& w, const float* scal
   return with_out_features(y, x, N);
 }
 
+
+// The split-bf16 AMX route of fp32 panels with fp32 x from fp32_gemm_m rows, where K is a multiple of 32; undefined
+// when it does not apply (the caller runs the fp32 panel kernels).
+at::Tensor fp32_split_route(const at::Tensor& x, const at::Tensor& w, const OptT& bias, int64_t N, int64_t K) {
+  const int64_t gemm_m = fp32_gemm_m();
+  if (x.scalar_type() != at::kFloat || gemm_m <= 0 || x.numel() / K < gemm_m || K % AMX_KB != 0) return at::Tensor();
+  at::Tensor b;
+  if (!fp32_bias(bias, N, b)) return at::Tensor();
+  const at::Tensor x2 = x.reshape({-1, K}).contiguous();
+  const at::Tensor y = panel_gemm_amx_split(x2, w, data_or_null(b), N, K);
+  return y.defined() ? with_out_features(y, x, N) : y;
+}
 
 at::Tensor wol_py(const at::Tensor& x, const at::Tensor& qw, const at::Tensor& s, const OptT& bias,
                   int64_t bits, int64_t gs, const OptT& zeros) {
@@ -472,8 +659,9 @@ at::Tensor float_linear_cpu(const at::Tensor& x, const at::Tensor& weight, const
   const auto [N, K] = weight_nk(weight);
   if (!act_ok(x, K)) return float_linear_py<WTYPE>(x, weight, bias);
   const at::Tensor w = weight.contiguous();
-  if (WTYPE == KILN_W_BF16 && panel) {
-    at::Tensor y = amx_route<false>(x, w, nullptr, bias, N, K);
+  if (panel) {
+    at::Tensor y = WTYPE == KILN_W_BF16 ? amx_route<false>(x, w, nullptr, bias, N, K)
+                                        : fp32_split_route(x, w, bias, N, K);
     if (y.defined()) return y;
   }
   const int wtype = panel ? (WTYPE == KILN_W_BF16 ? KILN_W_BF16_PANEL : KILN_W_FP32_PANEL)
@@ -508,6 +696,14 @@ int64_t kiln_ops_int4_gemm_m() { return g_int4_gemm_m.load(); }
 void kiln_ops_set_int4_gemm_m(int64_t m) { g_int4_gemm_m.store(m < 0 ? 0 : m); }
 
 int64_t kiln_ops_bf16_gemm_m() { return bf16_gemm_m(); }
+
+int64_t kiln_ops_fp32_gemm_m() { return fp32_gemm_m(); }
+
+int kiln_ops_set_fp32_gemm_m(int64_t m) {
+  if (m > 0 && !amx_tiles_permitted()) return 0;
+  g_fp32_gemm_m.store(m < 0 ? 0 : m);
+  return 1;
+}
 
 // int8 panels with bf16 x take the tile kernel from bf16_gemm_m rows, but never below 24: each call converts every
 // panel pair to bf16 first, which below ~20 rows costs more than the int8 kernels' whole product (same section of
