@@ -32,8 +32,8 @@ def main() -> None:
         raise SystemExit("this CPU has no AMX-BF16: the split-bf16 route does not exist here")
     torch.manual_seed(0)
     old = linear.fp32_gemm_m()
-    print(f"{'M x N x K':>18} {'split ms':>9} {'GF/s':>6} {'fp32 ms':>9} {'GF/s':>6} {'ratio':>6}  error/mean|y|: split max, "
-          "mean; fp32 max, mean")
+    print(f"{'M x N x K':>18} {'split ms':>9} {'GF/s':>6} {'fp32 ms':>9} {'GF/s':>6} {'ratio':>6}  "
+          "error/mean|y|: split max, mean; fp32 max, mean")
     for shape in args.shapes.split(","):
         m, n, k = (int(v) for v in shape.split("x"))
         w, x, b = torch.randn(n, k) * 0.02, torch.randn(m, k), torch.randn(n)
@@ -51,8 +51,8 @@ def main() -> None:
                 errors[route] = (d.max().item(), d.mean().item())
         split, kernels = statistics.median(times[1]), statistics.median(times[0])
         flops = 2 * m * n * k
-        print(f"{shape:>18} {split * 1e3:9.2f} {flops / split / 1e9:6.0f} {kernels * 1e3:9.2f} {flops / kernels / 1e9:6.0f} "
-              f"{kernels / split:6.2f}  {errors[1][0]:.1e}, {errors[1][1]:.1e}; {errors[0][0]:.1e}, {errors[0][1]:.1e}")
+        print(f"{shape:>18} {split * 1e3:9.2f} {flops / split / 1e9:6.0f} {kernels * 1e3:9.2f} "
+              f"{flops / kernels / 1e9:6.0f} {kernels / split:6.2f}  {errors[1][0]:.1e}, {errors[1][1]:.1e}; {errors[0][0]:.1e}, {errors[0][1]:.1e}")
     linear.set_fp32_gemm_m(old)
 
 
