@@ -51,8 +51,9 @@ def main() -> None:
                 errors[route] = (d.max().item(), d.mean().item())
         split, kernels = statistics.median(times[1]), statistics.median(times[0])
         flops = 2 * m * n * k
+        err = f"{errors[1][0]:.1e}, {errors[1][1]:.1e}; {errors[0][0]:.1e}, {errors[0][1]:.1e}"
         print(f"{shape:>18} {split * 1e3:9.2f} {flops / split / 1e9:6.0f} {kernels * 1e3:9.2f} "
-              f"{flops / kernels / 1e9:6.0f} {kernels / split:6.2f}  {errors[1][0]:.1e}, {errors[1][1]:.1e}; {errors[0][0]:.1e}, {errors[0][1]:.1e}")
+              f"{flops / kernels / 1e9:6.0f} {kernels / split:6.2f}  {err}")
     linear.set_fp32_gemm_m(old)
 
 
