@@ -128,9 +128,7 @@ class DraftProposer(Proposer):
         self.bounds = b
         self.sampler = sampler
         self.kv = KVCacheManager(num_blocks, b.tokens_per_block, enable_prefix_reuse, draft.config.model.kv_window)
-        # zeroed at the first proposal, on the step loop's thread (the executor's pool waits for it too)
-        self.kv_cache = draft.allocate_kv_cache(num_blocks, zeroed=False)
-        self._zeroed = False
+        self.kv_cache = draft.allocate_kv_cache(num_blocks)
         self._seqs: dict[str, _DraftSeq] = {}
         self._probs: dict[str, torch.Tensor] = {}
 
@@ -167,9 +165,6 @@ class DraftProposer(Proposer):
         return self._probs.get(request_id)
 
     def propose_all(self, wants: list[tuple[Any, int]]) -> None:
-        if not self._zeroed:
-            self.kv_cache.zero_()
-            self._zeroed = True
         try:
             self._propose(wants)
         except Exception:   # a failed draft costs its proposals, never the target's requests

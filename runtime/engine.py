@@ -37,6 +37,7 @@ from kiln.contract import (
 from kiln.plugins.native import native_kernels_available
 from kiln.runtime import weight_pages
 from kiln.runtime.aoti_runner import AotiRunner
+from kiln.runtime.zero_pages import zero_pages
 
 SKIP_CHECKSUM_ENV = "KILN_SKIP_ENGINE_CHECKSUM"   # "1": load without verifying the files' checksums
 
@@ -168,9 +169,9 @@ class Engine:
         return None
 
     # ------------------------------------------------------------------ running
-    def allocate_kv_cache(self, num_blocks: int, zeroed: bool = True) -> torch.Tensor:
-        """A KV pool of ``num_blocks`` blocks in the contract's layout (``kv_cache_shape``), zeroed unless
-        ``zeroed=False`` (then the caller zeroes it before the first step, on the thread that will run them)."""
+    def allocate_kv_cache(self, num_blocks: int) -> torch.Tensor:
+        """A KV pool of ``num_blocks`` blocks in the contract's layout (``kv_cache_shape``), reading as zeros: on
+        the CPU over fresh zero pages (:mod:`kiln.runtime.zero_pages`: resident only as blocks are written)."""
         if num_blocks < 1:
             raise ConfigError(f"num_blocks must be >= 1, got {num_blocks}")
         if self.config.bounds.max_num_blocks and num_blocks > self.config.bounds.max_num_blocks:
@@ -178,8 +179,9 @@ class Engine:
                               f"{self.config.bounds.max_num_blocks} (rebuild with a larger --max-num-blocks)")
         shape = kv_cache_shape(self.config.rank_model, self.config.bounds.tokens_per_block, num_blocks,
                                self.config.kv_cache_dtype)
-        alloc = torch.zeros if zeroed else torch.empty
-        return alloc(shape, dtype=self.kv_dtype, device=self.device)
+        if torch.device(self.device).type == "cpu":
+            return zero_pages(shape, self.kv_dtype)
+        return torch.zeros(shape, dtype=self.kv_dtype, device=self.device)
 
     def allocate_lora_pool(self, max_loras: int, zeroed: bool = True) -> torch.Tensor:
         """The adapter pool of an engine that takes adapters: ``max_loras`` slots in the layout of

@@ -304,12 +304,9 @@ class Executor:
         if lora_bytes:
             self.kv_plan += (f"; LoRA adapter pool: {config.max_loras} slots x "
                              f"{lora_bytes // config.max_loras / 2**20:.1f} MiB")
-        # zeroed by the step loop (_loop), not here: zeroing a large pool is a 2-thread OpenMP loop, and a
-        # process whose main thread has run one has two OpenMP thread teams on these cores; libgomp then
-        # stops spinning between parallel regions (more of its threads than CPUs), and every region of the
-        # step loop's thread pays a sleep and a wake-up (~180 a decode step: bf16 cpu-compiled 246M, 9.5-10
-        # ms a step when the loop's thread is the only one with a team, 12.2-15 ms otherwise)
-        self.kv_cache = engine.allocate_kv_cache(num_blocks, zeroed=False)
+        # zero pages: no zeroing pass (which, as a 2-thread OpenMP loop on this thread, would give the process a
+        # second OpenMP team: kiln.plugins.openmp_teams), and the pool resident only as blocks are written
+        self.kv_cache = engine.allocate_kv_cache(num_blocks)
         self.kv = KVCacheManager(num_blocks, self.block_size, config.enable_prefix_reuse, model.kv_window)
         self.adapters: AdapterRegistry | None = None   # loaded LoRA adapters by name (an engine that takes them)
         self.adapter_pool: AdapterPool | None = None   # their resident slots (the step loop's)
@@ -648,7 +645,6 @@ class Executor:
     # ---- the loop -------------------------------------------------------------------------------------
     def _loop(self) -> None:
         try:
-            self.kv_cache.zero_()   # on this thread: see __init__
             self._serve()
         except BaseException as exc:  # the books are in doubt, or the engine is broken: stop, loudly
             self._fail(exc)

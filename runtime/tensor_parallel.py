@@ -71,6 +71,7 @@ from kiln.contract import (
 from kiln.plugins import collectives
 from kiln.runtime.engine import Engine, load_rank_graph
 from kiln.runtime.tp_wire import OP_ALLOC, OP_STEP, OP_STOP, StepChannel
+from kiln.runtime.zero_pages import zero_pages
 
 logger = logging.getLogger("kiln.runtime")
 
@@ -165,11 +166,11 @@ class _RankRunner:
         self.config, self.fn, self.groups = config, fn, groups
         self.pool: torch.Tensor | None = None
 
-    def allocate(self, num_blocks: int, zeroed: bool = True) -> torch.Tensor:
+    def allocate(self, num_blocks: int) -> torch.Tensor:
         self.pool = None   # drop the old pool before the new one is allocated
         shape = kv_cache_shape(self.config.rank_model, self.config.bounds.tokens_per_block, num_blocks,
                                self.config.kv_cache_dtype)
-        self.pool = (torch.zeros if zeroed else torch.empty)(shape, dtype=self.config.torch_kv_dtype)
+        self.pool = zero_pages(shape, self.config.torch_kv_dtype)
         return self.pool
 
     def step(self, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
@@ -407,17 +408,16 @@ class TensorParallelEngine(Engine):
         """Why the engine cannot run (a rank died, or it was closed); None while it can."""
         return self._dead or ("the engine is closed" if self._closed else None)
 
-    def allocate_kv_cache(self, num_blocks: int, zeroed: bool = True) -> torch.Tensor:
-        """A pool of ``num_blocks`` blocks of rank 0's KV heads; every other rank allocates its part, zeroed. It
-        replaces the previous pool (its steps are refused from now on). ``zeroed=False`` leaves rank 0's part for
-        the caller to zero on the thread that runs the steps (Engine.allocate_kv_cache's contract; the executor
-        does so, keeping the main thread out of OpenMP)."""
+    def allocate_kv_cache(self, num_blocks: int) -> torch.Tensor:
+        """A pool of ``num_blocks`` blocks of rank 0's KV heads; every other rank allocates its part. Each reads as
+        zeros (fresh zero pages, :mod:`kiln.runtime.zero_pages`). It replaces the previous pool (its steps are
+        refused from now on)."""
         if num_blocks < 1:
             raise ConfigError(f"num_blocks must be >= 1, got {num_blocks}")
         with self._lock:
             self._check_alive()
             self._channel.send(OP_ALLOC, num_blocks)
-            return self._runner.allocate(num_blocks, zeroed)
+            return self._runner.allocate(num_blocks)
 
     def run(self, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
         """One step on every rank: ``inputs['kv_cache']`` must be the pool the last ``allocate_kv_cache``

@@ -144,6 +144,27 @@ def test_fp32_prefill_on_the_split_bf16_route_stays_near_transformers(engine_of,
     assert errors["fp32 kernels"] <= FP32_ATOL and errors.get("split", 0.0) <= 5 * FP32_ATOL, errors
 
 
+def test_kv_pool_reads_as_zeros_and_is_resident_only_where_written(engine_of):
+    """The pool is fresh zero pages: 512 MiB of it costs no resident memory until blocks are written (the process's
+    idle RSS), reads as zeros, and a step's writes land in it."""
+    from kiln.runtime.zero_pages import zero_pages
+
+    def anon_mib() -> float:
+        with open("/proc/self/status") as f:
+            return int(f.read().split("RssAnon:")[1].split()[0]) / 1024
+
+    engine = engine_of("llama")
+    per_block = engine.kv_bytes_per_token * engine.config.bounds.tokens_per_block
+    before = anon_mib()
+    kv = engine.allocate_kv_cache((512 << 20) // per_block)
+    assert kv.is_contiguous() and kv.dtype == engine.kv_dtype and kv.data_ptr() % 4096 == 0
+    assert anon_mib() - before < 64, "the pool was made resident at allocation"
+    assert not kv[:, :, -3:].any()
+    kv[:, :, -1].fill_(1.0)
+    assert kv[:, :, -1].all() and not kv[:, :, -2].any()
+    assert not zero_pages((0, 4), torch.float32).numel() and zero_pages((3, 4), torch.int8).sum() == 0
+
+
 def test_engine_directory_contents(engine_of, checkpoint_dir):
     engine = engine_of("llama")
     d = engine.directory
