@@ -260,36 +260,72 @@ __attribute__((target("amx-tile,amx-bf16"))) void amx_load_config() { _tile_load
 
 __attribute__((target("amx-tile,amx-bf16"))) void amx_release() { _tile_release(); }
 
-// c [32, 32] fp32 (row stride 32) = a [32, K] (row stride lda elements) @ panels b0 (and b1 when TWO); each step
-// of k also prefetches `lines` cache lines from `ahead` on into L2 (none when ahead is null)
-template <bool TWO>
-__attribute__((target("amx-tile,amx-bf16")))
-void amx_block(const at::BFloat16* a, int64_t lda, const at::BFloat16* b0, const at::BFloat16* b1, int64_t K,
-               float* c, const char* ahead, int64_t lines) {
-  _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
+// The tile steps of the AMX GEMM kernels below: tiles 0-3 hold a block's 32 x 32 fp32 sums (0 and 2 the first
+// panel's columns for rows 0-15 and 16-31, 1 and 3 the second's), 4 and 5 x's rows 0-15 and 16-31, 6 and 7 the
+// panel pair's panels (the second `second` elements after the first; only the first when not TWO). Tile numbers are
+// literals: GCC's tile intrinsics paste them into the asm text.
+#define KILN_AMX_INLINE __attribute__((target("amx-tile,amx-bf16"), always_inline)) inline
+
+KILN_AMX_INLINE void amx_zero_sums() { _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3); }
+
+KILN_AMX_INLINE void amx_load_rows(const at::BFloat16* a, int64_t lda) {
   const int64_t stride = lda * int64_t(sizeof(at::BFloat16));
-  for (int64_t k = 0; k < K; k += AMX_KB) {
-    if (ahead != nullptr) {
-      for (int64_t l = 0; l < lines; ++l) _mm_prefetch(ahead + 64 * l, _MM_HINT_T1);
-      ahead += 64 * lines;
-    }
-    _tile_loadd(4, a + k, stride);
-    _tile_loadd(5, a + 16 * lda + k, stride);
-    _tile_loadd(6, b0 + k * KILN_PANEL, 64);
-    _tile_dpbf16ps(0, 4, 6);
-    _tile_dpbf16ps(2, 5, 6);
-    if (TWO) {
-      _tile_loadd(7, b1 + k * KILN_PANEL, 64);
-      _tile_dpbf16ps(1, 4, 7);
-      _tile_dpbf16ps(3, 5, 7);
-    }
+  _tile_loadd(4, a, stride);
+  _tile_loadd(5, a + 16 * lda, stride);
+}
+
+// sums += rows x the panels already in tiles 6 (and 7)
+template <bool TWO>
+KILN_AMX_INLINE void amx_products() {
+  _tile_dpbf16ps(0, 4, 6);
+  _tile_dpbf16ps(2, 5, 6);
+  if (TWO) {
+    _tile_dpbf16ps(1, 4, 7);
+    _tile_dpbf16ps(3, 5, 7);
   }
+}
+
+// sums += rows x the panel pair at b (each panel loaded right before its products)
+template <bool TWO>
+KILN_AMX_INLINE void amx_pair_products(const at::BFloat16* b, int64_t second) {
+  _tile_loadd(6, b, 64);
+  _tile_dpbf16ps(0, 4, 6);
+  _tile_dpbf16ps(2, 5, 6);
+  if (TWO) {
+    _tile_loadd(7, b + second, 64);
+    _tile_dpbf16ps(1, 4, 7);
+    _tile_dpbf16ps(3, 5, 7);
+  }
+}
+
+// c [32, 32] fp32 (row stride 32) = the sums
+template <bool TWO>
+KILN_AMX_INLINE void amx_store_sums(float* c) {
   _tile_stored(0, c, 128);
   _tile_stored(2, c + 16 * 32, 128);
   if (TWO) {
     _tile_stored(1, c + 16, 128);
     _tile_stored(3, c + 16 * 32 + 16, 128);
   }
+}
+
+// c [32, 32] fp32 (row stride 32) = a [32, K] (row stride lda elements) @ the panel pair at b (the second panel
+// K * 16 on; only the first when not TWO); each step of k also prefetches `lines` cache lines from `ahead` on into
+// L2 (none when ahead is null)
+template <bool TWO>
+__attribute__((target("amx-tile,amx-bf16")))
+void amx_block(const at::BFloat16* a, int64_t lda, const at::BFloat16* b, int64_t K, float* c, const char* ahead,
+               int64_t lines) {
+  amx_zero_sums();
+  for (int64_t k = 0; k < K; k += AMX_KB) {
+    if (ahead != nullptr) {
+      for (int64_t l = 0; l < lines; ++l) _mm_prefetch(ahead + 64 * l, _MM_HINT_T1);
+      ahead += 64 * lines;
+    }
+    amx_load_rows(a + k, lda);
+    amx_pair_products<TWO>(b + k * KILN_PANEL, K * KILN_PANEL);
+  }
+  amx_store_sums<TWO>(c);
 }
 
 // INT8: w holds int8 panels (the same [N/16, K/2, 16, 2] order) with one fp32 scale per output: each panel pair
@@ -333,8 +369,8 @@ at::Tensor panel_gemm_amx(const at::Tensor& x2, const at::Tensor& w, const float
         for (int64_t m0 = s0; m0 < s1; m0 += AMX_MR) {
           const at::BFloat16* a = m0 < full ? xp + m0 * K : tp;
           const char* ahead = next ? next + (m0 - s0) / AMX_MR * steps * lines * 64 : nullptr;
-          if (cols == 2 * KILN_PANEL) amx_block<true>(a, K, b0, b0 + K * KILN_PANEL, K, c, ahead, lines);
-          else amx_block<false>(a, K, b0, nullptr, K, c, ahead, lines);
+          if (cols == 2 * KILN_PANEL) amx_block<true>(a, K, b0, K, c, ahead, lines);
+          else amx_block<false>(a, K, b0, K, c, ahead, lines);
           k512::store_bf16_rows(c, 32, std::min(AMX_MR, M - m0), cols, INT8 ? scale + p * KILN_PANEL : nullptr, bias ? bias + p * KILN_PANEL : nullptr,
                           yp + m0 * N + p * KILN_PANEL, N);
         }
@@ -345,50 +381,24 @@ at::Tensor panel_gemm_amx(const at::Tensor& x2, const at::Tensor& w, const float
   return y;
 }
 
-// c [32, 32] fp32 (row stride 32) = ah ah-split x of 32 rows [32, K] (hi and lo halves, row stride lda) @ one
-// panel pair as split bf16 panels (bh / bl: [2][K/2][16][2], the second panel K * 16 on; only the first when not
-// TWO): hi_x hi_w + hi_x lo_w + lo_x hi_w, summed over k in the 4 accumulator tiles
+// c [32, 32] fp32 (row stride 32) = x of 32 rows split into hi and lo halves (ah, al: [32, K], row stride lda) @
+// one panel pair split the same way (bh, bl: [2][K/2][16][2], the second panel K * 16 on; only the first when not
+// TWO): hi_x lo_w + hi_x hi_w + lo_x hi_w, summed over k
 template <bool TWO>
 __attribute__((target("amx-tile,amx-bf16")))
 void amx_block_split(const at::BFloat16* ah, const at::BFloat16* al, int64_t lda, const at::BFloat16* bh,
                      const at::BFloat16* bl, int64_t K, float* c) {
-  _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
-  const int64_t stride = lda * int64_t(sizeof(at::BFloat16)), second = K * KILN_PANEL;
+  amx_zero_sums();
+  const int64_t second = K * KILN_PANEL;
   for (int64_t k = 0; k < K; k += AMX_KB) {
     const int64_t kb = k * KILN_PANEL;
-    _tile_loadd(4, ah + k, stride);
-    _tile_loadd(5, ah + 16 * lda + k, stride);
-    _tile_loadd(6, bl + kb, 64);                       // hi_x lo_w
-    _tile_dpbf16ps(0, 4, 6);
-    _tile_dpbf16ps(2, 5, 6);
-    if (TWO) {
-      _tile_loadd(7, bl + second + kb, 64);
-      _tile_dpbf16ps(1, 4, 7);
-      _tile_dpbf16ps(3, 5, 7);
-    }
-    _tile_loadd(6, bh + kb, 64);                       // hi_x hi_w
-    _tile_dpbf16ps(0, 4, 6);
-    _tile_dpbf16ps(2, 5, 6);
-    if (TWO) {
-      _tile_loadd(7, bh + second + kb, 64);
-      _tile_dpbf16ps(1, 4, 7);
-      _tile_dpbf16ps(3, 5, 7);
-    }
-    _tile_loadd(4, al + k, stride);                    // lo_x hi_w (hi_w still in tiles 6 and 7)
-    _tile_loadd(5, al + 16 * lda + k, stride);
-    _tile_dpbf16ps(0, 4, 6);
-    _tile_dpbf16ps(2, 5, 6);
-    if (TWO) {
-      _tile_dpbf16ps(1, 4, 7);
-      _tile_dpbf16ps(3, 5, 7);
-    }
+    amx_load_rows(ah + k, lda);
+    amx_pair_products<TWO>(bl + kb, second);
+    amx_pair_products<TWO>(bh + kb, second);
+    amx_load_rows(al + k, lda);
+    amx_products<TWO>();   // hi_w still in tiles 6 and 7
   }
-  _tile_stored(0, c, 128);
-  _tile_stored(2, c + 16 * 32, 128);
-  if (TWO) {
-    _tile_stored(1, c + 16, 128);
-    _tile_stored(3, c + 16 * 32 + 16, 128);
-  }
+  amx_store_sums<TWO>(c);
 }
 
 // Rows of x one sweep of a thread's panel pairs covers on the split route: x's two halves take 4 bytes a k, as
