@@ -195,10 +195,10 @@ def fp32_gemm_m() -> int:
     """Rows of x from which an fp32-panel weight with fp32 x runs on AMX tiles with both operands split into bf16
     halves (x w ~ hi_x hi_w + hi_x lo_w + lo_x hi_w: three exact bf16 products summed in fp32, each operand kept to
     ~16 significant bits, PyTorch's "high" float32 matmul precision) instead of the fp32 panel kernels (exact fp32
-    products); 0: never, the default. Prefill GEMMs run 2-2.7x faster that way, and fp32 logits land ~20x further
-    from the exact ones (~1e-4), so it is a choice: ``KILN_FP32_MATMUL=high`` when the process starts (64 rows, where
-    the CPU has AMX-BF16 and the OS grants tile state), or :func:`set_fp32_gemm_m`. A call whose x holds inf or NaN
-    runs the fp32 kernels."""
+    products); 0: never, the default. Prefill GEMMs run faster that way and fp32 logits land further from the exact
+    ones (docs/benchmarks.md, session 27), so it is a choice: ``KILN_FP32_MATMUL=high`` when the process starts (64
+    rows, where the CPU has AMX-BF16 and the OS grants tile state), or :func:`set_fp32_gemm_m`. A call whose x holds
+    inf or NaN runs the fp32 kernels."""
     lib = native.library()
     return int(lib.kiln_ops_fp32_gemm_m()) if lib is not None else 0
 

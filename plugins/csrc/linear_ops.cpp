@@ -81,10 +81,9 @@ int64_t bf16_gemm_m() {
 // fp32 panels with fp32 x at M >= this (0: never; -1: not chosen yet) run on AMX tiles with each operand split into
 // two bf16 halves (hi = x rounded to bf16, lo = the remainder rounded): x w ~ hi_x hi_w + hi_x lo_w + lo_x hi_w,
 // three exact bf16 products summed in fp32, each operand kept to ~16 significant bits (PyTorch's "high" float32
-// matmul precision; TF32 keeps 11): 2-2.7x the fp32 kernels' GFLOP/s from 128 rows, 1.3-1.6x at 64, slower below
-// ~40 (Sapphire Rapids, docs/benchmarks.md), but logits ~20x further from the exact product than the fp32 kernels'
-// (1e-4 against 4e-6 on a test model), so only on request: KILN_FP32_MATMUL=high at start, or set_fp32_gemm_m; and
-// only where the CPU has AMX-BF16 and the OS grants tile state.
+// matmul precision; TF32 keeps 11): faster than the fp32 kernels from ~40 rows, and the logits further from the
+// exact product (docs/benchmarks.md, session 27), so only on request: KILN_FP32_MATMUL=high at start, or
+// set_fp32_gemm_m; and only where the CPU has AMX-BF16 and the OS grants tile state.
 std::atomic<int64_t> g_fp32_gemm_m{-1};
 constexpr int64_t FP32_SPLIT_M = 64;
 bool amx_tiles_permitted();
