@@ -175,7 +175,9 @@ def bf16_gemm_m() -> int:
     panel kernels; 0: never (the default where the CPU has no AMX-BF16; 5 where it has). Same numerics: exact
     products, fp32 sums. int8 panels with bf16 x take the tile kernel from this row count but never below 24 (K a
     multiple of 32): each panel pair converted to bf16, exact for int8, and the per-output scale applied to the fp32
-    sums; below 24 rows the conversion costs more than the int8 kernels."""
+    sums; below 24 rows the conversion costs more than the int8 kernels. int8 panels with fp32 x take the tiles from
+    64 rows (and this count), x split into bf16 halves (hi_x w + lo_x w: x kept to ~16 significant bits, closer to
+    the exact product than the int8 kernels' int16 rounding of x); 0 turns that route off too."""
     return _gemm_m("bf16")
 
 

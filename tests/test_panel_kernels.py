@@ -897,3 +897,38 @@ def test_fp32_split_is_chosen_only_on_request(native):
         with pytest.raises(RuntimeError, match="needs a CPU with AMX-BF16"):
             linear.set_fp32_gemm_m(64)
         assert linear.fp32_gemm_m() == 0
+
+
+@pytest.mark.parametrize("shape", [(64, 64), (48, 96), (96, 1024), (32, 2816)])
+def test_int8_panels_with_fp32_x_take_the_tiles_with_x_split(native, shape):
+    """From int8_split_m rows (64 on AMX CPUs) fp32 x over int8 panels runs on AMX tiles, x split into bf16 halves
+    (the int8 weights are exact in bf16): within 2^-14 of |x| |w|^T of the exact product at every row count (block
+    tails, several sweeps, an odd panel count), closer to it than the int8 kernels (x rounded to int16 per row);
+    bf16_gemm_m = 0 turns it off with the other AMX routes; inf or NaN in x runs the int8 kernels."""
+    if not _has_amx_bf16():
+        pytest.skip("this CPU has no AMX-BF16: int8 panels keep the int8 kernels")
+    n, k = shape
+    torch.manual_seed(n * k + 7)
+    w, b = torch.randn(n, k) * 0.05, torch.randn(n)
+    q, s = fmt.quantize_int8(w)
+    qp, wq = fmt.pack_panels(q), q.double() * s.double()[:, None]
+    assert "x split into bf16 halves" in native_lib.describe_kernel("int8_panel", 64, n)
+    assert "x split" not in native_lib.describe_kernel("int8_panel", 63, n)
+    for m in (64, 65, 128, 129, 300):
+        x = torch.randn(m, k)
+        exact = x.double() @ wq.t() + b.double()
+        bound = 2.0 ** -14 * (x.double().abs() @ wq.abs().t())
+        y = linear.weight_only_linear(x.view(1, m, k), qp, s, b, bits=8)
+        assert y.shape == (1, m, n) and y.dtype == torch.float32
+        split_err = (y[0].double() - exact).abs()
+        assert (split_err <= bound).all(), m
+        old = linear.set_bf16_gemm_m(0)
+        try:
+            kernels = linear.weight_only_linear(x, qp, s, b, bits=8)
+        finally:
+            linear.set_bf16_gemm_m(old)
+        assert split_err.mean() < (kernels.double() - exact).abs().mean(), m
+    x = torch.randn(100, k)
+    x[40, 3] = float("nan")
+    y = linear.weight_only_linear(x, qp, s, b, bits=8)
+    assert y[40].isnan().all() and y[torch.arange(100) != 40].isfinite().all()

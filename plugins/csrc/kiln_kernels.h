@@ -121,6 +121,8 @@ int64_t kiln_ops_fp32_gemm_m();
 int kiln_ops_set_fp32_gemm_m(int64_t m);
 // rows of bf16 x from which int8 panels take the AMX tile kernel (0: never)
 int64_t kiln_ops_int8_amx_m();
+// rows of fp32 x from which int8 panels take the AMX tile kernel, x split into bf16 halves (0: never)
+int64_t kiln_ops_int8_split_m();
 int kiln_ops_set_bf16_gemm_m(int64_t m);
 // AMX tile state for kernels outside torch (attention_kernels.cpp). permitted: 1 where the CPU has AMX-BF16 and the
 // OS granted this process tile state. begin (on each thread, before its tile code): torch's brgemm drops the tile

@@ -1008,9 +1008,12 @@ std::string describe_panel(int wtype, int64_t M, int64_t N) {
     else if (M < 4 && panels % 4 == 0) what = "2x4 tiles";
     else what = tiles(Isa::MR_INT, Isa::NP_INT);
     const int64_t gemm_m = kiln_ops_int8_amx_m();
-    const std::string amx = gemm_m > 0 && M >= gemm_m ? "; with bf16 x (from M " + std::to_string(gemm_m) +
-                                                         "): AMX tiles on each panel pair converted to bf16 (K a "
-                                                         "multiple of 32)" : "";
+    const int64_t split_m = kiln_ops_int8_split_m();
+    std::string amx = gemm_m > 0 && M >= gemm_m ? "; with bf16 x (from M " + std::to_string(gemm_m) +
+                                                  "): AMX tiles on each panel pair converted to bf16 (K a multiple of "
+                                                  "32)" : "";
+    if (split_m > 0 && M >= split_m)
+      amx += "; with fp32 x (from M " + std::to_string(split_m) + "): the same, x split into bf16 halves";
     return "int8 panels, " + isa + (Isa::L == 16 ? " vnni" : "") + ", " + what + amx;
   }
   const std::string name = kind == KILN_W_BF16 ? "bf16 panels" : "fp32 panels";

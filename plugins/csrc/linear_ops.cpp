@@ -98,6 +98,16 @@ int64_t fp32_gemm_m() {
   return m;
 }
 
+// int8 panels with fp32 x take the AMX tile kernel with x split into bf16 halves (hi_x w + lo_x w: the weights are
+// exact in bf16, x kept to ~16 significant bits where the int8 kernels round it to int16 with one scale per row) from
+// this many rows where int8 panels with bf16 x take the tiles (kiln_ops_int8_amx_m), 0 elsewhere: never below
+// INT8_SPLIT_MIN_M, below which the conversions cost more than the tiles gain (docs/benchmarks.md, session 27).
+constexpr int64_t INT8_SPLIT_MIN_M = 64;
+int64_t int8_split_m() {
+  const int64_t m = kiln_ops_int8_amx_m();
+  return m > 0 ? std::max(m, INT8_SPLIT_MIN_M) : 0;
+}
+
 // Rows of x per brgemm call (measured: 64 beats 32 by 1.1-1.3x at M >= 128).
 constexpr int64_t BF16_GEMM_MB = 64;
 // Panels whose outputs one brgemm round fills before they are stored as bf16 (64 columns), and rows of x one
@@ -134,13 +144,15 @@ void int8_to_bf16(const int8_t* q, int64_t n, at::BFloat16* out) {
   }
 }
 
-// rows x cols fp32 accumulators (row stride ldc) + bias -> fp32 rows of y (row stride ldy)
+// rows x cols fp32 accumulators (row stride ldc) x scale (per column, int8 weights; none for fp32) + bias -> fp32
+// rows of y (row stride ldy)
 __attribute__((target("avx512f")))
-void store_f32_rows(const float* c, int64_t ldc, int64_t rows, int64_t cols, const float* bias, float* y,
-                    int64_t ldy) {
+void store_f32_rows(const float* c, int64_t ldc, int64_t rows, int64_t cols, const float* scale, const float* bias,
+                    float* y, int64_t ldy) {
   for (int64_t r = 0; r < rows; ++r)
     for (int64_t j = 0; j < cols; j += 16) {
       __m512 v = _mm512_loadu_ps(c + r * ldc + j);
+      if (scale) v = _mm512_mul_ps(v, _mm512_loadu_ps(scale + j));
       if (bias) v = _mm512_add_ps(v, _mm512_loadu_ps(bias + j));
       _mm512_storeu_ps(y + r * ldy + j, v);
     }
@@ -400,29 +412,50 @@ void amx_block_split(const at::BFloat16* ah, const at::BFloat16* al, int64_t lda
   amx_store_sums<TWO>(c);
 }
 
+// c [32, 32] fp32 (row stride 32) = x of 32 rows split into hi and lo halves (ah, al) @ one panel pair of bf16 that
+// holds the weights exactly (int8 panels converted): hi_x w + lo_x w
+template <bool TWO>
+__attribute__((target("amx-tile,amx-bf16")))
+void amx_block_xsplit(const at::BFloat16* ah, const at::BFloat16* al, int64_t lda, const at::BFloat16* b, int64_t K,
+                      float* c) {
+  amx_zero_sums();
+  for (int64_t k = 0; k < K; k += AMX_KB) {
+    amx_load_rows(ah + k, lda);
+    amx_pair_products<TWO>(b + k * KILN_PANEL, K * KILN_PANEL);
+    amx_load_rows(al + k, lda);
+    amx_products<TWO>();   // w still in tiles 6 and 7
+  }
+  amx_store_sums<TWO>(c);
+}
+
 // Rows of x one sweep of a thread's panel pairs covers on the split route: x's two halves take 4 bytes a k, as
 // much as the bf16 route's 256 rows at 2 bytes, so this keeps the same bytes in L2.
 constexpr int64_t SPLIT_SWEEP_ROWS = 128;
 // A thread's split panels kept across sweeps (one conversion per call) are dropped after a call past this size.
 constexpr size_t SPLIT_KEEP_BYTES = size_t(64) << 20;
 
-// y [M, N] fp32 = x [M, K] fp32 @ fp32 panels [N/16, K, 16]^T (+ bias) on AMX tiles with both operands split into
-// bf16 halves (fp32_gemm_m). Each thread splits a sweep's rows of x itself (a small buffer instead of a copy of all
-// of x, for a few % more conversion) and its panel pairs once per call into the AMX B layout, kept for the later
-// sweeps when there are any. Undefined when x holds inf or NaN (the caller's fp32 kernels then carry them as the
-// reference does).
-at::Tensor panel_gemm_amx_split(const at::Tensor& x2, const at::Tensor& w, const float* bias, int64_t N, int64_t K) {
+// y [M, N] fp32 = x [M, K] fp32 @ panels^T (+ bias) on AMX tiles with x split into bf16 halves: fp32 panels
+// [N/16, K, 16] split into halves too (fp32_gemm_m), or (INT8) int8 panels converted to bf16, exactly, with one
+// scale per output applied as they are stored (int8_split_m). Each thread splits a sweep's rows of x itself (a small
+// buffer instead of a copy of all of x, for a few % more conversion) and converts its panel pairs once per call into
+// the AMX B layout, kept for the later sweeps when there are any. Undefined when x holds inf or NaN (the caller's
+// kernels then carry them as the reference does).
+template <bool INT8>
+at::Tensor panel_gemm_amx_split(const at::Tensor& x2, const at::Tensor& w, const float* scale, const float* bias,
+                                int64_t N, int64_t K) {
   const int64_t M = x2.size(0), P = N / KILN_PANEL, PP = (P + 1) / 2;
   at::Tensor y = at::empty({M, N}, x2.options());
   const auto* xp = static_cast<const float*>(x2.const_data_ptr());
   const auto* wp = static_cast<const float*>(w.const_data_ptr());
+  const auto* qp = static_cast<const int8_t*>(w.const_data_ptr());
   auto* yp = static_cast<float*>(y.data_ptr());
-  const int64_t pair = 2 * K * KILN_PANEL;   // bf16 elements of one half of a split panel pair
+  const int64_t pair = 2 * K * KILN_PANEL;   // bf16 elements of a panel pair (of one half, when split)
+  const int64_t parts = INT8 ? 1 : 2;
   const bool keep = M > SPLIT_SWEEP_ROWS;
   std::atomic<bool> finite{true};
   at::parallel_for(0, PP, 1, [&](int64_t q0, int64_t q1) {
     thread_local std::vector<at::BFloat16> split, rows;
-    split.resize(size_t(keep ? q1 - q0 : 1) * 2 * pair);
+    split.resize(size_t(keep ? q1 - q0 : 1) * parts * pair);
     rows.resize(size_t(2 * SPLIT_SWEEP_ROWS * K));
     at::BFloat16* xh = rows.data();
     at::BFloat16* xl = xh + SPLIT_SWEEP_ROWS * K;
@@ -435,15 +468,22 @@ at::Tensor panel_gemm_amx_split(const at::Tensor& x2, const at::Tensor& w, const
       std::fill(xl + (s1 - s0) * K, xl + padded * K, at::BFloat16(0.f));
       for (int64_t q = q0; q < q1; ++q) {
         const int64_t p = 2 * q, np = p + 1 < P ? 2 : 1, cols = np * KILN_PANEL;
-        at::BFloat16* bh = split.data() + (keep ? q - q0 : 0) * 2 * pair;
+        at::BFloat16* bh = split.data() + (keep ? q - q0 : 0) * parts * pair;
         at::BFloat16* bl = bh + pair;
-        if (!keep || s0 == 0) k512::split_panels(wp + p * K * KILN_PANEL, np, K, bh, bl);
+        if (keep && s0 > 0) {
+        } else if (INT8) {
+          k512::int8_to_bf16(qp + p * K * KILN_PANEL, cols * K, bh);
+        } else {
+          k512::split_panels(wp + p * K * KILN_PANEL, np, K, bh, bl);
+        }
         for (int64_t m0 = s0; m0 < s1; m0 += AMX_MR) {
           const int64_t r = (m0 - s0) * K;
-          if (np == 2) amx_block_split<true>(xh + r, xl + r, K, bh, bl, K, c);
+          if (INT8 && np == 2) amx_block_xsplit<true>(xh + r, xl + r, K, bh, K, c);
+          else if (INT8) amx_block_xsplit<false>(xh + r, xl + r, K, bh, K, c);
+          else if (np == 2) amx_block_split<true>(xh + r, xl + r, K, bh, bl, K, c);
           else amx_block_split<false>(xh + r, xl + r, K, bh, bl, K, c);
-          k512::store_f32_rows(c, 32, std::min(AMX_MR, M - m0), cols, bias ? bias + p * KILN_PANEL : nullptr,
-                               yp + m0 * N + p * KILN_PANEL, N);
+          k512::store_f32_rows(c, 32, std::min(AMX_MR, M - m0), cols, INT8 ? scale + p * KILN_PANEL : nullptr,
+                               bias ? bias + p * KILN_PANEL : nullptr, yp + m0 * N + p * KILN_PANEL, N);
         }
       }
     }
@@ -501,7 +541,22 @@ at::Tensor fp32_split_route(const at::Tensor& x, const at::Tensor& w, const OptT
   at::Tensor b;
   if (!fp32_bias(bias, N, b)) return at::Tensor();
   const at::Tensor x2 = x.reshape({-1, K}).contiguous();
-  const at::Tensor y = panel_gemm_amx_split(x2, w, data_or_null(b), N, K);
+  const at::Tensor y = panel_gemm_amx_split<false>(x2, w, nullptr, data_or_null(b), N, K);
+  return y.defined() ? with_out_features(y, x, N) : y;
+}
+
+// int8 panels with fp32 x from int8_split_m rows on AMX tiles, x split into bf16 halves (the weights exact in bf16):
+// undefined when it does not apply (the caller runs the int8 kernels)
+at::Tensor int8_split_route(const at::Tensor& x, const at::Tensor& w, const float* scale, const OptT& bias, int64_t N,
+                            int64_t K) {
+  const int64_t gemm_m = int8_split_m();
+  if (x.scalar_type() != at::kFloat || gemm_m <= 0 || x.numel() / K < gemm_m || K % AMX_KB != 0 ||
+      !amx_tiles_permitted())
+    return at::Tensor();
+  at::Tensor b;
+  if (!fp32_bias(bias, N, b)) return at::Tensor();
+  const at::Tensor x2 = x.reshape({-1, K}).contiguous();
+  const at::Tensor y = panel_gemm_amx_split<true>(x2, w, scale, data_or_null(b), N, K);
   return y.defined() ? with_out_features(y, x, N) : y;
 }
 
@@ -647,8 +702,9 @@ at::Tensor weight_only_linear_cpu(const at::Tensor& x, const at::Tensor& qweight
   const at::Tensor w = qweight.contiguous();
   const at::Tensor s = scales.contiguous();
   const float* sp = static_cast<const float*>(s.const_data_ptr());
-  if (wtype == KILN_W_INT8_PANEL) {  // bf16 x on AMX: the int8 values are exact in bf16, x is already bf16
-    at::Tensor y = amx_route<true>(x, w, sp, bias, N, K);
+  if (wtype == KILN_W_INT8_PANEL) {  // on AMX: the int8 values are exact in bf16; x bf16 as it is, fp32 x split
+    at::Tensor y = x.scalar_type() == at::kFloat ? int8_split_route(x, w, sp, bias, N, K)
+                                                 : amx_route<true>(x, w, sp, bias, N, K);
     if (y.defined()) return y;
   }
   at::Tensor y = run(wtype, x, w, sp, bias, wtype == KILN_W_INT4 ? group_size : 0, N, K);
@@ -722,6 +778,8 @@ int64_t kiln_ops_int8_amx_m() {
   const int64_t m = bf16_gemm_m();
   return m > 0 ? std::max(m, INT8_AMX_MIN_M) : 0;
 }
+
+int64_t kiln_ops_int8_split_m() { return int8_split_m(); }
 
 int kiln_amx_tiles_permitted() { return amx_tiles_permitted() ? 1 : 0; }
 
