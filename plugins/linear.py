@@ -29,7 +29,9 @@ propagate as in the reference; one row of x, i.e. decode, reads one sequential s
 int4 panels the same way, each group's int32 sum exact (started at -zero * the group's sum of x) before its scale;
 bf16 weights with bf16 x use the CPU's bf16 dot product where it has one
 (AVX512_BF16: products exact, fp32 accumulation), else they are widened to fp32; from :func:`bf16_gemm_m` rows
-(on AMX CPUs) bf16 panels with bf16 x run as AMX GEMMs on the panels in place instead. The vector width is
+(on AMX CPUs) bf16 panels with bf16 x run as AMX GEMMs on the panels in place instead, int8 panels with fp32 x
+from 64 rows on the tiles with x split into bf16 halves, and fp32 panels (only when asked: :func:`fp32_gemm_m`) with
+x and the weights split so. The vector width is
 chosen at run time (:func:`kiln.plugins.native.panel_isa`): the library runs on any AVX2 CPU.
 
 Other layouts: small M (decode) runs streaming GEMV kernels (each weight byte read once per call,

@@ -470,11 +470,9 @@ at::Tensor panel_gemm_amx_split(const at::Tensor& x2, const at::Tensor& w, const
         const int64_t p = 2 * q, np = p + 1 < P ? 2 : 1, cols = np * KILN_PANEL;
         at::BFloat16* bh = split.data() + (keep ? q - q0 : 0) * parts * pair;
         at::BFloat16* bl = bh + pair;
-        if (keep && s0 > 0) {
-        } else if (INT8) {
-          k512::int8_to_bf16(qp + p * K * KILN_PANEL, cols * K, bh);
-        } else {
-          k512::split_panels(wp + p * K * KILN_PANEL, np, K, bh, bl);
+        if (!keep || s0 == 0) {   // the pair's first sweep: convert it (kept for the later sweeps)
+          if (INT8) k512::int8_to_bf16(qp + p * K * KILN_PANEL, cols * K, bh);
+          else k512::split_panels(wp + p * K * KILN_PANEL, np, K, bh, bl);
         }
         for (int64_t m0 = s0; m0 < s1; m0 += AMX_MR) {
           const int64_t r = (m0 - s0) * K;
