@@ -893,6 +893,9 @@ def test_fp32_split_is_chosen_only_on_request(native):
         out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                              env={**os.environ, "KILN_FP32_MATMUL": value})
         assert out.stdout.strip().splitlines()[-1] == want, (value, out.stdout, out.stderr)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                         env={**os.environ, "KILN_FP32_MATMUL": "hihg"})
+    assert out.stdout.strip().splitlines()[-1] == "0" and "KILN_FP32_MATMUL='hihg' is not one of" in out.stderr
     if not _has_amx_bf16():
         with pytest.raises(RuntimeError, match="needs a CPU with AMX-BF16"):
             linear.set_fp32_gemm_m(64)
