@@ -45,8 +45,6 @@ in C++ with no Python per call. Without the native library the plain-torch refer
 from __future__ import annotations
 
 import functools
-import os
-import warnings
 
 import torch
 import torch.nn.functional as F
@@ -195,14 +193,6 @@ def set_bf16_gemm_m(m: int) -> int:
             f"bf16_gemm_m={m} needs a CPU with AMX-BF16 (torch's oneDNN brgemm takes bf16 panels only there); "
             "this CPU has none, so bf16 panels keep kiln's panel kernels: leave bf16_gemm_m at 0")
     return old
-
-
-FP32_MATMUL_ENV = "KILN_FP32_MATMUL"
-FP32_MATMUL_CHOICES = ("high", "highest")
-if os.environ.get(FP32_MATMUL_ENV, "highest") not in FP32_MATMUL_CHOICES:
-    warnings.warn(f"{FP32_MATMUL_ENV}={os.environ[FP32_MATMUL_ENV]!r} is not one of {FP32_MATMUL_CHOICES}: fp32 "
-                  "linears keep exact fp32 products ('highest'); 'high' lets prefill GEMMs run on AMX tiles with "
-                  "split-bf16 operands", RuntimeWarning, stacklevel=2)
 
 
 def fp32_gemm_m() -> int:

@@ -314,6 +314,7 @@ def _load() -> ctypes.CDLL | None:
             for opened in _opened:
                 opened.kiln_ops_set_enabled(int(_enabled))
             _apply_tuning(lib, key)
+            _apply_fp32_matmul(lib)
             _install_block_cache(lib)
             _lib, _state = lib, "ok"
         except Exception as e:  # compile error, missing compiler, no AVX2 ...
@@ -332,6 +333,24 @@ def _apply_tuning(lib: ctypes.CDLL, key: str) -> None:
     except Exception as e:  # a bad KILN_TUNING, an unwritable cache: the kernels still run, untuned
         _warn_once("tuning", f"kiln: kernel tuning not applied ({type(e).__name__}: {str(e)[:300]}); "
                              "using the per-CPU defaults")
+
+
+FP32_MATMUL_ENV = "KILN_FP32_MATMUL"
+FP32_MATMUL_CHOICES = ("high", "highest")
+FP32_SPLIT_M = 64   # rows from which KILN_FP32_MATMUL=high runs fp32 GEMMs on AMX tiles (kiln.plugins.linear)
+
+
+def _apply_fp32_matmul(lib: ctypes.CDLL) -> None:
+    """KILN_FP32_MATMUL, read here only: 'high' turns on the split-bf16 AMX route for fp32 GEMMs from FP32_SPLIT_M
+    rows where the CPU has AMX-BF16 and the OS grants tile state (elsewhere it stays off); 'highest' (the default)
+    keeps exact fp32 products; anything else is warned about and means 'highest'."""
+    value = os.environ.get(FP32_MATMUL_ENV, "highest")
+    if value not in FP32_MATMUL_CHOICES:
+        _warn_once("fp32_matmul", f"{FP32_MATMUL_ENV}={value!r} is not one of {FP32_MATMUL_CHOICES}: fp32 linears "
+                                  "keep exact fp32 products ('highest'); 'high' lets prefill GEMMs run on AMX tiles "
+                                  "with split-bf16 operands")
+    if value == "high":
+        lib.kiln_ops_set_fp32_gemm_m(FP32_SPLIT_M)   # refused (0) without AMX tiles: exact fp32 then
 
 
 def _install_block_cache(lib: ctypes.CDLL) -> None:

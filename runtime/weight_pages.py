@@ -15,12 +15,13 @@ its page cache).
 
 from __future__ import annotations
 
-import mmap
 import os
 from collections.abc import Collection
 from pathlib import Path
 
 import torch
+
+from kiln.runtime.zero_pages import anonymous_region
 
 ENV = "KILN_HUGE_PAGE_WEIGHTS"
 HUGE_PAGE = 2 << 20
@@ -77,7 +78,7 @@ def to_huge_pages(weights: dict[str, torch.Tensor], path: str | Path,
                   gathered: Collection[str] | None = None) -> dict[str, torch.Tensor]:
     """``weights`` (the tensors :func:`kiln.contract.load_weights` mapped from ``path``) with every :func:`streamed`
     tensor read into one huge-page region (the others as they are). The region lives as long as any of its tensors
-    (torch.frombuffer holds it)."""
+    (:func:`kiln.runtime.zero_pages.anonymous_region`)."""
     path = Path(path).resolve()
     maps = _mappings(path)
     moved = {}
@@ -89,9 +90,7 @@ def to_huge_pages(weights: dict[str, torch.Tensor], path: str | Path,
         return dict(weights)
     nbytes = {k: weights[k].numel() * weights[k].element_size() for k in moved}
     sizes = {k: (n + ALIGN - 1) // ALIGN * ALIGN for k, n in nbytes.items()}
-    region = mmap.mmap(-1, sum(sizes.values()) + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    region.madvise(mmap.MADV_HUGEPAGE)
-    base = torch.frombuffer(region, dtype=torch.uint8)
+    base, region = anonymous_region(sum(sizes.values()) + HUGE_PAGE, huge_pages=True)
     view = memoryview(region)
     at = (-base.data_ptr()) % HUGE_PAGE
     out = dict(weights)

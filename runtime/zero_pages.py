@@ -15,14 +15,23 @@ import mmap
 
 import torch
 
-__all__ = ["zero_pages"]
+__all__ = ["anonymous_region", "zero_pages"]
+
+
+def anonymous_region(nbytes: int, huge_pages: bool = False) -> tuple[torch.Tensor, mmap.mmap]:
+    """``nbytes`` (> 0) of a fresh private anonymous mapping as a uint8 tensor (page-aligned, reading as zeros; the
+    tensor keeps the mapping alive and it is unmapped when the last tensor over it is freed), and the mapping itself
+    (for reads into it). ``huge_pages``: advise the kernel to back it with transparent huge pages."""
+    region = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    if huge_pages:
+        region.madvise(mmap.MADV_HUGEPAGE)
+    return torch.frombuffer(region, dtype=torch.uint8), region
 
 
 def zero_pages(shape: tuple[int, ...] | list[int], dtype: torch.dtype) -> torch.Tensor:
     """A contiguous CPU tensor of ``shape`` and ``dtype`` that reads as zeros, over its own anonymous mapping
-    (page-aligned; the tensor keeps the mapping alive and it is unmapped when the tensor is freed)."""
+    (:func:`anonymous_region`)."""
     nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
     if nbytes == 0:
         return torch.zeros(shape, dtype=dtype)
-    region = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    return torch.frombuffer(region, dtype=torch.uint8).view(dtype).view(shape)
+    return anonymous_region(nbytes)[0].view(dtype).view(shape)

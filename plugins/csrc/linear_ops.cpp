@@ -82,21 +82,12 @@ int64_t bf16_gemm_m() {
 // two bf16 halves (hi = x rounded to bf16, lo = the remainder rounded): x w ~ hi_x hi_w + hi_x lo_w + lo_x hi_w,
 // three exact bf16 products summed in fp32, each operand kept to ~16 significant bits (PyTorch's "high" float32
 // matmul precision; TF32 keeps 11): faster than the fp32 kernels from ~40 rows, and the logits further from the
-// exact product (docs/benchmarks.md, session 27), so only on request: KILN_FP32_MATMUL=high at start, or
-// set_fp32_gemm_m; and only where the CPU has AMX-BF16 and the OS grants tile state.
-std::atomic<int64_t> g_fp32_gemm_m{-1};
-constexpr int64_t FP32_SPLIT_M = 64;
+// exact product (docs/benchmarks.md, session 27), so only on request (kiln_ops_set_fp32_gemm_m: the Python loader
+// sets it from KILN_FP32_MATMUL=high, kiln.plugins.native), and only where the CPU has AMX-BF16 and the OS grants
+// tile state.
+std::atomic<int64_t> g_fp32_gemm_m{0};
 bool amx_tiles_permitted();
-int64_t fp32_gemm_m() {
-  int64_t m = g_fp32_gemm_m.load(std::memory_order_relaxed);
-  if (m < 0) {
-    const char* env = std::getenv("KILN_FP32_MATMUL");
-    const bool high = env != nullptr && std::string(env) == "high";
-    m = high && amx_tiles_permitted() ? FP32_SPLIT_M : 0;
-    g_fp32_gemm_m.store(m);
-  }
-  return m;
-}
+int64_t fp32_gemm_m() { return g_fp32_gemm_m.load(std::memory_order_relaxed); }
 
 // int8 panels with fp32 x take the AMX tile kernel with x split into bf16 halves (hi_x w + lo_x w: the weights are
 // exact in bf16, x kept to ~16 significant bits where the int8 kernels round it to int16 with one scale per row) from
