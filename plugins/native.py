@@ -211,8 +211,10 @@ def _library_path(key: str) -> Path:
 
 
 def _track(path: Path) -> ctypes.CDLL:
-    """Open the library at ``path`` (once per copy), remember it in ``_opened`` and give it the enabled flag."""
-    lib = ctypes.CDLL(str(path))
+    """Open the library at ``path`` (once per copy), remember it in ``_opened`` and give it the enabled flag. Opened
+    into the global scope (RTLD_GLOBAL; a copy the extension loader opened before is promoted), where a cpu-compiled
+    engine's graph finds the ops' C shims (kiln.plugins.aoti_shims)."""
+    lib = ctypes.CDLL(str(path), mode=ctypes.RTLD_GLOBAL)
     known = next((o for o in _opened if o._handle == lib._handle), None)
     if known is None:
         _declare(lib)
@@ -380,6 +382,13 @@ def describe_kernel(kind: str, m: int, n: int) -> str:
     if lib is None:
         return "plain torch (no native kernels)"
     return tuning.describe_kernel(lib, ABI.weight_types[kind], m, n)
+
+
+def load_for_compiled_engines() -> bool:
+    """Load the library even where its kernels are disabled (KILN_DISABLE_NATIVE_KERNELS: the ops' C++ kernels then
+    run their Python implementations), so that a cpu-compiled engine's calls to the ops' C shims resolve; False
+    when it cannot load here."""
+    return _load() is not None
 
 
 def library() -> ctypes.CDLL | None:

@@ -18,6 +18,7 @@ import torch
 import torch.utils._pytree as pytree
 
 from kiln.contract import EngineLoadError
+from kiln.plugins import native
 
 MODEL_NAME = "model"   # the name aoti_compile_and_package gives the one model of a package
 
@@ -48,7 +49,16 @@ class AotiRunner:
             shutil.copyfile(path, package)
             metadata = aoti.AOTIModelPackageLoader.load_metadata_from_package(str(package), MODEL_NAME)
             check_package_isa(metadata.get("AOTI_CPU_ISA", ""), path)
-            self.loader = aoti.AOTIModelPackageLoader(str(package), MODEL_NAME, False, 1, -1)
+            native.load_for_compiled_engines()   # the ops' C shims the graph calls (kiln.plugins.aoti_shims)
+            try:
+                self.loader = aoti.AOTIModelPackageLoader(str(package), MODEL_NAME, False, 1, -1)
+            except RuntimeError as e:
+                if "undefined symbol: aoti_torch_cpu_" not in str(e):
+                    raise
+                raise EngineLoadError(
+                    f"{path}: this cpu-compiled engine calls kiln's native kernels directly, and the native library "
+                    f"does not load here ({str(e)[-200:]}); see the warning above for why, fix that, or rebuild the "
+                    "engine where it loads (a cpu engine runs without it)") from None
         in_spec = pytree.treespec_loads(self.loader.get_call_spec()[0])
         self.input_names: list[str] = list(in_spec.child(1).context)   # the kwargs, in the graph's order
 

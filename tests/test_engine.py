@@ -7,6 +7,7 @@ the slow one (~1 min) and runs once, in its own xdist group.
 from __future__ import annotations
 
 import json
+import os
 import random
 import shutil
 
@@ -441,6 +442,7 @@ def test_cpu_compiled_engine_matches_transformers(checkpoint_dir, tmp_path_facto
     assert engine.backend == "cpu-compiled"
     err = max_error_vs_hf(engine, checkpoint_dir("llama"))
     assert err <= FP32_ATOL, err
+    _check_c_shims(out)
     # the KV pool is written in place by the compiled package
     b = new_batcher(engine)
     inputs = b.step([("x", [5, 6, 7, 8, 9])])
@@ -460,6 +462,54 @@ def test_cpu_compiled_engine_matches_transformers(checkpoint_dir, tmp_path_facto
     with pytest.raises(EngineLoadError, match="cannot be loaded by torch"):
         Engine.from_dir(out)
     assert cfg["backend"] == "cpu-compiled"
+
+
+def _check_c_shims(out) -> None:
+    """The compiled graph calls the linears and attention through the native library's C shims (no proxy executor
+    call is left in a llama graph); the engine still runs with the native kernels disabled (the shims' kernels then
+    run the ops' Python implementations), and where the library cannot load, loading it says so."""
+    import subprocess
+    import sys
+    import zipfile
+
+    from kiln.plugins import aoti_shims
+
+    with zipfile.ZipFile(out / "rank0.engine") as z:
+        src = next(z.read(n).decode() for n in z.namelist() if n.endswith(".wrapper.cpp"))
+    for op in ("fp32_linear", "paged_attention"):
+        assert f"{aoti_shims.symbol(op)}(" in src, op
+    assert "proxy_executor_call_function(" not in src
+    report = json.loads((out / "build_report.json").read_text())
+    assert report["backend"]["c_shims"] == sorted(f"kiln::{op}" for op in aoti_shims.SHIMS)
+    run = ("from kiln.contract import SeqChunk, pack_inputs; from kiln.runtime import Engine; "
+           f"e = Engine.from_dir({str(out)!r}); kv = e.allocate_kv_cache(4); "
+           "inputs = pack_inputs([SeqChunk([5, 6, 7], 0, [0, 1, 2, 3], 1)], kv, e.config.bounds.tokens_per_block); "
+           "print(e.run(inputs).argmax(dim=1).tolist())")
+    env = dict(os.environ)
+    on = subprocess.run([sys.executable, "-c", run], capture_output=True, text=True, env=env, timeout=300)
+    off = subprocess.run([sys.executable, "-c", run], capture_output=True, text=True, timeout=300,
+                         env={**env, "KILN_DISABLE_NATIVE_KERNELS": "1"})
+    assert on.returncode == 0 and off.returncode == 0, (on.stderr[-2000:], off.stderr[-2000:])
+    assert on.stdout.split()[-1] == off.stdout.split()[-1]
+    unavailable = "import kiln.plugins.native as n; n._state = 'failed'; " + run
+    res = subprocess.run([sys.executable, "-c", unavailable], capture_output=True, text=True, env=env, timeout=300)
+    assert res.returncode != 0 and "calls kiln's native kernels directly" in res.stderr, res.stderr[-2000:]
+
+
+@pytest.mark.slow
+@pytest.mark.xdist_group("aoti")
+def test_cpu_compiled_bf16_linears_with_bias_match_the_cpu_engine(checkpoint_dir, tmp_path_factory):
+    """Qwen2's q/k/v projections have biases: through bf16_linear's C shim (an optional tensor passed by pointer)
+    the compiled engine gives the cpu engine's logits."""
+    root = tmp_path_factory.mktemp("engine-aoti-bias")
+    build = BUILD.replace(dtype="bfloat16")
+    cpu = Engine.from_dir(build_engine(checkpoint_dir("qwen2"), root / "cpu", build))
+    want = run_schedule(cpu, cpu.config.model.vocab_size)[1]
+    compiled = build_engine(checkpoint_dir("qwen2"), root / "compiled", build.replace(backend="cpu-compiled"))
+    got = run_schedule(Engine.from_dir(compiled), cpu.config.model.vocab_size)[1]
+    for s in want:
+        for p in want[s]:
+            torch.testing.assert_close(got[s][p], want[s][p], rtol=0, atol=0.02 * want[s][p].abs().max().item())
 
 
 @pytest.mark.slow

@@ -275,3 +275,19 @@ def test_damaged_compressed_tensors_are_named(checkpoint_dir, tmp_path, damage, 
     _rewrite(qdir, tensors=damage)
     with pytest.raises(CheckpointError, match=message):
         load_checkpoint(qdir)
+
+
+@pytest.mark.slow
+@pytest.mark.xdist_group("aoti")
+def test_cpu_compiled_gptq_engine_matches_the_cpu_engine(native, checkpoint_dir, tmp_path):
+    """A cpu-compiled graph calls weight_only_linear through its C shim (kiln.plugins.aoti_shims), here with int4
+    panels that carry zero points: its logits are the cpu engine's, whose graph dispatches the same kernels."""
+    qdir, _ = make_quantized(checkpoint_dir("llama"), tmp_path, "gptq")
+    seqs = [[(7 * i + 3 * j) % 500 + 3 for j in range(n)] for i, n in enumerate((17, 1, 30))]
+    want = _logits(Engine.from_dir(build_engine(qdir, tmp_path / "cpu", BUILD)), seqs)
+    out = build_engine(qdir, tmp_path / "compiled", BUILD.replace(backend="cpu-compiled"))
+    assert "kiln::weight_only_linear" in json.loads((out / "build_report.json").read_text())["backend"]["c_shims"]
+    got = _logits(Engine.from_dir(out), seqs)
+    # the graphs differ elsewhere (inductor's fused norms), which moves x's int16 rounding in the int4 kernels a little
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-3 * want.abs().max().item())
+    assert (got.argmax(-1) == want.argmax(-1)).float().mean() >= 0.98

@@ -4,7 +4,8 @@ The package holds no weights (``package_constants_in_so`` off): the runtime hand
 tensors to the loaded model (``load_constants(..., user_managed=True)``), which uses them in place. A
 package with its weights inside its library copies them out of the library's mapping into a buffer
 of its own at load, and the process then holds them twice. The package is tied to the exact torch
-version; the kiln plugin ops it calls are dispatched to their C++ kernels.
+version; the kiln plugin ops it calls are dispatched to their C++ kernels, the hot ones (linears, attention)
+through C shims of the native library (kiln.plugins.aoti_shims), which the engine then needs at load.
 """
 
 from __future__ import annotations
@@ -24,9 +25,14 @@ def compile(ep: torch.export.ExportedProgram, path: Path, inputs: dict[str, torc
     import torch._inductor
     from torch._inductor import aoti_load_package
 
+    from kiln.plugins.aoti_shims import custom_ops_to_c_shims
+
+    configs: dict = {"aot_inductor.package_constants_in_so": False}
+    shims = custom_ops_to_c_shims()   # the kiln ops the graph calls directly (none without the native library)
+    if shims:
+        configs["aot_inductor.custom_ops_to_c_shims"] = shims
     buf = io.BytesIO()  # a buffer: the engine file name need not end in .pt2
-    torch._inductor.aoti_compile_and_package(
-        ep, package_path=buf, inductor_configs={"aot_inductor.package_constants_in_so": False})
+    torch._inductor.aoti_compile_and_package(ep, package_path=buf, inductor_configs=configs)
     path.write_bytes(buf.getvalue())
     # Every constant the compiled model reads must be a weight the builder stores (a constant that
     # inductor created, e.g. by folding, would be missing at load).
@@ -36,4 +42,5 @@ def compile(ep: torch.export.ExportedProgram, path: Path, inputs: dict[str, torc
     if not needed <= stored:
         raise EngineBuildError(f"the compiled model reads constants that are not weights of the program: "
                                f"{sorted(needed - stored)[:8]}; this graph cannot be built with cpu-compiled")
-    return {"format": "aoti", "package_bytes": len(buf.getvalue()), "constants": len(needed)}
+    return {"format": "aoti", "package_bytes": len(buf.getvalue()), "constants": len(needed),
+            "c_shims": sorted(op.name() for op in shims)}

@@ -19,6 +19,7 @@
 #include <immintrin.h>
 #include <sys/syscall.h>
 #include <unistd.h>
+#include <torch/csrc/inductor/aoti_torch/utils.h>
 #include <torch/library.h>
 
 #include <atomic>
@@ -731,6 +732,54 @@ TORCH_LIBRARY_IMPL(kiln, CPU, m) {
   m.impl("bf16_linear", &float_linear_cpu<KILN_W_BF16>);
   m.impl("fp32_linear", &float_linear_cpu<KILN_W_FP32>);
 }
+
+// AOTInductor C shims of the linears: a cpu-compiled engine's graph calls these directly (the builder names them
+// in aot_inductor.custom_ops_to_c_shims: kiln.plugins.aoti_shims) instead of through AOTInductor's proxy executor,
+// which builds an IValue stack from the op's schema and dispatches boxed for every call (~81 calls a decode step
+// of the 246M model). Each call comes right after a weight stream has evicted the host code, so a shorter path
+// also touches fewer cold cache lines (docs/benchmarks.md, session 28). The kernels are the ops' CPU kernels, so
+// native_kernels_disabled() still routes them to the Python implementations. The signatures are the ones the
+// AOTInductor C++ wrapper emits for the ops' schemas: Tensor -> AtenTensorHandle, Tensor? -> AtenTensorHandle*
+// (null for None), int -> int64_t, float -> double, the result through the last pointer.
+namespace {
+using torch::aot_inductor::new_tensor_handle;
+using torch::aot_inductor::pointer_to_optional;
+using torch::aot_inductor::tensor_handle_to_tensor_pointer;
+
+template <int WTYPE>
+AOTITorchError float_linear_shim(AtenTensorHandle x, AtenTensorHandle weight, AtenTensorHandle* bias,
+                                 AtenTensorHandle* ret0) {
+  AOTI_TORCH_CONVERT_EXCEPTION_TO_ERROR_CODE({
+    *ret0 = new_tensor_handle(float_linear_cpu<WTYPE>(*tensor_handle_to_tensor_pointer(x),
+                                                      *tensor_handle_to_tensor_pointer(weight),
+                                                      pointer_to_optional<at::Tensor>(bias)));
+  });
+}
+}  // namespace
+
+extern "C" {
+AOTITorchError aoti_torch_cpu_weight_only_linear(AtenTensorHandle x, AtenTensorHandle qweight,
+                                                 AtenTensorHandle scales, AtenTensorHandle* bias, int64_t bits,
+                                                 int64_t group_size, AtenTensorHandle* zeros,
+                                                 AtenTensorHandle* ret0) {
+  AOTI_TORCH_CONVERT_EXCEPTION_TO_ERROR_CODE({
+    *ret0 = new_tensor_handle(weight_only_linear_cpu(
+        *tensor_handle_to_tensor_pointer(x), *tensor_handle_to_tensor_pointer(qweight),
+        *tensor_handle_to_tensor_pointer(scales), pointer_to_optional<at::Tensor>(bias), bits, group_size,
+        pointer_to_optional<at::Tensor>(zeros)));
+  });
+}
+
+AOTITorchError aoti_torch_cpu_bf16_linear(AtenTensorHandle x, AtenTensorHandle weight, AtenTensorHandle* bias,
+                                          AtenTensorHandle* ret0) {
+  return float_linear_shim<KILN_W_BF16>(x, weight, bias, ret0);
+}
+
+AOTITorchError aoti_torch_cpu_fp32_linear(AtenTensorHandle x, AtenTensorHandle weight, AtenTensorHandle* bias,
+                                          AtenTensorHandle* ret0) {
+  return float_linear_shim<KILN_W_FP32>(x, weight, bias, ret0);
+}
+}  // extern "C"
 
 extern "C" {
 

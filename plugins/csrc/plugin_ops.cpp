@@ -20,6 +20,7 @@
 #include "kiln_kernels.h"
 
 #include <ATen/Parallel.h>
+#include <torch/csrc/inductor/aoti_torch/utils.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/ops/empty.h>
@@ -1168,4 +1169,20 @@ TORCH_LIBRARY_IMPL(kiln, CPU, m) {
   m.impl("gelu", &gelu_cpu);
   m.impl("paged_attention", &paged_attention_cpu);
   m.impl("argmax_rows", &argmax_rows_cpu);
+}
+
+// AOTInductor C shim of paged_attention (as the linears' in linear_ops.cpp: a cpu-compiled engine's graph calls it
+// directly instead of through the proxy executor; kiln.plugins.aoti_shims names it to the builder).
+extern "C" AOTITorchError aoti_torch_cpu_paged_attention(
+    AtenTensorHandle q, AtenTensorHandle k, AtenTensorHandle v, AtenTensorHandle kv_cache, int64_t layer,
+    AtenTensorHandle seq_lens, AtenTensorHandle context_lens, AtenTensorHandle block_tables,
+    AtenTensorHandle slot_mapping, double scale, int64_t sliding_window, double softcap, AtenTensorHandle* ret0) {
+  using torch::aot_inductor::tensor_handle_to_tensor_pointer;
+  AOTI_TORCH_CONVERT_EXCEPTION_TO_ERROR_CODE({
+    *ret0 = torch::aot_inductor::new_tensor_handle(paged_attention_cpu(
+        *tensor_handle_to_tensor_pointer(q), *tensor_handle_to_tensor_pointer(k), *tensor_handle_to_tensor_pointer(v),
+        *tensor_handle_to_tensor_pointer(kv_cache), layer, *tensor_handle_to_tensor_pointer(seq_lens),
+        *tensor_handle_to_tensor_pointer(context_lens), *tensor_handle_to_tensor_pointer(block_tables),
+        *tensor_handle_to_tensor_pointer(slot_mapping), scale, sliding_window, softcap));
+  });
 }
