@@ -17,6 +17,7 @@
 #include <ATen/ops/mul.h>
 #include <ATen/ops/sum.h>
 #include <ATen/ops/linear.h>
+#include <torch/csrc/inductor/aoti_torch/utils.h>
 #include <ATen/ops/silu.h>
 #include <ATen/ops/softmax.h>
 #include <ATen/ops/topk.h>
@@ -140,3 +141,20 @@ Tensor moe_cpu(const Tensor& x, const Tensor& router, const Tensor& gate_up, con
 }  // namespace
 
 TORCH_LIBRARY_IMPL(kiln, CPU, m) { m.impl("moe", &moe_cpu); }
+
+// AOTInductor C shim of moe (as the linears' in linear_ops.cpp: a cpu-compiled engine's graph calls it directly
+// instead of through the proxy executor; kiln.plugins.aoti_shims names it to the builder; a bool is an int32_t).
+extern "C" AOTITorchError aoti_torch_cpu_moe(AtenTensorHandle x, AtenTensorHandle router, AtenTensorHandle gate_up,
+                                             AtenTensorHandle* gate_up_scales, AtenTensorHandle down,
+                                             AtenTensorHandle* down_scales, int64_t top_k, int32_t renormalize,
+                                             int64_t bits, int64_t group_size, AtenTensorHandle* ret0) {
+  using torch::aot_inductor::pointer_to_optional;
+  using torch::aot_inductor::tensor_handle_to_tensor_pointer;
+  AOTI_TORCH_CONVERT_EXCEPTION_TO_ERROR_CODE({
+    *ret0 = torch::aot_inductor::new_tensor_handle(moe_cpu(
+        *tensor_handle_to_tensor_pointer(x), *tensor_handle_to_tensor_pointer(router),
+        *tensor_handle_to_tensor_pointer(gate_up), pointer_to_optional<at::Tensor>(gate_up_scales),
+        *tensor_handle_to_tensor_pointer(down), pointer_to_optional<at::Tensor>(down_scales), top_k, renormalize != 0,
+        bits, group_size));
+  });
+}
