@@ -5,10 +5,10 @@ stack from the op's schema and dispatches boxed. A batch-1 decode step of the 24
 linears and attention), each right after a weight stream has evicted the host code, so the path's length is paid
 in cold cache misses (docs/benchmarks.md, session 28). With ``aot_inductor.custom_ops_to_c_shims`` the compiled
 graph calls a C function per op instead; the native library defines them (``aoti_torch_cpu_<op>`` in
-``plugins/csrc/linear_ops.cpp``, ``plugin_ops.cpp`` and ``moe_ops.cpp``) over the ops' own CPU kernels. The
-declarations below are the exact C signatures the AOTInductor C++ wrapper emits for the ops' schemas (Tensor ->
-AtenTensorHandle, Tensor? -> AtenTensorHandle*, int and SymInt -> int64_t, bool -> int32_t, float -> double, the
-result through the last pointer); this module is their one owner.
+``plugins/csrc/linear_ops.cpp``, ``plugin_ops.cpp``, ``moe_ops.cpp`` and ``lora_ops.cpp``) over the ops' own CPU
+kernels. The declarations below are the exact C signatures the AOTInductor C++ wrapper emits for the ops' schemas
+(Tensor -> AtenTensorHandle, Tensor? -> AtenTensorHandle*, int and SymInt -> int64_t, bool -> int32_t, float ->
+double, int[] -> a pointer and a length, the result through the last pointer); this module is their one owner.
 """
 
 from __future__ import annotations
@@ -26,6 +26,8 @@ SHIMS: dict[str, tuple[str, ...]] = {
                            "int64_t group_size", f"{_OPT} zeros"),
     "bf16_linear": (f"{_T} x", f"{_T} weight", f"{_OPT} bias"),
     "fp32_linear": (f"{_T} x", f"{_T} weight", f"{_OPT} bias"),
+    "lora": (f"{_T} y", f"{_T} x", f"{_T} slots", f"{_T} weights", "const int64_t* segments", "int64_t segments_len_",
+             "int64_t rank"),
     "moe": (f"{_T} x", f"{_T} router", f"{_T} gate_up", f"{_OPT} gate_up_scales", f"{_T} down", f"{_OPT} down_scales",
             "int64_t top_k", "int32_t renormalize", "int64_t bits", "int64_t group_size"),
     "paged_attention": (f"{_T} q", f"{_T} k", f"{_T} v", f"{_T} kv_cache", "int64_t layer", f"{_T} seq_lens",

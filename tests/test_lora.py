@@ -287,11 +287,17 @@ def test_engines_without_adapters_and_backends_without_the_op_refuse(setups, tmp
 
 
 def test_cpu_compiled_engine_serves_adapters(setups):
-    """The AOTInductor package calls kiln::lora through the dispatcher: the same tokens as PeftModel."""
+    """The AOTInductor package calls kiln::lora through its C shim (kiln.plugins.aoti_shims: the segments, an int[],
+    as a pointer and a length): the same tokens as PeftModel."""
+    import zipfile
+
     ckpt, _, adapters = setups["llama"]
     engine = get_engine(ckpt, lora_target_modules="q_proj,v_proj,down_proj", max_lora_rank=8,
                         backend="cpu-compiled")
     assert engine.config.backend == "cpu-compiled"
+    with zipfile.ZipFile(engine.directory / "rank0.engine") as z:
+        src = next(z.read(n).decode() for n in z.namelist() if n.endswith(".wrapper.cpp"))
+    assert "aoti_torch_cpu_lora(" in src and "proxy_executor_call_function(" not in src
     prompts, names = [[5, 6, 7, 8], [9, 10, 11], [5, 6, 7, 8]], ["a4", None, "a4"]
     with LLM(engine, lora_modules={"a4": adapters["a4"]}, max_loras=1) as llm:
         outs = llm.generate(prompts, GREEDY, lora=names, timeout=120)

@@ -20,6 +20,7 @@
 #include <ATen/ops/empty.h>
 #include <c10/util/BFloat16.h>
 #include <immintrin.h>
+#include <torch/csrc/inductor/aoti_torch/utils.h>
 #include <torch/library.h>
 
 #include <algorithm>
@@ -215,3 +216,17 @@ Tensor lora_cpu(const Tensor& y, const Tensor& x, const Tensor& slots, const Ten
 }  // namespace
 
 TORCH_LIBRARY_IMPL(kiln, CPU, m) { m.impl("lora", &lora_cpu); }
+
+// AOTInductor C shim of lora (as the linears' in linear_ops.cpp: a cpu-compiled engine's graph calls it directly
+// instead of through the proxy executor; kiln.plugins.aoti_shims names it to the builder; an int[] is a pointer and
+// a length).
+extern "C" AOTITorchError aoti_torch_cpu_lora(AtenTensorHandle y, AtenTensorHandle x, AtenTensorHandle slots,
+                                              AtenTensorHandle weights, const int64_t* segments, int64_t segments_len_,
+                                              int64_t rank, AtenTensorHandle* ret0) {
+  using torch::aot_inductor::tensor_handle_to_tensor_pointer;
+  AOTI_TORCH_CONVERT_EXCEPTION_TO_ERROR_CODE({
+    *ret0 = torch::aot_inductor::new_tensor_handle(lora_cpu(
+        *tensor_handle_to_tensor_pointer(y), *tensor_handle_to_tensor_pointer(x), *tensor_handle_to_tensor_pointer(slots),
+        *tensor_handle_to_tensor_pointer(weights), c10::IntArrayRef(segments, segments_len_), rank));
+  });
+}
