@@ -733,14 +733,9 @@ TORCH_LIBRARY_IMPL(kiln, CPU, m) {
   m.impl("fp32_linear", &float_linear_cpu<KILN_W_FP32>);
 }
 
-// AOTInductor C shims of the linears: a cpu-compiled engine's graph calls these directly (the builder names them
-// in aot_inductor.custom_ops_to_c_shims: kiln.plugins.aoti_shims) instead of through AOTInductor's proxy executor,
-// which builds an IValue stack from the op's schema and dispatches boxed for every call (~81 calls a decode step
-// of the 246M model). Each call comes right after a weight stream has evicted the host code, so a shorter path
-// also touches fewer cold cache lines (docs/benchmarks.md, session 28). The kernels are the ops' CPU kernels, so
-// native_kernels_disabled() still routes them to the Python implementations. The signatures are the ones the
-// AOTInductor C++ wrapper emits for the ops' schemas: Tensor -> AtenTensorHandle, Tensor? -> AtenTensorHandle*
-// (null for None), int -> int64_t, float -> double, the result through the last pointer.
+// AOTInductor C shims of the linears: a cpu-compiled engine's graph calls these directly instead of through the
+// proxy executor (why, and the declarations these definitions must match: kiln.plugins.aoti_shims). They call the
+// ops' CPU kernels, so native_kernels_disabled() still routes them to the Python implementations.
 namespace {
 using torch::aot_inductor::new_tensor_handle;
 using torch::aot_inductor::pointer_to_optional;

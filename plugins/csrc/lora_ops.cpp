@@ -217,9 +217,7 @@ Tensor lora_cpu(const Tensor& y, const Tensor& x, const Tensor& slots, const Ten
 
 TORCH_LIBRARY_IMPL(kiln, CPU, m) { m.impl("lora", &lora_cpu); }
 
-// AOTInductor C shim of lora (as the linears' in linear_ops.cpp: a cpu-compiled engine's graph calls it directly
-// instead of through the proxy executor; kiln.plugins.aoti_shims names it to the builder; an int[] is a pointer and
-// a length).
+// AOTInductor C shim of lora (as the linears' in linear_ops.cpp; its declaration: kiln.plugins.aoti_shims).
 extern "C" AOTITorchError aoti_torch_cpu_lora(AtenTensorHandle y, AtenTensorHandle x, AtenTensorHandle slots,
                                               AtenTensorHandle weights, const int64_t* segments, int64_t segments_len_,
                                               int64_t rank, AtenTensorHandle* ret0) {

@@ -142,8 +142,7 @@ Tensor moe_cpu(const Tensor& x, const Tensor& router, const Tensor& gate_up, con
 
 TORCH_LIBRARY_IMPL(kiln, CPU, m) { m.impl("moe", &moe_cpu); }
 
-// AOTInductor C shim of moe (as the linears' in linear_ops.cpp: a cpu-compiled engine's graph calls it directly
-// instead of through the proxy executor; kiln.plugins.aoti_shims names it to the builder; a bool is an int32_t).
+// AOTInductor C shim of moe (as the linears' in linear_ops.cpp; its declaration: kiln.plugins.aoti_shims).
 extern "C" AOTITorchError aoti_torch_cpu_moe(AtenTensorHandle x, AtenTensorHandle router, AtenTensorHandle gate_up,
                                              AtenTensorHandle* gate_up_scales, AtenTensorHandle down,
                                              AtenTensorHandle* down_scales, int64_t top_k, int32_t renormalize,

@@ -1171,8 +1171,7 @@ TORCH_LIBRARY_IMPL(kiln, CPU, m) {
   m.impl("argmax_rows", &argmax_rows_cpu);
 }
 
-// AOTInductor C shim of paged_attention (as the linears' in linear_ops.cpp: a cpu-compiled engine's graph calls it
-// directly instead of through the proxy executor; kiln.plugins.aoti_shims names it to the builder).
+// AOTInductor C shim of paged_attention (as the linears' in linear_ops.cpp; its declaration: kiln.plugins.aoti_shims).
 extern "C" AOTITorchError aoti_torch_cpu_paged_attention(
     AtenTensorHandle q, AtenTensorHandle k, AtenTensorHandle v, AtenTensorHandle kv_cache, int64_t layer,
     AtenTensorHandle seq_lens, AtenTensorHandle context_lens, AtenTensorHandle block_tables,
