@@ -252,6 +252,16 @@ def test_leading_dims_and_noncontiguous_inputs(native):
     wb = torch.randn(128, 48).bfloat16().t()  # non-contiguous weight
     torch.testing.assert_close(ops.bf16_linear(x, wb, None), linear.bf16_linear_reference(x, wb, None),
                                atol=1e-4, rtol=1e-5)
+    # the panel layouts' decode paths shape their output from x without reshaping it: 1, 2 and 3 leading dims
+    p4 = fmt.quantize_int4_panels(w, 32)
+    for xi in (x, x[0, 1], x[:, :1]):
+        y4 = ops.weight_only_linear(xi, p4.qweight, p4.scales, None, 4, 32)
+        assert y4.shape == (*xi.shape[:-1], 48) and y4.is_contiguous()
+        ref4 = linear.weight_only_linear_reference(xi, p4.qweight, p4.scales, None, 4, 32)
+        torch.testing.assert_close(y4, ref4, **_tol(ref4, torch.float32, int_act=True))
+    yp = ops.fp32_linear(x, fmt.pack_panels(w), None)
+    assert yp.shape == (2, 3, 48) and yp.is_contiguous()
+    torch.testing.assert_close(yp, x @ w.t(), atol=1e-4, rtol=1e-5)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -8,6 +8,7 @@
 
 #include "kiln_kernels.h"
 
+#include <ATen/EmptyTensor.h>
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/core/dispatch/Dispatcher.h>
@@ -497,6 +498,23 @@ const float* data_or_null(const at::Tensor& t) {
   return t.defined() ? static_cast<const float*>(t.const_data_ptr()) : nullptr;
 }
 
+// The decode paths (run, int4_panel) call no dispatched op for their tensors: a batch-1 decode step calls ~65
+// linears, each right after a weight stream that evicted the dispatcher's code and tables, where a dispatched
+// reshape, at::empty and view cost ~15-25 us a linear (perf, docs/benchmarks.md, session 29).
+
+// x as the kernels read it: contiguous rows of fp32 or bf16 (x itself when it is; fp16 converted)
+at::Tensor kernel_rows(const at::Tensor& x) {
+  at::Tensor c = x.contiguous();  // no dispatcher call when x is contiguous
+  return c.scalar_type() == at::kFloat || c.scalar_type() == at::kBFloat16 ? c : c.to(at::kFloat);
+}
+
+// a linear's output: x's leading dims + [N] of dtype, allocated without the dispatcher (its [M, N] rows contiguous)
+at::Tensor linear_out(const at::Tensor& x, int64_t N, at::ScalarType dtype) {
+  c10::SmallVector<int64_t, 5> shape(x.sizes().begin(), x.sizes().end());
+  shape.back() = N;
+  return at::detail::empty_cpu(shape, dtype);
+}
+
 // y [M, N] shaped as x's leading dims + [N]
 at::Tensor with_out_features(const at::Tensor& y, const at::Tensor& x, int64_t N) {
   std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
@@ -598,16 +616,14 @@ at::Tensor run(int wtype, const at::Tensor& x, const at::Tensor& w, const float*
   // bf16 activations go to the kernel as they are (it widens x and rounds y itself); fp16 is
   // converted here
   const bool bf16_io = x.scalar_type() == at::kBFloat16;
-  at::Tensor x2 = x.reshape({-1, K});
-  const int64_t M = x2.size(0);
+  const int64_t M = x.numel() / K;
   const bool panel = kiln_is_panel(wtype);  // any M in one call
   if (!panel && M > g_max_m[kiln_weight_kind(wtype)].load(std::memory_order_relaxed)) return at::Tensor();
-  if (!bf16_io && x2.scalar_type() != at::kFloat) x2 = x2.to(at::kFloat);
-  x2 = x2.contiguous();
+  const at::Tensor x2 = kernel_rows(x);
   at::Tensor b;
   if (!fp32_bias(bias, N, b)) return at::Tensor();
   const float* bp = data_or_null(b);
-  at::Tensor y = at::empty({M, N}, x2.options());
+  at::Tensor y = linear_out(x, N, x2.scalar_type());
   const char* xp = static_cast<const char*>(x2.const_data_ptr());
   char* yp = static_cast<char*>(y.data_ptr());
   const int64_t es = x2.element_size();
@@ -619,8 +635,7 @@ at::Tensor run(int wtype, const at::Tensor& x, const at::Tensor& w, const float*
                     bf16_io) != 0)
       return at::Tensor();
   }
-  if (y.scalar_type() != x.scalar_type()) y = y.to(x.scalar_type());
-  return with_out_features(y, x, N);
+  return y.scalar_type() == x.scalar_type() ? y : y.to(x.scalar_type());
 }
 
 // int4 panels (qweight uint8 [N/16, K/8, 64], scales fp16 [N/16, G, 16], zeros uint8 like scales or none): the
@@ -634,34 +649,32 @@ at::Tensor int4_panel(const at::Tensor& x, const at::Tensor& qw, const at::Tenso
   const bool hasz = zeros.has_value() && zeros->defined();
   if (hasz && (zeros->scalar_type() != at::kByte || zeros->sizes() != scales.sizes())) return at::Tensor();
   const bool bf16_io = x.scalar_type() == at::kBFloat16;
-  at::Tensor x2 = x.reshape({-1, K});
-  if (!bf16_io && x2.scalar_type() != at::kFloat) x2 = x2.to(at::kFloat);
-  x2 = x2.contiguous();
+  const at::Tensor x2 = kernel_rows(x);
+  const int64_t M = x.numel() / K;
   at::Tensor b;
   if (!fp32_bias(bias, N, b)) return at::Tensor();
   const float* bp = data_or_null(b);
   const at::Tensor w = qw.contiguous(), s = scales.contiguous();
   at::Tensor z;
   if (hasz) z = zeros->contiguous();
-  const int64_t M = x2.size(0), gemm_m = g_int4_gemm_m.load(std::memory_order_relaxed);
+  const int64_t gemm_m = g_int4_gemm_m.load(std::memory_order_relaxed);
   if (gemm_m > 0 && M >= gemm_m) {
     at::Tensor wb = at::empty({N, K}, x2.options().dtype(at::kBFloat16));
     if (kiln_dequant_int4_panel_bf16(w.const_data_ptr(), static_cast<const uint16_t*>(s.const_data_ptr()),
                                      hasz ? static_cast<const uint8_t*>(z.const_data_ptr()) : nullptr, gs, N, K,
                                      static_cast<uint16_t*>(wb.data_ptr()), at::get_num_threads()) != 0)
       return at::Tensor();
-    at::Tensor y = at::mm(x2.to(at::kBFloat16), wb.t()).to(at::kFloat);
+    at::Tensor y = at::mm(x2.reshape({M, K}).to(at::kBFloat16), wb.t()).to(at::kFloat);
     if (bp) y.add_(b);
     return with_out_features(y.to(x.scalar_type()), x, N);
   }
-  at::Tensor y = at::empty({M, N}, x2.options());
+  at::Tensor y = linear_out(x, N, x2.scalar_type());
   if (kiln_linear_int4_panel(w.const_data_ptr(), static_cast<const uint16_t*>(s.const_data_ptr()),
                              hasz ? static_cast<const uint8_t*>(z.const_data_ptr()) : nullptr, gs,
-                             x2.const_data_ptr(), x2.size(0), N, K, bp, y.data_ptr(), at::get_num_threads(),
+                             x2.const_data_ptr(), M, N, K, bp, y.data_ptr(), at::get_num_threads(),
                              bf16_io) != 0)
     return at::Tensor();
-  if (y.scalar_type() != x.scalar_type()) y = y.to(x.scalar_type());
-  return with_out_features(y, x, N);
+  return y.scalar_type() == x.scalar_type() ? y : y.to(x.scalar_type());
 }
 
 at::Tensor weight_only_linear_cpu(const at::Tensor& x, const at::Tensor& qweight,

@@ -19,6 +19,7 @@
 
 #include "kiln_kernels.h"
 
+#include <ATen/EmptyTensor.h>
 #include <ATen/Parallel.h>
 #include <torch/csrc/inductor/aoti_torch/utils.h>
 #include <ATen/core/Tensor.h>
@@ -1143,7 +1144,7 @@ Tensor paged_attention_cpu(const Tensor& q, const Tensor& k, const Tensor& v, Te
   }
   // 2) decode sequences, all at once
   const Tensor qc = q.contiguous();
-  Tensor out = at::empty_like(qc);
+  Tensor out = at::detail::empty_cpu(qc.sizes(), qc.scalar_type());  // no dispatcher (linear_ops.cpp, kernel_rows)
   if (!rows.empty()) {
     if (q.scalar_type() == at::kFloat)
       decode_dispatch_kv<float>(qc, kv_cache, layer, out, rows, seqs, row_ctx.data(), tables, max_blocks,
