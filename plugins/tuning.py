@@ -22,7 +22,7 @@ The library starts with per-microarchitecture defaults (``default_tuning`` in ``
 int4 and int8 decode kernels and a 16-row fp32 GEMM streaming weights from memory at each candidate) and caches
 it, a JSON file named by the library's build key and the CPU (:func:`cache_path`, beside the kernel cache in
 TORCH_EXTENSIONS_DIR). ``KILN_AUTOTUNE=0`` keeps the defaults; ``KILN_TUNING=name=value,...`` sets values.
-``row_nta``, the panel counts and ``onepass_split`` are measured only as a guard (:data:`KEEP_DEFAULT`). Not
+The measurement is a guard (:func:`choose`): a default stands unless the kernel alone runs clearly slower with it. Not
 measured here, because a kernel timed alone does not show them: ``row_burst``, ``bf16_row_panels`` and
 ``bf16_row_prefetch`` (on Zen 4 alike alone, 3-9% apart in whole decodes): their defaults come from whole
 single-stream decodes (``scripts/bench_tunables.py``); nor ``attn_span_context`` (attention's, not a linear
@@ -49,17 +49,20 @@ TUNABLES = ("row_prefetch", "small_prefetch", "onepass_prefetch", "row_panels", 
             "int8_row_prefetch", "row_nta", "bf16_row_panels", "row_burst", "attn_span_context", "onepass_split")
 CANDIDATES = (0, 512, 1024, 2048, 4096, 8192)
 NTA_CANDIDATES = (256, 512, 1024, 2048, 4096, 8192)
-# The shortest candidate within this factor of the fastest one wins: on a shared 2-core VM the best of 5 interleaved
-# rounds still moves by 5-10% between loads, and with a 3% margin the same Zen 4 machine cached every row_prefetch
-# candidate from 0 to 8192 across builds of the library.
+# Within this factor of the fastest a default stands (else the shortest distance within it wins): on a shared 2-core
+# VM the best of 5 interleaved rounds still moves by 5-10% between loads, and with a 3% margin the same Zen 4 machine
+# cached every row_prefetch candidate from 0 to 8192 across builds of the library.
 TIE = 1.08
+# The version of choose()'s rule, in the cache's file name: a machine measured under an older rule measures again.
+CHOICE_RULE = 2
 ROUNDS = 5
-# Measured alone only as a guard: their per-CPU defaults come from whole decodes, where they differ more than alone.
-# row_nta: its gain is what the stream does not evict (Zen 4: x1.06-1.24 whole, the kernel alone alike); on Sapphire
-# Rapids a non-temporal stream is not followed by the L2 streamer and reads at about half the rate even alone. The
-# panel counts: on Sapphire Rapids 4 int4 panels a thread run x1.10 in whole decodes, 2-3% apart alone. onepass_split
-# (two kernels for the same rows; 1 everywhere): measured in case a CPU runs the 16-row kernel clearly faster.
-KEEP_DEFAULT = ("row_nta", "row_panels", "int8_row_panels", "onepass_split")
+# The tunables that are not distances: where one's default is clearly slower alone, the fastest candidate replaces it.
+# Their per-CPU defaults come from whole decodes, where they differ more than alone. row_nta: its gain is what the
+# stream does not evict (Zen 4: x1.06-1.24 whole, the kernel alone alike); on Sapphire Rapids a non-temporal stream is
+# not followed by the L2 streamer and reads at about half the rate even alone. The panel counts: on Sapphire Rapids 4
+# int4 panels a thread run x1.10 in whole decodes, 2-3% apart alone. onepass_split (two kernels for the same rows; 1
+# everywhere): measured in case a CPU runs the 16-row kernel clearly faster.
+SWITCHES = ("row_nta", "row_panels", "int8_row_panels", "onepass_split")
 
 
 def get(lib, name: str) -> int:
@@ -96,7 +99,7 @@ def cpu_signature() -> str:
 def cache_path(build_key: str) -> Path:
     root = os.environ.get("KILN_TUNING_DIR") or os.environ.get("TORCH_EXTENSIONS_DIR") or \
         str(Path.home() / ".cache" / "torch_extensions")
-    return Path(root) / "kiln_tuning" / f"{build_key}-{cpu_signature()}.json"
+    return Path(root) / "kiln_tuning" / f"{build_key}-{cpu_signature()}-rule{CHOICE_RULE}.json"
 
 
 def _time_calls(fn, calls: int) -> float:
@@ -111,12 +114,16 @@ class TuningAborted(RuntimeError):
 
 
 def choose(name: str, times: dict[int, float], default: int) -> int:
-    """The candidate to keep (``times``: seconds per candidate): for a distance, the smallest within TIE of the
-    fastest; for the tunables of :data:`KEEP_DEFAULT`, ``default`` unless it is slower than TIE x the fastest, then
-    the fastest."""
+    """The candidate to keep (``times``: seconds per candidate): ``default`` (the per-CPU one) unless it is slower than
+    TIE x the fastest; then, for a distance, the smallest within TIE of the fastest, and for the tunables of
+    :data:`SWITCHES` the fastest. The defaults come from whole decodes, where a weight's stream starts after the
+    step's other work; back to back, alone, the hardware prefetcher is already running and a software distance shows
+    less (Sapphire Rapids, int4: ``row_prefetch`` 0 ran within TIE of 2048 alone and x0.91 in whole decodes)."""
     fastest = min(times.values())
-    if name in KEEP_DEFAULT:
-        return default if times[default] <= TIE * fastest else min(times, key=times.__getitem__)
+    if default in times and times[default] <= TIE * fastest:
+        return default
+    if name in SWITCHES:
+        return min(times, key=times.__getitem__)
     return min(times, key=lambda c: (times[c] > TIE * fastest, c))
 
 
@@ -157,7 +164,7 @@ def autotune(lib, nthreads: int, budget_s: float = 6.0) -> dict[str, int]:
         # a non-temporal one-row stream needs its software prefetch (row_nta): no zero distance for it, and shorter
         # ones (in whole decodes on Zen 4, 256-512 B beat 1-8 KiB)
         candidates = candidates or (NTA_CANDIDATES if chosen["row_nta"] else CANDIDATES)
-        if name in KEEP_DEFAULT:   # the default is measured too: it stands unless clearly slower
+        if chosen[name] or 0 in candidates:   # the default is measured too: it stands unless clearly slower
             candidates = tuple(sorted({*candidates, chosen[name]}))
         x = torch.randn(rows, k)
         y = torch.empty(rows, n)

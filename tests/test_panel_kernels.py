@@ -618,12 +618,14 @@ def test_tuning_is_measured_once_cached_and_overridable(native, tmp_path, monkey
 
 
 def test_autotune_choices():
-    """Distances: the shortest within TIE of the fastest. row_nta and the panel counts (their defaults come from whole
-    decodes): the default stands unless the kernel alone is slower with it by more than TIE (Sapphire Rapids: 1.3x
-    slower non-temporal), then the fastest."""
+    """Every tunable's default (from whole decodes) stands unless the kernel alone is slower with it by more than TIE
+    (Sapphire Rapids: 1.3x slower non-temporal); then distances take the shortest within TIE of the fastest, row_nta
+    and the panel counts the fastest."""
     from kiln.plugins import tuning
 
-    assert tuning.choose("row_prefetch", {0: 3.2, 512: 2.1, 2048: 2.0}, 2048) == 512
+    assert tuning.choose("row_prefetch", {0: 2.1, 512: 2.05, 2048: 2.0}, 2048) == 2048   # alike alone: the default
+    assert tuning.choose("row_prefetch", {0: 2.1, 512: 2.05, 2048: 2.0}, 512) == 512
+    assert tuning.choose("row_prefetch", {0: 3.2, 512: 2.1, 2048: 2.5}, 2048) == 512     # clearly slower: replaced
     assert tuning.choose("row_prefetch", {0: 3.2, 512: 2.5, 2048: 2.0}, 0) == 2048
     assert tuning.choose("row_nta", {1: 2.1, 0: 2.0}, 1) == 1      # alike alone: the default (Zen 4)
     assert tuning.choose("row_nta", {1: 3.38, 0: 2.63}, 1) == 0    # slower alone: off (Sapphire Rapids)
