@@ -127,14 +127,39 @@ def choose(name: str, times: dict[int, float], default: int) -> int:
     return min(times, key=lambda c: (times[c] > TIE * fastest, c))
 
 
-def autotune(lib, nthreads: int, budget_s: float = 6.0) -> dict[str, int]:
+def _cpu_ticks() -> tuple[int, int]:
+    """(ticks the machine's CPUs were busy or stolen by the hypervisor, ticks this process ran), from /proc."""
+    with open("/proc/stat") as f:
+        user, nice, system, _idle, _iowait, irq, softirq, steal = (int(v) for v in f.readline().split()[1:9])
+    with open("/proc/self/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return user + nice + system + irq + softirq + steal, int(fields[11]) + int(fields[12])   # utime + stime
+
+
+def other_load(since: tuple[int, int], wall_s: float) -> float:
+    """Cores' worth of CPU time that other processes (and the hypervisor's steal) took since ``since``
+    (:func:`_cpu_ticks`) over ``wall_s`` seconds; 0.0 where /proc cannot tell."""
+    try:
+        busy, own = _cpu_ticks()
+    except (OSError, ValueError):
+        return 0.0
+    return max(0, (busy - since[0]) - (own - since[1])) / (os.sysconf("SC_CLK_TCK") * max(wall_s, 1e-3))
+
+
+def autotune(lib, nthreads: int, budget_s: float = 6.0, max_other_load: float = 0.25) -> dict[str, int]:
     """Measure the prefetch distances on this machine: int4 panel GEMVs (4096 x 1024, 2 MiB each) rotated over
     96 MiB, so that every call streams its weight from memory as a decode step does; :func:`choose` keeps a
-    candidate. Raises :class:`TuningAborted` (the tunables back as they were)
-    past ``budget_s`` seconds: on a machine that busy the timings would be noise."""
+    candidate. Raises :class:`TuningAborted` (the tunables back as they were) past ``budget_s`` seconds, or when
+    other processes kept busy more than ``max_other_load`` cores beyond those the measurement leaves free
+    (:func:`other_load`; a compiler still running from an engine build): on a machine that busy the timings would be
+    noise (on Sapphire Rapids a tuning measured beside a compile ran whole int4 decodes at 0.84x the defaults)."""
     import torch
 
     start = time.perf_counter()
+    try:
+        ticks = _cpu_ticks()
+    except (OSError, ValueError):
+        ticks = None
     before = current(lib)
     n, k, gs = 4096, 1024, 128
     copies = 48
@@ -202,6 +227,12 @@ def autotune(lib, nthreads: int, budget_s: float = 6.0) -> dict[str, int]:
         chosen[name] = best
         set_value(lib, name, best)
         logger.info("kiln autotune %s: %s -> %d", name, {c: round(t * 1e3, 2) for c, t in times.items()}, best)
+    others = other_load(ticks, time.perf_counter() - start) if ticks else 0.0
+    if others > max(0, (os.cpu_count() or 1) - nthreads) + max_other_load:
+        for key, value in before.items():
+            set_value(lib, key, value)
+        raise TuningAborted(f"other processes kept {others:.2f} cores busy during the kernel autotuning (a busy "
+                            "machine); kept the per-CPU defaults")
     return chosen
 
 
