@@ -747,8 +747,8 @@ Tuning default_tuning() {
   unsigned vb = 0, vc = 0, vd = 0, va = 0;
   __asm__("cpuid" : "=a"(va), "=b"(vb), "=c"(vc), "=d"(vd) : "a"(0), "c"(0));
   const bool intel = vb == 0x756e6547u && vd == 0x49656e69u && vc == 0x6c65746eu;   // "GenuineIntel"
-  return {2048, 4096, intel ? 2048 : 8192, intel ? 4 : 1, intel ? 4 : 1, intel ? 2048 : 0, intel ? 2048 : 4096, intel ? 0 : 1,
-          intel ? 8 : 4, 0, 256, 1};
+  return {2048, 4096, intel ? 2048 : 8192, intel ? 4 : 1, intel ? 4 : 1, intel ? 2048 : 0, intel ? 2048 : 4096,
+          intel ? 0 : 1, intel ? 8 : 4, 0, 256, 1};
 }
 
 Tuning& tuning() {
