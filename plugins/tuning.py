@@ -218,21 +218,21 @@ def autotune(lib, nthreads: int, budget_s: float = 6.0, max_other_load: float = 
             for cand in candidates:
                 set_value(lib, name, cand)
                 times[cand] = min(times[cand], _time_calls(call, copies // 2))
+            # checked every round, so that a busy machine gives up after a fraction of a second, not the whole run
+            why = None
             if time.perf_counter() - start > budget_s:
+                why = f"kernel autotuning took over {budget_s:.0f} s"
+            others = other_load(ticks, time.perf_counter() - start) if ticks else 0.0
+            if others > max(0, (os.cpu_count() or 1) - nthreads) + max_other_load:
+                why = f"other processes kept {others:.2f} cores busy during the kernel autotuning"
+            if why:
                 for key, value in before.items():
                     set_value(lib, key, value)
-                raise TuningAborted(f"kernel autotuning took over {budget_s:.0f} s (a busy machine); "
-                                    "kept the per-CPU defaults")
+                raise TuningAborted(f"{why} (a busy machine); kept the per-CPU defaults")
         best = choose(name, times, chosen[name])
         chosen[name] = best
         set_value(lib, name, best)
         logger.info("kiln autotune %s: %s -> %d", name, {c: round(t * 1e3, 2) for c, t in times.items()}, best)
-    others = other_load(ticks, time.perf_counter() - start) if ticks else 0.0
-    if others > max(0, (os.cpu_count() or 1) - nthreads) + max_other_load:
-        for key, value in before.items():
-            set_value(lib, key, value)
-        raise TuningAborted(f"other processes kept {others:.2f} cores busy during the kernel autotuning (a busy "
-                            "machine); kept the per-CPU defaults")
     return chosen
 
 
