@@ -127,23 +127,26 @@ def choose(name: str, times: dict[int, float], default: int) -> int:
     return min(times, key=lambda c: (times[c] > TIE * fastest, c))
 
 
-def _cpu_ticks() -> tuple[int, int]:
-    """(ticks the machine's CPUs were busy or stolen by the hypervisor, ticks this process ran), from /proc."""
-    with open("/proc/stat") as f:
-        user, nice, system, _idle, _iowait, irq, softirq, steal = (int(v) for v in f.readline().split()[1:9])
-    with open("/proc/self/stat") as f:
-        fields = f.read().rsplit(")", 1)[1].split()
-    return user + nice + system + irq + softirq + steal, int(fields[11]) + int(fields[12])   # utime + stime
+def _cpu_ticks() -> tuple[int, int] | None:
+    """(ticks the machine's CPUs were busy or stolen by the hypervisor, ticks this process ran), from /proc; None
+    where /proc cannot tell."""
+    try:
+        with open("/proc/stat") as f:
+            user, nice, system, _idle, _iowait, irq, softirq, steal = (int(v) for v in f.readline().split()[1:9])
+        with open("/proc/self/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        return user + nice + system + irq + softirq + steal, int(fields[11]) + int(fields[12])   # utime + stime
+    except (OSError, ValueError, IndexError):
+        return None
 
 
-def other_load(since: tuple[int, int], wall_s: float) -> float:
+def other_load(since: tuple[int, int] | None, wall_s: float) -> float:
     """Cores' worth of CPU time that other processes (and the hypervisor's steal) took since ``since``
     (:func:`_cpu_ticks`) over ``wall_s`` seconds; 0.0 where /proc cannot tell."""
-    try:
-        busy, own = _cpu_ticks()
-    except (OSError, ValueError):
+    now = _cpu_ticks()
+    if since is None or now is None:
         return 0.0
-    return max(0, (busy - since[0]) - (own - since[1])) / (os.sysconf("SC_CLK_TCK") * max(wall_s, 1e-3))
+    return max(0, (now[0] - since[0]) - (now[1] - since[1])) / (os.sysconf("SC_CLK_TCK") * max(wall_s, 1e-3))
 
 
 def autotune(lib, nthreads: int, budget_s: float = 6.0, max_other_load: float = 0.25) -> dict[str, int]:
@@ -156,10 +159,7 @@ def autotune(lib, nthreads: int, budget_s: float = 6.0, max_other_load: float = 
     import torch
 
     start = time.perf_counter()
-    try:
-        ticks = _cpu_ticks()
-    except (OSError, ValueError):
-        ticks = None
+    ticks = _cpu_ticks()
     before = current(lib)
     n, k, gs = 4096, 1024, 128
     copies = 48
@@ -222,7 +222,7 @@ def autotune(lib, nthreads: int, budget_s: float = 6.0, max_other_load: float = 
             why = None
             if time.perf_counter() - start > budget_s:
                 why = f"kernel autotuning took over {budget_s:.0f} s"
-            others = other_load(ticks, time.perf_counter() - start) if ticks else 0.0
+            others = other_load(ticks, time.perf_counter() - start)
             if others > max(0, (os.cpu_count() or 1) - nthreads) + max_other_load:
                 why = f"other processes kept {others:.2f} cores busy during the kernel autotuning"
             if why:

@@ -490,7 +490,8 @@ using OptT = std::optional<at::Tensor>;
 bool fp32_bias(const OptT& bias, int64_t N, at::Tensor& out) {
   if (!bias.has_value() || !bias->defined()) return true;
   if (bias->dim() != 1 || bias->size(0) != N) return false;
-  out = bias->to(at::kFloat).contiguous();
+  // an fp32 bias as it is (no dispatched no-op conversion on the decode path)
+  out = bias->scalar_type() == at::kFloat ? bias->contiguous() : bias->to(at::kFloat).contiguous();
   return true;
 }
 
@@ -508,19 +509,20 @@ at::Tensor kernel_rows(const at::Tensor& x) {
   return c.scalar_type() == at::kFloat || c.scalar_type() == at::kBFloat16 ? c : c.to(at::kFloat);
 }
 
-// a linear's output: x's leading dims + [N] of dtype, allocated without the dispatcher (its [M, N] rows contiguous)
-at::Tensor linear_out(const at::Tensor& x, int64_t N, at::ScalarType dtype) {
+// a linear's output shape: x's leading dims + [N]
+c10::SmallVector<int64_t, 5> out_shape(const at::Tensor& x, int64_t N) {
   c10::SmallVector<int64_t, 5> shape(x.sizes().begin(), x.sizes().end());
   shape.back() = N;
-  return at::detail::empty_cpu(shape, dtype);
+  return shape;
+}
+
+// a linear's output of dtype, allocated without the dispatcher (its [M, N] rows contiguous)
+at::Tensor linear_out(const at::Tensor& x, int64_t N, at::ScalarType dtype) {
+  return at::detail::empty_cpu(out_shape(x, N), dtype);
 }
 
 // y [M, N] shaped as x's leading dims + [N]
-at::Tensor with_out_features(const at::Tensor& y, const at::Tensor& x, int64_t N) {
-  std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
-  shape.back() = N;
-  return y.view(shape);
-}
+at::Tensor with_out_features(const at::Tensor& y, const at::Tensor& x, int64_t N) { return y.view(out_shape(x, N)); }
 
 // The AMX route of a panel weight with bf16 x (bf16 panels, or int8 panels with their per-output scales) from
 // bf16_gemm_m rows: kiln's tile kernel where K is a multiple of 32 and the OS grants tile state, else (bf16 only)
