@@ -8,7 +8,7 @@ decode, M < 4) and ``int8_row_prefetch`` (int8 one-row decode over several strea
 AVX-512 batched decode of 13..16 rows (fp32 x) runs rows 0..11 then 12..15 over pairs of panels (1) or all 16 rows
 over one panel (0); how many panels a decode thread reads at once (``row_panels`` / ``int8_row_panels``, int4 / int8
 one row: 1 = one sequential stream; where the hardware prefetcher follows one stream per page, several interleaved
-ones keep more lines in flight;
+ones keep more lines in flight: 2, 4 or 8 where they divide the panels, else 4, else 1;
 ``bf16_row_panels``: the panels of a bf16 decode tile with bf16 x, 2 to 16); and ``row_nta``: whether the int8/int4
 one-row streams prefetch non-temporally (1, the default off Intel: a decode step reads each weight once, and ~100 MB
 of them passing through L2/L3 push out what the step reuses, the KV context and the step loop's own objects);
@@ -59,9 +59,10 @@ ROUNDS = 5
 # The tunables that are not distances: where one's default is clearly slower alone, the fastest candidate replaces it.
 # Their per-CPU defaults come from whole decodes, where they differ more than alone. row_nta: its gain is what the
 # stream does not evict (Zen 4: x1.06-1.24 whole, the kernel alone alike); on Sapphire Rapids a non-temporal stream is
-# not followed by the L2 streamer and reads at about half the rate even alone. The panel counts: on Sapphire Rapids 4
-# int4 panels a thread run x1.10 in whole decodes, 2-3% apart alone. onepass_split (two kernels for the same rows; 1
-# everywhere): measured in case a CPU runs the 16-row kernel clearly faster.
+# not followed by the L2 streamer and reads at about half the rate even alone. The panel counts: on Sapphire Rapids 8
+# int4 panels a thread (AVX-512) run faster than 4 both alone and in whole decodes (docs/benchmarks.md).
+# onepass_split (two kernels for the same rows; 1 everywhere): measured in case a CPU runs the 16-row kernel clearly
+# faster.
 SWITCHES = ("row_nta", "row_panels", "int8_row_panels", "onepass_split")
 
 
@@ -78,7 +79,7 @@ def set_value(lib, name: str, value: int) -> None:
         raise ValueError(f"unknown kernel tunable {name!r}; the tunables are {list(TUNABLES)}")
     if rc == 2:
         raise ValueError(f"kernel tunable {name}={value} is out of range (prefetch distances 0..65536 bytes, "
-                         "row_panels 1, 2 or 4, int8_row_panels the same, bf16_row_panels 2, 4, 8 or 16, "
+                         "row_panels 1, 2, 4 or 8, int8_row_panels the same, bf16_row_panels 2, 4, 8 or 16, "
                          "row_nta 0 or 1)")
 
 
@@ -174,8 +175,10 @@ def autotune(lib, nthreads: int, budget_s: float = 6.0, max_other_load: float = 
     int8_scales = torch.full((n,), 0.01)
     int8_panel = _panel_type("int8_panel")
     chosen = current(lib)
-    plan = [("row_nta", 1, (0, 1)), ("row_panels", 1, (1, 2, 4)), ("row_prefetch", 1, None),
-            ("small_prefetch", 8, CANDIDATES), ("int8_row_panels", 1, (1, 2, 4)), ("int8_row_prefetch", 1, None)]
+    # 8 panels a decode thread only where 32 vector registers hold their sums (AVX2's 16 would spill them)
+    streams = (1, 2, 4, 8) if lib.kiln_panel_isa() == 512 else (1, 2, 4)
+    plan = [("row_nta", 1, (0, 1)), ("row_panels", 1, streams), ("row_prefetch", 1, None),
+            ("small_prefetch", 8, CANDIDATES), ("int8_row_panels", 1, streams), ("int8_row_prefetch", 1, None)]
     fp32_weights: list[torch.Tensor] = []
     fp32_panel = _panel_type("fp32_panel")
     if lib.kiln_panel_isa() == 512:   # the 13..16-row kernels exist only on AVX-512

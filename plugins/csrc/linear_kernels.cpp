@@ -702,7 +702,7 @@ struct Tuning {
   int64_t row_prefetch;      // one-row decode (int8, int4): each thread's stream
   int64_t small_prefetch;    // batched decode (M <= SMALL_M): each panel of a tile's first pass
   int64_t onepass_prefetch;  // AVX-512 one-pass batched decode (13..16 rows)
-  int64_t row_panels;        // int4 one-row decode: panels a thread reads at once (1: one stream; 2 or 4)
+  int64_t row_panels;        // int4 one-row decode: panels a thread reads at once (1: one stream; 2, 4 or 8)
   int64_t int8_row_panels;   // int8 one-row decode: the same choice
   int64_t bf16_row_prefetch; // bf16-panel decode (M < 4, either x): each panel's stream
   int64_t int8_row_prefetch; // int8 one-row decode over int8_row_panels > 1 streams: each panel's stream
@@ -723,7 +723,9 @@ struct Tuning {
 // there, then 8 panels a bf16 decode tile with 2048 B: x1.044 against 4 with 1024 B, faster in 6/6 rounds; int8
 // over several streams 2048 B) and ordinary one-row prefetches there (non-temporal ones are not followed by its L2
 // streamer: int4 single stream 96 against 170 tok/s, int8 41 against 96), with 4 panels a thread in the one-row
-// int4 and int8 decode (int4 x1.10 against 1 in whole decodes, int8 x1.14). Zen 4's bf16 decode reads 8 panels a
+// int4 and int8 decode (int4 x1.10 against 1 in whole decodes, int8 x1.14), 8 where the AVX-512 kernels run (their
+// 32 registers hold 8 panels' sums), the int4 ones 1024 B ahead each (docs/benchmarks.md, session 30). Zen 4's bf16
+// decode reads 8 panels a
 // tile with a 256 B prefetch
 // (whole single-stream decodes, scripts/bench_tunables.py: x1.05-1.09 against 4 panels without, faster in 11-12 of
 // 12 rounds; 2 and 16 panels slower), and its one-row int8/int4 decode threads prefetch the first 8 KiB of their run
@@ -735,6 +737,8 @@ struct Tuning {
 // panel, docs/benchmarks.md "fp32 batched decode"); the autotune keeps the 16-row kernel where it is clearly faster.
 // Intel's one-pass prefetch is 2048 B (Sapphire Rapids, fp32 engine, 16 requests' decode: 1024-4096 B x1.08-1.10
 // against 8192, faster in 4/4 rounds each; none x0.87).
+bool cpu_has_avx512();
+
 Tuning default_tuning() {
   unsigned eax = 0, ebx = 0, ecx = 0, edx = 0;
   __asm__("cpuid" : "=a"(eax), "=b"(ebx), "=c"(ecx), "=d"(edx) : "a"(1), "c"(0));
@@ -747,13 +751,22 @@ Tuning default_tuning() {
   unsigned vb = 0, vc = 0, vd = 0, va = 0;
   __asm__("cpuid" : "=a"(va), "=b"(vb), "=c"(vc), "=d"(vd) : "a"(0), "c"(0));
   const bool intel = vb == 0x756e6547u && vd == 0x49656e69u && vc == 0x6c65746eu;   // "GenuineIntel"
-  return {2048, 4096, intel ? 2048 : 8192, intel ? 4 : 1, intel ? 4 : 1, intel ? 2048 : 0, intel ? 2048 : 4096,
-          intel ? 0 : 1, intel ? 8 : 4, 0, 256, 1};
+  const bool intel512 = intel && cpu_has_avx512();
+  return {intel512 ? 1024 : 2048, 4096, intel ? 2048 : 8192, intel512 ? 8 : intel ? 4 : 1, intel512 ? 8 : intel ? 4 : 1,
+          intel ? 2048 : 0, intel ? 2048 : 4096, intel ? 0 : 1, intel ? 8 : 4, 0, 256, 1};
 }
 
 Tuning& tuning() {
   static Tuning t = default_tuning();
   return t;
+}
+
+// Panels a one-row int8/int4 decode thread reads at once (interleaved streams): the tunable where it divides the
+// panels, else 4 where that does (8 needs N a multiple of 128), else 1 (one contiguous run a thread).
+inline int64_t row_streams(int64_t want, int64_t panels) {
+  if (want > 1 && panels % want == 0) return want;
+  if (want > 4 && panels % 4 == 0) return 4;
+  return 1;
 }
 
 namespace k256 {
@@ -996,16 +1009,18 @@ std::string describe_panel(int wtype, int64_t M, int64_t N) {
     const int64_t gemm_m = kiln_ops_int4_gemm_m();
     if (gemm_m > 0 && M >= gemm_m) return "int4 panels -> bf16 once per call, oneDNN bf16 GEMM (from M " +
                                           std::to_string(gemm_m) + ")";
-    if (M == 1 && t.row_panels > 1 && panels % t.row_panels == 0)
-      what = "one row x " + std::to_string(t.row_panels) + " panels, prefetch " + std::to_string(t.row_prefetch) + " B" + nta;
+    if (M == 1 && row_streams(t.row_panels, panels) > 1)
+      what = "one row x " + std::to_string(row_streams(t.row_panels, panels)) + " panels, prefetch " +
+             std::to_string(t.row_prefetch) + " B" + nta;
     else if (M == 1) what = "one-row stream, 4 chains, prefetch " + std::to_string(t.row_prefetch) + " B" + nta + burst;
     else what = tiles(Isa::MR_INT4, Isa::NP_INT4);
     return "int4 panels, " + isa + (Isa::L == 16 ? " vnni" : "") + (int4_x_bits() == 8 ? ", x int8 per group" : "") +
            ", " + what;
   }
   if (kind == KILN_W_INT8) {
-    if (M == 1 && t.int8_row_panels > 1 && panels % t.int8_row_panels == 0)
-      what = "one row x " + std::to_string(t.int8_row_panels) + " panels, prefetch " + std::to_string(t.int8_row_prefetch) + " B" + nta;
+    if (M == 1 && row_streams(t.int8_row_panels, panels) > 1)
+      what = "one row x " + std::to_string(row_streams(t.int8_row_panels, panels)) + " panels, prefetch " +
+             std::to_string(t.int8_row_prefetch) + " B" + nta;
     else if (M == 1) what = "one-row stream, 4 chains, prefetch " + std::to_string(t.row_prefetch) + " B" + nta + burst;
     else if (M < 4 && panels % 4 == 0) what = "2x4 tiles";
     else what = tiles(Isa::MR_INT, Isa::NP_INT);
@@ -1464,10 +1479,10 @@ int kiln_set_tuning(const char* name, int64_t value) {
   else if (n == "bf16_row_prefetch") t.bf16_row_prefetch = value;
   else if (n == "int8_row_prefetch") t.int8_row_prefetch = value;
   else if (n == "row_panels") {
-    if (value != 1 && value != 2 && value != 4) return 2;
+    if (value != 1 && value != 2 && value != 4 && value != 8) return 2;
     t.row_panels = value;
   } else if (n == "int8_row_panels") {
-    if (value != 1 && value != 2 && value != 4) return 2;
+    if (value != 1 && value != 2 && value != 4 && value != 8) return 2;
     t.int8_row_panels = value;
   } else if (n == "row_nta") {
     if (value > 1) return 2;

@@ -800,12 +800,13 @@ void panel_gemm_float(const typename W::T* w, int64_t M, int64_t N, int64_t K, c
 inline void panel_gemm_int8(const int8_t* w, int64_t M, int64_t N, int64_t K, const int16_t* xq16,
                             const float* sx, const Epilogue& ep, int nthreads) {
   const int32_t* xq = reinterpret_cast<const int32_t*>(xq16);
-  const int64_t int8_np = tuning().int8_row_panels;
-  if (M == 1 && int8_np > 1 && (N / 16) % int8_np == 0) {
+  const int64_t int8_np = row_streams(tuning().int8_row_panels, N / 16);
+  if (M == 1 && int8_np > 1) {
     // decode over int8_row_panels interleaved streams per thread (CPUs whose prefetchers want several)
     const int64_t pstride = K * 16, pf = tuning().int8_row_prefetch;
     for_tiles(1, N / (16 * int8_np), 1, nthreads, [&](int64_t, int64_t, int64_t g) {
       if (int8_np == 2) panel_int8<1, 2, true>(w + g * 2 * pstride, pstride, xq, K / 2, sx, K, ep, 0, g * 32, pf);
+      else if (int8_np == 8) panel_int8<1, 8, true>(w + g * 8 * pstride, pstride, xq, K / 2, sx, K, ep, 0, g * 128, pf);
       else panel_int8<1, 4, true>(w + g * 4 * pstride, pstride, xq, K / 2, sx, K, ep, 0, g * 64, pf);
     });
     return;
@@ -921,7 +922,8 @@ inline void panel_gemm_int4(const Int4W& W, int64_t M, int64_t N, const Int4X& X
                             int nthreads) {
   const int64_t panels = N / 16;
   const Tuning& tu = tuning();
-  if (M == 1 && (tu.row_panels == 1 || panels % tu.row_panels != 0)) {
+  const int64_t np = row_streams(tu.row_panels, panels);
+  if (M == 1 && np == 1) {
     // decode: a contiguous run of panels per thread
     const int64_t pf = tu.row_prefetch;
     for_panel_runs(panels, nthreads, W.w, W.pbytes(), [&](int64_t p) { Kern::row(W, p, X, ep, pf); });
@@ -929,9 +931,9 @@ inline void panel_gemm_int4(const Int4W& W, int64_t M, int64_t N, const Int4X& X
   }
   if (M == 1) {  // decode over row_panels interleaved streams per thread (CPUs whose prefetchers want several)
     const int64_t pf = tu.row_prefetch;
-    const int np = int(tu.row_panels);
     for_tiles(1, panels / np, 1, nthreads, [&](int64_t, int64_t, int64_t g) {
       if (np == 2) Kern::template row_panels<2>(W, g * 2, X, ep, pf);
+      else if (np == 8) Kern::template row_panels<8>(W, g * 8, X, ep, pf);
       else Kern::template row_panels<4>(W, g * 4, X, ep, pf);
     });
     return;
