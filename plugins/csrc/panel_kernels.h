@@ -191,13 +191,23 @@ inline const T* pack_kmajor(const T* x, int64_t M, int64_t K, int MR) {
   return buf.data();
 }
 
+// A prefetch `off` bytes into panel p of a tile (NP panels of pb bytes from w). Past the panel's end it goes to the
+// same offset of panel p in the thread's next tile (wnext; nothing after its last tile): a one-row decode thread
+// reads a contiguous run of tiles (for_tile_runs), and without this each tile's streams started from the few
+// lines of their own first prefetches (docs/benchmarks.md, session 30).
+inline void prefetch_run(const void* w, const void* wnext, int64_t p, int64_t pb, int64_t off, bool nta) {
+  if (off < pb) prefetch_once(static_cast<const char*>(w) + p * pb + off, nta);
+  else if (wnext) prefetch_once(static_cast<const char*>(wnext) + p * pb + (off - pb), nta);
+}
+
 // ---- int path (int8 weights) ---------------------------------------------------------------------------
 // xq: [M][K] int16 (row m scaled by sx[m]); read as int32 words, each a (k even, k odd) pair.
 constexpr int64_t FLUSH_PAIRS = 128;  // 128 pairs x 2 x 127 x 32767 < 2^31
 
 template <int MR, int NP, bool PF = false>
 inline void panel_int8(const int8_t* w, int64_t pstride, const int32_t* xq, int64_t ldxq, const float* sx,
-                       int64_t K, const Epilogue& ep, int64_t m0, int64_t n0, int64_t pfd) {
+                       int64_t K, const Epilogue& ep, int64_t m0, int64_t n0, int64_t pfd,
+                       const int8_t* wnext = nullptr) {
   const bool nta = MR == 1 && tuning().row_nta;   // one row of x: the weights are read once
   Isa::V facc[MR][NP][VP];
   for (int i = 0; i < MR; ++i)
@@ -213,7 +223,7 @@ inline void panel_int8(const int8_t* w, int64_t pstride, const int32_t* xq, int6
     for (int64_t t = t0; t < t1; ++t) {
       if constexpr (PF)
         if ((t & 1) == 0)  // a step is 32 bytes: one prefetch per 64-byte line
-          for (int p = 0; p < NP; ++p) prefetch_once(w + p * pstride + t * 32 + pfd, nta);
+          for (int p = 0; p < NP; ++p) prefetch_run(w, wnext, p, pstride, t * 32 + pfd, nta);
       Isa::VI wv[NP][VP];
       for (int p = 0; p < NP; ++p)
         for (int v = 0; v < VP; ++v) wv[p][v] = Isa::i16_pairs(w + p * pstride + t * 32 + v * 2 * Isa::L);
@@ -518,7 +528,7 @@ inline void panel_int4_row(const Int4W& W, int64_t p, const int32_t* xq, float s
 // MR rows of x x NP panels (p0 .. p0+NP-1). xq [MR][ldx] int16 pairs, xs [MR][G] the rows' group sums.
 template <int MR, int NP, bool PF = false>
 inline void panel_int4(const Int4W& W, int64_t p0, const int32_t* xq, int64_t ldx, const float* sx, const int32_t* xs,
-                       const Epilogue& ep, int64_t m0, int64_t pf) {
+                       const Epilogue& ep, int64_t m0, int64_t pf, const uint8_t* wnext = nullptr) {
   const int64_t G = W.groups(), gblocks = W.gs / 8, pb = W.pbytes();
   const uint8_t* w = W.panel(p0);
   const bool nta = MR == 1 && tuning().row_nta;   // one row of x: the weights are read once
@@ -539,7 +549,7 @@ inline void panel_int4(const Int4W& W, int64_t p0, const int32_t* xq, int64_t ld
       for (int64_t b = b0; b < b1; ++b) {
         Isa::VI wv[NP][VP];
         for (int p = 0; p < NP; ++p) {
-          if constexpr (PF) prefetch_once(w + p * pb + b * 64 + pf, nta);
+          if constexpr (PF) prefetch_run(w, wnext, p, pb, b * 64 + pf, nta);
           for (int v = 0; v < VP; ++v) wv[p][v] = Isa::iload(w + p * pb + b * 64 + v * 4 * Isa::L);
         }
         const auto step = [&](auto cc) {
@@ -639,7 +649,7 @@ inline void panel_int4_row_x8(const Int4W& W, int64_t p, const int32_t* xq, cons
 // x8: MR rows of x x NP panels (p0 .. p0+NP-1); X points at the first of the MR rows, ldx / G its row strides.
 template <int MR, int NP, bool PF = false>
 inline void panel_int4_x8(const Int4W& W, int64_t p0, const Int4X& X, int64_t ldx, const Epilogue& ep, int64_t m0,
-                       int64_t pf) {
+                          int64_t pf, const uint8_t* wnext = nullptr) {
   const int64_t G = W.groups(), gblocks = W.gs / 8, pb = W.pbytes();
   const uint8_t* w = W.panel(p0);
   const bool nta = MR == 1 && tuning().row_nta;   // one row of x: the weights are read once
@@ -658,7 +668,7 @@ inline void panel_int4_x8(const Int4W& W, int64_t p0, const Int4X& X, int64_t ld
     for (int64_t b = g * gblocks; b < (g + 1) * gblocks; ++b) {
       Isa::VI lo[NP][VP], hi[NP][VP];
       for (int p = 0; p < NP; ++p) {
-        if constexpr (PF) prefetch_once(w + p * pb + b * 64 + pf, nta);
+        if constexpr (PF) prefetch_run(w, wnext, p, pb, b * 64 + pf, nta);
         for (int v = 0; v < VP; ++v) {
           const Isa::VI wv = Isa::iload(w + p * pb + b * 64 + v * 4 * Isa::L);
           lo[p][v] = Isa::iand(wv, lo4);
@@ -726,6 +736,21 @@ inline void for_panel_runs(int64_t panels, int nthreads, const void* base, int64
     const int64_t len = std::min<int64_t>(burst, (p1 - p0) * pbytes);
     for (int64_t o = 0; o < len; o += 64) prefetch_once(run + o, nta);
     for (int64_t p = p0; p < p1; ++p) f(p);
+  }
+}
+
+// One-row decode over tiles of interleaved panels: tiles 0..tiles-1 in contiguous runs, one per thread, so that
+// each of a tile's streams goes on into the same panel of the thread's next tile (prefetch_run). Static, unlike
+// for_tiles: a thread preempted by another process holds back its run, which whole decodes still paid for.
+// f(tile, next tile or -1).
+template <class F>
+inline void for_tile_runs(int64_t tiles, int nthreads, F&& f) {
+  const int nt = int(std::max<int64_t>(1, std::min<int64_t>(nthreads, tiles)));
+#pragma omp parallel num_threads(nt)
+  {
+    const int t = omp_get_thread_num(), n = omp_get_num_threads();
+    const int64_t g0 = tiles * t / n, g1 = tiles * (t + 1) / n;
+    for (int64_t g = g0; g < g1; ++g) f(g, g + 1 < g1 ? g + 1 : -1);
   }
 }
 
@@ -803,11 +828,12 @@ inline void panel_gemm_int8(const int8_t* w, int64_t M, int64_t N, int64_t K, co
   const int64_t int8_np = row_streams(tuning().int8_row_panels, N / 16);
   if (M == 1 && int8_np > 1) {
     // decode over int8_row_panels interleaved streams per thread (CPUs whose prefetchers want several)
-    const int64_t pstride = K * 16, pf = tuning().int8_row_prefetch;
-    for_tiles(1, N / (16 * int8_np), 1, nthreads, [&](int64_t, int64_t, int64_t g) {
-      if (int8_np == 2) panel_int8<1, 2, true>(w + g * 2 * pstride, pstride, xq, K / 2, sx, K, ep, 0, g * 32, pf);
-      else if (int8_np == 8) panel_int8<1, 8, true>(w + g * 8 * pstride, pstride, xq, K / 2, sx, K, ep, 0, g * 128, pf);
-      else panel_int8<1, 4, true>(w + g * 4 * pstride, pstride, xq, K / 2, sx, K, ep, 0, g * 64, pf);
+    const int64_t pstride = K * 16, pf = tuning().int8_row_prefetch, tile = int8_np * pstride;
+    for_tile_runs(N / (16 * int8_np), nthreads, [&](int64_t g, int64_t next) {
+      const int8_t* wn = next < 0 ? nullptr : w + next * tile;
+      if (int8_np == 2) panel_int8<1, 2, true>(w + g * tile, pstride, xq, K / 2, sx, K, ep, 0, g * 32, pf, wn);
+      else if (int8_np == 8) panel_int8<1, 8, true>(w + g * tile, pstride, xq, K / 2, sx, K, ep, 0, g * 128, pf, wn);
+      else panel_int8<1, 4, true>(w + g * tile, pstride, xq, K / 2, sx, K, ep, 0, g * 64, pf, wn);
     });
     return;
   }
@@ -891,8 +917,9 @@ struct Int4X16 {
     panel_int4_row(W, p, X.xq, X.sx[0], X.xs, ep, pf);
   }
   template <int NP>
-  static void row_panels(const Int4W& W, int64_t p0, const Int4X& X, const Epilogue& ep, int64_t pf) {
-    panel_int4<1, NP, true>(W, p0, X.xq, W.K / 2, X.sx, X.xs, ep, 0, pf);
+  static void row_panels(const Int4W& W, int64_t p0, const Int4X& X, const Epilogue& ep, int64_t pf,
+                         const uint8_t* wnext) {
+    panel_int4<1, NP, true>(W, p0, X.xq, W.K / 2, X.sx, X.xs, ep, 0, pf, wnext);
   }
   template <int NP, int MRB, bool PF>
   static void tile(const Int4W& W, const Int4X& X, int64_t m0, int64_t m1, int64_t g, const Epilogue& ep,
@@ -906,8 +933,9 @@ struct Int4X8 {
     panel_int4_row_x8(W, p, X.xq, X.sx, X.xs, ep, pf);
   }
   template <int NP>
-  static void row_panels(const Int4W& W, int64_t p0, const Int4X& X, const Epilogue& ep, int64_t pf) {
-    panel_int4_x8<1, NP, true>(W, p0, X, W.K / 4, ep, 0, pf);
+  static void row_panels(const Int4W& W, int64_t p0, const Int4X& X, const Epilogue& ep, int64_t pf,
+                         const uint8_t* wnext) {
+    panel_int4_x8<1, NP, true>(W, p0, X, W.K / 4, ep, 0, pf, wnext);
   }
   template <int NP, int MRB, bool PF>
   static void tile(const Int4W& W, const Int4X& X, int64_t m0, int64_t m1, int64_t g, const Epilogue& ep,
@@ -931,10 +959,11 @@ inline void panel_gemm_int4(const Int4W& W, int64_t M, int64_t N, const Int4X& X
   }
   if (M == 1) {  // decode over row_panels interleaved streams per thread (CPUs whose prefetchers want several)
     const int64_t pf = tu.row_prefetch;
-    for_tiles(1, panels / np, 1, nthreads, [&](int64_t, int64_t, int64_t g) {
-      if (np == 2) Kern::template row_panels<2>(W, g * 2, X, ep, pf);
-      else if (np == 8) Kern::template row_panels<8>(W, g * 8, X, ep, pf);
-      else Kern::template row_panels<4>(W, g * 4, X, ep, pf);
+    for_tile_runs(panels / np, nthreads, [&](int64_t g, int64_t next) {
+      const uint8_t* wn = next < 0 ? nullptr : W.panel(next * np);
+      if (np == 2) Kern::template row_panels<2>(W, g * 2, X, ep, pf, wn);
+      else if (np == 8) Kern::template row_panels<8>(W, g * 8, X, ep, pf, wn);
+      else Kern::template row_panels<4>(W, g * 4, X, ep, pf, wn);
     });
     return;
   }
