@@ -1,7 +1,7 @@
 """A decode step's linears alone, per weight format, against the read rate (not a test).
 
     .venv/bin/python scripts/bench_linear_pass.py [--formats fp32,bf16,int8,int4g32,int4g64,int4g128] [--m 1,16]
-                                                  [--rounds 5] [--threads 2]
+                                                  [--rounds 5] [--threads 2] [--tunings "a:name=v,...;b:..."]
 
 The 246m Llama's linears (16 layers of qkv 1536x1024, o 1024x1024, gate_up 5632x1024, down 1024x2816, then the
 LM head 32000x1024; random weights in the layouts the builder stores: panels) are called one after the other as a
@@ -10,6 +10,12 @@ median of ``--rounds``) and its bytes / time as a share of the read rate measure
 right before each pass (``kiln_stream_sum``); per shape, GB/s of the weights at that shape over the pass, and the
 fixed cost of one call (the smallest shape, 1024x1024, called on one weight that stays in cache: per-call
 overhead plus compute). bench_kernels.py times single calls; this is the sum a decode step pays.
+
+``--tunings`` compares kernel tunables (``kiln.plugins.tuning``, as ``bench_tunables.py`` takes them) on the same
+weights instead: every round runs each variant's pass (the median of 5, after one untimed), the variants set on top
+of the machine's tuning in turn, and prints per variant the median pass and the paired ratio to the first variant
+in the same round (> 1: faster). Alternating in one process keeps the VM's drift and where the weights landed in
+memory alike for all variants.
 """
 
 from __future__ import annotations
@@ -21,6 +27,7 @@ import time
 import torch
 
 from bench_common import stream_read_rate
+from bench_tunables import parse_variants
 
 LAYERS = 16
 SHAPES = {"qkv": (1536, 1024), "o": (1024, 1024), "gate_up": (5632, 1024), "down": (1024, 2816)}
@@ -57,6 +64,7 @@ def main() -> None:
     ap.add_argument("--m", default="1,16")
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--tunings", default="", help="variants 'label:name=value,...;label:...' to alternate")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     from kiln.plugins import native, tuning
@@ -65,8 +73,9 @@ def main() -> None:
     cpu = next((ln.split(":", 1)[1].strip() for ln in open("/proc/cpuinfo") if ln.startswith("model name")), "?")
     print(f"cpu: {cpu}, {args.threads} threads, panel isa {native.panel_isa()}, tuning {tuning.current(lib)}")
     read_buf = torch.ones(1 << 26)
-    print(f"{'format':<9} {'M':>3} {'MB/pass':>8} {'best ms':>8} {'med ms':>8} {'read GB/s':>9} {'% read':>7} "
-          f"{'best %':>7} | GB/s per shape over the pass (qkv o gate_up down lm_head) | 1024x1024 in-cache us")
+    if not args.tunings:
+        print(f"{'format':<9} {'M':>3} {'MB/pass':>8} {'best ms':>8} {'med ms':>8} {'read GB/s':>9} {'% read':>7} "
+              f"{'best %':>7} | GB/s per shape over the pass (qkv o gate_up down lm_head) | 1024x1024 in-cache us")
     for fmt in args.formats.split(","):
         torch.manual_seed(0)
         layers = [{name: make_weight(fmt, *shape) for name, shape in SHAPES.items()} for _ in range(LAYERS)]
@@ -91,6 +100,9 @@ def main() -> None:
                 return time.perf_counter() - t0
 
             one_pass(False)
+            if args.tunings:
+                compare_tunings(lib, parse_variants(args.tunings), one_pass, args.rounds, f"{fmt} M={m}", total)
+                continue
             times, pcts = [], []
             for _ in range(args.rounds):
                 rate = stream_read_rate(read_buf)
@@ -115,6 +127,31 @@ def main() -> None:
                   f"{statistics.median(pcts):6.0f}% {max(pcts):6.0f}% | "
                   + " ".join(f"{g:5.1f}" for g in shape_gbs) + f" | {us:6.1f}", flush=True)
         layers = head = None
+
+
+def compare_tunings(lib, variants: dict[str, dict[str, int]], one_pass, rounds: int, what: str, total: int) -> None:
+    """Each round, every variant's pass in turn (median of 5); per variant the median pass over the rounds and the
+    median paired ratio (first variant's pass / this one's, same round)."""
+    from kiln.plugins import tuning
+
+    base = tuning.current(lib)
+    times: dict[str, list[float]] = {label: [] for label in variants}
+    try:
+        for _ in range(rounds):
+            for label, values in variants.items():
+                for name, value in {**base, **values}.items():
+                    tuning.set_value(lib, name, value)
+                one_pass(False)
+                times[label].append(statistics.median(one_pass(False) for _ in range(5)))
+    finally:
+        for name, value in base.items():
+            tuning.set_value(lib, name, value)
+    first = times[next(iter(variants))]
+    for label, ts in times.items():
+        med = statistics.median(ts)
+        paired = statistics.median(a / b for a, b in zip(first, ts))
+        print(f"{what:<16} {label:<24} median pass {med * 1e3:7.2f} ms  {total / med / 1e9:5.1f} GB/s  "
+              f"paired x{paired:.3f} (faster in {sum(a > b for a, b in zip(first, ts))}/{rounds} rounds)", flush=True)
 
 
 if __name__ == "__main__":
