@@ -175,13 +175,14 @@ def autotune(lib, nthreads: int, budget_s: float = 6.0, max_other_load: float = 
     int8_scales = torch.full((n,), 0.01)
     int8_panel = _panel_type("int8_panel")
     chosen = current(lib)
+    wide = lib.kiln_panel_isa() == 512
     # 8 panels a decode thread only where 32 vector registers hold their sums (AVX2's 16 would spill them)
-    streams = (1, 2, 4, 8) if lib.kiln_panel_isa() == 512 else (1, 2, 4)
+    streams = (1, 2, 4, 8) if wide else (1, 2, 4)
     plan = [("row_nta", 1, (0, 1)), ("row_panels", 1, streams), ("row_prefetch", 1, None),
             ("small_prefetch", 8, CANDIDATES), ("int8_row_panels", 1, streams), ("int8_row_prefetch", 1, None)]
     fp32_weights: list[torch.Tensor] = []
     fp32_panel = _panel_type("fp32_panel")
-    if lib.kiln_panel_isa() == 512:   # the 13..16-row kernels exist only on AVX-512
+    if wide:   # the 13..16-row kernels exist only on AVX-512
         plan += [("onepass_split", 16, (0, 1)), ("onepass_prefetch", 16, CANDIDATES)]
         # fp32 panels of the same buffer, 16 MiB each, every exponent set to 2^-1 (random bytes hold NaNs and
         # denormals); the int4 and int8 kernels take as long on these bytes as on any

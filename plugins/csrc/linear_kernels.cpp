@@ -725,10 +725,8 @@ struct Tuning {
 // streamer: int4 single stream 96 against 170 tok/s, int8 41 against 96), with 4 panels a thread in the one-row
 // int4 and int8 decode (int4 x1.10 against 1 in whole decodes, int8 x1.14), 8 where the AVX-512 kernels run (their
 // 32 registers hold 8 panels' sums), the int4 ones 1024 B ahead each (docs/benchmarks.md, session 30). Zen 4's bf16
-// decode reads 8 panels a
-// tile with a 256 B prefetch
-// (whole single-stream decodes, scripts/bench_tunables.py: x1.05-1.09 against 4 panels without, faster in 11-12 of
-// 12 rounds; 2 and 16 panels slower), and its one-row int8/int4 decode threads prefetch the first 8 KiB of their run
+// decode reads 8 panels a tile with a 256 B prefetch (whole single-stream decodes, scripts/bench_tunables.py:
+// x1.05-1.09 against 4 panels without, faster in 11-12 of 12 rounds; 2 and 16 panels slower), and its one-row int8/int4 decode threads prefetch the first 8 KiB of their run
 // at once (the stream of a 0.5-3 MB int4 GEMV otherwise starts from a few lines in flight: x1.03-1.07 int4, x1.03
 // int8, faster in 55-67% of 12-30 rounds), and splits a lone decode row's attention from 96 positions (fp32 pool
 // x1.13-1.22 at 96-192 positions against 256, int8 x1.07-1.10, bf16 x0.99-1.11: scripts/bench_decode_attention.py
@@ -752,8 +750,9 @@ Tuning default_tuning() {
   __asm__("cpuid" : "=a"(va), "=b"(vb), "=c"(vc), "=d"(vd) : "a"(0), "c"(0));
   const bool intel = vb == 0x756e6547u && vd == 0x49656e69u && vc == 0x6c65746eu;   // "GenuineIntel"
   const bool intel512 = intel && cpu_has_avx512();
-  return {intel512 ? 1024 : 2048, 4096, intel ? 2048 : 8192, intel512 ? 8 : intel ? 4 : 1, intel512 ? 8 : intel ? 4 : 1,
-          intel ? 2048 : 0, intel ? 2048 : 4096, intel ? 0 : 1, intel ? 8 : 4, 0, 256, 1};
+  const int64_t streams = intel512 ? 8 : intel ? 4 : 1;   // row_panels and int8_row_panels
+  return {intel512 ? 1024 : 2048, 4096, intel ? 2048 : 8192, streams, streams, intel ? 2048 : 0, intel ? 2048 : 4096,
+          intel ? 0 : 1, intel ? 8 : 4, 0, 256, 1};
 }
 
 Tuning& tuning() {
