@@ -717,18 +717,18 @@ struct Tuning {
                              // panel pairs (panel_pair_float_12_4), 0 = 16 rows x 1 panel in one pass
 };
 
-// CPU family / model (AMD: Zen 3 = family 25 models 0x00-0x0f, 0x20-0x5f; Zen 4 = 25, 0x10-0x1f, 0x60-0xaf;
-// Zen 5 = 26) -> the distances measured there; anything else gets Zen 5's (the most measured), and Intel CPUs the
-// bf16 and int8 decode prefetches measured on Sapphire Rapids (bf16 1024 B: single-stream decode 53 -> 60 tok/s
-// there, then 8 panels a bf16 decode tile with 2048 B: x1.044 against 4 with 1024 B, faster in 6/6 rounds; int8
-// over several streams 2048 B) and ordinary one-row prefetches there (non-temporal ones are not followed by its L2
-// streamer: int4 single stream 96 against 170 tok/s, int8 41 against 96), with 4 panels a thread in the one-row
-// int4 and int8 decode (int4 x1.10 against 1 in whole decodes, int8 x1.14), 8 where the AVX-512 kernels run (their
-// 32 registers hold 8 panels' sums), the int4 ones 1024 B ahead each (docs/benchmarks.md, session 30). Zen 4's bf16
-// decode reads 8 panels a tile with a 256 B prefetch (whole single-stream decodes, scripts/bench_tunables.py:
-// x1.05-1.09 against 4 panels without, faster in 11-12 of 12 rounds; 2 and 16 panels slower), and its one-row int8/int4 decode threads prefetch the first 8 KiB of their run
-// at once (the stream of a 0.5-3 MB int4 GEMV otherwise starts from a few lines in flight: x1.03-1.07 int4, x1.03
-// int8, faster in 55-67% of 12-30 rounds), and splits a lone decode row's attention from 96 positions (fp32 pool
+// CPU family / model (AMD: Zen 3 = family 25 models 0x00-0x0f, 0x20-0x5f; Zen 4 = 25, 0x10-0x1f, 0x60-0xaf; Zen 5 = 26)
+// -> the distances measured there; anything else gets Zen 5's (the most measured), and Intel CPUs the bf16 and int8
+// decode prefetches measured on Sapphire Rapids (bf16 1024 B: single-stream decode 53 -> 60 tok/s there, then 8 panels
+// a bf16 decode tile with 2048 B: x1.044 against 4 with 1024 B, faster in 6/6 rounds; int8 over several streams 2048 B)
+// and ordinary one-row prefetches there (non-temporal ones are not followed by its L2 streamer: int4 single stream 96
+// against 170 tok/s, int8 41 against 96), with 4 panels a thread in the one-row int4 and int8 decode (int4 x1.10
+// against 1 in whole decodes, int8 x1.14), 8 where the AVX-512 kernels run (their 32 registers hold 8 panels' sums),
+// the int4 ones 1024 B ahead each (docs/benchmarks.md, session 30). Zen 4's bf16 decode reads 8 panels a tile with a
+// 256 B prefetch (whole single-stream decodes, scripts/bench_tunables.py: x1.05-1.09 against 4 panels without, faster
+// in 11-12 of 12 rounds; 2 and 16 panels slower), and its one-row int8/int4 decode threads prefetch the first 8 KiB of
+// their run at once (the stream of a 0.5-3 MB int4 GEMV otherwise starts from a few lines in flight: x1.03-1.07 int4,
+// x1.03 int8, faster in 55-67% of 12-30 rounds), and splits a lone decode row's attention from 96 positions (fp32 pool
 // x1.13-1.22 at 96-192 positions against 256, int8 x1.07-1.10, bf16 x0.99-1.11: scripts/bench_decode_attention.py
 // --spans 256,64: the same two parts from 96 positions; at 48-64 positions no gain). Every CPU starts with the batched
 // decode's 13..16 fp32-x rows as 12 + 4 over panel pairs (onepass_split; faster on Sapphire Rapids than 16 rows x 1
