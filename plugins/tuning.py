@@ -193,7 +193,9 @@ def autotune(lib, nthreads: int, budget_s: float = 6.0, max_other_load: float = 
         # a non-temporal one-row stream needs its software prefetch (row_nta): no zero distance for it, and shorter
         # ones (in whole decodes on Zen 4, 256-512 B beat 1-8 KiB)
         candidates = candidates or (NTA_CANDIDATES if chosen["row_nta"] else CANDIDATES)
-        if chosen[name] or 0 in candidates:   # the default is measured too: it stands unless clearly slower
+        # the default is measured too (it stands unless clearly slower); a zero default only where zero is already
+        # a candidate (a non-temporal stream's distances exclude it)
+        if chosen[name]:
             candidates = tuple(sorted({*candidates, chosen[name]}))
         x = torch.randn(rows, k)
         y = torch.empty(rows, n)

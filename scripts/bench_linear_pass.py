@@ -13,9 +13,9 @@ overhead plus compute). bench_kernels.py times single calls; this is the sum a d
 
 ``--tunings`` compares kernel tunables (``kiln.plugins.tuning``, as ``bench_tunables.py`` takes them) on the same
 weights instead: every round runs each variant's pass (the median of 5, after one untimed), the variants set on top
-of the machine's tuning in turn, and prints per variant the median pass and the paired ratio to the first variant
-in the same round (> 1: faster). Alternating in one process keeps the VM's drift and where the weights landed in
-memory alike for all variants.
+of the machine's tuning in turn (``bench_tunables.compare_variants``), and prints per variant the median GB/s of the
+pass and the paired ratio to the first variant in the same round (> 1: faster). Alternating in one process keeps the
+VM's drift and where the weights landed in memory alike for all variants.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ import time
 import torch
 
 from bench_common import stream_read_rate
-from bench_tunables import parse_variants
+from bench_tunables import compare_variants, parse_variants, print_paired
 
 LAYERS = 16
 SHAPES = {"qkv": (1536, 1024), "o": (1024, 1024), "gate_up": (5632, 1024), "down": (1024, 2816)}
@@ -101,7 +101,12 @@ def main() -> None:
 
             one_pass(False)
             if args.tunings:
-                compare_tunings(lib, parse_variants(args.tunings), one_pass, args.rounds, f"{fmt} M={m}", total)
+                def gb_s() -> float:
+                    one_pass(False)
+                    return total / statistics.median(one_pass(False) for _ in range(5)) / 1e9
+
+                print(f"{fmt} M={m}: GB/s of the pass")
+                print_paired(compare_variants(lib, parse_variants(args.tunings), args.rounds, gb_s), "GB/s")
                 continue
             times, pcts = [], []
             for _ in range(args.rounds):
@@ -127,31 +132,6 @@ def main() -> None:
                   f"{statistics.median(pcts):6.0f}% {max(pcts):6.0f}% | "
                   + " ".join(f"{g:5.1f}" for g in shape_gbs) + f" | {us:6.1f}", flush=True)
         layers = head = None
-
-
-def compare_tunings(lib, variants: dict[str, dict[str, int]], one_pass, rounds: int, what: str, total: int) -> None:
-    """Each round, every variant's pass in turn (median of 5); per variant the median pass over the rounds and the
-    median paired ratio (first variant's pass / this one's, same round)."""
-    from kiln.plugins import tuning
-
-    base = tuning.current(lib)
-    times: dict[str, list[float]] = {label: [] for label in variants}
-    try:
-        for _ in range(rounds):
-            for label, values in variants.items():
-                for name, value in {**base, **values}.items():
-                    tuning.set_value(lib, name, value)
-                one_pass(False)
-                times[label].append(statistics.median(one_pass(False) for _ in range(5)))
-    finally:
-        for name, value in base.items():
-            tuning.set_value(lib, name, value)
-    first = times[next(iter(variants))]
-    for label, ts in times.items():
-        med = statistics.median(ts)
-        paired = statistics.median(a / b for a, b in zip(first, ts))
-        print(f"{what:<16} {label:<24} median pass {med * 1e3:7.2f} ms  {total / med / 1e9:5.1f} GB/s  "
-              f"paired x{paired:.3f} (faster in {sum(a > b for a, b in zip(first, ts))}/{rounds} rounds)", flush=True)
 
 
 if __name__ == "__main__":

@@ -23,6 +23,7 @@ import argparse
 import random
 import statistics
 import time
+from collections.abc import Callable
 
 
 def parse_variants(text: str) -> dict[str, dict[str, int]]:
@@ -37,6 +38,39 @@ def parse_variants(text: str) -> dict[str, dict[str, int]]:
     if not variants:
         raise SystemExit("give at least one variant, e.g. 'nta:row_nta=1;t0:row_nta=0'")
     return variants
+
+
+def compare_variants(lib, variants: dict[str, dict[str, int]], rounds: int, measure: Callable[[], float],
+                     on_round: Callable[[int, dict[str, list[float]]], None] | None = None) -> dict[str, list[float]]:
+    """measure() (higher is better) of every variant in every round, the variants' tunables set on top of the
+    machine's tuning in turn (the order reversed every other round) and the machine's tuning put back after;
+    ``on_round(round, values so far)`` after each round."""
+    from kiln.plugins import tuning
+
+    base = tuning.current(lib)
+    values: dict[str, list[float]] = {label: [] for label in variants}
+    try:
+        for r in range(rounds):
+            for label in (list(variants) if r % 2 == 0 else list(reversed(variants))):
+                for name, value in {**base, **variants[label]}.items():
+                    tuning.set_value(lib, name, value)
+                values[label].append(measure())
+            if on_round:
+                on_round(r, values)
+    finally:
+        for name, value in base.items():
+            tuning.set_value(lib, name, value)
+    return values
+
+
+def print_paired(values: dict[str, list[float]], unit: str) -> None:
+    """Per variant the median over the rounds and the paired ratio to the first variant in the same round."""
+    ref = next(iter(values))
+    print(f"\nmedians over {len(values[ref])} rounds; paired = variant / {ref} in the same round")
+    for label, vs in values.items():
+        ratios = [a / b for a, b in zip(vs, values[ref])]
+        print(f"{label:12s} {statistics.median(vs):8.1f} {unit}   paired x{statistics.median(ratios):.3f} "
+              f"({min(ratios):.2f}-{max(ratios):.2f}), faster in {sum(x > 1 for x in ratios)}/{len(ratios)} rounds")
 
 
 def batch_request(llm, prompts: list[list[int]], tokens: int) -> tuple[float, float]:
@@ -84,25 +118,18 @@ def main() -> None:
     run(8)   # warm-up
     info = native.cpu_info()
     print(f"cpu family {info.get('cpu family', '?')} model {info.get('model', '?')}; machine tuning {base}", flush=True)
-    tok_s: dict[str, list[float]] = {label: [] for label in variants}
+    def measure() -> float:
+        first, total = run(args.tokens)
+        return args.batch * (args.tokens - 1) / (total - first)
+
+    def report(r: int, tok_s: dict[str, list[float]]) -> None:
+        print(f"round {r + 1}: " + "  ".join(f"{k} {v[-1]:.1f}" for k, v in tok_s.items()), flush=True)
+
     try:
-        for r in range(args.rounds):
-            for label in (list(variants) if r % 2 == 0 else list(reversed(variants))):
-                for name, value in {**base, **variants[label]}.items():
-                    tuning.set_value(lib, name, value)
-                first, total = run(args.tokens)
-                tok_s[label].append(args.batch * (args.tokens - 1) / (total - first))
-            print(f"round {r + 1}: " + "  ".join(f"{k} {v[-1]:.1f}" for k, v in tok_s.items()), flush=True)
+        tok_s = compare_variants(lib, variants, args.rounds, measure, report)
     finally:
-        for name, value in base.items():
-            tuning.set_value(lib, name, value)
         llm.executor.close()
-    ref = next(iter(variants))
-    print(f"\nmedians over {args.rounds} rounds; paired = variant / {ref} in the same round")
-    for label, values in tok_s.items():
-        ratios = [a / b for a, b in zip(values, tok_s[ref])]
-        print(f"{label:12s} {statistics.median(values):8.1f} tok/s   paired x{statistics.median(ratios):.3f} "
-              f"({min(ratios):.2f}-{max(ratios):.2f}), faster in {sum(x > 1 for x in ratios)}/{len(ratios)} rounds")
+    print_paired(tok_s, "tok/s")
 
 
 if __name__ == "__main__":

@@ -720,23 +720,30 @@ inline void for_tiles(int64_t M, int64_t groups, int64_t MC, int nthreads, F&& f
   }
 }
 
+// Items 0..count-1 in contiguous runs, one per thread of an OpenMP team of up to nthreads: f(first, end).
+template <class F>
+inline void for_thread_runs(int64_t count, int nthreads, F&& f) {
+  const int nt = int(std::max<int64_t>(1, std::min<int64_t>(nthreads, count)));
+#pragma omp parallel num_threads(nt)
+  {
+    const int t = omp_get_thread_num(), n = omp_get_num_threads();
+    f(count * t / n, count * (t + 1) / n);
+  }
+}
+
 // One-row decode: panels 0..panels-1 (pbytes bytes each from base) in contiguous runs, one per thread, so that each
 // thread streams one sequential run of memory; each thread first asks for the first tuning().row_burst bytes of its
 // run at once (else a short GEMV's stream starts from the few lines its prefetch distance covers). f(panel).
 template <class F>
 inline void for_panel_runs(int64_t panels, int nthreads, const void* base, int64_t pbytes, F&& f) {
-  const int nt = int(std::max<int64_t>(1, std::min<int64_t>(nthreads, panels)));
   const int64_t burst = tuning().row_burst;
   const bool nta = tuning().row_nta;
-#pragma omp parallel num_threads(nt)
-  {
-    const int t = omp_get_thread_num(), n = omp_get_num_threads();
-    const int64_t p0 = panels * t / n, p1 = panels * (t + 1) / n;
+  for_thread_runs(panels, nthreads, [&](int64_t p0, int64_t p1) {
     const char* run = static_cast<const char*>(base) + p0 * pbytes;
     const int64_t len = std::min<int64_t>(burst, (p1 - p0) * pbytes);
     for (int64_t o = 0; o < len; o += 64) prefetch_once(run + o, nta);
     for (int64_t p = p0; p < p1; ++p) f(p);
-  }
+  });
 }
 
 // One-row decode over tiles of interleaved panels: tiles 0..tiles-1 in contiguous runs, one per thread, so that
@@ -745,13 +752,9 @@ inline void for_panel_runs(int64_t panels, int nthreads, const void* base, int64
 // f(tile, next tile or -1).
 template <class F>
 inline void for_tile_runs(int64_t tiles, int nthreads, F&& f) {
-  const int nt = int(std::max<int64_t>(1, std::min<int64_t>(nthreads, tiles)));
-#pragma omp parallel num_threads(nt)
-  {
-    const int t = omp_get_thread_num(), n = omp_get_num_threads();
-    const int64_t g0 = tiles * t / n, g1 = tiles * (t + 1) / n;
+  for_thread_runs(tiles, nthreads, [&](int64_t g0, int64_t g1) {
     for (int64_t g = g0; g < g1; ++g) f(g, g + 1 < g1 ? g + 1 : -1);
-  }
+  });
 }
 
 // Software prefetch distance for the GEMMs of a batched decode step (up to SMALL_M rows: one row block, each
